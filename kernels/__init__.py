@@ -1,0 +1,1 @@
+"""Scan, conv and norm ops."""

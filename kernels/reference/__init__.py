@@ -1,0 +1,1 @@
+"""Pure-PyTorch reference ops: the CPU path of training and the tests' oracle."""

@@ -1,0 +1,1 @@
+"""Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""

@@ -1,0 +1,1 @@
+"""Pipeline-parallel stages for DeepSpeed."""

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for megamamba: a virtual environment in .venv with torch,
+# DeepSpeed, Triton and megamamba installed (editable) with its test extras.
+#
+# On a CPU-only machine torch 2.13.0 (CPU build) is installed; a machine that already has a
+# CUDA torch should create the venv with --system-site-packages (MEGAMAMBA_SYSTEM_SITE=1)
+# so that torch is kept. DeepSpeed's source build imports torch, hence --no-build-isolation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  if [ "${MEGAMAMBA_SYSTEM_SITE:-0}" = 1 ]; then
+    "$PYTHON" -m venv --system-site-packages .venv
+  else
+    "$PYTHON" -m venv .venv
+  fi
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip setuptools wheel
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -m pip install -q ninja
+python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+python -m pip install -q --no-build-isolation -e ".[dev]"
+python -c "import torch, triton, deepspeed, megamamba; print('megamamba ready: torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep -v 'Setting accelerator'

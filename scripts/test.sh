@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Run the test suite in the project's venv. Arguments go to pytest, e.g. `-m fast`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec .venv/bin/python -m pytest "$@"

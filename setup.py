@@ -1,0 +1,42 @@
+"""megamamba: pretraining Mamba-1 / Mamba-2 language models with 3D parallelism.
+
+The repository keeps the design card's top-level folders (`kernels/`, `pipelines/`) but
+installs them as `megamamba.kernels` and `megamamba.pipelines`, so nothing shadows the
+unrelated PyPI package `kernels` that Hugging Face transformers probes for.
+"""
+from setuptools import find_packages, setup
+
+
+def _tree(root: str, name: str) -> dict[str, str]:
+    """Map the import name `name` and its subpackages onto the folder `root`."""
+    subs = {f"{name}.{p}": f"{root}/{p.replace('.', '/')}" for p in find_packages(root)}
+    return {name: root, **subs}
+
+
+PACKAGE_DIRS = {
+    **_tree("megamamba", "megamamba"),
+    **_tree("kernels", "megamamba.kernels"),
+    **_tree("pipelines", "megamamba.pipelines"),
+}
+
+setup(
+    name="megamamba",
+    version="0.1.0.dev0",
+    description="Pretrain Mamba-1 and Mamba-2 language models with tensor, pipeline and ZeRO data parallelism",
+    python_requires=">=3.11",
+    packages=list(PACKAGE_DIRS),
+    package_dir=PACKAGE_DIRS,
+    install_requires=[
+        # Lower bounds are what the lent GPU machine has (torch 2.11, triton 3.6); an
+        # installed torch that satisfies them is kept, so a GPU user keeps their CUDA build.
+        "torch>=2.11",
+        "triton>=3.6",
+        "deepspeed>=0.19,<0.20",
+        "einops>=0.8",
+        "sentencepiece>=0.2",
+        "tensorboard>=2.17",
+        "safetensors>=0.4",
+        "numpy>=1.26",
+    ],
+    extras_require={"dev": ["pytest>=8", "ninja"]},
+)
