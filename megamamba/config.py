@@ -1,0 +1,274 @@
+"""Model configuration in mamba_ssm's config.json form.
+
+`MambaConfig` has exactly the fields and defaults of mamba_ssm's `MambaConfig`, so a
+config.json written by mamba_ssm (or next to a state-spaces checkpoint) loads unchanged.
+`ssm_cfg["layer"]` picks the mixer ("Mamba1", the default, or "Mamba2"); the other
+`ssm_cfg` keys are the mixer's own constructor options, with mamba_ssm's names and
+defaults (`Mamba1Options`, `Mamba2Options`).
+
+Accepted but without effect on the math: `fused_add_norm`, `use_fast_path` (Mamba1) and
+`use_mem_eff_path` (Mamba2) only select fused kernels in mamba_ssm; the model computes the
+same function either way. Options we do not implement (attention layers, MLP blocks,
+Mamba3, a partial SSM width `d_ssm`, ...) are refused by name, never silently ignored.
+"""
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+MIXER_LAYERS = ("Mamba1", "Mamba2")
+
+
+@dataclass(frozen=True)
+class Mamba1Options:
+    """mamba_ssm's `Mamba` (mamba_simple.py) constructor options and defaults."""
+
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: Union[int, str] = "auto"
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init: str = "random"
+    dt_scale: float = 1.0
+    dt_init_floor: float = 1e-4
+    conv_bias: bool = True
+    bias: bool = False
+    use_fast_path: bool = True
+
+
+@dataclass(frozen=True)
+class Mamba2Options:
+    """mamba_ssm's `Mamba2` (mamba2.py) constructor options and defaults."""
+
+    d_state: int = 128
+    d_conv: int = 4
+    conv_init: Optional[float] = None
+    expand: int = 2
+    headdim: int = 64
+    d_ssm: Optional[int] = None
+    ngroups: int = 1
+    A_init_range: tuple = (1, 16)
+    D_has_hdim: bool = False
+    rmsnorm: bool = True
+    norm_before_gate: bool = False
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple = (0.0, float("inf"))
+    bias: bool = False
+    conv_bias: bool = True
+    chunk_size: int = 256
+    use_mem_eff_path: bool = True
+
+
+MixerOptions = Union[Mamba1Options, Mamba2Options]
+
+
+class ConfigError(ValueError):
+    """A config field has a value the model cannot build; the message names the field."""
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: must be a positive integer")
+
+
+def _boolean(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r}: must be true or false")
+
+
+def _positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name}={value!r}: must be a positive number")
+
+
+def _pair(name: str, value: Any) -> None:
+    numbers = isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    )
+    if not numbers or len(value) != 2:
+        raise ConfigError(f"{name}={value!r}: must be a pair of numbers [low, high]")
+
+
+@dataclass
+class MambaConfig:
+    """A Mamba language model: mamba_ssm's config fields, names and defaults."""
+
+    d_model: int = 2560
+    d_intermediate: int = 0
+    n_layer: int = 64
+    vocab_size: int = 50277
+    ssm_cfg: dict = field(default_factory=dict)
+    attn_layer_idx: list = field(default_factory=list)
+    attn_cfg: dict = field(default_factory=dict)
+    rms_norm: bool = True
+    residual_in_fp32: bool = True
+    fused_add_norm: bool = True
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        # Own copies in JSON's shapes (tuples as lists), so a config equals its config.json reload.
+        if isinstance(self.ssm_cfg, dict):
+            self.ssm_cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in self.ssm_cfg.items()}
+        if isinstance(self.attn_layer_idx, tuple):
+            self.attn_layer_idx = list(self.attn_layer_idx)
+        self.validate()
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def layer(self) -> str:
+        """The mixer: "Mamba1" or "Mamba2"."""
+        return self.ssm_cfg.get("layer", "Mamba1")
+
+    @property
+    def mixer_options(self) -> MixerOptions:
+        """The mixer's options with mamba_ssm's defaults filled in."""
+        opts = {k: v for k, v in self.ssm_cfg.items() if k != "layer"}
+        cls = Mamba2Options if self.layer == "Mamba2" else Mamba1Options
+        for key in ("A_init_range", "dt_limit"):
+            if key in opts:
+                opts[key] = tuple(float(v) for v in opts[key])
+        return cls(**opts)
+
+    @property
+    def d_inner(self) -> int:
+        """Width of the mixer's inner (expanded) stream: expand * d_model."""
+        return int(self.mixer_options.expand * self.d_model)
+
+    @property
+    def nheads(self) -> int:
+        """Mamba-2 SSM heads: d_inner / headdim."""
+        opts = self.mixer_options
+        if not isinstance(opts, Mamba2Options):
+            raise AttributeError(f"nheads is a Mamba2 size; this config's layer is {self.layer!r}")
+        return self.d_inner // opts.headdim
+
+    @property
+    def dt_rank(self) -> int:
+        """Mamba-1 rank of the dt projection, "auto" resolved to ceil(d_model / 16)."""
+        opts = self.mixer_options
+        if not isinstance(opts, Mamba1Options):
+            raise AttributeError(f"dt_rank is a Mamba1 size; this config's layer is {self.layer!r}")
+        return math.ceil(self.d_model / 16) if opts.dt_rank == "auto" else opts.dt_rank
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of pad_vocab_size_multiple, as mamba_ssm does."""
+        m = self.pad_vocab_size_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    # ---- validation ----------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field whose value the model cannot build."""
+        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
+            _positive_int(name, getattr(self, name))
+        for name in ("rms_norm", "residual_in_fp32", "fused_add_norm", "tie_embeddings"):
+            _boolean(name, getattr(self, name))
+        if self.d_intermediate != 0:
+            raise ConfigError(f"d_intermediate={self.d_intermediate!r}: MLP blocks are not implemented (use 0)")
+        if self.attn_layer_idx:
+            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: attention layers are not implemented (use [])")
+        if self.attn_cfg:
+            raise ConfigError(f"attn_cfg={self.attn_cfg!r}: attention layers are not implemented (use {{}})")
+        if not isinstance(self.ssm_cfg, dict):
+            raise ConfigError(f"ssm_cfg={self.ssm_cfg!r}: must be a dict of mixer options")
+        if self.layer not in MIXER_LAYERS:
+            what = "is not implemented" if self.layer == "Mamba3" else "is unknown"
+            raise ConfigError(f"ssm_cfg.layer={self.layer!r} {what}; choose one of {MIXER_LAYERS}")
+        cls = Mamba2Options if self.layer == "Mamba2" else Mamba1Options
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in self.ssm_cfg:
+            if key != "layer" and key not in known:
+                raise ConfigError(
+                    f"ssm_cfg.{key}={self.ssm_cfg[key]!r} is not an option of {self.layer}; "
+                    f"known: {sorted(known)}"
+                )
+        for key in ("A_init_range", "dt_limit"):
+            if key in self.ssm_cfg:
+                _pair(f"ssm_cfg.{key}", self.ssm_cfg[key])
+        opts = self.mixer_options
+        self._validate_common(opts)
+        if isinstance(opts, Mamba1Options):
+            self._validate_mamba1(opts)
+        else:
+            self._validate_mamba2(opts)
+
+    def _validate_common(self, o: MixerOptions) -> None:
+        _positive_int("ssm_cfg.d_state", o.d_state)
+        _positive_int("ssm_cfg.d_conv", o.d_conv)
+        _positive_number("ssm_cfg.expand", o.expand)
+        d_inner = o.expand * self.d_model
+        if d_inner != int(d_inner):
+            raise ConfigError(f"ssm_cfg.expand={o.expand!r}: expand * d_model = {d_inner} is not an integer")
+        for name in ("conv_bias", "bias"):
+            _boolean(f"ssm_cfg.{name}", getattr(o, name))
+        _positive_number("ssm_cfg.dt_min", o.dt_min)
+        _positive_number("ssm_cfg.dt_max", o.dt_max)
+        if o.dt_min > o.dt_max:
+            raise ConfigError(f"ssm_cfg.dt_min={o.dt_min!r} exceeds ssm_cfg.dt_max={o.dt_max!r}")
+        if isinstance(o.dt_init_floor, bool) or not isinstance(o.dt_init_floor, (int, float)) or o.dt_init_floor < 0:
+            raise ConfigError(f"ssm_cfg.dt_init_floor={o.dt_init_floor!r}: must be a number >= 0")
+
+    def _validate_mamba1(self, o: Mamba1Options) -> None:
+        if o.dt_rank != "auto":
+            _positive_int("ssm_cfg.dt_rank", o.dt_rank)
+        if o.dt_init not in ("random", "constant"):
+            raise ConfigError(f"ssm_cfg.dt_init={o.dt_init!r}: only 'random' and 'constant' are implemented")
+        _positive_number("ssm_cfg.dt_scale", o.dt_scale)
+        _boolean("ssm_cfg.use_fast_path", o.use_fast_path)
+
+    def _validate_mamba2(self, o: Mamba2Options) -> None:
+        d_inner = self.d_inner
+        if o.d_ssm is not None and o.d_ssm != d_inner:
+            raise ConfigError(
+                f"ssm_cfg.d_ssm={o.d_ssm!r}: an SSM narrower than d_inner={d_inner} (gated-MLP remainder) "
+                "is not implemented (use null)"
+            )
+        _positive_int("ssm_cfg.headdim", o.headdim)
+        if d_inner % o.headdim:
+            raise ConfigError(
+                f"ssm_cfg.headdim={o.headdim}: d_inner = expand * d_model = {d_inner} is not divisible by it"
+            )
+        _positive_int("ssm_cfg.ngroups", o.ngroups)
+        nheads = d_inner // o.headdim
+        if nheads % o.ngroups:
+            raise ConfigError(f"ssm_cfg.ngroups={o.ngroups}: nheads = d_inner / headdim = {nheads} is not divisible by it")
+        lo, hi = o.A_init_range
+        if not 0 < lo <= hi:
+            raise ConfigError(f"ssm_cfg.A_init_range={list(o.A_init_range)!r}: need 0 < low <= high")
+        lo, hi = o.dt_limit
+        if not 0 <= lo < hi:
+            raise ConfigError(f"ssm_cfg.dt_limit={list(o.dt_limit)!r}: need 0 <= low < high")
+        if o.conv_init is not None:
+            _positive_number("ssm_cfg.conv_init", o.conv_init)
+        _positive_int("ssm_cfg.chunk_size", o.chunk_size)
+        for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "use_mem_eff_path"):
+            _boolean(f"ssm_cfg.{name}", getattr(o, name))
+
+    # ---- config.json ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The config.json content: every field under mamba_ssm's name."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MambaConfig":
+        """Build from a config.json dict; missing fields take mamba_ssm's defaults."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def from_json(cls, path) -> "MambaConfig":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
