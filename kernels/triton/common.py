@@ -1,0 +1,39 @@
+"""Helpers shared by the Triton ops: output allocation, document counters, launch sizes."""
+import torch
+import torch.nn.functional as F
+import triton
+
+
+def empty(shape, *, device, dtype) -> torch.Tensor:
+    """Allocate a buffer every element of which a kernel must write.
+
+    All such buffers go through here, so a test can replace this function with one that
+    fills them with NaN and catch any element a kernel forgot to write.
+    """
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def document_counters(seq_idx, batch: int, seqlen: int):
+    """int32 (batch, seqlen) counters that grow by one wherever seq_idx changes, or None.
+
+    Kernels compare counters for equality; counting changes (instead of comparing raw ids)
+    keeps a reused id (documents A, B, A) from joining two separate documents.
+    """
+    if seq_idx is None:
+        return None
+    if tuple(seq_idx.shape) != (batch, seqlen):
+        raise ValueError(f"seq_idx must have shape (batch, seqlen) = {(batch, seqlen)}, got {tuple(seq_idx.shape)}")
+    if seq_idx.is_floating_point() or seq_idx.is_complex():
+        raise ValueError(f"seq_idx must hold integer document ids, got dtype {seq_idx.dtype}")
+    changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
+    return F.pad(changes.cumsum(1, dtype=torch.int32), (1, 0)).contiguous()
+
+
+def block(n: int, lo: int = 16, hi: int = 1 << 30) -> int:
+    """Power-of-two block covering n, clamped to [lo, hi] (tl.dot needs sides >= 16)."""
+    return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact IEEE products for float32 inputs (no TF32 rounding)."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,100 @@
+"""Triton causal_conv1d and rmsnorm_gated (under TRITON_INTERPRET=1 on the CPU) against the
+float64 per-timestep oracle: forward and every gradient within 1e-4 relative in float32."""
+import pytest
+import torch
+
+import naive_ops
+from megamamba.kernels.triton import causal_conv1d, common, rmsnorm_gated
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every kernel-written buffer starts as NaN, so an unwritten element fails the check."""
+    monkeypatch.setattr(common, "empty", lambda shape, *, device, dtype: torch.full(
+        shape, float("nan"), device=device, dtype=dtype))
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def check_against_oracle(fn, oracle, tensors, seed, **kwargs):
+    """fn(float32 tensors) vs oracle(float64 tensors): output and grads of every float tensor."""
+    ins32 = {k: (v.detach().float().clone().requires_grad_() if v.is_floating_point() else v) for k, v in tensors.items()}
+    ins64 = {k: (v.detach().double().clone().requires_grad_() if v.is_floating_point() else v) for k, v in tensors.items()}
+    out = fn(**ins32, **kwargs)
+    ref = oracle(**ins64, **kwargs)
+    assert torch.isfinite(out).all(), f"seed {seed}: non-finite output"
+    assert rel_err(out, ref) <= TOL, f"seed {seed}: output rel err {rel_err(out, ref):.2e}"
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    out.backward(dout.float())
+    ref.backward(dout)
+    for name, v in ins32.items():
+        if v.is_floating_point():
+            assert torch.isfinite(v.grad).all(), f"seed {seed}: non-finite grad of {name}"
+            err = rel_err(v.grad, ins64[name].grad)
+            assert err <= TOL, f"seed {seed}: grad of {name} rel err {err:.2e}"
+
+
+def documents(batch, seqlen, gen):
+    """seq_idx with several documents per row, one id reused after another document."""
+    cuts = torch.sort(torch.randint(1, seqlen, (batch, 3), generator=gen), dim=1).values
+    pos = torch.arange(seqlen)
+    seq = (pos[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.int32)
+    return torch.where(seq == 2, torch.zeros_like(seq), seq)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("with_seq_idx", [False, True])
+def test_causal_conv1d_matches_oracle(width, activation, with_seq_idx):
+    seed = 100 * width + 10 * (activation is not None) + with_seq_idx
+    gen = torch.Generator().manual_seed(seed)
+    batch, dim, seqlen = 2, 19, 77  # dim, seqlen not multiples of the blocks (16, 64)
+    tensors = dict(x=torch.randn(batch, dim, seqlen, generator=gen),
+                   weight=torch.randn(dim, width, generator=gen),
+                   bias=torch.randn(dim, generator=gen))
+    if with_seq_idx:
+        tensors["seq_idx"] = documents(batch, seqlen, gen)
+    check_against_oracle(causal_conv1d, naive_ops.causal_conv1d, tensors, seed, activation=activation)
+
+
+def test_causal_conv1d_without_bias_matches_oracle():
+    seed = 7
+    gen = torch.Generator().manual_seed(seed)
+    tensors = dict(x=torch.randn(1, 5, 70, generator=gen), weight=torch.randn(5, 4, generator=gen))
+    check_against_oracle(causal_conv1d, naive_ops.causal_conv1d, tensors, seed, activation="swish")
+
+
+def test_causal_conv1d_reads_strided_input():
+    """A (batch, seqlen, dim) tensor transposed to (batch, dim, seqlen) is read through its strides."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 70, 6, generator=gen).transpose(1, 2)
+    weight = torch.randn(6, 3, generator=gen)
+    out = causal_conv1d(x, weight)
+    ref = naive_ops.causal_conv1d(x.double(), weight.double())
+    assert rel_err(out, ref) <= TOL, "seed 3"
+
+
+@pytest.mark.parametrize("gate", ["none", "before_norm", "after_norm"])
+@pytest.mark.parametrize("group_size", [None, 12])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rmsnorm_gated_matches_oracle(gate, group_size, with_bias):
+    seed = 1000 + 10 * ["none", "before_norm", "after_norm"].index(gate) + 2 * (group_size is None) + with_bias
+    gen = torch.Generator().manual_seed(seed)
+    shape = (3, 7, 36)  # 21 rows: not a multiple of the 16-row block; 12-wide groups pad to 16
+    tensors = dict(x=torch.randn(shape, generator=gen), weight=1 + 0.1 * torch.randn(36, generator=gen))
+    if with_bias:
+        tensors["bias"] = torch.randn(36, generator=gen)
+    if gate != "none":
+        tensors["z"] = torch.randn(shape, generator=gen)
+    check_against_oracle(rmsnorm_gated, naive_ops.rmsnorm_gated, tensors, seed, group_size=group_size,
+                         norm_before_gate=gate != "after_norm", eps=1e-5)
+
+
+def test_rmsnorm_gated_rejects_group_size_not_dividing_dim():
+    with pytest.raises(ValueError, match="group_size"):
+        rmsnorm_gated(torch.randn(2, 10), torch.ones(10), group_size=4)
