@@ -1,1 +1,18 @@
-"""Scan, conv and norm ops."""
+"""Scan, conv and norm ops: Triton on CUDA, the PyTorch reference elsewhere (see dispatch)."""
+from .dispatch import (
+    causal_conv1d,
+    causal_conv1d_update,
+    rmsnorm_gated,
+    selective_scan,
+    selective_state_update,
+    ssd_chunk_scan,
+)
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "rmsnorm_gated",
+    "selective_scan",
+    "selective_state_update",
+    "ssd_chunk_scan",
+]

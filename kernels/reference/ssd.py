@@ -1,0 +1,140 @@
+"""Mamba-2 SSD scan in PyTorch: the chunked semi-separable algorithm.
+
+The sequence is cut into chunks of `chunk_size`. Inside a chunk the output is a masked
+matrix product (C_i . B_j) * exp(cs_i - cs_j) * dt_j x_j, where cs is the within-chunk
+cumulative sum of dt*A; each chunk also produces the state it ends in when started from
+zero. A short loop over chunks passes states forward, and every position adds the
+contribution of the state entering its chunk, C_i . S * exp(cs_i). Only differences of
+cumulative sums and sums that start at the chunk's first position are exponentiated, and
+they are masked before exp, so no step divides by a decay that may underflow.
+
+Document boundaries (seq_idx) mask the decay between positions of different documents
+inside a chunk; a state entering a chunk reaches only positions of the document the
+previous chunk ended in, and is dropped at the chunk end if a new document began inside.
+"""
+import torch
+import torch.nn.functional as F
+
+from .common import check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time, silu
+
+
+def process_dt(dt, dt_bias, dt_softplus, dt_limit):
+    """dt -> dt + dt_bias -> softplus (if asked) -> clamp to dt_limit, as mamba_ssm.
+
+    The clamp is always applied, as in mamba_ssm: the default (0, inf) zeroes negative dt.
+    """
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if dt_softplus:
+        dt = F.softplus(dt)
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states):
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
+    batch, seqlen, nheads, headdim = x.shape
+    if B.dim() != 4:
+        raise ValueError(f"B must have shape (batch, seqlen, ngroups, dstate), got {tuple(B.shape)}")
+    ngroups, dstate = B.shape[2], B.shape[3]
+    check_shape("dt", dt, (batch, seqlen, nheads), "(batch, seqlen, nheads)")
+    check_shape("A", A, (nheads,), "(nheads,)")
+    check_shape("B", B, (batch, seqlen, ngroups, dstate), "(batch, seqlen, ngroups, dstate)")
+    check_shape("C", C, (batch, seqlen, ngroups, dstate), "(batch, seqlen, ngroups, dstate) like B")
+    if nheads % ngroups != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if D is not None and tuple(D.shape) not in ((nheads,), (nheads, headdim)):
+        raise ValueError(f"D must have shape (nheads,) = {(nheads,)} or (nheads, headdim) = "
+                         f"{(nheads, headdim)}, got {tuple(D.shape)}")
+    if z is not None:
+        check_shape("z", z, x.shape, "(batch, seqlen, nheads, headdim) like x")
+    if dt_bias is not None:
+        check_shape("dt_bias", dt_bias, (nheads,), "(nheads,)")
+    if initial_states is not None:
+        check_shape("initial_states", initial_states, (batch, nheads, headdim, dstate),
+                    "(batch, nheads, headdim, dstate)")
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
+        check_real(name, t)
+
+
+def _exp_masked(logits, keep):
+    """exp(logits) where keep, exactly 0 elsewhere (masked before exp: no inf, no NaN gradient)."""
+    return torch.exp(logits.masked_fill(~keep, float("-inf")))
+
+
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                   seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                   return_final_states=False):
+    """Mamba-2 scan (as mamba_ssm's mamba_chunk_scan_combined); see megamamba.kernels."""
+    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states)
+    out_dtype, ct = x.dtype, compute_dtype(x)
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    per_group = nheads // ngroups
+    doc = document_ids(seq_idx, batch, seqlen)
+
+    dt = process_dt(dt.to(ct), None if dt_bias is None else dt_bias.to(ct), dt_softplus, dt_limit)
+    pad = (-seqlen) % chunk_size
+    nchunks = (seqlen + pad) // chunk_size
+    q = chunk_size
+    # Padded steps have dt = 0: no decay and no input, so they leave the state unchanged.
+    xc = pad_time(x.to(ct), 1, pad).reshape(batch, nchunks, q, ngroups, per_group, headdim)
+    dtc = pad_time(dt, 1, pad).reshape(batch, nchunks, q, ngroups, per_group)
+    Bc = pad_time(B.to(ct), 1, pad).reshape(batch, nchunks, q, ngroups, dstate)
+    Cc = pad_time(C.to(ct), 1, pad).reshape(batch, nchunks, q, ngroups, dstate)
+    Ag = A.to(ct).reshape(ngroups, per_group)
+
+    cs = torch.cumsum(dtc * Ag, dim=2)                           # (b, c, q, g, r)
+    cs = cs.permute(0, 1, 3, 4, 2)                               # (b, c, g, r, q)
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    if doc is None:
+        same_doc = causal.expand(batch, nchunks, q, q)
+        reaches_end = torch.ones(batch, nchunks, q, dtype=torch.bool, device=x.device)
+        entering = reaches_end
+    else:
+        docc = pad_documents(doc, pad).reshape(batch, nchunks, q)
+        same_doc = causal & (docc[:, :, :, None] == docc[:, :, None, :])
+        reaches_end = docc == docc[:, :, -1:]
+        prev_doc = torch.cat([docc[:, :1, 0], docc[:, :-1, -1]], dim=1)       # (b, c)
+        entering = docc == prev_doc[:, :, None]
+
+    # Intra-chunk (diagonal blocks): y_i = sum_j (C_i . B_j) exp(cs_i - cs_j) dt_j x_j.
+    decay = _exp_masked(cs[..., :, None] - cs[..., None, :], same_doc[:, :, None, None])
+    CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)
+    xdt = xc * dtc[..., None]
+    y = torch.einsum("bcgrij,bcjgrp->bcigrp", CB[:, :, :, None] * decay, xdt)
+
+    # Each chunk's end state started from zero.
+    to_end = _exp_masked(cs[..., -1:] - cs, reaches_end[:, :, None, None])     # (b, c, g, r, q)
+    chunk_states = torch.einsum("bcgrj,bcjgrp,bcjgn->bcgrpn", to_end, xdt, Bc)
+
+    # Pass states between chunks; states[c] enters chunk c and reaches the positions marked
+    # by `entering` (the chunk's last position among them exactly when no document starts
+    # inside the chunk, so that is also when it survives the chunk).
+    from_start = _exp_masked(cs, entering[:, :, None, None])                   # (b, c, g, r, q)
+    if initial_states is None:
+        state = xc.new_zeros(batch, ngroups, per_group, headdim, dstate)
+    else:
+        state = initial_states.to(ct).reshape(batch, ngroups, per_group, headdim, dstate)
+    chunk_decay = from_start[..., -1]                                          # (b, c, g, r)
+    states = []
+    for c in range(nchunks):
+        states.append(state)
+        state = state * chunk_decay[:, c, :, :, None, None] + chunk_states[:, c]
+    states = torch.stack(states, dim=1)                                        # (b, c, g, r, p, n)
+
+    # Off-diagonal blocks: the entering state read out at each position.
+    y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, states, from_start)
+
+    y = y.reshape(batch, nchunks * q, nheads, headdim)[:, :seqlen]
+    if D is not None:
+        Dc = D.to(ct)
+        y = y + x.to(ct) * (Dc[:, None] if Dc.dim() == 1 else Dc)
+    if z is not None:
+        y = y * silu(z.to(ct))
+    y = y.to(out_dtype)
+    if return_final_states:
+        return y, state.reshape(batch, nheads, headdim, dstate)
+    return y
