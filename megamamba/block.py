@@ -1,0 +1,61 @@
+"""The pre-norm residual block around a mixer, as mamba_ssm's `Block`.
+
+mamba_ssm writes the block as Add -> Norm -> Mixer: it takes the running residual and the
+previous block's mixer output, adds them, normalises, and returns the new mixer output with
+the updated residual. The model is the usual x + mixer(norm(x)); this order only lets a fused
+kernel do the add and the norm together. Keys: `norm.weight` (+ `norm.bias` for LayerNorm),
+`mixer.*`.
+"""
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megamamba.config import Mamba1Options, MambaConfig
+from megamamba.mamba1 import Mamba1
+from megamamba.mamba2 import Mamba2
+from megamamba.norm import RMSNorm
+
+NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
+
+
+def make_norm(config: MambaConfig, device=None, dtype=None) -> nn.Module:
+    """RMSNorm, or LayerNorm (with bias) when rms_norm is false."""
+    if config.rms_norm:
+        return RMSNorm(config.d_model, eps=NORM_EPS, device=device, dtype=dtype)
+    return nn.LayerNorm(config.d_model, eps=NORM_EPS, device=device, dtype=dtype)
+
+
+def make_mixer(config: MambaConfig, device=None, dtype=None) -> nn.Module:
+    """The mixer that config.ssm_cfg["layer"] names, built with its options."""
+    options = config.mixer_options
+    cls = Mamba1 if isinstance(options, Mamba1Options) else Mamba2
+    return cls(config.d_model, options, device=device, dtype=dtype)
+
+
+class Block(nn.Module):
+    """residual += hidden; hidden = mixer(norm(residual)). Residual in float32 when residual_in_fp32."""
+
+    def __init__(self, config: MambaConfig, device=None, dtype=None):
+        super().__init__()
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.norm = make_norm(config, device=device, dtype=dtype)
+        self.mixer = make_mixer(config, device=device, dtype=dtype)
+
+    def _add_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
+        residual = hidden_states if residual is None else hidden_states + residual
+        normed = self.norm(residual.to(dtype=self.norm.weight.dtype))
+        if self.residual_in_fp32:
+            residual = residual.to(torch.float32)
+        return normed, residual
+
+    def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                seq_idx: Optional[torch.Tensor] = None, inference_state: Optional[tuple] = None):
+        """(hidden_states, residual) of the previous block (residual None for the first) -> the pair for the next."""
+        normed, residual = self._add_norm(hidden_states, residual)
+        return self.mixer(normed, seq_idx=seq_idx, inference_state=inference_state), residual
+
+    def step(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor], inference_state: tuple):
+        """One token, (batch, d_model) tensors: as forward, through the mixer's recurrent step."""
+        normed, residual = self._add_norm(hidden_states, residual)
+        return self.mixer.step(normed, inference_state), residual
