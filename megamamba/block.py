@@ -34,7 +34,7 @@ def make_mixer(config: MambaConfig, device=None, dtype=None) -> nn.Module:
 
 
 class Block(nn.Module):
-    """residual += hidden; hidden = mixer(norm(residual)). Residual in float32 when residual_in_fp32."""
+    """residual += hidden; hidden = mixer(norm(residual)). Residual in float32 (or wider) when residual_in_fp32."""
 
     def __init__(self, config: MambaConfig, device=None, dtype=None):
         super().__init__()
@@ -45,8 +45,8 @@ class Block(nn.Module):
     def _add_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
         residual = hidden_states if residual is None else hidden_states + residual
         normed = self.norm(residual.to(dtype=self.norm.weight.dtype))
-        if self.residual_in_fp32:
-            residual = residual.to(torch.float32)
+        if self.residual_in_fp32:  # float32 at least: a float64 model keeps float64
+            residual = residual.to(torch.promote_types(residual.dtype, torch.float32))
         return normed, residual
 
     def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None,
