@@ -3,8 +3,8 @@
 Each channel d and state n decays by exp(delta_t A[d, n]), so unlike SSD the decay matrix
 depends on n and cannot be shared. Within a chunk of CHUNK steps the states at every step
 are one batched matrix-vector product: h_t = sum_{s<=t} exp(cs_t - cs_s) delta_s B_s u_s,
-with cs the within-chunk cumulative sum of delta*A, masked (causal, same document) before
-exp. A loop over chunks carries the state: the state entering a chunk adds exp(cs_t) times
+with cs the within-chunk cumulative sum of delta*A (cs_t - cs_s summed directly from its
+terms, see segment_sums), masked (causal, same document) before exp. A loop over chunks carries the state: the state entering a chunk adds exp(cs_t) times
 itself to positions of the document the previous chunk ended in. Nothing divides by a
 decay, so tiny decays underflow to exact zeros instead of producing inf or NaN.
 
@@ -14,7 +14,8 @@ chunk is kept small for that reason.
 import torch
 import torch.nn.functional as F
 
-from .common import check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time, silu
+from .common import (check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time,
+                     segment_sums, silu)
 
 CHUNK = 16
 
@@ -89,7 +90,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         dBu = du * B.to(ct)[None, :, :, None, None]
     else:
         dBu = du * _per_channel(pad_time(B.to(ct), 3, pad), dim).reshape(batch, dim, dstate, nchunks, q)
-    cs = torch.cumsum(delta_c * A.to(ct)[None, :, :, None, None], dim=-1)   # (b, d, n, c, q)
+    dA = delta_c * A.to(ct)[None, :, :, None, None]                          # (b, d, n, c, q)
+    cs = torch.cumsum(dA, dim=-1)
 
     causal = torch.ones(q, q, dtype=torch.bool, device=u.device).tril()
     if doc is None:
@@ -102,7 +104,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         entering = docc == prev_doc[..., None]
 
     # States at every step of each chunk, each chunk started from zero.
-    decay = torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~same_doc, float("-inf")))
+    decay = torch.exp(segment_sums(dA).masked_fill(~same_doc, float("-inf")))
     states = torch.matmul(decay, dBu.unsqueeze(-1)).squeeze(-1)              # (b, d, n, c, q)
 
     # Carry the state across chunks; entering[c] marks the positions it reaches (the chunk's

@@ -2,11 +2,12 @@
 
 The sequence is cut into chunks of `chunk_size`. Inside a chunk the output is a masked
 matrix product (C_i . B_j) * exp(cs_i - cs_j) * dt_j x_j, where cs is the within-chunk
-cumulative sum of dt*A; each chunk also produces the state it ends in when started from
-zero. A short loop over chunks passes states forward, and every position adds the
-contribution of the state entering its chunk, C_i . S * exp(cs_i). Only differences of
-cumulative sums and sums that start at the chunk's first position are exponentiated, and
-they are masked before exp, so no step divides by a decay that may underflow.
+cumulative sum of dt*A (each cs_i - cs_j summed directly from its terms, see
+segment_sums); each chunk also produces the state it ends in when started from zero. A
+short loop over chunks passes states forward, and every position adds the contribution of
+the state entering its chunk, C_i . S * exp(cs_i). Only sums of dt*A over stretches inside
+one chunk are exponentiated, masked before exp, so no step divides by a decay that may
+underflow.
 
 Document boundaries (seq_idx) mask the decay between positions of different documents
 inside a chunk; a state entering a chunk reaches only positions of the document the
@@ -15,7 +16,8 @@ previous chunk ended in, and is dropped at the chunk end if a new document began
 import torch
 import torch.nn.functional as F
 
-from .common import check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time, silu
+from .common import (check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time,
+                     segment_sums, silu)
 
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -86,8 +88,9 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     Cc = pad_time(C.to(ct), 1, pad).reshape(batch, nchunks, q, ngroups, dstate)
     Ag = A.to(ct).reshape(ngroups, per_group)
 
-    cs = torch.cumsum(dtc * Ag, dim=2)                           # (b, c, q, g, r)
-    cs = cs.permute(0, 1, 3, 4, 2)                               # (b, c, g, r, q)
+    dA = (dtc * Ag).permute(0, 1, 3, 4, 2)                       # (b, c, g, r, q)
+    cs = torch.cumsum(dA, dim=-1)
+    seg = segment_sums(dA)                                       # seg[i, j] = cs_i - cs_j
     causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
     if doc is None:
         same_doc = causal.expand(batch, nchunks, q, q)
@@ -101,13 +104,13 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
         entering = docc == prev_doc[:, :, None]
 
     # Intra-chunk (diagonal blocks): y_i = sum_j (C_i . B_j) exp(cs_i - cs_j) dt_j x_j.
-    decay = _exp_masked(cs[..., :, None] - cs[..., None, :], same_doc[:, :, None, None])
+    decay = _exp_masked(seg, same_doc[:, :, None, None])
     CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)
     xdt = xc * dtc[..., None]
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", CB[:, :, :, None] * decay, xdt)
 
     # Each chunk's end state started from zero.
-    to_end = _exp_masked(cs[..., -1:] - cs, reaches_end[:, :, None, None])     # (b, c, g, r, q)
+    to_end = _exp_masked(seg[..., -1, :], reaches_end[:, :, None, None])       # (b, c, g, r, q)
     chunk_states = torch.einsum("bcgrj,bcjgrp,bcjgn->bcgrpn", to_end, xdt, Bc)
 
     # Pass states between chunks; states[c] enters chunk c and reaches the positions marked
