@@ -1,8 +1,9 @@
 """Naive per-timestep versions of the kernel ops: the tests' float64 oracle.
 
 Each function has the public API's signature (megamamba.kernels) and computes the
-recurrence literally, one time step per Python iteration, in the dtype of its inputs
-(pass float64). They favour being obviously correct over being fast: use small shapes.
+recurrence literally, one time step per Python iteration (vectorised only over batch,
+channels and heads), in the dtype of its inputs (pass float64). They favour being obviously
+correct over being fast: use small shapes. The last part compares an op with them.
 
 Document boundaries (seq_idx): a position starts a new document when its id differs from
 the previous position's id; the state is zero before the first token of every document
@@ -12,9 +13,12 @@ import torch
 import torch.nn.functional as F
 
 
-def _starts_document(seq_idx, b, t):
-    """True when position t of batch row b begins a new document (never for t == 0)."""
-    return seq_idx is not None and t > 0 and bool(seq_idx[b, t] != seq_idx[b, t - 1])
+def _document_starts(seq_idx, batch, seqlen, device):
+    """(batch, seqlen) bool: True where a position begins a new document (never at t == 0)."""
+    starts = torch.zeros(batch, seqlen, dtype=torch.bool, device=device)
+    if seq_idx is not None:
+        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return starts
 
 
 def _silu(v):
@@ -30,35 +34,31 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         delta = delta + delta_bias[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
+    starts = _document_starts(seq_idx, batch, seqlen, u.device)
 
-    def per_channel(M, b, t):
-        """B or C at (batch b, time t) as (dim, dstate), whatever its layout."""
+    def per_channel(M, t):
+        """B or C at time t as (batch, dim, dstate), whatever its layout; channel d reads group
+        d // (dim / groups)."""
         if M.dim() == 2:
-            return M
+            return M.expand(batch, dim, dstate)
         if M.dim() == 3:
-            return M[b, :, t].expand(dim, dstate)
-        groups = M.shape[1]
-        return M[b, :, :, t].repeat_interleave(dim // groups, dim=0)
+            return M[:, None, :, t].expand(batch, dim, dstate)
+        return M[:, :, :, t].repeat_interleave(dim // M.shape[1], dim=1)
 
-    rows, last = [], []
-    for b in range(batch):
-        h = u.new_zeros(dim, dstate)
-        ys = []
-        for t in range(seqlen):
-            if _starts_document(seq_idx, b, t):
-                h = torch.zeros_like(h)
-            dt = delta[b, :, t][:, None]
-            h = torch.exp(dt * A) * h + dt * per_channel(B, b, t) * u[b, :, t][:, None]
-            y = (h * per_channel(C, b, t)).sum(-1)
-            if D is not None:
-                y = y + D * u[b, :, t]
-            if z is not None:
-                y = y * _silu(z[b, :, t])
-            ys.append(y)
-        rows.append(torch.stack(ys, dim=-1))
-        last.append(h)
-    out = torch.stack(rows)
-    return (out, torch.stack(last)) if return_last_state else out
+    h = u.new_zeros(batch, dim, dstate)
+    ys = []
+    for t in range(seqlen):
+        h = torch.where(starts[:, t, None, None], torch.zeros_like(h), h)
+        dt = delta[:, :, t, None]
+        h = torch.exp(dt * A) * h + dt * per_channel(B, t) * u[:, :, t, None]
+        y = (h * per_channel(C, t)).sum(-1)
+        if D is not None:
+            y = y + D * u[:, :, t]
+        if z is not None:
+            y = y * _silu(z[:, :, t])
+        ys.append(y)
+    out = torch.stack(ys, dim=-1)
+    return (out, h) if return_last_state else out
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -66,7 +66,8 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
                    return_final_states=False):
     """Mamba-2: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t (+ D x_t) (* silu z_t).
 
-    chunk_size is accepted for the signature and ignored: the recurrence has no chunks.
+    Head h reads group h // (nheads / ngroups). chunk_size is accepted for the signature and
+    ignored: the recurrence has no chunks.
     """
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
@@ -76,55 +77,44 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     if dt_softplus:
         dt = F.softplus(dt)
     dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    starts = _document_starts(seq_idx, batch, seqlen, x.device)
+    if D is not None and D.dim() == 1:
+        D = D[:, None]
 
-    rows, finals = [], []
-    for b in range(batch):
-        heads, head_finals = [], []
-        for hd in range(nheads):
-            g = hd // heads_per_group
-            if initial_states is None:
-                h = x.new_zeros(headdim, dstate)
-            else:
-                h = initial_states[b, hd]
-            ys = []
-            for t in range(seqlen):
-                if _starts_document(seq_idx, b, t):
-                    h = torch.zeros_like(h)
-                step = dt[b, t, hd]
-                h = torch.exp(step * A[hd]) * h + step * x[b, t, hd][:, None] * B[b, t, g][None, :]
-                y = h @ C[b, t, g]
-                if D is not None:
-                    y = y + D[hd] * x[b, t, hd]
-                if z is not None:
-                    y = y * _silu(z[b, t, hd])
-                ys.append(y)
-            heads.append(torch.stack(ys))
-            head_finals.append(h)
-        rows.append(torch.stack(heads, dim=1))
-        finals.append(torch.stack(head_finals))
-    out = torch.stack(rows)
-    return (out, torch.stack(finals)) if return_final_states else out
+    h = x.new_zeros(batch, nheads, headdim, dstate) if initial_states is None else initial_states
+    ys = []
+    for t in range(seqlen):
+        h = torch.where(starts[:, t, None, None, None], torch.zeros_like(h), h)
+        step = dt[:, t, :, None, None]                                       # (batch, nheads, 1, 1)
+        Bt = B[:, t].repeat_interleave(heads_per_group, dim=1)[:, :, None, :]  # (batch, nheads, 1, dstate)
+        Ct = C[:, t].repeat_interleave(heads_per_group, dim=1)[:, :, None, :]
+        h = torch.exp(step * A[:, None, None]) * h + step * x[:, t, :, :, None] * Bt
+        y = (h * Ct).sum(-1)
+        if D is not None:
+            y = y + D * x[:, t]
+        if z is not None:
+            y = y * _silu(z[:, t])
+        ys.append(y)
+    out = torch.stack(ys, dim=1)
+    return (out, h) if return_final_states else out
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):
     """out_t = sum_k weight[:, k] x_{t-(width-1)+k} over taps in the same document (+ bias) (silu)."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
-    rows = []
-    for b in range(batch):
-        cols = []
-        for t in range(seqlen):
-            acc = bias.clone() if bias is not None else x.new_zeros(dim)
-            for k in range(width):
-                s = t - (width - 1) + k
-                if s < 0:
-                    continue
-                if any(_starts_document(seq_idx, b, r) for r in range(s + 1, t + 1)):
-                    continue
-                acc = acc + weight[:, k] * x[b, :, s]
-            cols.append(acc)
-        rows.append(torch.stack(cols, dim=-1))
-    out = torch.stack(rows)
+    starts = _document_starts(seq_idx, batch, seqlen, x.device)
+    cols = []
+    for t in range(seqlen):
+        acc = x.new_zeros(batch, dim) if bias is None else bias.expand(batch, dim)
+        for k in range(width):
+            s = t - (width - 1) + k
+            if s < 0:
+                continue
+            same_document = ~starts[:, s + 1:t + 1].any(dim=1)               # (batch,)
+            acc = acc + torch.where(same_document[:, None], weight[:, k] * x[:, :, s], 0.0)
+        cols.append(acc)
+    out = torch.stack(cols, dim=-1)
     if activation in ("silu", "swish"):
         out = _silu(out)
     return out
