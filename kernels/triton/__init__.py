@@ -1,5 +1,6 @@
 """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1) behind the public kernel API."""
 from .conv import causal_conv1d
 from .norm import rmsnorm_gated
+from .ssd import ssd_chunk_scan
 
-__all__ = ["causal_conv1d", "rmsnorm_gated"]
+__all__ = ["causal_conv1d", "rmsnorm_gated", "ssd_chunk_scan"]
