@@ -1,0 +1,45 @@
+"""Tensor and sequence parallelism: layers, collectives, sharding metadata, communication counts.
+
+Nothing imported here touches DeepSpeed; the process groups live in
+`megamamba.parallel.groups` (the one module that may import DeepSpeed's topology classes).
+"""
+from megamamba.parallel.collectives import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tp_region,
+    start_sequence_gather,
+)
+from megamamba.parallel.comm_counter import CommRecord, CommTotals, comm_counter
+from megamamba.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megamamba.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from megamamba.parallel.linear import parallel_linear
+from megamamba.parallel.sharding import (
+    Component,
+    Shard,
+    assemble_full,
+    full_tensors,
+    gather_full,
+    load_full_tensors,
+    local_shard,
+    mark,
+    tp_padded_vocab_size,
+)
+from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel, divide
+
+__all__ = [
+    "SEQ_DIM", "ColumnParallelLinear", "CommRecord", "CommTotals", "Component", "RowParallelLinear", "Shard",
+    "TensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "assemble_full", "comm_counter",
+    "copy_to_tp_region", "divide", "full_tensors", "gather_from_sequence_region", "gather_from_tp_region",
+    "gather_full", "load_full_tensors", "local_shard", "mark", "parallel_linear", "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "scatter_to_tp_region",
+    "start_sequence_gather", "tp_padded_vocab_size", "vocab_parallel_cross_entropy",
+]

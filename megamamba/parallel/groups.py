@@ -1,0 +1,160 @@
+"""Data x tensor x pipeline process groups: the one module that owns them.
+
+Ranks are laid out by DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model; the
+model = tensor rank varies fastest, so a TP group is adjacent ranks, on one node when slots are
+filled in order). DeepSpeed's pipeline engine builds its `PipelineParallelGrid` from the same
+topology, so our layers and the engine agree on every rank's coordinates.
+
+Every rank creates every group with `torch.distributed.new_group`, in the same order (tensor,
+data, pipe; within an axis in the topology's order), as torch requires. Layers get the tensor
+group through `ParallelGroups.tensor_parallel()`; DeepSpeed's plain engine gets `mpu()`.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from megamamba.parallel.tensor_parallel import TensorParallel
+
+
+def data_parallel_size_for(
+    world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+    data_parallel_size: int | None = None,
+) -> int:
+    """The data-parallel size of a layout, refusing impossible ones with the numbers and the rule.
+
+    Given, `data_parallel_size` must make data x tensor x pipeline = world size; omitted, it is
+    world / (tensor x pipeline), which must divide evenly.
+    """
+    sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+    if data_parallel_size is not None:
+        sizes["data_parallel_size"] = data_parallel_size
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    model = tensor_parallel_size * pipeline_parallel_size
+    if data_parallel_size is None:
+        if world_size % model:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor ({tensor_parallel_size}) x pipeline "
+                f"({pipeline_parallel_size}) = {model}; data-parallel size = world / (tensor x pipeline)"
+            )
+        return world_size // model
+    if data_parallel_size * model != world_size:
+        raise ValueError(
+            f"world size {world_size} != data ({data_parallel_size}) x tensor ({tensor_parallel_size}) x "
+            f"pipeline ({pipeline_parallel_size}) = {data_parallel_size * model}"
+        )
+    return data_parallel_size
+
+
+class ParallelGroups:
+    """This rank's data, tensor and pipeline groups, ranks and sizes.
+
+    Needs `torch.distributed` initialised (e.g. by `deepspeed.init_distributed()`); collective:
+    every rank must construct it with the same sizes.
+    """
+
+    def __init__(
+        self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+        data_parallel_size: int | None = None,
+    ):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() "
+                               "or torch.distributed.init_process_group() before building ParallelGroups")
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.data_parallel_size = data_parallel_size_for(
+            self.world_size, tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
+        self.topology = PipeModelDataParallelTopology(
+            num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size, num_dp=self.data_parallel_size)
+        coord = self.topology.get_coord(self.rank)
+        self.tensor_rank, self.data_rank, self.pipe_rank = coord.model, coord.data, coord.pipe
+        self.tensor_group, self.tensor_ranks = self._new_groups("model")
+        self.data_group, self.data_ranks = self._new_groups("data")
+        self.pipe_group, self.pipe_ranks = self._new_groups("pipe")
+
+    def _new_groups(self, axis: str) -> tuple[dist.ProcessGroup, list[int]]:
+        mine = None
+        for ranks in self.topology.get_axis_comm_lists(axis):
+            group = dist.new_group(ranks=ranks)
+            if self.rank in ranks:
+                mine = (group, ranks)
+        return mine
+
+    def tensor_parallel(self, sequence_parallel: bool = False) -> TensorParallel:
+        """What the parallel layers receive."""
+        return TensorParallel(self.tensor_group, self.tensor_parallel_size, self.tensor_rank, sequence_parallel)
+
+    def mpu(self) -> DeepSpeedMPU:
+        """The `mpu` for `deepspeed.initialize` with the plain engine (pipeline size 1)."""
+        return DeepSpeedMPU(self)
+
+    def __repr__(self) -> str:
+        return (f"ParallelGroups(rank {self.rank}/{self.world_size}: data {self.data_rank}/{self.data_parallel_size}, "
+                f"tensor {self.tensor_rank}/{self.tensor_parallel_size}, pipe {self.pipe_rank}/{self.pipeline_parallel_size})")
+
+
+class DeepSpeedMPU:
+    """Megatron's `mpu` interface as DeepSpeed's plain engine reads it; model parallel = tensor.
+
+    Only for pipeline size 1: with a `PipelineModule`, `deepspeed.initialize` takes mpu=None
+    and uses the module's own grid (built from the same topology). Deliberately no
+    `get_sequence_parallel_*`: DeepSpeed would read those as Ulysses sequence parallelism.
+    """
+
+    def __init__(self, groups: ParallelGroups):
+        if groups.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"an mpu is for DeepSpeed's plain engine (pipeline size 1), got pipeline size "
+                f"{groups.pipeline_parallel_size}: pass mpu=None with a PipelineModule, which brings its own grid")
+        self._g = groups
+
+    def get_model_parallel_rank(self) -> int:
+        return self._g.tensor_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._g.tensor_parallel_size
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._g.tensor_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self._g.tensor_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self._g.tensor_parallel_size
+
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._g.tensor_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's tensor group."""
+        return self._g.tensor_ranks[0]
+
+    def get_data_parallel_rank(self) -> int:
+        return self._g.data_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._g.data_parallel_size
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self._g.data_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self._g.data_ranks)
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self._g.pipe_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self._g.pipeline_parallel_size
+
+    def get_pipe_parallel_group(self) -> dist.ProcessGroup:
+        return self._g.pipe_group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group

@@ -1,0 +1,63 @@
+"""The column-parallel matmul with its input collective fused in, so backward can overlap it.
+
+    parallel_linear(x, weight, bias, tp) = x_total @ weight.T + bias
+
+`x` is replicated over TP, or with `tp.sequence_parallel` this rank's sequence shard, which is
+all-gathered here (x_total is kept for backward, so backward communicates no more than the
+theoretical minimum). `weight` holds this rank's output rows. Backward starts the collective of
+the input gradient (all-reduce, or reduce-scatter along the sequence) asynchronously and
+computes the weight gradient while it travels, as Megatron's async gradient communication does.
+
+Under autocast the matmuls run in the autocast dtype, as `F.linear` would.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megamamba.parallel.collectives import start_all_gather, start_all_reduce, start_reduce_scatter
+from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+class _ParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp):
+        total = start_all_gather(x, tp, SEQ_DIM).wait() if tp.sequence_parallel else x
+        dtype = _autocast_dtype(total)
+        if dtype is not None:
+            total, weight = total.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(total.device.type, enabled=False):
+            out = F.linear(total, weight, bias)
+        ctx.save_for_backward(total, weight)
+        ctx.tp = tp
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        total, weight = ctx.saved_tensors
+        tp = ctx.tp
+        grad = grad.to(weight.dtype)
+        pending = None
+        if ctx.needs_input_grad[0]:
+            grad_total = grad.matmul(weight)
+            pending = (start_reduce_scatter(grad_total, tp, SEQ_DIM) if tp.sequence_parallel
+                       else start_all_reduce(grad_total, tp))
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = pending.wait() if pending is not None else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+def parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel
+) -> torch.Tensor:
+    """This rank's output features of x @ weight.T + bias (see the module docstring)."""
+    return _ParallelLinear.apply(x, weight, bias, tp)

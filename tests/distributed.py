@@ -1,0 +1,133 @@
+"""Run a function on N freshly spawned ranks forming a gloo group, as the deepspeed launcher would.
+
+    results = run_ranks(check_something, world_size=4, args=(seed,))
+
+Each rank is a new Python process (spawn) with the launcher's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT on a port
+free at start-up), one torch thread, and, unless `init_process_group=False`, the default
+process group already initialised with gloo. `fn` must be a top-level function of an
+importable module (a test module is); its picklable return values come back in rank order.
+The first rank's exception to arrive is re-raised in the caller with that rank's traceback
+attached (the other ranks, often blocked in a collective, are then stopped); a run that
+does not finish within `timeout` seconds is killed and fails, naming the ranks still running.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's formatted traceback as the cause of the re-raised exception."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class RankFailed(RuntimeError):
+    """A rank raised an exception that cannot be pickled, or died without reporting."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, results):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+        CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if init_process_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        try:
+            payload = ("ok", pickle.dumps(fn(*args)))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        text = traceback.format_exc()
+        try:
+            payload = ("error", pickle.dumps(exc), text)
+        except Exception:  # noqa: BLE001 - unpicklable exception: send its text
+            payload = ("error", None, text)
+    results.put((rank, payload))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 120.0,
+    init_process_group: bool = True,
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks; return their results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, tuple(args), r, world_size, port, init_process_group, timeout, results),
+                    name=f"rank{r}")
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            failed = [r for r, o in outcome.items() if o[0] == "error"]
+            # After one rank fails the others usually block in a collective: give them a moment.
+            wait = min(deadline - time.monotonic(), 5.0 if failed else 1.0)
+            if wait <= 0:
+                break
+            try:
+                rank, payload = results.get(timeout=wait)
+                outcome[rank] = payload
+            except queue.Empty:
+                if failed:
+                    break
+                silent = [r for r, p in enumerate(procs) if r not in outcome and not p.is_alive()]
+                if silent:
+                    time.sleep(0.5)  # a result put just before exit may still be in the pipe
+                    while not results.empty():
+                        rank, payload = results.get()
+                        outcome[rank] = payload
+                    silent = [r for r in silent if r not in outcome]
+                    if silent:
+                        raise RankFailed(f"rank(s) {silent} exited with codes "
+                                         f"{[procs[r].exitcode for r in silent]} without reporting a result")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+    errors = [(r, o) for r, o in outcome.items() if o[0] == "error"]  # in order of arrival
+    if errors:
+        rank, (_, pickled, text) = errors[0]
+        others = f" (then ranks {[r for r, _ in errors[1:]]} failed too)" if len(errors) > 1 else ""
+        cause = RemoteTraceback(f"\n--- rank {rank} of {world_size}{others} ---\n{text}")
+        if pickled is not None:
+            raise pickle.loads(pickled) from cause
+        raise RankFailed(f"rank {rank} failed{others}") from cause
+    missing = [r for r in range(world_size) if r not in outcome]
+    if missing:
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
+                           f"(running {fn.__module__}.{fn.__qualname__})")
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
