@@ -1,0 +1,188 @@
+"""Train a Mamba LM with DeepSpeed: data x tensor x pipeline parallelism, ZeRO, one command.
+
+    deepspeed --num_gpus 8 launch/train.py --deepspeed_config launch/configs/mamba2-130m.json \\
+        --model-config launch/models/mamba2-130m.json --pipeline-parallel-size 2 --train-iters 1000
+
+Data-parallel size = world size / (tensor x pipeline parallel size). Every consistency check runs
+before any process group exists (`megamamba.pipelines.layout`); a failure prints one line and
+exits with status 2. The optimizer and learning-rate schedule come from the flags below, never
+from the JSON. Metrics (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb,
+val_loss, mfu) go to the console of global rank 0, to TensorBoard (--log-dir, else the JSON's
+"tensorboard" block) and to --metrics-jsonl.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from megamamba.byte_tokenizer import ByteTokenizer
+from megamamba.config import ConfigError, MambaConfig
+from megamamba.flops import training_flops_per_token
+from megamamba.global_batches import GlobalBatches, read_documents, split_train_valid, tokenize
+from megamamba.lr_schedule import DECAY_STYLES, LRSchedule
+from megamamba.metrics import MetricsLogger
+from megamamba.pipelines.engine import OptimizerSettings, build_trainer
+from megamamba.pipelines.layout import LayoutError, check_run, engine_config, resolve_layout
+from megamamba.pipelines.module import check_partition_method
+from megamamba.pipelines.optimizer_state import optimizer_state_bytes
+
+VALID_FRACTION = 0.05
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="DeepSpeed JSON config")
+    p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true", help="split activations along the sequence over TP ranks")
+    p.add_argument("--partition-method", default="type:Block", help="uniform | parameters | type:<regex>")
+    p.add_argument("--checkpoint-activations-interval", type=int, default=0,
+                   help="recompute runs of this many consecutive layers in the backward (0: off)")
+    p.add_argument("--train-iters", type=int, required=True)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data", nargs="*", default=[], help="text files, one document each (default: built-in Python docs)")
+    p.add_argument("--tokenizer", default="byte", choices=["byte"])
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=3e-5)
+    p.add_argument("--lr-warmup-iters", type=int, default=0)
+    p.add_argument("--lr-decay-style", default="cosine", choices=DECAY_STYLES)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--adam-beta1", type=float, default=0.9)
+    p.add_argument("--adam-beta2", type=float, default=0.95)
+    p.add_argument("--clip-grad", type=float, default=None, help="max global gradient norm (default 1.0)")
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--eval-interval", type=int, default=0, help="validation every this many steps (0: never)")
+    p.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
+    p.add_argument("--log-dir", default=None, help="TensorBoard directory")
+    p.add_argument("--metrics-jsonl", default=None, help="append one JSON object per logged step")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak TFLOP/s, for MFU")
+    p.add_argument("--save", default=None, help="checkpoint directory (checkpointing: issue 6)")
+    p.add_argument("--load", default=None, help="checkpoint to resume from (checkpointing: issue 6)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    return p.parse_args(argv)
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LayoutError(f"{what} {path!r}: {e}") from None
+
+
+def prepare(args: argparse.Namespace, world_size: int):
+    """Every check that needs no process group; returns (layout, model config, engine config, LR schedule)."""
+    if args.save or args.load:
+        raise LayoutError("--save/--load: checkpointing is not implemented yet (issue 6)")
+    ds_config = _read_json(args.deepspeed_config, "--deepspeed_config")
+    try:
+        model = MambaConfig.from_dict(_read_json(args.model_config, "--model-config"))
+    except ConfigError as e:
+        raise LayoutError(f"--model-config {args.model_config!r}: {e}") from None
+    if model.vocab_size != ByteTokenizer.vocab_size:
+        raise LayoutError(f"--model-config vocab_size={model.vocab_size} but the byte tokenizer has "
+                          f"{ByteTokenizer.vocab_size} tokens")
+    layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config)
+    check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
+    try:
+        check_partition_method(args.partition_method)
+        schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    if args.checkpoint_activations_interval < 0:
+        raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
+    return layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule, ds_config
+
+
+def tensorboard_dir(args, ds_config: dict):
+    """--log-dir, else the JSON's tensorboard block (output_path/job_name) when enabled."""
+    if args.log_dir:
+        return args.log_dir
+    block = ds_config.get("tensorboard", {})
+    if block.get("enabled", False):
+        return os.path.join(block.get("output_path", "runs"), block.get("job_name", "DeepSpeedJobName"))
+    return None
+
+
+def peak_memory_gb() -> float:
+    """Largest peak of device memory (host RSS on CPU) over all ranks, GiB."""
+    peak = torch.tensor([get_accelerator().max_memory_allocated() / 2**30], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
+def print_optimizer_state(rank: int, layout, trainer) -> None:
+    """After the first step (torch's Adam allocates its moments then): bytes held vs 12 per stage parameter / dp."""
+    state_bytes = optimizer_state_bytes(trainer.optimizer, trainer.module)
+    stage_params = sum(p.numel() for p in trainer.module.parameters())
+    print(f"rank {rank}: dp={layout.dp} tp={layout.tp} pp={layout.pp} micro={layout.micro_batch_size} "
+          f"accum={layout.grad_accum} | stage parameters {stage_params} | optimizer state bytes {state_bytes} "
+          f"= {state_bytes * layout.dp / stage_params:.3f} x stage parameters / dp", flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        layout, model_config, ds_engine_config, schedule, ds_config = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except LayoutError as e:
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    deepspeed.init_distributed()
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank = dist.get_rank()
+    settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
+    trainer = build_trainer(layout, model_config, ds_engine_config, settings, args.seed, args.partition_method,
+                            args.checkpoint_activations_interval)
+    tokens = tokenize(read_documents(args.data), ByteTokenizer())
+    train_tokens, valid_tokens = split_train_valid(tokens, VALID_FRACTION)
+    train = GlobalBatches(train_tokens, args.seq_length, layout.global_batch_size, args.seed)
+    valid = GlobalBatches(valid_tokens, args.seq_length, layout.global_batch_size, args.seed + 1)
+    logger = MetricsLogger(rank == 0, args.metrics_jsonl, tensorboard_dir(args, ds_config))
+    tokens_per_step = layout.global_batch_size * args.seq_length
+    flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
+
+    def micro_batches(data, step):
+        return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size)
+
+    steps_timed, seconds = 0, 0.0
+    for step in range(args.train_iters):
+        start = time.perf_counter()
+        loss = trainer.train_step(micro_batches(train, step))
+        seconds += time.perf_counter() - start
+        steps_timed += 1
+        if step == 0:
+            print_optimizer_state(rank, layout, trainer)
+        evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == args.train_iters - 1)
+        val_loss = None
+        if evaluate:
+            val_loss = sum(trainer.eval_loss(micro_batches(valid, i)) for i in range(args.eval_iters)) / args.eval_iters
+        if step % args.log_interval == 0 or step == args.train_iters - 1 or evaluate:
+            seconds_per_step = seconds / steps_timed
+            steps_timed, seconds = 0, 0.0
+            grad_norm = trainer.engine.get_global_grad_norm()
+            tflops = flops_per_step / seconds_per_step / layout.world_size / 1e12
+            logger.log({
+                "step": step,
+                "loss": loss,
+                "lr": schedule(step),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens_per_s": tokens_per_step / seconds_per_step,
+                "tflops_per_device": tflops,
+                "mem_peak_gb": peak_memory_gb(),
+                "val_loss": val_loss,
+                "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
+            })
+    logger.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Training metrics: one record per logged step to the console, TensorBoard and a JSON-lines file.
+
+Names (DESIGN.md): step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb and,
+when known, val_loss and mfu. The same names are the TensorBoard tags (global step = `step`) and
+the JSONL keys. Only the rank that creates the logger `enabled` writes; the others make it a no-op,
+so callers need not branch on rank.
+"""
+import json
+import os
+from typing import Optional
+
+METRIC_NAMES = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_peak_gb",
+                "val_loss", "mfu")
+
+
+def format_record(record: dict) -> str:
+    """`step 3 | loss 5.123 | ...` with 4 significant digits for floats."""
+    return " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+
+
+class MetricsLogger:
+    def __init__(self, enabled: bool, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tensorboard = None
+        if not enabled:
+            return
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._jsonl = open(jsonl_path, "a")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+
+    def log(self, record: dict) -> None:
+        """Write one step's record; keys must be METRIC_NAMES, `step` first; None values are left out."""
+        if not self.enabled:
+            return
+        unknown = set(record) - set(METRIC_NAMES)
+        if unknown:
+            raise KeyError(f"unknown metric name(s) {sorted(unknown)}; known: {METRIC_NAMES}")
+        record = {k: v for k, v in record.items() if v is not None}
+        print(format_record(record), flush=True)
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._tensorboard:
+            for name, value in record.items():
+                if name != "step":
+                    self._tensorboard.add_scalar(name, value, global_step=record["step"])
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tensorboard:
+            self._tensorboard.close()

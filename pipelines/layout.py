@@ -1,0 +1,159 @@
+"""The (dp, tp, pp) layout of a run and every consistency check that can fail before training.
+
+All checks read only the command line, the DeepSpeed JSON, the model config and the world size,
+so a bad combination stops the job before any process group, model or optimizer exists; each
+raises `LayoutError` with one message naming the values and the rule.
+
+Rules that settle how our flags and the JSON interact (README, "Training with DeepSpeed"):
+  - Batch: DeepSpeed's own keys. train_batch_size = train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps x dp, where dp = world / (tp x pp); any two of the three fix the
+    third, all three must agree.
+  - Optimizer and learning-rate schedule come from our flags only (--lr, --min-lr,
+    --lr-warmup-iters, --lr-decay-style, --weight-decay, --adam-beta1/2): a JSON "optimizer" or
+    "scheduler" block is refused, so no setting has two sources.
+  - Gradient clipping: the JSON's "gradient_clipping" or --clip-grad, not both; 1.0 if neither.
+  - Precision: float32, or bf16 through DeepSpeed's "torch_autocast" block (float32 parameters
+    and master weights, bf16 matmuls). DeepSpeed's "bf16"/"fp16" modes cast every parameter,
+    the SSM's A_log, D and dt_bias included, to 16 bits, and are refused.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+from megamamba.config import MambaConfig
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+DEFAULT_CLIP_GRAD = 1.0
+
+
+class LayoutError(ValueError):
+    """An inconsistent run configuration; the message says which values break which rule."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    grad_accum: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"{name}={value!r}: must be a positive integer")
+    return value
+
+
+def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict) -> Layout:
+    """dp from world / (tp x pp); micro-batch and accumulation steps from the JSON's batch keys."""
+    _positive("--tensor-parallel-size", tp)
+    _positive("--pipeline-parallel-size", pp)
+    if world_size % (tp * pp):
+        raise LayoutError(
+            f"world size {world_size} is not a multiple of tensor x pipeline parallel size {tp} x {pp} = {tp * pp}"
+        )
+    dp = world_size // (tp * pp)
+    given = {k: _positive(k, ds_config[k]) for k in BATCH_KEYS if ds_config.get(k) is not None}
+    total = given.get("train_batch_size")
+    micro = given.get("train_micro_batch_size_per_gpu")
+    accum = given.get("gradient_accumulation_steps")
+    if total is None and micro is None:
+        raise LayoutError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
+    if total is None:
+        accum = accum or 1
+    elif micro is None:
+        accum = accum or 1
+        if total % (accum * dp):
+            raise LayoutError(
+                f"train_batch_size={total} is not divisible by gradient_accumulation_steps x data-parallel size "
+                f"= {accum} x {dp}"
+            )
+        micro = total // (accum * dp)
+    elif accum is None:
+        if total % (micro * dp):
+            raise LayoutError(
+                f"train_batch_size={total} is not divisible by train_micro_batch_size_per_gpu x data-parallel size "
+                f"= {micro} x {dp} (dp = world {world_size} / (tp {tp} x pp {pp}))"
+            )
+        accum = total // (micro * dp)
+    layout = Layout(world_size, dp, tp, pp, micro, accum)
+    if total is not None and total != layout.global_batch_size:
+        raise LayoutError(
+            f"train_batch_size={total} != train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+            f"data-parallel size = {micro} x {accum} x {dp} = {layout.global_batch_size}"
+        )
+    return layout
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: int, sequence_parallel: bool,
+              clip_grad: Optional[float]) -> None:
+    """Every rule between layout, DeepSpeed JSON, model and flags; raises LayoutError on the first broken one."""
+    _positive("--seq-length", seq_length)
+    stage = zero_stage(ds_config)
+    if stage not in (0, 1, 2, 3):
+        raise LayoutError(f"zero_optimization.stage={stage}: must be 0, 1, 2 or 3")
+    if layout.pp > 1 and stage > 1:
+        raise LayoutError(
+            f"ZeRO stage {stage} with pipeline parallel size {layout.pp}: DeepSpeed's pipeline engine supports "
+            "ZeRO stage 0 or 1 only (stages 2 and 3 need --pipeline-parallel-size 1)"
+        )
+    if model.n_layer < layout.pp:
+        raise LayoutError(
+            f"n_layer={model.n_layer} is smaller than pipeline parallel size {layout.pp}: every stage needs a block"
+        )
+    if sequence_parallel and layout.tp == 1:
+        raise LayoutError("--sequence-parallel needs --tensor-parallel-size > 1 (it splits the sequence over TP ranks)")
+    if sequence_parallel and seq_length % layout.tp:
+        raise LayoutError(
+            f"--seq-length {seq_length} is not divisible by tensor parallel size {layout.tp}, "
+            "which sequence parallelism requires"
+        )
+    for block in ("optimizer", "scheduler"):
+        if block in ds_config:
+            raise LayoutError(
+                f'the DeepSpeed config has an "{block}" block: the optimizer and learning-rate schedule come from '
+                "--lr, --min-lr, --lr-warmup-iters, --lr-decay-style, --weight-decay, --adam-beta1/2; remove the block"
+            )
+    if clip_grad is not None and "gradient_clipping" in ds_config:
+        raise LayoutError(
+            f"gradient clipping set twice: --clip-grad {clip_grad} and the DeepSpeed config's "
+            f"gradient_clipping={ds_config['gradient_clipping']}; keep one"
+        )
+    for mode in ("bf16", "fp16"):
+        if ds_config.get(mode, {}).get("enabled", False):
+            raise LayoutError(
+                f'"{mode}": {{"enabled": true}} casts every parameter, the SSM\'s A_log, D and dt_bias included, to '
+                '16 bits; use "torch_autocast": {"enabled": true, "dtype": "bfloat16"} (float32 parameters, bf16 matmuls)'
+            )
+    autocast = ds_config.get("torch_autocast", {})
+    if autocast.get("enabled", False) and autocast.get("dtype", "bfloat16") not in ("bfloat16", "bf16", "torch.bfloat16"):
+        raise LayoutError(
+            f"torch_autocast.dtype={autocast['dtype']!r}: only bfloat16 is supported (float16 needs loss scaling)"
+        )
+
+
+def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], sequence_parallel: bool) -> dict:
+    """The dict handed to deepspeed.initialize: batch keys resolved, clipping set, TensorBoard left to us.
+
+    The "tensorboard" block is taken out (our metrics logger writes the event files, with our names);
+    with sequence parallelism the boundary tensor differs per TP rank, so the pipeline must not
+    partition it across the TP group (pipe_partitioned / grad_partitioned off).
+    """
+    config = {k: v for k, v in ds_config.items() if k != "tensorboard"}
+    config["train_batch_size"] = layout.global_batch_size
+    config["train_micro_batch_size_per_gpu"] = layout.micro_batch_size
+    config["gradient_accumulation_steps"] = layout.grad_accum
+    if "gradient_clipping" not in config:
+        config["gradient_clipping"] = DEFAULT_CLIP_GRAD if clip_grad is None else clip_grad
+    if sequence_parallel:
+        config["pipeline"] = {**config.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
+    return config

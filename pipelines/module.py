@@ -1,0 +1,58 @@
+"""The Mamba LM as a DeepSpeed PipelineModule.
+
+Layers (global indices, see `pipelines.names`): 0 embedding, 1..n blocks, n+1 final norm,
+n+2 head. With tie_embeddings the embedding and the head are one `TiedLayerSpec` ("embed"):
+the first and the last stage each hold the weight and DeepSpeed all-reduces its gradient
+between them. The loss runs on the last stage.
+
+Partitioning (`partition_method`): "uniform" (equal layer counts, embedding/norm/head counted as
+layers), "parameters" (balanced parameter counts) or "type:<regex>" (balanced count of layers
+whose class matches, e.g. "type:Block" spreads the blocks evenly).
+
+Activation checkpointing every k layers: DeepSpeed cuts each stage's layer list into runs of k
+and recomputes each run in the backward. We give it torch's non-reentrant checkpoint, which
+accepts runs that start at the token ids (no input needs a gradient).
+"""
+import functools
+
+import torch.utils.checkpoint
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import ProcessTopology
+
+from megamamba.config import MambaConfig
+from megamamba.pipelines.layers import BlockPipe, EmbeddingPipe, FinalNormPipe, HeadPipe, LMLoss, tied_head
+from megamamba.pipelines.names import TIED_KEY
+
+PARTITION_METHODS = ("uniform", "parameters", "type:<regex>")
+
+non_reentrant_checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
+def check_partition_method(method: str) -> None:
+    if method not in ("uniform", "parameters") and not (method.startswith("type:") and len(method) > 5):
+        raise ValueError(f"partition method {method!r}: choose one of {PARTITION_METHODS}")
+
+
+def layer_specs(config: MambaConfig) -> list:
+    """[embedding, n blocks, final norm, head] as DeepSpeed layer specs."""
+    if config.tie_embeddings:
+        first = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config)
+        last = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=tied_head)
+    else:
+        first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(HeadPipe, config)
+    blocks = [LayerSpec(BlockPipe, config) for _ in range(config.n_layer)]
+    return [first, *blocks, LayerSpec(FinalNormPipe, config), last]
+
+
+def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = "type:Block",
+                          checkpoint_interval: int = 0) -> PipelineModule:
+    """This rank's stage of the model (needs torch.distributed initialised)."""
+    check_partition_method(partition_method)
+    return PipelineModule(
+        layers=layer_specs(config),
+        topology=topology,
+        loss_fn=LMLoss(config.vocab_size),
+        partition_method=partition_method,
+        activation_checkpoint_interval=checkpoint_interval,
+        activation_checkpoint_func=non_reentrant_checkpoint,
+    )

@@ -1,0 +1,54 @@
+"""The training module for the plain DeepSpeed engine (pipeline size 1, any ZeRO stage).
+
+It holds a `MambaLM`'s own `backbone` and `lm_head`, so its parameter names are mamba_ssm's, and
+runs the same layer list as the pipeline ([embedding, blocks, final norm, head], see
+`pipelines.layers`) with the same math; runs of `checkpoint_interval` consecutive layers are
+recomputed in the backward, as a one-stage pipeline would. forward(input_ids, labels) -> loss.
+The head is called as the `lm_head` module (its weight is the embedding's when tied), so ZeRO-3
+gathers the tied weight through the module that uses it.
+"""
+import torch
+from torch import nn
+
+from megamamba.lm import MambaLM
+from megamamba.pipelines.layers import LMLoss, advance, as_stream, final_norm
+from megamamba.pipelines.module import non_reentrant_checkpoint
+
+
+class PlainLM(nn.Module):
+    def __init__(self, model: MambaLM, checkpoint_interval: int = 0):
+        super().__init__()
+        if checkpoint_interval < 0:
+            raise ValueError(f"checkpoint interval {checkpoint_interval}: must be >= 0")
+        self.config = model.config
+        self.backbone = model.backbone
+        self.lm_head = model.lm_head
+        self.checkpoint_interval = checkpoint_interval
+        self.loss_fn = LMLoss(self.config.vocab_size)
+
+    def _layers(self) -> list:
+        residual_in_fp32 = self.config.residual_in_fp32
+        return [
+            lambda ids: as_stream(self.backbone.embedding(ids), residual_in_fp32),
+            *[lambda s, block=block: advance(block, s) for block in self.backbone.layers],
+            lambda s: final_norm(self.backbone.norm_f, s),
+            self.lm_head,
+        ]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        layers = self._layers()
+        k = self.checkpoint_interval or len(layers)
+        x = input_ids
+        for start in range(0, len(layers), k):
+            run = layers[start : start + k]
+            if self.checkpoint_interval and self.training:
+                x = non_reentrant_checkpoint(_run_layers, run, x)
+            else:
+                x = _run_layers(run, x)
+        return self.loss_fn(x, labels)
+
+
+def _run_layers(layers: list, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
