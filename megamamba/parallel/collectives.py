@@ -74,10 +74,10 @@ def start_all_gather(x: torch.Tensor, tp: TensorParallel, dim: int) -> Pending:
     if tp.size == 1:
         return Pending(None, lambda: x)
     dim = dim % x.dim()
-    stacked = x.new_empty((tp.size, *x.shape))
-    comm_counter.record("all_gather", stacked.nbytes, tp.size)
-    work = _all_gather_single(stacked, x.contiguous(), group=tp.group, async_op=True)
-    return Pending(work, lambda: stacked.movedim(0, dim).flatten(dim, dim + 1))
+    flat = x.new_empty((tp.size * x.shape[0], *x.shape[1:]))  # rank blocks along dim 0, as gloo wants
+    comm_counter.record("all_gather", flat.nbytes, tp.size)
+    work = _all_gather_single(flat, x.contiguous(), group=tp.group, async_op=True)
+    return Pending(work, lambda: flat.view(tp.size, *x.shape).movedim(0, dim).flatten(dim, dim + 1))
 
 
 def start_reduce_scatter(x: torch.Tensor, tp: TensorParallel, dim: int) -> Pending:
@@ -89,7 +89,7 @@ def start_reduce_scatter(x: torch.Tensor, tp: TensorParallel, dim: int) -> Pendi
     stacked = x.unflatten(dim, (tp.size, x.shape[dim] // tp.size)).movedim(dim, 0).contiguous()
     out = x.new_empty(stacked.shape[1:])
     comm_counter.record("reduce_scatter", x.nbytes, tp.size)
-    work = _reduce_scatter_single(out, stacked, group=tp.group, async_op=True)
+    work = _reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group, async_op=True)
     return Pending(work, lambda: out)
 
 
