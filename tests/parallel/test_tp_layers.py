@@ -135,6 +135,7 @@ def check_row(tp):
     return dict(
         out=_rel(_seq_full(out, tp), ref), x_grad=_rel(x_in.grad, xr.grad.chunk(tp.size, -1)[tp.rank]),
         weight_grad=_rel(grads["weight"], wr.grad), bias_grad=_rel(grads["bias"], br.grad),
+        weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
         fwd=fwd, bwd=bwd, numel_out=ref.numel(),
     )
 
@@ -153,6 +154,7 @@ def check_embedding(tp):
     out, fwd, bwd = _run(layer, ids, _seq_local(up, tp))
     return dict(
         out=_rel(_seq_full(out, tp), ref), weight_grad=_rel(full_tensors(layer, tp, lambda p: p.grad)["weight"], wr.grad),
+        weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
         local_rows=layer.weight.shape[0], fwd=fwd, bwd=bwd, numel_out=ref.numel(),
     )
 
@@ -203,6 +205,24 @@ def check_cross_entropy(tp):
                 padding_grad_zero=bool((grad[..., vocab:] == 0).all()), ignored_loss_zero=bool((loss[1, 2:5] == 0).all()))
 
 
+def check_init(tp):
+    """Full weights each layer draws after manual_seed(s) vs the matching torch module's."""
+    pairs = {
+        "column_fused": (lambda: ColumnParallelLinear(7, 30, tp, components=IN_PROJ_REPLICATED), lambda: torch.nn.Linear(7, 30)),
+        "row": (lambda: RowParallelLinear(12, 5, tp), lambda: torch.nn.Linear(12, 5)),
+        "embedding": (lambda: VocabParallelEmbedding(13, 6, tp), lambda: torch.nn.Embedding(13, 6)),
+        "head": (lambda: VocabParallelHead(6, 13, tp), lambda: torch.nn.Linear(6, 13, bias=False)),
+    }
+    same = {}
+    for name, (ours, theirs) in pairs.items():
+        torch.manual_seed(SEED + 5)
+        full = full_tensors(ours(), tp)
+        torch.manual_seed(SEED + 5)
+        ref = theirs().state_dict()
+        same[name] = full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
+    return same
+
+
 IN_PROJ_REPLICATED = (Component("z", 8), Component("x", 12), Component("B", 3, sharded=False),
                       Component("C", 3, sharded=False), Component("dt", 4))
 IN_PROJ_SHARDED = (Component("z", 8), Component("x", 12), Component("B", 4), Component("C", 4), Component("dt", 4))
@@ -224,6 +244,7 @@ def layer_checks():
         results["embedding", sp] = check_embedding(tp)
         results["head_loss", sp] = check_head_loss(tp)
         results["cross_entropy", sp] = check_cross_entropy(tp)
+        results["init", sp] = check_init(tp)
     return results
 
 
@@ -254,9 +275,15 @@ def test_column_parallel_output_and_gradients_match_full_linear(tp_size, sp, che
 
 
 @pytest.mark.parametrize("tp_size,sp", CASES, ids=IDS)
-@pytest.mark.parametrize("check", ["fused_sharded", "fused_replicated"])
-def test_component_sharded_weight_gathers_to_exactly_the_full_weight(tp_size, sp, check):
+@pytest.mark.parametrize("check", ["row", "embedding", "fused_sharded", "fused_replicated"])
+def test_loading_then_gathering_a_full_weight_round_trips_exactly(tp_size, sp, check):
     assert all(res["weight_exact"] for res in _per_rank(tp_size, check, sp))
+
+
+@pytest.mark.parametrize("tp_size,sp", CASES, ids=IDS)
+def test_same_seed_draws_the_same_full_weights_as_torch_modules_at_any_tp(tp_size, sp):
+    for rank, res in enumerate(_per_rank(tp_size, "init", sp)):
+        assert all(res.values()), f"rank {rank}: {res}"
 
 
 @pytest.mark.parametrize("tp_size,sp", CASES, ids=IDS)
