@@ -165,6 +165,7 @@ def _state_pass_kernel(states_ptr, cs_ptr, init_ptr, doc_ptr, entering_ptr, fina
 
 @triton.jit
 def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, entering_ptr, doc_ptr, out_ptr,
+                       diag_ptr,
                        seqlen, nheads, heads_per_group, nchunks, chunk, headdim, dstate,
                        sxb, sxl, sxh, sxp, szb, szl, szh, szp, sbb, sbl, sbg, sbn,
                        scb, scl, scg, scn, sob, sol, soh, sop, sdb,
@@ -172,8 +173,12 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
                        HAS_DOC: tl.constexpr, SCAN_ONLY: tl.constexpr, PREC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    """Output rows [BLOCK_M] x channels [BLOCK_P] of chunk c, head h. SCAN_ONLY: the scan part
-    alone (no D, no gate) in float32, for the backward."""
+    """Output rows [BLOCK_M] x channels [BLOCK_P] of chunk c, head h.
+
+    SCAN_ONLY (for the backward): the scan without its diagonal term, without D and gate, in
+    float32, and diag[b, t, h] = dt_t C_t.B_t (so the diagonal term is diag * x). Keeping the
+    diagonal apart lets the dA gradient skip it exactly instead of cancelling it in float32.
+    """
     b, c, h = _chunk_ids(tl.program_id(0), nheads, nchunks)
     g = h // heads_per_group
     pid_m = tl.program_id(1)
@@ -207,7 +212,10 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
         cb = tl.dot(cl, bs, input_precision=PREC)
         cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
         dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
-        keep = (s[None, :] <= l[:, None]) & s_mask[None, :]
+        if SCAN_ONLY:
+            keep = (s[None, :] < l[:, None]) & s_mask[None, :]
+        else:
+            keep = (s[None, :] <= l[:, None]) & s_mask[None, :]
         if HAS_DOC:
             doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-2)
             keep = keep & (doc_s[None, :] == doc_l[:, None])
@@ -216,7 +224,13 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
                      mask=s_mask[:, None] & p_mask[None, :], other=0.0)
         acc += tl.dot(cb.to(xs.dtype), xs, input_precision=PREC)
     tile_mask = l_mask[:, None] & p_mask[None, :]
-    if not SCAN_ONLY:
+    if SCAN_ONLY:
+        bl = tl.load(b_ptr + b * sbb + (t0 + l)[:, None] * sbl + g * sbg + n[None, :] * sbn,
+                     mask=l_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        dt_l = tl.load(dtp_ptr + cs_base + l, mask=l_mask, other=0.0)
+        tl.store(diag_ptr + (b * seqlen + t0 + l) * nheads + h, dt_l * tl.sum(cl.to(tl.float32) * bl, axis=1),
+                 mask=l_mask)
+    else:
         if HAS_D:
             xl = tl.load(x_ptr + b * sxb + (t0 + l)[:, None] * sxl + h * sxh + p[None, :] * sxp,
                          mask=tile_mask, other=0.0).to(tl.float32)
@@ -234,13 +248,14 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
 
 
 @triton.jit
-def _gate_bwd_kernel(dout_ptr, y_ptr, x_ptr, z_ptr, d_ptr, dy_ptr, dz_ptr, dd_ptr, ydot_ptr,
+def _gate_bwd_kernel(dout_ptr, y_ptr, diag_ptr, x_ptr, z_ptr, d_ptr, dy_ptr, dz_ptr, dd_ptr, ydot_ptr,
                      seqlen, nheads, headdim,
                      sxb, sxl, sxh, sxp, szb, szl, szh, szp, sgb, sgl, sgh, sgp,
                      HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
                      BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
-    """From the gradient of out = (y + D x) * silu(z): dy (float32), dz, dD partials
-    (row b * n_time_blocks + block, head, channel) and ydot[b, t, h] = dy_t . y_t.
+    """From the gradient of out = (y + diag x + D x) * silu(z), y being the scan without its
+    diagonal term: dy (float32), dz, dD partials (row b * n_time_blocks + block, head, channel)
+    and ydot[b, t, h] = dy_t . y_t (diagonal left out).
 
     y, dy and dz are contiguous (batch, seqlen, nheads, headdim); dout has strides sg*.
     """
@@ -259,7 +274,7 @@ def _gate_bwd_kernel(dout_ptr, y_ptr, x_ptr, z_ptr, d_ptr, dy_ptr, dz_ptr, dd_pt
     x = tl.load(x_ptr + b * sxb + t[:, None] * sxl + h * sxh + p[None, :] * sxp,
                 mask=mask, other=0.0).to(tl.float32)
     if HAS_Z:
-        pre = y
+        pre = y + x * tl.load(diag_ptr + (b * seqlen + t) * nheads + h, mask=t_mask, other=0.0)[:, None]
         if HAS_D:
             if D_PER_CHANNEL:
                 pre += x * tl.load(d_ptr + h * headdim + p, mask=p_mask, other=0.0).to(tl.float32)[None, :]
@@ -279,12 +294,13 @@ def _gate_bwd_kernel(dout_ptr, y_ptr, x_ptr, z_ptr, d_ptr, dy_ptr, dz_ptr, dd_pt
 
 
 @triton.jit
-def _state_pass_bwd_kernel(states_ptr, cs_ptr, doc_ptr, entering_ptr, final_ptr, dfinal_ptr,
+def _state_pass_bwd_kernel(cs_ptr, doc_ptr, entering_ptr, dfinal_ptr,
                            dout_states_ptr, dstates_ptr, dinit_ptr, sdot_ptr,
                            seqlen, nheads, nchunks, chunk, size, sdb,
                            HAS_DFINAL: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK: tl.constexpr):
     """Reverse state passing. dstates[b, c, h] = dS_{c+1} (the gradient of chunk c's own end
-    state), dinit = dS_0, sdot[b, h, c, block] = partial <dS_{c+1}, S_{c+1}>.
+    state), dinit = dS_0, sdot[b, h, c, block] = partial exp(cs_last) <dS_{c+1}, S_c> (the gradient
+    of the chunk's total log-decay through the state that crosses it).
 
     dS_c = (gradient from chunk c's outputs) + exp(cs_last of c) dS_{c+1} if the state survives c.
     """
@@ -297,35 +313,36 @@ def _state_pass_bwd_kernel(states_ptr, cs_ptr, doc_ptr, entering_ptr, final_ptr,
         dnext = tl.load(dfinal_ptr + (b * nheads + h) * size + e, mask=e_mask, other=0.0).to(tl.float32)
     else:
         dnext = tl.zeros((BLOCK,), dtype=tl.float32)
-    state_next = tl.load(final_ptr + (b * nheads + h) * size + e, mask=e_mask, other=0.0)
     for i in range(0, nchunks):
         c = nchunks - 1 - i
         offs = ((b * nchunks + c) * nheads + h) * size + e
         tl.store(dstates_ptr + offs, dnext, mask=e_mask)
-        tl.store(sdot_ptr + ((b * nheads + h) * nchunks + c) * tl.num_programs(2) + pid_e,
-                 tl.sum(dnext * state_next, axis=0))
         decay = tl.exp(tl.load(cs_ptr + ((b * nheads + h) * nchunks + c) * chunk + chunk - 1))
         if HAS_DOC:
             t0 = c * chunk
             doc_prev, doc_last = _doc_bounds(doc_ptr, b, sdb, t0, tl.minimum(chunk, seqlen - t0))
             decay = tl.where(doc_prev == doc_last, decay, 0.0)
+        enter = tl.load(entering_ptr + offs, mask=e_mask, other=0.0)
+        tl.store(sdot_ptr + ((b * nheads + h) * nchunks + c) * tl.num_programs(2) + pid_e,
+                 decay * tl.sum(dnext * enter, axis=0))
         dnext = tl.load(dout_states_ptr + offs, mask=e_mask, other=0.0) + decay * dnext
-        state_next = tl.load(entering_ptr + offs, mask=e_mask, other=0.0)
     tl.store(dinit_ptr + (b * nheads + h) * size + e, dnext, mask=e_mask)
 
 
 @triton.jit
 def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dstates_ptr,
-               dx_ptr, ddt_ptr, dcs_ptr,
+               dx_ptr, ddt_ptr, dcs_ptr, wstate_ptr,
                seqlen, nheads, heads_per_group, nchunks, chunk, headdim, dstate,
                sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, scb, scl, scg, scn, sdb,
                HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_DOC: tl.constexpr,
                PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx for rows s of chunk c, head h: dt_s (exp(cs_last - cs_s) B_s dS_{c+1}^T
-    + sum_{l>=s} (B_s.C_l) exp(cs_l - cs_s) dy_l) + D dy_s; also ddt_s (direct part) = x_s . dx_s / dt_s
-    and dcs_s = -x_s . (dx_s - D dy_s), both in the (batch, nheads, nchunks, chunk) layout.
-    dx and dy are contiguous (batch, seqlen, nheads, headdim)."""
+    """dx for rows s of chunk c, head h: dt_s (g_state + g_diag + g_intra) + D dy_s with
+    g_state = exp(cs_last - cs_s) B_s dS_{c+1}^T, g_diag = (B_s.C_s) dy_s and
+    g_intra = sum_{l>s} (B_s.C_l) exp(cs_l - cs_s) dy_l.
+    Also, in the (batch, nheads, nchunks, chunk) layout: ddt_s (direct part) = x_s . (sum of g),
+    dcs_s = -dt_s x_s . g_intra and wstate_s = dt_s x_s . g_state (the log-decay gradients,
+    the diagonal left out since it does not depend on cs). dx, dy: contiguous (b, seqlen, h, p)."""
     b, c, h = _chunk_ids(tl.program_id(0), nheads, nchunks)
     g = h // heads_per_group
     s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -336,6 +353,8 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
     s_mask = s < clen
     p_mask = p < headdim
     n_mask = n < dstate
+    tile_mask = s_mask[:, None] & p_mask[None, :]
+    sn_mask = s_mask[:, None] & n_mask[None, :]
     cs_base = ((b * nheads + h) * nchunks + c) * chunk
     cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
     cs_last = tl.load(cs_ptr + cs_base + chunk - 1)
@@ -344,12 +363,12 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
         doc_prev, doc_last = _doc_bounds(doc_ptr, b, sdb, t0, clen)
         doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-1)
         to_end = to_end & (doc_s == doc_last)
-    bs = tl.load(b_ptr + b * sbb + (t0 + s)[:, None] * sbl + g * sbg + n[None, :] * sbn,
-                 mask=s_mask[:, None] & n_mask[None, :], other=0.0)
+    bs = tl.load(b_ptr + b * sbb + (t0 + s)[:, None] * sbl + g * sbg + n[None, :] * sbn, mask=sn_mask, other=0.0)
     dst = tl.load(dstates_ptr + ((b * nchunks + c) * nheads + h) * headdim * dstate
                   + p[None, :] * dstate + n[:, None], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
-    acc = tl.dot(bs, dst.to(bs.dtype), input_precision=PREC)
-    acc = acc * tl.exp(tl.where(to_end, cs_last - cs_s, float("-inf")))[:, None]
+    g_state = tl.dot(bs, dst.to(bs.dtype), input_precision=PREC)
+    g_state = g_state * tl.exp(tl.where(to_end, cs_last - cs_s, float("-inf")))[:, None]
+    g_intra = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for k0 in range(tl.program_id(1) * BLOCK_M, clen, BLOCK_K):
         l = k0 + tl.arange(0, BLOCK_K)
         l_mask = l < clen
@@ -357,24 +376,28 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
                      mask=n_mask[:, None] & l_mask[None, :], other=0.0)
         bc = tl.dot(bs, cl, input_precision=PREC)
         cs_l = tl.load(cs_ptr + cs_base + l, mask=l_mask, other=0.0)
-        keep = (l[None, :] >= s[:, None]) & l_mask[None, :]
+        keep = (l[None, :] > s[:, None]) & l_mask[None, :]
         if HAS_DOC:
             doc_l = tl.load(doc_ptr + b * sdb + t0 + l, mask=l_mask, other=-2)
             keep = keep & (doc_l[None, :] == doc_s[:, None])
         bc = bc * tl.exp(tl.where(keep, cs_l[None, :] - cs_s[:, None], float("-inf")))
         dyl = tl.load(dy_ptr + ((b * seqlen + t0 + l[:, None]) * nheads + h) * headdim + p[None, :],
                       mask=l_mask[:, None] & p_mask[None, :], other=0.0)
-        acc += tl.dot(bc.to(bs.dtype), dyl.to(bs.dtype), input_precision=PREC)
-    tile_mask = s_mask[:, None] & p_mask[None, :]
+        g_intra += tl.dot(bc.to(bs.dtype), dyl.to(bs.dtype), input_precision=PREC)
+    c_rows = tl.load(c_ptr + b * scb + (t0 + s)[:, None] * scl + g * scg + n[None, :] * scn,
+                     mask=sn_mask, other=0.0).to(tl.float32)
+    dys = tl.load(dy_ptr + ((b * seqlen + t0 + s[:, None]) * nheads + h) * headdim + p[None, :],
+                  mask=tile_mask, other=0.0)
+    g_diag = tl.sum(bs.to(tl.float32) * c_rows, axis=1)[:, None] * dys
     xs = tl.load(x_ptr + b * sxb + (t0 + s)[:, None] * sxl + h * sxh + p[None, :] * sxp,
                  mask=tile_mask, other=0.0).to(tl.float32)
     dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
-    dx = acc * dt_s[:, None]
-    tl.store(ddt_ptr + cs_base + s, tl.sum(acc * xs, axis=1), mask=s_mask)
-    tl.store(dcs_ptr + cs_base + s, -tl.sum(dx * xs, axis=1), mask=s_mask)
+    grad = g_state + g_diag + g_intra
+    tl.store(ddt_ptr + cs_base + s, tl.sum(grad * xs, axis=1), mask=s_mask)
+    tl.store(dcs_ptr + cs_base + s, -dt_s * tl.sum(g_intra * xs, axis=1), mask=s_mask)
+    tl.store(wstate_ptr + cs_base + s, dt_s * tl.sum(g_state * xs, axis=1), mask=s_mask)
+    dx = grad * dt_s[:, None]
     if HAS_D:
-        dys = tl.load(dy_ptr + ((b * seqlen + t0 + s[:, None]) * nheads + h) * headdim + p[None, :],
-                      mask=tile_mask, other=0.0)
         if D_PER_CHANNEL:
             dx += dys * tl.load(d_ptr + h * headdim + p, mask=p_mask, other=0.0).to(tl.float32)[None, :]
         else:
@@ -475,13 +498,14 @@ def _dbc_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, entering_
 
 
 @triton.jit
-def _dt_bwd_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, ydot_ptr, ddt_direct_ptr, dcs_ptr, sdot_ptr,
+def _dt_bwd_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, ydot_ptr, ddt_direct_ptr, dcs_ptr, wstate_ptr, sdot_ptr,
                    ddt_ptr, da_ptr, dbias_ptr,
                    seqlen, nheads, nchunks, chunk, sdtb, sdtl, sdth, dt_lo, dt_hi,
                    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """dcs_l = dy_l.y_l - x_l.dx_l (+ <dS_{c+1}, S_{c+1}> at the chunk's last slot); the gradient of
-    dt_l*A is the reverse cumsum of dcs; ddt = direct + that * A, dA partials (b, c, head);
-    then through clamp and softplus to d dt (dt's strides) and d dt_bias partials (b, c, head)."""
+    """The gradient of a_t = dt_t A (the log-decay of step t), each part summed without cancelling:
+    da_t = sum_{l>=t} (dy_l.y_l - dt_l x_l.g_intra_l) + sum_{s<t} wstate_s + sdot_c.
+    Then ddt = direct + da * A, dA partials (b, c, head), and through clamp and softplus to
+    d dt (dt's strides) and d dt_bias partials (b, c, head)."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -492,10 +516,10 @@ def _dt_bwd_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, ydot_ptr, ddt_direct_ptr, d
     offs = ((b * nheads + h[:, None]) * nchunks + c) * chunk + q[None, :]
     dcs = tl.load(ydot_ptr + (b * seqlen + t[None, :]) * nheads + h[:, None], mask=valid, other=0.0)
     dcs += tl.load(dcs_ptr + offs, mask=valid, other=0.0)
-    sdot = tl.load(sdot_ptr + (b * nheads + h) * nchunks + c, mask=h_mask, other=0.0)
-    dcs += tl.where((q == chunk - 1)[None, :], sdot[:, None], 0.0)
-    # Reverse cumsum along the chunk: total - inclusive cumsum + own.
-    da = tl.sum(dcs, axis=1)[:, None] - tl.cumsum(dcs, axis=1) + dcs
+    da = tl.cumsum(dcs, axis=1, reverse=True)
+    before = valid & (q >= 1)[None, :]
+    da += tl.cumsum(tl.load(wstate_ptr + offs - 1, mask=before, other=0.0), axis=1)
+    da += tl.load(sdot_ptr + (b * nheads + h) * nchunks + c, mask=h_mask, other=0.0)[:, None]
     a = tl.load(a_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
     dtp = tl.load(dtp_ptr + offs, mask=valid, other=0.0)
     ddt = tl.load(ddt_direct_ptr + offs, mask=valid, other=0.0) + da * a[:, None]
@@ -574,14 +598,15 @@ def _chunk_states(sz, xs, ws, dtp, cs, doc, out, mode):
         MODE=mode, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=sz.block_m)
 
 
-def _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, scan_only):
+def _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, diag=None):
+    """The scan output into `out`; with `diag`, the backward's split form (see _chunk_scan_kernel)."""
     block_p = common.block(sz.headdim, hi=64)
     grid = (sz.batch * sz.nchunks * sz.nheads, triton.cdiv(sz.chunk, sz.block_m), triton.cdiv(sz.headdim, block_p))
     _chunk_scan_kernel[grid](
-        x, z, B, C, D, dtp, cs, entering, doc, out, *sz.dims(), *x.stride(), *_strides(z, 4), *B.stride(),
+        x, z, B, C, D, dtp, cs, entering, doc, out, diag, *sz.dims(), *x.stride(), *_strides(z, 4), *B.stride(),
         *C.stride(), *out.stride(), doc.stride(0) if doc is not None else 0,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
-        HAS_DOC=doc is not None, SCAN_ONLY=scan_only, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
+        HAS_DOC=doc is not None, SCAN_ONLY=diag is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
         BLOCK_P=block_p, BLOCK_N=sz.block_n)
 
 
@@ -592,7 +617,7 @@ class _SSDChunkScan(torch.autograd.Function):
         dtp, cs, _, entering, final = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
                                                       dt_softplus, dt_limit)
         out = _empty(x.shape, x, x.dtype)
-        _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, scan_only=False)
+        _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, doc)
         ctx.meta = (chunk_size, dt_softplus, dt_limit)
         return out, final
@@ -603,10 +628,11 @@ class _SSDChunkScan(torch.autograd.Function):
         chunk_size, dt_softplus, dt_limit = ctx.meta
         sz = _Sizes(x, B, chunk_size)
         sdb = doc.stride(0) if doc is not None else 0
-        dtp, cs, states, entering, final = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
-                                                           dt_softplus, dt_limit)
+        dtp, cs, states, entering, _ = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
+                                                       dt_softplus, dt_limit)
         y = _empty((sz.batch, sz.seqlen, sz.nheads, sz.headdim), x)
-        _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, y, scan_only=True)
+        diag = _empty((sz.batch, sz.seqlen, sz.nheads), x)
+        _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, y, diag)
 
         block_l = 32
         n_lblocks = triton.cdiv(sz.seqlen, block_l)
@@ -615,18 +641,18 @@ class _SSDChunkScan(torch.autograd.Function):
         dd_part = _empty((sz.batch * n_lblocks, sz.nheads, sz.headdim), x) if D is not None else None
         ydot = _empty((sz.batch, sz.seqlen, sz.nheads), x)
         _gate_bwd_kernel[(sz.batch, n_lblocks, sz.nheads)](
-            dout, y, x, z, D, dy, dz, dd_part, ydot, sz.seqlen, sz.nheads, sz.headdim, *x.stride(),
+            dout, y, diag, x, z, D, dy, dz, dd_part, ydot, sz.seqlen, sz.nheads, sz.headdim, *x.stride(),
             *_strides(z, 4), *dout.stride(), HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
             HAS_Z=z is not None, BLOCK_L=block_l, BLOCK_P=sz.block_p)
 
         dout_states = _empty(states.shape, x)
         _chunk_states(sz, dy, C, dtp, cs, doc, dout_states, mode=1)
         dstates = _empty(states.shape, x)
-        dinit = _empty(final.shape, x)
+        dinit = _empty((sz.batch, sz.nheads, sz.headdim, sz.dstate), x)
         n_eblocks = triton.cdiv(sz.state_size, sz.block_e)
         sdot_part = _empty((sz.batch, sz.nheads, sz.nchunks, n_eblocks), x)
         _state_pass_bwd_kernel[(sz.batch, sz.nheads, n_eblocks)](
-            states, cs, doc, entering, final, dfinal, dout_states, dstates, dinit, sdot_part,
+            cs, doc, entering, dfinal, dout_states, dstates, dinit, sdot_part,
             sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, sz.state_size, sdb,
             HAS_DFINAL=dfinal is not None, HAS_DOC=doc is not None, BLOCK=sz.block_e)
         del dout_states
@@ -634,9 +660,10 @@ class _SSDChunkScan(torch.autograd.Function):
         dx = _empty(x.shape, x, x.dtype)
         ddt_direct = _empty(dtp.shape, x)
         dcs = _empty(dtp.shape, x)
+        wstate = _empty(dtp.shape, x)
         grid = (sz.batch * sz.nchunks * sz.nheads, triton.cdiv(sz.chunk, sz.block_m))
         _dx_kernel[grid](
-            x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, dcs, *sz.dims(), *x.stride(), *B.stride(),
+            x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, dcs, wstate, *sz.dims(), *x.stride(), *B.stride(),
             *C.stride(), sdb, HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
             HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
             BLOCK_P=sz.block_p, BLOCK_N=sz.block_n)
@@ -652,7 +679,7 @@ class _SSDChunkScan(torch.autograd.Function):
         da_part = _empty((sz.batch, sz.nchunks, sz.nheads), x)
         dbias_part = _empty(da_part.shape, x) if dt_bias is not None else None
         _dt_bwd_kernel[(sz.batch, sz.nchunks, triton.cdiv(sz.nheads, sz.block_h))](
-            dt, dt_bias, A, dtp, ydot, ddt_direct, dcs, sdot_part.sum(-1), ddt, da_part, dbias_part,
+            dt, dt_bias, A, dtp, ydot, ddt_direct, dcs, wstate, sdot_part.sum(-1), ddt, da_part, dbias_part,
             sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, *dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
             HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, BLOCK_H=sz.block_h, BLOCK_Q=sz.block_q)
 

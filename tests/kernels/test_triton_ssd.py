@@ -46,8 +46,9 @@ def documents():
     return torch.tensor([row0, [0] * SEQLEN], dtype=torch.int32)
 
 
-def check_against_oracle(fn, tensors, seed, **kwargs):
-    """fn on float32 copies vs the oracle on float64 copies: y, final state and all gradients."""
+def check_against_oracle(fn, tensors, seed, tol_by_grad=None, **kwargs):
+    """fn on float32 copies vs the oracle on float64 copies: y, final state and all gradients
+    (within TOL, or tol_by_grad[name] for the named ones)."""
     ins32 = {k: v.detach().float().clone().requires_grad_() for k, v in tensors.items()}
     ins64 = {k: v.detach().double().clone().requires_grad_() for k, v in tensors.items()}
     y, final = fn(**ins32, chunk_size=CHUNK, return_final_states=True, **kwargs)
@@ -63,7 +64,8 @@ def check_against_oracle(fn, tensors, seed, **kwargs):
     for name, v in ins32.items():
         assert torch.isfinite(v.grad).all(), f"seed {seed}: non-finite grad of {name}"
         err = rel_err(v.grad, ins64[name].grad)
-        assert err <= TOL, f"seed {seed}: grad of {name} rel err {err:.2e}"
+        tol = (tol_by_grad or {}).get(name, TOL)
+        assert err <= tol, f"seed {seed}: grad of {name} rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("with_initial_states", [False, True])
@@ -81,6 +83,26 @@ def test_ssd_chunk_scan_per_channel_D_dt_limit_without_softplus_matches_oracle()
     t = inputs(seed, d_shape=(NHEADS, HEADDIM), z=False, initial_states=True)
     t["dt"] = t["dt"].abs()
     check_against_oracle(ssd_chunk_scan, t, seed, dt_limit=(0.05, 1.5))
+
+
+def test_ssd_chunk_scan_large_dt_stays_finite():
+    """dt up to ~1e3 after softplus: decays underflow to 0 instead of overflowing, nothing is NaN,
+    and all but dA and d dt_bias stay within 1e-4.
+
+    float32 within-chunk cumulative sums of dt*A reach ~1e4 here, so decays between later
+    positions of a chunk lose ~1e-4 absolute accuracy in their exponent, which the sums over
+    positions in dA (only checked finite) and d dt_bias (1e-3) amplify; the same algorithm with
+    float64 buffers is exact, so this is float32's limit for chunked scans, not a wrong term.
+    """
+    seed = 30
+    check_against_oracle(ssd_chunk_scan, inputs(seed, dt_scale=300.0, initial_states=True), seed,
+                         tol_by_grad={"A": float("inf"), "dt_bias": 1e-3}, dt_softplus=True, seq_idx=documents())
+
+
+def test_ssd_chunk_scan_moderately_large_dt_keeps_dA_accurate():
+    """dt up to ~10: every gradient, dA included, within 1e-4."""
+    seed = 31
+    check_against_oracle(ssd_chunk_scan, inputs(seed, dt_scale=5.0), seed, dt_softplus=True, seq_idx=documents())
 
 
 def test_ssd_chunk_scan_reads_strided_views():
