@@ -1,23 +1,29 @@
 """Mamba-1 selective scan in PyTorch, chunked.
 
-Each channel d and state n decays by exp(delta_t A[d, n]), so unlike SSD the decay matrix
-depends on n and cannot be shared. Within a chunk of CHUNK steps the states at every step
-are one batched matrix-vector product: h_t = sum_{s<=t} exp(cs_t - cs_s) delta_s B_s u_s,
-with cs the within-chunk cumulative sum of delta*A (cs_t - cs_s summed directly from its
-terms, see segment_sums), masked (causal, same document) before exp. A loop over chunks carries the state: the state entering a chunk adds exp(cs_t) times
-itself to positions of the document the previous chunk ended in. Nothing divides by a
-decay, so tiny decays underflow to exact zeros instead of producing inf or NaN.
+Each channel d and state n decays by its own exp(delta_t A[d, n]), so the state has
+batch*dim*dstate entries per step and a matrix (attention-like) form would multiply memory by
+the chunk length. Instead the sequence is cut into about sqrt(seqlen) chunks of about
+sqrt(seqlen) steps: the plain recurrence h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t runs
+inside all chunks at once (each from a zero state), then a loop over chunks carries the state
+and adds exp(cs_t) times the entering state, cs being the within-chunk cumulative sum of
+delta*A. That is about 2*sqrt(seqlen) Python steps, memory of the order of storing every
+state, and only products of decays and exps of sums that start at a chunk's first step:
+nothing divides by a decay, so tiny decays underflow to exact zeros, never inf or NaN.
 
-Memory is about CHUNK times that of storing every state (batch*dim*dstate*seqlen); the
-chunk is kept small for that reason.
+Document boundaries (seq_idx) zero the step decay where a document starts, and the entering
+state reaches only positions of the document the previous chunk ended in.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
-from .common import (check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time,
-                     segment_sums, silu)
+from .common import check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time, silu
 
-CHUNK = 16
+
+def chunk_length(seqlen: int) -> int:
+    """ceil(sqrt(seqlen)): as many steps inside a chunk as there are chunks."""
+    return math.isqrt(seqlen - 1) + 1
 
 
 def _as_groups(name, M, batch, dim, dstate, seqlen):
@@ -38,10 +44,19 @@ def _as_groups(name, M, batch, dim, dstate, seqlen):
                      f"(batch, groups, dstate, seqlen), got {tuple(M.shape)}")
 
 
-def _per_channel(M, dim):
-    """(batch, groups, dstate, L) -> (batch, dim, dstate, L): channel d reads group d // (dim/groups)."""
-    batch, groups, dstate, length = M.shape
-    return M.unsqueeze(2).expand(batch, groups, dim // groups, dstate, length).reshape(batch, dim, dstate, length)
+def _time_major(M, q, nchunks, pad, dim):
+    """B or C broadcastable against states laid out (q, chunk, batch, dim, dstate).
+
+    Channel d reads group d // (dim / groups); a constant (dim, dstate) matrix broadcasts as is.
+    """
+    if M.dim() == 2:
+        return M
+    batch, groups, dstate, _ = M.shape
+    M = pad_time(M, 3, pad).reshape(batch, groups, dstate, nchunks, q).permute(4, 3, 0, 1, 2)
+    if groups == 1:
+        return M
+    per_group = M.unsqueeze(4).expand(q, nchunks, batch, groups, dim // groups, dstate)
+    return per_group.reshape(q, nchunks, batch, dim, dstate)
 
 
 def _check(u, delta, A, D, z, delta_bias):
@@ -80,50 +95,54 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     if delta_softplus:
         delta = F.softplus(delta)
 
-    q = CHUNK
+    q = chunk_length(seqlen)
     pad = (-seqlen) % q
     nchunks = (seqlen + pad) // q
-    # Padded steps have delta = 0 and u = 0: they leave the state unchanged.
-    delta_c = pad_time(delta, 2, pad).reshape(batch, dim, 1, nchunks, q)
-    du = delta_c * pad_time(u.to(ct), 2, pad).reshape(batch, dim, 1, nchunks, q)
-    if B.dim() == 2:
-        dBu = du * B.to(ct)[None, :, :, None, None]
-    else:
-        dBu = du * _per_channel(pad_time(B.to(ct), 3, pad), dim).reshape(batch, dim, dstate, nchunks, q)
-    dA = delta_c * A.to(ct)[None, :, :, None, None]                          # (b, d, n, c, q)
-    cs = torch.cumsum(dA, dim=-1)
 
-    causal = torch.ones(q, q, dtype=torch.bool, device=u.device).tril()
+    def time_major(t):
+        """(batch, dim, seqlen) -> (q, chunk, batch, dim), zero-padded, contiguous."""
+        return pad_time(t, 2, pad).reshape(batch, dim, nchunks, q).permute(3, 2, 0, 1).contiguous()
+
+    # Every tensor is laid out (q, chunk, batch, dim, dstate) so that the loops below walk
+    # contiguous slices. Padded steps have delta = 0 and u = 0: they leave the state unchanged.
+    delta_t = time_major(delta)
+    dA = delta_t[..., None] * A.to(ct)
+    dBu = (delta_t * time_major(u.to(ct)))[..., None] * _time_major(B.to(ct), q, nchunks, pad, dim)
+
     if doc is None:
-        same_doc = causal
-        entering = torch.ones(nchunks, q, dtype=torch.bool, device=u.device)
+        step_decay = torch.exp(dA)
+        entering = torch.ones(q, nchunks, 1, 1, 1, dtype=torch.bool, device=u.device)
     else:
-        docc = pad_documents(doc, pad).reshape(batch, 1, 1, nchunks, q)
-        same_doc = causal & (docc[..., :, None] == docc[..., None, :])
-        prev_doc = torch.cat([docc[..., :1, 0], docc[..., :-1, -1]], dim=-1)    # (b, 1, 1, c)
-        entering = docc == prev_doc[..., None]
+        docc = pad_documents(doc, pad).reshape(batch, nchunks, q).permute(2, 1, 0)[..., None, None]
+        starts = torch.cat([torch.zeros_like(docc[:1], dtype=torch.bool), docc[1:] != docc[:-1]])
+        step_decay = torch.exp(dA.masked_fill(starts, float("-inf")))  # 0 where a document starts
+        prev_doc = torch.cat([docc[0, :1], docc[-1, :-1]], dim=0)            # (chunk, batch, 1, 1)
+        entering = docc == prev_doc
 
-    # States at every step of each chunk, each chunk started from zero.
-    decay = torch.exp(segment_sums(dA).masked_fill(~same_doc, float("-inf")))
-    states = torch.matmul(decay, dBu.unsqueeze(-1)).squeeze(-1)              # (b, d, n, c, q)
+    # Every chunk's states, each chunk started from zero, all chunks advanced together. The
+    # loops unbind their operands once: indexing inside them would cost a full-size gradient
+    # buffer per step in the backward pass.
+    decays, inputs = step_decay.unbind(0), dBu.unbind(0)
+    h = inputs[0]
+    steps = [h]
+    for t in range(1, q):
+        h = decays[t] * h + inputs[t]
+        steps.append(h)
+    states = torch.stack(steps)
 
-    # Carry the state across chunks; entering[c] marks the positions it reaches (the chunk's
+    # Carry the state across chunks; `entering` marks the positions it reaches (the chunk's
     # last position among them exactly when no document starts inside the chunk).
-    from_start = torch.exp(cs.masked_fill(~entering, float("-inf")))
-    chunk_decay = from_start[..., -1]
+    from_start = torch.exp(torch.cumsum(dA, dim=0).masked_fill(~entering, float("-inf")))
+    chunk_decays, chunk_ends = from_start[-1].unbind(0), states[-1].unbind(0)
     state = states.new_zeros(batch, dim, dstate)
     entering_states = []
     for c in range(nchunks):
         entering_states.append(state)
-        state = state * chunk_decay[..., c] + states[..., c, -1]
-    states = states + from_start * torch.stack(entering_states, dim=-1).unsqueeze(-1)
+        state = state * chunk_decays[c] + chunk_ends[c]
+    states = states + from_start * torch.stack(entering_states)
 
-    if C.dim() == 2:
-        y = torch.einsum("bdncq,dn->bdcq", states, C.to(ct))
-    else:
-        Cc = _per_channel(pad_time(C.to(ct), 3, pad), dim).reshape(batch, dim, dstate, nchunks, q)
-        y = (states * Cc).sum(2)
-    y = y.reshape(batch, dim, nchunks * q)[..., :seqlen]
+    y = (states * _time_major(C.to(ct), q, nchunks, pad, dim)).sum(-1)       # (q, chunk, batch, dim)
+    y = y.permute(2, 3, 1, 0).reshape(batch, dim, nchunks * q)[..., :seqlen]
     if D is not None:
         y = y + u.to(ct) * D.to(ct)[:, None]
     if z is not None:

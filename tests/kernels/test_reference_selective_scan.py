@@ -17,11 +17,12 @@ LAYOUTS = {  # shapes of B and C
 
 
 def documents():
-    """Row 0: documents start at 5, 16 (a chunk edge) and 29; row 1: at 32 (a chunk edge) and 33,
-    the last one reusing an earlier id (it is still a new document)."""
+    """Row 0: documents start at 5, at a chunk edge and at 29; row 1: at a later chunk edge and
+    one step after it, the last one reusing an earlier id (it is still a new document)."""
+    chunk = module.chunk_length(SEQLEN)
     seq = torch.zeros(BATCH, SEQLEN, dtype=torch.int32)
-    seq[0, 5:], seq[0, 16:], seq[0, 29:] = 1, 2, 3
-    seq[1, 32:], seq[1, 33:] = 7, 0
+    seq[0, 5:], seq[0, 2 * chunk:], seq[0, 29:] = 1, 2, 3
+    seq[1, 4 * chunk:], seq[1, 4 * chunk + 1:] = 7, 0
     return seq
 
 
@@ -41,7 +42,8 @@ def inputs(seed, layout="grouped", seqlen=SEQLEN):
 
 
 def test_internal_chunk_does_not_divide_the_test_length():
-    assert SEQLEN % module.CHUNK != 0 and SEQLEN > 2 * module.CHUNK
+    chunk = module.chunk_length(SEQLEN)
+    assert SEQLEN % chunk != 0 and 4 * chunk + 1 < SEQLEN
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
