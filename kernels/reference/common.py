@@ -53,17 +53,3 @@ def pad_documents(doc: torch.Tensor, pad: int) -> torch.Tensor:
     if pad == 0:
         return doc
     return torch.cat([doc, doc[:, -1:].expand(-1, pad)], dim=1)
-
-
-def segment_sums(a: torch.Tensor) -> torch.Tensor:
-    """S[..., i, j] = a[..., j+1] + ... + a[..., i] for i >= j (0 on the diagonal), over the last dim.
-
-    Each entry sums its own terms rather than subtracting two long cumulative sums, so it
-    keeps full precision when the cumulative sums are large, and its gradient reaches only
-    the terms in between (no cancelling contributions). Entries above the diagonal are
-    meaningless: mask them.
-    """
-    q = a.shape[-1]
-    strictly_below = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
-    terms = a[..., :, None].expand(*a.shape, q).masked_fill(~strictly_below, 0.0)   # [i, j] = a_i if i > j
-    return terms.cumsum(dim=-2)

@@ -63,6 +63,8 @@ def _check(u, delta, A, D, z, delta_bias):
     if u.dim() != 3:
         raise ValueError(f"u must have shape (batch, dim, seqlen), got {tuple(u.shape)}")
     batch, dim, seqlen = u.shape
+    if seqlen < 1:
+        raise ValueError(f"seqlen (u.shape[2]) must be at least 1, got {seqlen}")
     check_shape("delta", delta, u.shape, "(batch, dim, seqlen) like u")
     if A.dim() != 2 or A.shape[0] != dim:
         raise ValueError(f"A must have shape (dim, dstate) with dim = {dim}, got {tuple(A.shape)}")

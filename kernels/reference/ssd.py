@@ -16,8 +16,7 @@ previous chunk ended in, and is dropped at the chunk end if a new document began
 import torch
 import torch.nn.functional as F
 
-from .common import (check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time,
-                     segment_sums, silu)
+from .common import check_real, check_shape, compute_dtype, document_ids, pad_documents, pad_time, silu
 
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -39,6 +38,8 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states):
     if B.dim() != 4:
         raise ValueError(f"B must have shape (batch, seqlen, ngroups, dstate), got {tuple(B.shape)}")
     ngroups, dstate = B.shape[2], B.shape[3]
+    if seqlen < 1:
+        raise ValueError(f"seqlen (x.shape[1]) must be at least 1, got {seqlen}")
     check_shape("dt", dt, (batch, seqlen, nheads), "(batch, seqlen, nheads)")
     check_shape("A", A, (nheads,), "(nheads,)")
     check_shape("B", B, (batch, seqlen, ngroups, dstate), "(batch, seqlen, ngroups, dstate)")
@@ -59,6 +60,20 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states):
                     "(batch, nheads, headdim, dstate)")
     for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         check_real(name, t)
+
+
+def segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """S[..., i, j] = a[..., j+1] + ... + a[..., i] for i >= j (0 on the diagonal), over the last dim.
+
+    Each entry sums its own terms rather than subtracting two long cumulative sums, so it
+    keeps full precision when the cumulative sums are large, and its gradient reaches only
+    the terms in between (no cancelling contributions). Entries above the diagonal are
+    meaningless: mask them.
+    """
+    q = a.shape[-1]
+    strictly_below = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
+    terms = a[..., :, None].expand(*a.shape, q).masked_fill(~strictly_below, 0.0)   # [i, j] = a_i if i > j
+    return terms.cumsum(dim=-2)
 
 
 def _exp_masked(logits, keep):
@@ -121,11 +136,13 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
         state = xc.new_zeros(batch, ngroups, per_group, headdim, dstate)
     else:
         state = initial_states.to(ct).reshape(batch, ngroups, per_group, headdim, dstate)
-    chunk_decay = from_start[..., -1]                                          # (b, c, g, r)
+    # The loop unbinds its operands once: indexing inside it would cost a full-size gradient
+    # buffer per chunk in the backward pass.
+    chunk_decays = from_start[..., -1, None, None].unbind(1)                  # (b, g, r, 1, 1) each
     states = []
-    for c in range(nchunks):
+    for c, chunk_state in enumerate(chunk_states.unbind(1)):
         states.append(state)
-        state = state * chunk_decay[:, c, :, :, None, None] + chunk_states[:, c]
+        state = state * chunk_decays[c] + chunk_state
     states = torch.stack(states, dim=1)                                        # (b, c, g, r, p, n)
 
     # Off-diagonal blocks: the entering state read out at each position.
