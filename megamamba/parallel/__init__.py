@@ -14,6 +14,7 @@ from megamamba.parallel.collectives import (
     start_sequence_gather,
 )
 from megamamba.parallel.comm_counter import CommRecord, CommTotals, comm_counter
+from megamamba.parallel.components import component_parameters, in_component_order
 from megamamba.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megamamba.parallel.layers import (
     ColumnParallelLinear,
@@ -37,9 +38,9 @@ from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel, divide
 
 __all__ = [
     "SEQ_DIM", "ColumnParallelLinear", "CommRecord", "CommTotals", "Component", "RowParallelLinear", "Shard",
-    "TensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "assemble_full", "comm_counter",
+    "TensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "assemble_full", "comm_counter", "component_parameters",
     "copy_to_tp_region", "divide", "full_tensors", "gather_from_sequence_region", "gather_from_tp_region",
-    "gather_full", "load_full_tensors", "local_shard", "mark", "parallel_linear", "reduce_from_tp_region",
+    "gather_full", "in_component_order", "load_full_tensors", "local_shard", "mark", "parallel_linear", "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "scatter_to_tp_region",
     "start_sequence_gather", "tp_padded_vocab_size", "vocab_parallel_cross_entropy",
 ]

@@ -23,6 +23,7 @@ from megamamba.parallel.collectives import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
+from megamamba.parallel.components import component_parameters, in_component_order
 from megamamba.parallel.linear import parallel_linear
 from megamamba.parallel.sharding import Component, Shard, assemble_full, load_full_tensors, mark, tp_padded_vocab_size
 from megamamba.parallel.tensor_parallel import TensorParallel, divide
@@ -73,43 +74,24 @@ class ColumnParallelLinear(nn.Module):
         if total != out_features:
             raise ValueError(f"components {[(c.name, c.size) for c in components]} sum to {total}, "
                              f"not out_features = {out_features}")
-        if not any(c.sharded for c in components):
-            raise ValueError(f"at least one component must be sharded, got {components}")
-        replicated = [c for c in components if not c.sharded]
+        replicated = [c.name for c in components if not c.sharded]
         if gather_output and replicated:
-            raise ValueError(f"gather_output=True with replicated components {[c.name for c in replicated]}: "
+            raise ValueError(f"gather_output=True with replicated components {replicated}: "
                              "their output is already full on every rank and feeds rank-specific compute")
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.gather_output, self.components = tp, gather_output, components
-        weight_shard = Shard("weight", 0, components)
-        self.local_sizes = weight_shard.local_sizes(tp.size)
-        self.weight = _param((sum(self.local_sizes), in_features), weight_shard)
-        self.bias = _param((sum(self.local_sizes),), Shard("bias", 0, components)) if bias else None
-        self.weight_replicated = self.bias_replicated = None
-        if replicated:
-            rep_rows = sum(c.size for c in replicated)
-            self.weight_replicated = _param(
-                (rep_rows, in_features), Shard("weight", 0, components, replicated_part=True, grad_reduced=True))
-            if bias:
-                self.bias_replicated = _param(
-                    (rep_rows,), Shard("bias", 0, components, replicated_part=True, grad_reduced=True))
+        self.weight, self.weight_replicated = component_parameters((out_features, in_features), 0, components, tp, "weight")
+        self.bias = self.bias_replicated = None
+        if bias:
+            self.bias, self.bias_replicated = component_parameters((out_features,), 0, components, tp, "bias")
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         load_full_tensors(self, _linear_init(self.out_features, self.in_features, self.bias is not None), self.tp)
 
-    def _local(self, sharded: torch.Tensor, replicated: torch.Tensor | None) -> torch.Tensor:
-        """This rank's rows in component order: its slice of each sharded one, replicated ones whole."""
-        if replicated is None:
-            return sharded
-        replicated = copy_to_tp_region(replicated, self.tp)
-        own = iter(sharded.split(self.local_sizes))
-        rep = iter(replicated.split([c.size for c in self.components if not c.sharded]))
-        return torch.cat([next(own) if c.sharded else next(rep) for c in self.components])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._local(self.weight, self.weight_replicated)
-        bias = None if self.bias is None else self._local(self.bias, self.bias_replicated)
+        weight = in_component_order(self.weight, self.weight_replicated, self.components, self.tp)
+        bias = None if self.bias is None else in_component_order(self.bias, self.bias_replicated, self.components, self.tp)
         out = parallel_linear(x, weight, bias, self.tp)
         if not self.gather_output or self.tp.size == 1:
             return out
