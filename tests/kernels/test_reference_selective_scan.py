@@ -109,3 +109,20 @@ def test_random_lengths_and_documents_match_naive(seed):
     for dtype in (torch.float64, torch.float32):
         naive_ops.assert_matches_naive(selective_scan, naive_ops.selective_scan, tensors, dtype, TOLERANCE[dtype],
                                        2000 + seed, delta_softplus=True, return_last_state=True)
+
+
+@pytest.mark.slow
+def test_long_sequence_matches_naive_in_float32():
+    """600 steps with A = -1 ... -16 per state, as mamba_ssm initialises it."""
+    gen = torch.Generator().manual_seed(3001)
+    batch, dim, seqlen, dstate = 1, 16, 600, 16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    tensors = dict(u=randn(batch, dim, seqlen), delta=randn(batch, dim, seqlen) - 3,
+                   A=-torch.arange(1, dstate + 1, dtype=torch.float64).repeat(dim, 1),
+                   B=randn(batch, dstate, seqlen), C=randn(batch, dstate, seqlen), D=randn(dim),
+                   delta_bias=randn(dim), seq_idx=(torch.arange(seqlen) >= 300).int()[None])
+    naive_ops.assert_matches_naive(selective_scan, naive_ops.selective_scan, tensors, torch.float32,
+                                   TOLERANCE[torch.float32], 3001, delta_softplus=True, return_last_state=True)

@@ -109,3 +109,21 @@ def test_random_shapes_and_documents_match_naive(seed):
     for dtype in (torch.float64, torch.float32):
         naive_ops.assert_matches_naive(ssd_chunk_scan, naive_ops.ssd_chunk_scan, tensors, dtype, TOLERANCE[dtype],
                                        1000 + seed, chunk_size=chunk, dt_softplus=True, return_final_states=True)
+
+
+@pytest.mark.slow
+def test_long_sequence_with_default_chunk_matches_naive_in_float32():
+    """600 steps, chunk 256, strong decays (A down to -16) as in trained models."""
+    gen = torch.Generator().manual_seed(3000)
+    batch, seqlen, nheads, headdim, dstate = 1, 600, 2, 8, 16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    tensors = dict(x=randn(batch, seqlen, nheads, headdim), dt=randn(batch, seqlen, nheads) - 3,
+                   A=-torch.rand(nheads, generator=gen, dtype=torch.float64) * 15 - 1,
+                   B=randn(batch, seqlen, 1, dstate), C=randn(batch, seqlen, 1, dstate), D=randn(nheads),
+                   dt_bias=randn(nheads), seq_idx=(torch.arange(seqlen) >= 256).int()[None])
+    naive_ops.assert_matches_naive(ssd_chunk_scan, naive_ops.ssd_chunk_scan, tensors, torch.float32,
+                                   TOLERANCE[torch.float32], 3000, chunk_size=256, dt_softplus=True,
+                                   return_final_states=True)
