@@ -44,7 +44,7 @@ def _as_groups(name, M, batch, dim, dstate, seqlen):
                      f"(batch, groups, dstate, seqlen), got {tuple(M.shape)}")
 
 
-def _time_major(M, q, nchunks, pad, dim):
+def _states_operand(M, q, nchunks, pad, dim):
     """B or C broadcastable against states laid out (q, chunk, batch, dim, dstate).
 
     Channel d reads group d // (dim / groups); a constant (dim, dstate) matrix broadcasts as is.
@@ -109,7 +109,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     # contiguous slices. Padded steps have delta = 0 and u = 0: they leave the state unchanged.
     delta_t = time_major(delta)
     dA = delta_t[..., None] * A.to(ct)
-    dBu = (delta_t * time_major(u.to(ct)))[..., None] * _time_major(B.to(ct), q, nchunks, pad, dim)
+    dBu = (delta_t * time_major(u.to(ct)))[..., None] * _states_operand(B.to(ct), q, nchunks, pad, dim)
 
     if doc is None:
         step_decay = torch.exp(dA)
@@ -143,7 +143,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         state = state * chunk_decays[c] + chunk_ends[c]
     states = states + from_start * torch.stack(entering_states)
 
-    y = (states * _time_major(C.to(ct), q, nchunks, pad, dim)).sum(-1)       # (q, chunk, batch, dim)
+    y = (states * _states_operand(C.to(ct), q, nchunks, pad, dim)).sum(-1)   # (q, chunk, batch, dim)
     y = y.permute(2, 3, 1, 0).reshape(batch, dim, nchunks * q)[..., :seqlen]
     if D is not None:
         y = y + u.to(ct) * D.to(ct)[:, None]
