@@ -1,6 +1,7 @@
 """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1) behind the public kernel API."""
 from .conv import causal_conv1d
 from .norm import rmsnorm_gated
+from .selective_scan import selective_scan
 from .ssd import ssd_chunk_scan
 
-__all__ = ["causal_conv1d", "rmsnorm_gated", "ssd_chunk_scan"]
+__all__ = ["causal_conv1d", "rmsnorm_gated", "selective_scan", "ssd_chunk_scan"]
