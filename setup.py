@@ -34,9 +34,10 @@ setup(
         "deepspeed>=0.19,<0.20",
         "einops>=0.8",
         "sentencepiece>=0.2",
+        "tokenizers>=0.20",
         "tensorboard>=2.17",
         "safetensors>=0.4",
         "numpy>=1.26",
     ],
-    extras_require={"dev": ["pytest>=8", "ninja"]},
+    extras_require={"dev": ["pytest>=8", "ninja", "transformers>=4.45"]},
 )
