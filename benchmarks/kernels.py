@@ -1,0 +1,390 @@
+"""Kernel benchmark and GPU correctness check (one CUDA GPU; finishes in a few minutes).
+
+    python benchmarks/kernels.py [--mamba-ssm-src PATH] [--json PATH] [--skip-timing] [--skip-check]
+
+Correctness: every Triton op, forward and every gradient, against the PyTorch reference in
+float32 with TF32 off (<= 1e-4 relative) and in bfloat16 (<= 1e-2 relative to the float32
+reference of the same bf16-rounded inputs), including one sequence past 64K tokens.
+Timing: forward and forward+backward of the ops at the shapes of Mamba-2 130M / 370M / 1.3B
+layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1) and Mamba-1 layers
+(d_state 16), in bf16, with achieved TFLOP/s and GB/s against the GPU's measured ceilings,
+and the time ratio against mamba_ssm's Triton SSD (mamba_chunk_scan_combined) when its Python
+sources are given (--mamba-ssm-src: the unpacked PyPI source release; its CUDA extension is
+replaced by a stub module) and against our PyTorch reference.
+A short table is printed last; details go to --json (default $OUT/kernels_benchmark.json when
+OUT is set).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import types
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+PEAK_TFLOPS = 790.0     # measured bf16 matmul ceiling of the H200 this was written for
+PEAK_GBPS = 4300.0      # measured device-copy ceiling
+TOKENS = 16 * 1024
+MAMBA2_D_MODEL = {"130M": 768, "370M": 1024, "1.3B": 2048}
+MAMBA1_D_MODEL = {"130M": 768, "1.4B": 2048}
+HEADDIM, D_STATE2, CHUNK, D_STATE1, EXPAND, D_CONV = 64, 128, 256, 16, 2, 4
+LONG_SEQLEN = 65_600    # past 64K tokens and not a multiple of the chunk
+
+
+# ----------------------------------------------------------------------------- shapes and counts
+
+def mamba2_shape(d_model, tokens=TOKENS, seqlen=2048):
+    """Mamba-2 layer SSD shape: dict(batch, seqlen, nheads, headdim, ngroups, dstate, chunk)."""
+    d_inner = EXPAND * d_model
+    return dict(batch=tokens // seqlen, seqlen=seqlen, nheads=d_inner // HEADDIM, headdim=HEADDIM,
+                ngroups=1, dstate=D_STATE2, chunk=CHUNK)
+
+
+def mamba1_shape(d_model, tokens=TOKENS, seqlen=2048):
+    """Mamba-1 layer scan shape: dict(batch, seqlen, dim, dstate)."""
+    return dict(batch=tokens // seqlen, seqlen=seqlen, dim=EXPAND * d_model, dstate=D_STATE1)
+
+
+def ssd_flops(batch, seqlen, nheads, headdim, ngroups, dstate, chunk):
+    """Forward FLOPs of the chunked SSD algorithm (dense chunk blocks, masking not discounted):
+    C.B^T per group, its product with x, the chunk states and the state read-out."""
+    tokens = batch * seqlen
+    return 2 * tokens * (chunk * dstate * ngroups + chunk * nheads * headdim + 2 * nheads * headdim * dstate)
+
+
+def ssd_bytes(batch, seqlen, nheads, headdim, ngroups, dstate, elem, backward=False):
+    """Bytes the SSD op must move at least: x, z, dt, B, C in and y out (forward); the backward
+    reads them and dy and writes dx, dz, ddt, dB, dC."""
+    tokens = batch * seqlen
+    inputs = tokens * (2 * nheads * headdim + nheads + 2 * ngroups * dstate) * elem
+    out = tokens * nheads * headdim * elem
+    return (2 * inputs + out) if backward else (inputs + out)
+
+
+def scan_flops(batch, seqlen, dim, dstate):
+    """Forward FLOPs of the selective scan: per state element exp-argument, decay, input and read-out."""
+    return 7 * batch * seqlen * dim * dstate
+
+
+def scan_bytes(batch, seqlen, dim, dstate, elem, backward=False):
+    """u, delta, z, B, C in and out (forward); the backward also reads dout and writes the grads."""
+    tokens = batch * seqlen
+    inputs = tokens * (3 * dim + 2 * dstate) * elem
+    out = tokens * dim * elem
+    return (2 * inputs + out) if backward else (inputs + out)
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def ssd_inputs(shape, dtype, device, gen, docs=False, initial=False):
+    b, L, h, p, g, n = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "dstate"))
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)
+    dt_init = torch.exp(torch.rand(h, generator=gen, device=device) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    t = dict(x=r(b, L, h, p), dt=0.5 * r(b, L, h), A=-torch.exp(torch.rand(h, generator=gen, device=device) * math.log(16)),
+             B=r(b, L, g, n) / math.sqrt(n), C=r(b, L, g, n), D=r(h), z=r(b, L, h, p),
+             dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)))
+    if initial:
+        t["initial_states"] = 0.1 * r(b, h, p, n)
+    t = {k: v.to(dtype) if k not in ("A", "D", "dt_bias") else v for k, v in t.items()}
+    kwargs = dict(chunk_size=shape["chunk"], dt_softplus=True)
+    if docs:
+        kwargs["seq_idx"] = documents(b, L, device)
+    return t, kwargs
+
+
+def scan_inputs(shape, dtype, device, gen, docs=False):
+    b, L, d, n = (shape[k] for k in ("batch", "seqlen", "dim", "dstate"))
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)
+    t = dict(u=r(b, d, L), delta=0.5 * r(b, d, L) - 4.0, A=-torch.arange(1, n + 1, device=device).float().repeat(d, 1),
+             B=r(b, n, L), C=r(b, n, L), D=r(d), z=r(b, d, L), delta_bias=0.1 * r(d))
+    t = {k: v.to(dtype) if k in ("u", "delta", "B", "C", "z") else v for k, v in t.items()}
+    kwargs = dict(delta_softplus=True)
+    if docs:
+        kwargs["seq_idx"] = documents(b, L, device)
+    return t, kwargs
+
+
+def conv_inputs(batch, dim, seqlen, dtype, device, gen, docs=False):
+    t = dict(x=torch.randn(batch, dim, seqlen, generator=gen, device=device).to(dtype),
+             weight=torch.randn(dim, D_CONV, generator=gen, device=device) / 2,
+             bias=torch.randn(dim, generator=gen, device=device))
+    kwargs = dict(activation="silu")
+    if docs:
+        kwargs["seq_idx"] = documents(batch, seqlen, device)
+    return t, kwargs
+
+
+def norm_inputs(rows, dim, group_size, dtype, device, gen):
+    t = dict(x=torch.randn(rows, dim, generator=gen, device=device).to(dtype),
+             weight=1 + 0.1 * torch.randn(dim, generator=gen, device=device),
+             z=torch.randn(rows, dim, generator=gen, device=device).to(dtype))
+    return t, dict(group_size=group_size, norm_before_gate=False, eps=1e-5)
+
+
+def documents(batch, seqlen, device):
+    """Document ids with boundaries at fixed fractions of the sequence (one in every row)."""
+    pos = torch.arange(seqlen, device=device)
+    cuts = [seqlen // 7, seqlen // 3, (2 * seqlen) // 3 + 5]
+    ids = sum((pos >= c).int() for c in cuts)
+    return ids.to(torch.int32).expand(batch, seqlen).contiguous()
+
+
+# ----------------------------------------------------------------------------- running ops
+
+def ops():
+    """name -> (Triton op, PyTorch reference op)."""
+    from megamamba.kernels import triton as tri
+    from megamamba.kernels.reference.conv import causal_conv1d
+    from megamamba.kernels.reference.norm import rmsnorm_gated
+    from megamamba.kernels.reference.selective_scan import selective_scan
+    from megamamba.kernels.reference.ssd import ssd_chunk_scan
+    return {"ssd_chunk_scan": (tri.ssd_chunk_scan, ssd_chunk_scan),
+            "selective_scan": (tri.selective_scan, selective_scan),
+            "causal_conv1d": (tri.causal_conv1d, causal_conv1d),
+            "rmsnorm_gated": (tri.rmsnorm_gated, rmsnorm_gated)}
+
+
+def forward_backward(fn, tensors, kwargs, seed=0):
+    """Output and gradients of every float input under a fixed random output gradient."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items() if v.is_floating_point()}
+    out = fn(**{**tensors, **leaves}, **kwargs)
+    gen = torch.Generator(device=out.device).manual_seed(seed)
+    grad = torch.randn(out.shape, generator=gen, device=out.device).to(out.dtype)
+    out.backward(grad)
+    return out.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def compare(name, dtype, triton_fn, reference_fn, tensors, kwargs, tol):
+    """Triton on `tensors` vs the reference on their float32 copies: worst relative error."""
+    out, grads = forward_backward(triton_fn, tensors, kwargs)
+    ref32 = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+    ref_out, ref_grads = forward_backward(reference_fn, ref32, kwargs)
+    errs = {"out": rel_err(out, ref_out)}
+    errs.update({f"d{k}": rel_err(grads[k], ref_grads[k]) for k in grads})
+    finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
+    worst = max(errs, key=errs.get)
+    return dict(op=name, dtype=str(dtype).replace("torch.", ""), shape={k: list(v.shape) for k, v in tensors.items()},
+                errors=errs, worst=worst, max_rel_err=errs[worst], tol=tol, finite=finite,
+                ok=finite and errs[worst] <= tol)
+
+
+def correctness(device):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    table = ops()
+    gen = torch.Generator(device=device).manual_seed(0)
+    cases = []
+    small2 = dict(batch=2, seqlen=1000, nheads=8, headdim=64, ngroups=2, dstate=128, chunk=256)
+    small1 = dict(batch=2, seqlen=1000, dim=256, dstate=16)
+    long2 = dict(batch=1, seqlen=LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
+    long1 = dict(batch=1, seqlen=LONG_SEQLEN, dim=64, dstate=16)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen, docs=True, initial=True)))
+        cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen)))
+        cases.append(("selective_scan", dtype, tol, scan_inputs(small1, dtype, device, gen, docs=True)))
+        cases.append(("causal_conv1d", dtype, tol, conv_inputs(2, 384, 1000, dtype, device, gen, docs=True)))
+        cases.append(("rmsnorm_gated", dtype, tol, norm_inputs(2000, 512, 256, dtype, device, gen)))
+    cases.append(("ssd_chunk_scan", torch.float32, 1e-4, ssd_inputs(long2, torch.float32, device, gen, docs=True)))
+    cases.append(("selective_scan", torch.float32, 1e-4, scan_inputs(long1, torch.float32, device, gen, docs=True)))
+    cases.append(("causal_conv1d", torch.float32, 1e-4, conv_inputs(1, 64, LONG_SEQLEN, torch.float32, device, gen)))
+    results = []
+    for name, dtype, tol, (tensors, kwargs) in cases:
+        start = time.time()
+        try:
+            res = compare(name, dtype, *table[name], tensors, kwargs, tol)
+        except Exception as exc:  # a kernel that fails to compile or run is reported, not fatal
+            res = dict(op=name, dtype=str(dtype).replace("torch.", ""), ok=False, error=repr(exc)[:500],
+                       shape={k: list(v.shape) for k, v in tensors.items()})
+        res["seconds"] = round(time.time() - start, 2)
+        results.append(res)
+        print(f"[check] {name:15s} {res['dtype']:8s} {str(res['shape'].get('x', res['shape'].get('u'))):24s} "
+              f"{'ok ' if res['ok'] else 'FAIL'} "
+              + (f"max rel err {res['max_rel_err']:.2e} ({res['worst']})" if "max_rel_err" in res else res.get("error", "")),
+              flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return results
+
+
+# ----------------------------------------------------------------------------- timing
+
+def cuda_time(fn, warmup=2, iters=5):
+    """Mean milliseconds per call of fn, measured with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def time_op(fn, tensors, kwargs):
+    """(forward ms, forward+backward ms) of fn on tensors."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items() if v.is_floating_point()}
+    args = {**tensors, **leaves}
+
+    def fwd():
+        with torch.no_grad():
+            fn(**tensors, **kwargs)
+
+    def fwd_bwd():
+        for v in leaves.values():
+            v.grad = None
+        out = fn(**args, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+
+    out = fn(**tensors, **kwargs)
+    grad = torch.randn_like(out[0] if isinstance(out, tuple) else out)
+    return cuda_time(fwd), cuda_time(fwd_bwd)
+
+
+def load_mamba_ssm(src):
+    """mamba_ssm's mamba_chunk_scan_combined from its source release, or (None, why not)."""
+    if not src:
+        return None, "not given (--mamba-ssm-src)"
+    root = os.path.dirname(src.rstrip("/")) if os.path.basename(src.rstrip("/")) == "mamba_ssm" else src
+    if not os.path.isdir(os.path.join(root, "mamba_ssm")):
+        return None, f"no mamba_ssm package under {root}"
+    sys.path.insert(0, root)
+    # The package __init__ imports the compiled selective-scan extension: a stub stands in.
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return mamba_chunk_scan_combined, "imported with its package __init__"
+    except Exception as first:  # e.g. its __init__ needs transformers: skip the __init__
+        for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
+            del sys.modules[name]
+        package = types.ModuleType("mamba_ssm")
+        package.__path__ = [os.path.join(root, "mamba_ssm")]
+        sys.modules["mamba_ssm"] = package
+        try:
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+            return mamba_chunk_scan_combined, f"imported without its package __init__ ({first!r:.120})"
+        except Exception as second:
+            return None, f"import failed: {second!r:.300}"
+
+
+def timing(device, mamba_ssm_src):
+    table = ops()
+    theirs, how = load_mamba_ssm(mamba_ssm_src)
+    print(f"[time] mamba_ssm: {how}", flush=True)
+    gen = torch.Generator(device=device).manual_seed(1)
+    dtype, elem = torch.bfloat16, 2
+    rows = []
+
+    def record(op, layer, shape, fwd_ms, fb_ms, flops, fwd_bytes, fb_bytes, extra):
+        row = dict(op=op, layer=layer, shape=shape, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+                   fwd_tflops=flops / fwd_ms / 1e9 if flops else None,
+                   fwd_bwd_tflops=3 * flops / fb_ms / 1e9 if flops else None,
+                   fwd_gbps=fwd_bytes / fwd_ms / 1e6, fwd_bwd_gbps=(fwd_bytes + fb_bytes) / fb_ms / 1e6, **extra)
+        rows.append(row)
+        print(f"[time] {op:15s} {layer:12s} fwd {fwd_ms:8.3f} ms  fwd+bwd {fb_ms:8.3f} ms  "
+              + (f"{row['fwd_tflops']:6.1f}/{row['fwd_bwd_tflops']:6.1f} TFLOP/s  " if flops else "")
+              + f"{row['fwd_gbps']:7.0f}/{row['fwd_bwd_gbps']:7.0f} GB/s  "
+              + " ".join(f"{k}={v:.2f}" for k, v in extra.items() if isinstance(v, float)), flush=True)
+
+    for name, d_model in MAMBA2_D_MODEL.items():
+        shape = mamba2_shape(d_model)
+        tensors, kwargs = ssd_inputs(shape, dtype, device, gen)
+        ours = time_op(table["ssd_chunk_scan"][0], tensors, kwargs)
+        ref = time_op(table["ssd_chunk_scan"][1], tensors, kwargs)
+        extra = dict(ref_fwd_ms=ref[0], ref_fwd_bwd_ms=ref[1], vs_reference_fwd_bwd=ref[1] / ours[1])
+        if theirs is not None:
+            try:
+                ms = time_op(theirs, tensors, kwargs)
+                extra.update(mamba_ssm_fwd_ms=ms[0], mamba_ssm_fwd_bwd_ms=ms[1],
+                             vs_mamba_ssm_fwd=ms[0] / ours[0], vs_mamba_ssm_fwd_bwd=ms[1] / ours[1])
+            except Exception as exc:
+                extra["mamba_ssm_error"] = repr(exc)[:300]
+        dims = {k: shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "dstate")}
+        record("ssd_chunk_scan", f"mamba2-{name}", shape, *ours, ssd_flops(**dims, chunk=CHUNK),
+               ssd_bytes(**dims, elem=elem), ssd_bytes(**dims, elem=elem, backward=True), extra)
+        conv_dim = EXPAND * d_model + 2 * shape["ngroups"] * D_STATE2
+        ct, ck = conv_inputs(shape["batch"], conv_dim, shape["seqlen"], dtype, device, gen)
+        ours = time_op(table["causal_conv1d"][0], ct, ck)
+        tokens_bytes = TOKENS * conv_dim * elem
+        record("causal_conv1d", f"mamba2-{name}", {"dim": conv_dim}, *ours, 0, 2 * tokens_bytes, 3 * tokens_bytes, {})
+        d_inner = EXPAND * d_model
+        nt, nk = norm_inputs(TOKENS, d_inner, d_inner, dtype, device, gen)
+        ours = time_op(table["rmsnorm_gated"][0], nt, nk)
+        norm_bytes = TOKENS * d_inner * elem
+        record("rmsnorm_gated", f"mamba2-{name}", {"dim": d_inner}, *ours, 0, 3 * norm_bytes, 5 * norm_bytes, {})
+    for name, d_model in MAMBA1_D_MODEL.items():
+        shape = mamba1_shape(d_model)
+        tensors, kwargs = scan_inputs(shape, dtype, device, gen)
+        ours = time_op(table["selective_scan"][0], tensors, kwargs)
+        ref = time_op(table["selective_scan"][1], tensors, kwargs)
+        record("selective_scan", f"mamba1-{name}", shape, *ours, scan_flops(**shape),
+               scan_bytes(**shape, elem=elem), scan_bytes(**shape, elem=elem, backward=True),
+               dict(ref_fwd_ms=ref[0], ref_fwd_bwd_ms=ref[1], vs_reference_fwd_bwd=ref[1] / ours[1]))
+    return rows, how
+
+
+def summary(checks, rows):
+    lines = ["", "== summary =="]
+    if checks:
+        bad = [c for c in checks if not c["ok"]]
+        lines.append(f"correctness: {len(checks) - len(bad)}/{len(checks)} cases pass"
+                     + ("" if not bad else "; failing: " + ", ".join(f"{c['op']}/{c['dtype']}" for c in bad)))
+    if rows:
+        lines.append(f"{'op':15s} {'layer':12s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} {'%peak':>6s} "
+                     f"{'GB/s':>6s} {'%copy':>6s} {'x mamba_ssm':>11s} {'x ref':>6s}")
+        for r in rows:
+            tf = r["fwd_bwd_tflops"]
+            vs_theirs = r.get("vs_mamba_ssm_fwd_bwd")
+            vs_ref = r.get("vs_reference_fwd_bwd")
+            lines.append(f"{r['op']:15s} {r['layer']:12s} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
+                         f"{(f'{tf:8.1f}' if tf else '       -')} {(f'{100 * tf / PEAK_TFLOPS:6.1f}' if tf else '     -')} "
+                         f"{r['fwd_bwd_gbps']:6.0f} {100 * r['fwd_bwd_gbps'] / PEAK_GBPS:6.1f} "
+                         f"{(f'{vs_theirs:11.2f}' if vs_theirs else '          -')} {(f'{vs_ref:6.2f}' if vs_ref else '     -')}")
+        lines.append("(f+b = forward+backward; TFLOP/s and GB/s of f+b; x mamba_ssm / x ref = their time / ours, "
+                     ">1 means we are faster)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--mamba-ssm-src", default=None,
+                        help="unpacked mamba_ssm source release (folder holding mamba_ssm/), for the comparison")
+    parser.add_argument("--json", default=None, help="where to write the details (default $OUT/kernels_benchmark.json)")
+    parser.add_argument("--skip-check", action="store_true", help="skip the correctness section")
+    parser.add_argument("--skip-timing", action="store_true", help="skip the timing section")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the CPU interpreter path is covered by tests/kernels/test_triton_*.py)")
+    import triton
+    device = torch.device("cuda")
+    started = time.time()
+    info = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, python=sys.version.split()[0])
+    print("[info] " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    checks = [] if args.skip_check else correctness(device)
+    rows, how = ([], "skipped") if args.skip_timing else timing(device, args.mamba_ssm_src)
+    info.update(seconds=round(time.time() - started, 1), mamba_ssm=how)
+    path = args.json or (os.path.join(os.environ["OUT"], "kernels_benchmark.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(info=info, checks=checks, timings=rows), f, indent=1, default=str)
+    print(summary(checks, rows))
+    print(f"total {info['seconds']} s" + (f"; details in {path}" if path else ""))
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
