@@ -15,6 +15,8 @@ import json
 import os
 import sys
 import time
+import warnings
+from typing import NamedTuple, Optional
 
 import deepspeed
 import torch
@@ -28,11 +30,15 @@ from megamamba.global_batches import GlobalBatches, read_documents, split_train_
 from megamamba.lr_schedule import DECAY_STYLES, LRSchedule
 from megamamba.metrics import MetricsLogger
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
-from megamamba.pipelines.layout import LayoutError, check_run, engine_config, resolve_layout
+from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
 
 VALID_FRACTION = 0.05
+
+# DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
+# available (gloo); autograd then warns once per rank about a node it never differentiates.
+warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,8 +84,16 @@ def _read_json(path: str, what: str) -> dict:
         raise LayoutError(f"{what} {path!r}: {e}") from None
 
 
-def prepare(args: argparse.Namespace, world_size: int):
-    """Every check that needs no process group; returns (layout, model config, engine config, LR schedule)."""
+class RunPlan(NamedTuple):
+    layout: Layout
+    model: MambaConfig
+    engine_config: dict
+    schedule: LRSchedule
+    tensorboard_dir: Optional[str]
+
+
+def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
+    """Every check that needs no process group; raises LayoutError with one message."""
     if args.save or args.load:
         raise LayoutError("--save/--load: checkpointing is not implemented yet (issue 6)")
     ds_config = _read_json(args.deepspeed_config, "--deepspeed_config")
@@ -92,17 +106,18 @@ def prepare(args: argparse.Namespace, world_size: int):
                           f"{ByteTokenizer.vocab_size} tokens")
     layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config)
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
+    if args.checkpoint_activations_interval < 0:
+        raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
     try:
         check_partition_method(args.partition_method)
         schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    if args.checkpoint_activations_interval < 0:
-        raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
-    return layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule, ds_config
+    return RunPlan(layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule,
+                   tensorboard_dir(args, ds_config))
 
 
-def tensorboard_dir(args, ds_config: dict):
+def tensorboard_dir(args, ds_config: dict) -> Optional[str]:
     """--log-dir, else the JSON's tensorboard block (output_path/job_name) when enabled."""
     if args.log_dir:
         return args.log_dir
@@ -119,19 +134,17 @@ def peak_memory_gb() -> float:
     return peak.item()
 
 
-def print_optimizer_state(rank: int, layout, trainer) -> None:
-    """After the first step (torch's Adam allocates its moments then): bytes held vs 12 per stage parameter / dp."""
-    state_bytes = optimizer_state_bytes(trainer.optimizer, trainer.module)
-    stage_params = sum(p.numel() for p in trainer.module.parameters())
-    print(f"rank {rank}: dp={layout.dp} tp={layout.tp} pp={layout.pp} micro={layout.micro_batch_size} "
-          f"accum={layout.grad_accum} | stage parameters {stage_params} | optimizer state bytes {state_bytes} "
-          f"= {state_bytes * layout.dp / stage_params:.3f} x stage parameters / dp", flush=True)
+def optimizer_state_line(rank: int, layout, state_bytes: int, stage_params: int) -> str:
+    return (f"rank {rank}: dp={layout.dp} tp={layout.tp} pp={layout.pp} micro={layout.micro_batch_size} "
+            f"accum={layout.grad_accum} | stage parameters {stage_params} | optimizer state bytes {state_bytes} "
+            f"= {state_bytes * layout.dp / stage_params:.3f} x stage parameters / dp")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
+    """Train; returns this rank's summary: logged records, optimizer-state bytes, stage parameter count."""
     args = parse_args(argv)
     try:
-        layout, model_config, ds_engine_config, schedule, ds_config = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))
+        plan = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))
     except LayoutError as e:
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -139,28 +152,33 @@ def main(argv=None) -> None:
     deepspeed.init_distributed()
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank = dist.get_rank()
+    layout, model_config, schedule = plan.layout, plan.model, plan.schedule
     settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
-    trainer = build_trainer(layout, model_config, ds_engine_config, settings, args.seed, args.partition_method,
+    trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
                             args.checkpoint_activations_interval)
     tokens = tokenize(read_documents(args.data), ByteTokenizer())
     train_tokens, valid_tokens = split_train_valid(tokens, VALID_FRACTION)
     train = GlobalBatches(train_tokens, args.seq_length, layout.global_batch_size, args.seed)
     valid = GlobalBatches(valid_tokens, args.seq_length, layout.global_batch_size, args.seed + 1)
-    logger = MetricsLogger(rank == 0, args.metrics_jsonl, tensorboard_dir(args, ds_config))
+    logger = MetricsLogger(rank == 0, args.metrics_jsonl, plan.tensorboard_dir)
     tokens_per_step = layout.global_batch_size * args.seq_length
     flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
+    stage_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.module.parameters())  # ZeRO-3: full size
 
     def micro_batches(data, step):
         return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size)
 
+    summary = {"records": [], "stage_parameters": stage_params,
+               "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
     steps_timed, seconds = 0, 0.0
     for step in range(args.train_iters):
         start = time.perf_counter()
         loss = trainer.train_step(micro_batches(train, step))
         seconds += time.perf_counter() - start
         steps_timed += 1
-        if step == 0:
-            print_optimizer_state(rank, layout, trainer)
+        if step == 0:  # torch's AdamW allocates its moments in the first step
+            summary["optimizer_state_bytes"] = optimizer_state_bytes(trainer.optimizer, trainer.module)
+            print(optimizer_state_line(rank, layout, summary["optimizer_state_bytes"], stage_params), flush=True)
         evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == args.train_iters - 1)
         val_loss = None
         if evaluate:
@@ -170,7 +188,7 @@ def main(argv=None) -> None:
             steps_timed, seconds = 0, 0.0
             grad_norm = trainer.engine.get_global_grad_norm()
             tflops = flops_per_step / seconds_per_step / layout.world_size / 1e12
-            logger.log({
+            record = {
                 "step": step,
                 "loss": loss,
                 "lr": schedule(step),
@@ -180,8 +198,11 @@ def main(argv=None) -> None:
                 "mem_peak_gb": peak_memory_gb(),
                 "val_loss": val_loss,
                 "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
-            })
+            }
+            logger.log(record)
+            summary["records"].append({k: v for k, v in record.items() if v is not None})
     logger.close()
+    return summary
 
 
 if __name__ == "__main__":

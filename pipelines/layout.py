@@ -120,7 +120,7 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
     for block in ("optimizer", "scheduler"):
         if block in ds_config:
             raise LayoutError(
-                f'the DeepSpeed config has an "{block}" block: the optimizer and learning-rate schedule come from '
+                f'"{block}" block in the DeepSpeed config: the optimizer and learning-rate schedule come from '
                 "--lr, --min-lr, --lr-warmup-iters, --lr-decay-style, --weight-decay, --adam-beta1/2; remove the block"
             )
     if clip_grad is not None and "gradient_clipping" in ds_config:

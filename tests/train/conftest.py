@@ -1,0 +1,99 @@
+"""Training runs shared by the tests of tests/train: each distinct run happens once per session.
+
+Models: the tiny Mamba-1 / Mamba-2 configs of launch/models with n_layer = 3, which two pipeline
+stages cannot split evenly. Runs go through the real `deepspeed` launcher (`launched`) or through
+ranks spawned directly by tests/distributed.py (`spawned`), both on gloo.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed import free_port, run_ranks
+from train_entry import ROOT, TRAIN_PY, run_train
+
+N_LAYER = 3
+DS_CONFIG = ROOT / "launch/configs/tiny-cpu.json"
+COMMON = ["--train-iters", "5", "--seq-length", "32", "--log-interval", "1", "--lr", "1e-3", "--min-lr", "1e-4",
+          "--lr-warmup-iters", "1", "--eval-interval", "5", "--eval-iters", "1", "--seed", "1234"]
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+
+
+def relative_curve_error(curve, reference):
+    """max over steps of |loss - reference| / |reference|."""
+    assert len(curve) == len(reference), (curve, reference)
+    return max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
+
+
+def losses(records, key="loss"):
+    return [r[key] for r in records if key in r]
+
+
+class Runs:
+    def __init__(self, root: Path):
+        self.root = root
+        self._cache = {}
+        self.extensions_dir = os.environ["TORCH_EXTENSIONS_DIR"]
+
+    def model_config(self, mixer: str) -> str:
+        path = self.root / f"tiny-{mixer}-{N_LAYER}l.json"
+        if not path.exists():
+            config = json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text())
+            path.write_text(json.dumps({**config, "n_layer": N_LAYER}))
+        return str(path)
+
+    def ds_config(self, **changes) -> str:
+        config = {**json.loads(DS_CONFIG.read_text()), **changes}
+        path = self.root / f"ds-{hashlib.md5(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]}.json"
+        path.write_text(json.dumps(config))
+        return str(path)
+
+    def _argv(self, mixer, flags, ds_config, out):
+        return ["--deepspeed_config", ds_config or str(DS_CONFIG), "--model-config", self.model_config(mixer),
+                "--metrics-jsonl", str(out / "metrics.jsonl"), *COMMON, *flags]
+
+    def spawned(self, world: int, mixer: str, flags=(), ds_config=None) -> list:
+        """Rank summaries of a run on `world` directly spawned ranks."""
+        key = ("spawned", world, mixer, tuple(flags), ds_config)
+        if key not in self._cache:
+            out = self.root / f"run{len(self._cache)}"
+            out.mkdir()
+            self._cache[key] = run_ranks(run_train, world, args=(self._argv(mixer, flags, ds_config, out),
+                                                                  self.extensions_dir),
+                                         init_process_group=False, timeout=300)
+        return self._cache[key]
+
+    def launched(self, world: int, mixer: str, flags=(), ds_config=None) -> dict:
+        """`deepspeed --num_gpus world launch/train.py ...`: its stdout, exit code and JSONL records."""
+        key = ("launched", world, mixer, tuple(flags), ds_config)
+        if key not in self._cache:
+            out = self.root / f"run{len(self._cache)}"
+            out.mkdir()
+            cmd = [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(free_port()), str(TRAIN_PY),
+                   *self._argv(mixer, flags, ds_config, out)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
+            jsonl = out / "metrics.jsonl"
+            records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+            self._cache[key] = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                                "records": records, "dir": out}
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("train_runs"))
+
+
+@pytest.fixture(scope="session")
+def reference(runs):
+    """The (1,1,1) float32 run of a mixer, through the real launcher."""
+    def get(mixer):
+        run = runs.launched(1, mixer)
+        assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
+        return run
+    return get

@@ -1,0 +1,133 @@
+"""Every inconsistent run is refused before training, with one message naming the values and the rule."""
+import dataclasses
+import json
+import re
+
+import pytest
+
+from megamamba import MambaConfig
+from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
+
+from train_entry import ROOT, load_train_script
+
+TINY = MambaConfig.from_json(ROOT / "launch/models/tiny-mamba2.json")
+BATCH = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+
+
+@pytest.mark.parametrize("world, tp, pp, config, expect", [
+    (4, 1, 2, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, (2, 1, 2, 2, 2)),
+    (8, 2, 2, {"train_batch_size": 8, "gradient_accumulation_steps": 2}, (2, 2, 2, 2, 2)),
+    (2, 1, 1, {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, (2, 1, 1, 3, 2)),
+    (1, 1, 1, {"train_batch_size": 6}, (1, 1, 1, 6, 1)),
+    (6, 3, 1, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
+     (2, 3, 1, 4, 1)),
+])
+def test_data_parallel_size_and_batch_split_follow_from_world_tp_pp_and_the_json(world, tp, pp, config, expect):
+    layout = resolve_layout(world, tp, pp, config)
+    assert (layout.dp, layout.tp, layout.pp, layout.micro_batch_size, layout.grad_accum) == expect
+
+
+@pytest.mark.parametrize("world, tp, pp, config, words", [
+    (6, 2, 2, BATCH, "world size 6 is not a multiple of tensor x pipeline parallel size 2 x 2 = 4"),
+    (4, 1, 1, {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1},
+     "train_batch_size=6 is not divisible by train_micro_batch_size_per_gpu x data-parallel size = 1 x 4"),
+    (2, 1, 1, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+     "train_batch_size=8 != train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size "
+     "= 2 x 4 x 2 = 16"),
+    (2, 1, 1, {"gradient_accumulation_steps": 4}, "sets neither train_batch_size nor train_micro_batch_size_per_gpu"),
+    (2, 0, 1, BATCH, "--tensor-parallel-size=0: must be a positive integer"),
+    (2, 1, 1, {"train_batch_size": 0}, "train_batch_size=0: must be a positive integer"),
+])
+def test_inconsistent_world_or_batch_sizes_are_refused(world, tp, pp, config, words):
+    with pytest.raises(LayoutError, match=re.escape(words)):
+        resolve_layout(world, tp, pp, config)
+
+
+def _layout(dp=1, tp=1, pp=1):
+    return Layout(dp * tp * pp, dp, tp, pp, 2, 1)
+
+
+@pytest.mark.parametrize("layout, ds_extra, model, seq, sp, clip, words", [
+    (_layout(pp=2), {"zero_optimization": {"stage": 2}}, TINY, 64, False, None,
+     "ZeRO stage 2 with pipeline parallel size 2"),
+    (_layout(pp=2), {"zero_optimization": {"stage": 3}}, TINY, 64, False, None,
+     "ZeRO stage 3 with pipeline parallel size 2"),
+    (_layout(), {"zero_optimization": {"stage": 4}}, TINY, 64, False, None, "zero_optimization.stage=4"),
+    (_layout(pp=4), {}, dataclasses.replace(TINY, n_layer=3), 64, False, None,
+     "n_layer=3 is smaller than pipeline parallel size 4"),
+    (_layout(), {}, TINY, 64, True, None, "--sequence-parallel needs --tensor-parallel-size > 1"),
+    (_layout(tp=2), {}, TINY, 63, True, None, "--seq-length 63 is not divisible by tensor parallel size 2"),
+    (_layout(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, TINY, 64, False, None,
+     '"optimizer" block in the DeepSpeed config'),
+    (_layout(), {"scheduler": {"type": "WarmupLR"}}, TINY, 64, False, None, '"scheduler" block in the DeepSpeed config'),
+    (_layout(), {"gradient_clipping": 1.0}, TINY, 64, False, 0.5, "gradient clipping set twice"),
+    (_layout(), {"bf16": {"enabled": True}}, TINY, 64, False, None, '"bf16": {"enabled": true} casts every parameter'),
+    (_layout(), {"fp16": {"enabled": True}}, TINY, 64, False, None, '"fp16": {"enabled": true} casts every parameter'),
+    (_layout(), {"torch_autocast": {"enabled": True, "dtype": "float16"}}, TINY, 64, False, None,
+     "only bfloat16 is supported"),
+    (_layout(), {}, TINY, 0, False, None, "--seq-length=0"),
+])
+def test_inconsistent_runs_are_refused(layout, ds_extra, model, seq, sp, clip, words):
+    with pytest.raises(LayoutError, match=re.escape(words)):
+        check_run(layout, {**BATCH, **ds_extra}, model, seq, sp, clip)
+
+
+def test_valid_runs_pass_every_check():
+    check_run(_layout(pp=2), {**BATCH, "zero_optimization": {"stage": 1}}, TINY, 64, False, 1.0)
+    check_run(_layout(dp=2), {**BATCH, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.5,
+                              "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, TINY, 64, False, None)
+
+
+def test_engine_config_fills_the_batch_keys_sets_clipping_and_keeps_tensorboard_for_us():
+    layout = resolve_layout(4, 1, 2, BATCH)
+    config = engine_config({**BATCH, "tensorboard": {"enabled": True}}, layout, None, False)
+    assert config["gradient_accumulation_steps"] == 2 and config["gradient_clipping"] == 1.0
+    assert "tensorboard" not in config
+    assert engine_config(BATCH, layout, 0.3, False)["gradient_clipping"] == 0.3
+    assert engine_config({**BATCH, "gradient_clipping": 0.7}, layout, None, False)["gradient_clipping"] == 0.7
+    sp = engine_config(BATCH, layout, None, True)["pipeline"]
+    assert sp["pipe_partitioned"] is False and sp["grad_partitioned"] is False
+
+
+def _prepare(tmp_path, world=1, ds=None, model=None, flags=()):
+    ds_path, model_path = tmp_path / "ds.json", tmp_path / "model.json"
+    ds_path.write_text(json.dumps(BATCH if ds is None else ds))
+    model_path.write_text(json.dumps(TINY.to_dict() if model is None else model))
+    script = load_train_script()
+    args = script.parse_args(["--deepspeed_config", str(ds_path), "--model-config", str(model_path),
+                              "--train-iters", "10", *flags])
+    return script.prepare(args, world)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lr-warmup-iters", "11"], "warm-up iters 11"),
+    (["--min-lr", "1.0", "--lr", "0.1"], "min lr 1.0"),
+    (["--partition-method", "balanced"], "partition method 'balanced'"),
+    (["--checkpoint-activations-interval", "-1"], "--checkpoint-activations-interval -1"),
+    (["--save", "ckpt"], "checkpointing is not implemented yet"),
+])
+def test_bad_flags_are_refused_before_any_process_group(tmp_path, flags, words):
+    with pytest.raises(LayoutError, match=re.escape(words)):
+        _prepare(tmp_path, flags=flags)
+
+
+def test_a_model_whose_vocabulary_is_not_the_tokenizers_is_refused(tmp_path):
+    with pytest.raises(LayoutError, match="vocab_size=1000 but the byte tokenizer has 257"):
+        _prepare(tmp_path, model={**TINY.to_dict(), "vocab_size": 1000})
+
+
+def test_a_malformed_json_config_is_refused_by_path(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    script = load_train_script()
+    args = script.parse_args(["--deepspeed_config", str(bad), "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"),
+                              "--train-iters", "3"])
+    with pytest.raises(LayoutError, match="--deepspeed_config .*bad.json"):
+        script.prepare(args, 1)
+
+
+def test_the_plan_takes_tensorboard_from_the_json_when_no_log_dir(tmp_path):
+    plan = _prepare(tmp_path, ds={**BATCH, "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"}})
+    assert plan.tensorboard_dir == "tb/j" and plan.layout.grad_accum == 4
+    plan = _prepare(tmp_path, ds={**BATCH, "tensorboard": {"enabled": True}}, flags=["--log-dir", "mine"])
+    assert plan.tensorboard_dir == "mine"

@@ -1,0 +1,124 @@
+"""The pipeline's layer list and the plain-engine module compute the single-device model's loss and gradients.
+
+Here the layer specs are built and chained in one process, named as DeepSpeed names them
+(`<index>.<name>`, `tied_modules.embed.*`); the multi-rank tests run the real PipelineModule.
+"""
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import TiedLayerSpec
+from torch import nn
+
+from megamamba import MambaConfig, MambaLM
+from megamamba.pipelines.layers import LMLoss
+from megamamba.pipelines.module import layer_specs
+from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict, to_mamba
+from megamamba.pipelines.plain import PlainLM
+
+CONFIGS = ["launch/models/tiny-mamba1.json", "launch/models/tiny-mamba2.json"]
+SEED = 11
+
+
+class ChainedSpecs(nn.Module):
+    """All layers of `layer_specs` on one rank, registered under DeepSpeed's names."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.tied_modules = nn.ModuleDict()
+        self.funcs = []
+        for idx, spec in enumerate(layer_specs(config)):
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                module = self.tied_modules[spec.key]
+                self.funcs.append(module if spec.forward_fn is None else functools.partial(spec.forward_fn, module))
+            else:
+                module = spec.build()
+                self.add_module(str(idx), module)
+                self.funcs.append(module)
+
+    def forward(self, x):
+        for f in self.funcs:
+            x = f(x)
+        return x
+
+
+def _setup(path, tied=True):
+    config = dataclasses.replace(MambaConfig.from_json(path), n_layer=3, tie_embeddings=tied)
+    torch.manual_seed(SEED)
+    model = MambaLM(config)
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, config.vocab_size, (2, 29), generator=g)
+    labels = torch.randint(0, config.vocab_size, (2, 29), generator=g)
+    return config, model, ids, labels
+
+
+def _reference(model, config, ids, labels):
+    loss = F.cross_entropy(model(ids)[..., : config.vocab_size].flatten(0, 1), labels.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("path, tied", [
+    (CONFIGS[1], True),
+    pytest.param(CONFIGS[0], False, marks=pytest.mark.slow),
+    pytest.param(CONFIGS[0], True, marks=pytest.mark.slow),
+    pytest.param(CONFIGS[1], False, marks=pytest.mark.slow),
+])
+def test_chained_pipeline_layers_match_the_single_device_model(path, tied):
+    config, model, ids, labels = _setup(path, tied)
+    ref_loss, ref_grads = _reference(model, config, ids, labels)
+    chain = ChainedSpecs(config)
+    load_mamba_state_dict(chain, model.state_dict(), config)
+    loss = LMLoss(config.vocab_size)(chain(ids), labels)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert _rel(loss.detach(), ref_loss) <= 1e-6, f"seed {SEED}"
+    for name, p in chain.named_parameters():
+        assert _rel(p.grad, ref_grads[to_mamba(name, config)]) <= 1e-5, (name, f"seed {SEED}")
+
+
+def test_the_stage_state_dict_comes_back_under_mamba_ssm_names():
+    config, model, _, _ = _setup(CONFIGS[1])
+    chain = ChainedSpecs(config)
+    load_mamba_state_dict(chain, model.state_dict(), config)
+    state = mamba_state_dict(chain, config)
+    assert set(state) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_loading_a_state_dict_that_lacks_a_parameter_names_it():
+    config, model, _, _ = _setup(CONFIGS[0])
+    state = model.state_dict()
+    del state["backbone.layers.2.mixer.A_log"]
+    with pytest.raises(KeyError, match="backbone.layers.2.mixer.A_log"):
+        load_mamba_state_dict(ChainedSpecs(config), state, config)
+
+
+@pytest.mark.parametrize("path, interval", [
+    (CONFIGS[1], 0),
+    pytest.param(CONFIGS[1], 2, marks=pytest.mark.slow),
+    pytest.param(CONFIGS[0], 2, marks=pytest.mark.slow),
+    pytest.param(CONFIGS[0], 1, marks=pytest.mark.slow),
+])
+def test_plain_module_matches_the_model_with_and_without_activation_checkpointing(path, interval):
+    config, model, ids, labels = _setup(path)
+    ref_loss, ref_grads = _reference(model, config, ids, labels)
+    ref_grads = {n: g.clone() for n, g in ref_grads.items()}
+    model.zero_grad()
+    plain = PlainLM(model, checkpoint_interval=interval)
+    loss = plain(ids, labels)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert _rel(loss.detach(), ref_loss) <= 1e-6, f"seed {SEED}"
+    assert [n for n, _ in plain.named_parameters()] == list(ref_grads)
+    for name, p in plain.named_parameters():
+        assert _rel(p.grad, ref_grads[name]) <= 1e-5, (name, interval, f"seed {SEED}")

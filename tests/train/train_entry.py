@@ -1,0 +1,27 @@
+"""launch/train.py loaded as a module (it is a script), and a rank function that runs it.
+
+`run_train(argv)` is top-level so `tests/distributed.run_ranks` can run it on spawned ranks
+(with init_process_group=False: train.py initialises DeepSpeed's process group itself).
+"""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_PY = ROOT / "launch" / "train.py"
+
+
+def load_train_script():
+    if "megamamba_train_script" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("megamamba_train_script", TRAIN_PY)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["megamamba_train_script"] = module
+    return sys.modules["megamamba_train_script"]
+
+
+def run_train(argv, extensions_dir):
+    """One rank of a training run; returns that rank's summary (records, optimizer-state bytes, ...)."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
+    return load_train_script().main(list(argv))
