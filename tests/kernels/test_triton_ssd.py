@@ -106,21 +106,27 @@ def test_ssd_chunk_scan_moderately_large_dt_keeps_dA_accurate():
 
 
 def test_ssd_chunk_scan_reads_strided_views():
-    """x, z, B, C, dt as column slices of one packed projection, as the Mamba-2 mixer passes them."""
+    """x, z, B, C, dt as column slices of one packed projection, as the Mamba-2 mixer passes
+    them: output and gradients (which come back contiguous) still match."""
     seed = 40
     gen = torch.Generator().manual_seed(seed)
     d_inner, d_bc = NHEADS * HEADDIM, NGROUPS * DSTATE
-    packed = torch.randn(BATCH, SEQLEN, 2 * d_inner + 2 * d_bc + NHEADS, generator=gen)
-    z, x, B, C, dt = torch.split(packed, [d_inner, d_inner, d_bc, d_bc, NHEADS], dim=-1)
-    shape4 = (BATCH, SEQLEN, NHEADS, HEADDIM)
-    bc = (BATCH, SEQLEN, NGROUPS, DSTATE)
-    A, D = -torch.rand(NHEADS, generator=gen) - 0.5, torch.randn(NHEADS, generator=gen)
-    y = ssd_chunk_scan(x.view(shape4), dt, A, B.view(bc), C.view(bc), CHUNK, D=D, z=z.view(shape4),
-                       dt_softplus=True)
-    ref = naive_ops.ssd_chunk_scan(x.view(shape4).double(), dt.double(), A.double(), B.view(bc).double(),
-                                   C.view(bc).double(), CHUNK, D=D.double(), z=z.view(shape4).double(),
-                                   dt_softplus=True)
-    assert rel_err(y, ref) <= TOL, f"seed {seed}: rel err {rel_err(y, ref):.2e}"
+    shape4, shape_bc = (BATCH, SEQLEN, NHEADS, HEADDIM), (BATCH, SEQLEN, NGROUPS, DSTATE)
+
+    def run(dtype):
+        packed = torch.randn(BATCH, SEQLEN, 2 * d_inner + 2 * d_bc + NHEADS, generator=gen.manual_seed(seed))
+        packed = packed.to(dtype).requires_grad_()
+        z, x, B, C, dt = torch.split(packed, [d_inner, d_inner, d_bc, d_bc, NHEADS], dim=-1)
+        A = -torch.linspace(0.5, 1.5, NHEADS, dtype=dtype)
+        fn = ssd_chunk_scan if dtype == torch.float32 else naive_ops.ssd_chunk_scan
+        y = fn(x.view(shape4), dt, A, B.view(shape_bc), C.view(shape_bc), CHUNK, D=torch.ones(NHEADS, dtype=dtype),
+               z=z.view(shape4), dt_softplus=True)
+        y.backward(torch.randn(y.shape, generator=gen.manual_seed(seed + 1)).to(dtype))
+        return y, packed.grad
+
+    (y, grad), (y_ref, grad_ref) = run(torch.float32), run(torch.float64)
+    assert rel_err(y, y_ref) <= TOL, f"seed {seed}: rel err {rel_err(y, y_ref):.2e}"
+    assert rel_err(grad, grad_ref) <= TOL, f"seed {seed}: grad rel err {rel_err(grad, grad_ref):.2e}"
 
 
 def test_public_api_runs_triton_when_forced(monkeypatch):
