@@ -1,0 +1,71 @@
+"""Through the real `deepspeed` launcher: (1,1,1) and a two-stage pipeline train, log and refuse bad layouts.
+
+What only the launcher shows: its environment and argument passing (--local_rank), the exit
+status of the job, the console on one rank, files written where the flags say.
+"""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEEPSPEED, losses, relative_curve_error
+from distributed import free_port
+from train_entry import ROOT, TRAIN_PY
+
+pytestmark = pytest.mark.slow
+
+NAMES = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_peak_gb"}
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+def test_single_rank_run_logs_every_metric_once_per_step(reference, mixer):
+    run = reference(mixer)
+    records = run["records"]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    for r in records:
+        assert NAMES <= set(r), r
+        assert r["tokens_per_s"] > 0 and r["tflops_per_device"] > 0 and r["mem_peak_gb"] > 0
+    assert "val_loss" in records[-1] and "mfu" not in records[-1]
+    console = [line for line in run["stdout"].splitlines() if "| loss " in line]
+    assert len(console) == 5, run["stdout"][-2000:]
+
+
+def test_two_stage_pipeline_through_the_launcher_matches_the_single_rank_curve(runs, reference):
+    run = runs.launched(2, "mamba2", ["--pipeline-parallel-size", "2", "--log-dir", "tb"])
+    assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
+    ref = reference("mamba2")["records"]
+    assert relative_curve_error(losses(run["records"]), losses(ref)) <= 1e-4
+    state_lines = [line for line in run["stdout"].splitlines() if "optimizer state bytes" in line]
+    assert len(state_lines) == 2 and all("= 12.000 x stage parameters / dp" in line for line in state_lines), state_lines
+    console = [line for line in run["stdout"].splitlines() if "| loss " in line]
+    assert len(console) == 5, "the console log comes from one rank only"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run["dir"] / "tb"))
+    events.Reload()
+    assert NAMES - {"step"} | {"val_loss"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss")] == [0, 1, 2, 3, 4]
+
+
+def test_an_invalid_layout_stops_the_launched_job_before_training_with_one_message(runs, tmp_path):
+    ds = runs.ds_config(zero_optimization={"stage": 2})
+    cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN_PY),
+           "--deepspeed_config", ds, "--model-config", runs.model_config("mamba2"), "--pipeline-parallel-size", "2",
+           "--train-iters", "5"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    message = "train.py: error: ZeRO stage 2 with pipeline parallel size 2"
+    assert (proc.stdout + proc.stderr).count(message) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]  # once per rank
+    assert "| loss " not in proc.stdout
+
+
+def test_the_script_exits_2_with_the_message_on_stderr(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN_PY), "--deepspeed_config", str(ROOT / "launch/configs/tiny-cpu.json"),
+         "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"), "--tensor-parallel-size", "3",
+         "--train-iters", "5"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={"WORLD_SIZE": "4", "PATH": ""})
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert errors == ["train.py: error: world size 4 is not a multiple of tensor x pipeline parallel size 3 x 1 = 3"]
