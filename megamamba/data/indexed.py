@@ -1,0 +1,181 @@
+"""Token datasets in Megatron-LM's memory-mapped indexed-dataset layout (`.bin` + `.idx`).
+
+`.bin` holds the tokens of all sequences back to back. `.idx` (little-endian):
+
+    9 bytes   magic b"MMIDIDX\\x00\\x00"
+    u64       version (1)
+    u8        token dtype code (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16)
+    u64       S, number of sequences
+    u64       D, number of entries in the document index (documents + 1)
+    i32 x S   sequence lengths, in tokens
+    i64 x S   sequence pointers, byte offsets into .bin
+    i64 x D   document index: sequence numbers where documents start, 0 first, S last
+   [i8 x S    sequence modes: only in multimodal datasets, ignored here]
+
+We write one sequence per document (Megatron's `preprocess_data.py` without sentence
+splitting), so datasets made here load in Megatron and Megatron's text datasets load here.
+Reading validates everything it relies on and names the file and the rule a corrupt, truncated
+or empty dataset breaks.
+"""
+import os
+import struct
+from typing import Optional
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+               8: np.uint16}
+_CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+_SCAN_TOKENS = 1 << 24  # tokens per chunk when scanning for the largest id
+
+
+class DatasetError(ValueError):
+    """A .bin/.idx pair that cannot be used as it is; the message names the file and the problem."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Megatron's choice: uint16 while every id fits (vocab below 65500), else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+class IndexedDatasetWriter:
+    """Append documents to `<prefix>.bin`, then `finalize()` writes `<prefix>.idx`.
+
+    Both files are written under temporary names and renamed at the end, so an interrupted
+    run never leaves a pair that looks complete.
+    """
+
+    def __init__(self, prefix: str, dtype: np.dtype):
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise ValueError(f"token dtype {self.dtype} has no code in the indexed-dataset layout")
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        self._bin = open(prefix + ".bin.tmp", "wb")
+        self.lengths: list[int] = []
+
+    def abort(self) -> None:
+        """Close and remove the temporary files; nothing under the final names is touched."""
+        self._bin.close()
+        for suffix in (".bin.tmp", ".idx.tmp"):
+            if os.path.exists(self.prefix + suffix):
+                os.remove(self.prefix + suffix)
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        tokens = np.asarray(tokens)
+        if tokens.dtype != self.dtype:
+            raise ValueError(f"document tokens are {tokens.dtype}, the dataset stores {self.dtype}")
+        self._bin.write(tokens.tobytes(order="C"))
+        self.lengths.append(tokens.size)
+
+    def finalize(self) -> None:
+        self._bin.close()
+        count = len(self.lengths)
+        lengths = np.array(self.lengths, dtype=np.int32)
+        pointers = np.zeros(count, dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        documents = np.arange(count + 1, dtype=np.int64)
+        with open(self.prefix + ".idx.tmp", "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], count, count + 1))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(documents.tobytes())
+        os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
+        os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
+
+
+class IndexedDataset:
+    """A read-only, memory-mapped dataset of documents.
+
+    `tokens` is the whole .bin as one array; document d is tokens[offsets[d]:offsets[d+1]].
+    With `vocab_size`, every token is checked to lie in [0, vocab_size) (one pass over .bin).
+    """
+
+    def __init__(self, prefix: str, vocab_size: Optional[int] = None):
+        self.prefix = prefix
+        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise DatasetError(f"{path}: no such file (a dataset is the pair {prefix}.bin and {prefix}.idx)")
+        self.dtype, lengths, documents = self._read_index(idx_path)
+        self.num_tokens = int(lengths.sum(dtype=np.int64))
+        if documents.size < 2 or self.num_tokens == 0:
+            raise DatasetError(f"{prefix}: empty dataset ({documents.size - 1} documents, {self.num_tokens} tokens)")
+        expected = self.num_tokens * self.dtype.itemsize
+        actual = os.path.getsize(bin_path)
+        if actual != expected:
+            what = "truncated" if actual < expected else "longer than its index says"
+            raise DatasetError(f"{bin_path}: {what}: {actual} bytes, the index describes {expected} "
+                               f"({self.num_tokens} tokens of {self.dtype})")
+        sequence_starts = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=sequence_starts[1:])
+        self.offsets = sequence_starts[documents]
+        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
+
+    @property
+    def num_documents(self) -> int:
+        return self.offsets.size - 1
+
+    def document(self, d: int) -> np.ndarray:
+        return self.tokens[self.offsets[d]:self.offsets[d + 1]]
+
+    def _read_index(self, path: str):
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                if MAGIC.startswith(head[: len(MAGIC)]):
+                    raise DatasetError(f"{path}: truncated: {size} bytes, shorter than the {_HEADER.size}-byte header")
+                raise DatasetError(f"{path}: not an indexed-dataset index (no {MAGIC!r} header)")
+            magic, version, code, count, doc_count = _HEADER.unpack(head)
+            if magic != MAGIC:
+                raise DatasetError(f"{path}: not an indexed-dataset index: starts with {magic!r}, expected {MAGIC!r}")
+            if version != VERSION:
+                raise DatasetError(f"{path}: index version {version}; only version {VERSION} is known")
+            if code not in DTYPE_CODES:
+                raise DatasetError(f"{path}: unknown token dtype code {code}; known: {sorted(DTYPE_CODES)}")
+            dtype = np.dtype(DTYPE_CODES[code])
+            if dtype.kind not in "iu":
+                raise DatasetError(f"{path}: token dtype {dtype} is not an integer type")
+            body = _HEADER.size + 12 * count + 8 * doc_count
+            if size not in (body, body + count):  # + count: a multimodal index's sequence modes
+                what = "truncated" if size < body else "has trailing bytes"
+                raise DatasetError(f"{path}: {what}: {size} bytes, its header ({count} sequences, "
+                                   f"{doc_count} document-index entries) implies {body}")
+            lengths = np.frombuffer(f.read(4 * count), dtype=np.int32)
+            pointers = np.frombuffer(f.read(8 * count), dtype=np.int64)
+            documents = np.frombuffer(f.read(8 * doc_count), dtype=np.int64)
+        self._check_index(path, dtype, lengths, pointers, documents)
+        return dtype, lengths.astype(np.int64), documents
+
+    @staticmethod
+    def _check_index(path, dtype, lengths, pointers, documents) -> None:
+        if (lengths < 0).any():
+            raise DatasetError(f"{path}: corrupt: negative sequence length at sequence {int(np.argmax(lengths < 0))}")
+        starts = np.zeros(lengths.size, dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=starts[1:])
+        bad = np.flatnonzero(pointers != starts)
+        if bad.size:
+            raise DatasetError(f"{path}: corrupt: sequence {bad[0]} points to byte {pointers[bad[0]]}, "
+                               f"but the sequences before it end at byte {starts[bad[0]]}")
+        if documents.size == 0 or documents[0] != 0 or documents[-1] != lengths.size:
+            raise DatasetError(f"{path}: corrupt: the document index must run from 0 to the {lengths.size} sequences, "
+                               f"got {documents[:1].tolist()} ... {documents[-1:].tolist()}")
+        if (np.diff(documents) < 0).any():
+            raise DatasetError(f"{path}: corrupt: the document index decreases")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id in [0, vocab_size): else the data was made with another tokenizer."""
+        low, high = 0, -1
+        for start in range(0, self.tokens.size, _SCAN_TOKENS):
+            chunk = self.tokens[start:start + _SCAN_TOKENS]
+            low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+        if high >= vocab_size or low < 0:
+            bad = high if high >= vocab_size else low
+            raise DatasetError(f"{self.prefix}.bin: token id {bad} is outside the vocabulary of {vocab_size} ids: "
+                               "the data was preprocessed with another tokenizer than the model's (or is corrupt)")

@@ -1,0 +1,131 @@
+"""Tokenize text into memory-mapped token datasets (Megatron's .bin/.idx layout).
+
+    python -m megamamba.data.preprocess --input corpus.jsonl --tokenizer data/spm.model \\
+        --output-prefix data/corpus --workers 4 --valid-fraction 0.02
+
+Every document's tokens are followed by the tokenizer's end-of-document id; empty documents
+are skipped. Worker processes tokenize while the main process writes the results in input
+order, so the files depend only on the input, the tokenizer and the options, never on the
+number of workers. With a validation fraction f, document number i (counting the documents
+kept) goes to the validation set when frac(i * 0.618...) < f — a low-discrepancy rule that
+spreads the held-out documents evenly over the input — and the output is `<prefix>_train` and
+`<prefix>_valid`; without it, `<prefix>`. Progress (rate and ETA) goes to stderr.
+"""
+import argparse
+import multiprocessing
+import sys
+from typing import Iterable, Optional
+
+import numpy as np
+
+from megamamba.data.documents import input_files, iter_documents, total_bytes
+from megamamba.data.indexed import DatasetError, IndexedDatasetWriter, token_dtype
+from megamamba.data.progress import Progress
+from megamamba.tokenizer import load_tokenizer
+
+GOLDEN = 0.6180339887498949
+_CHUNK = 32  # documents per task sent to a worker
+
+_worker_tokenizer = None
+_worker_dtype = None
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer, _worker_dtype
+    _worker_tokenizer = load_tokenizer(spec)
+    _worker_dtype = token_dtype(_worker_tokenizer.vocab_size)
+
+
+def _encode(item: tuple[str, int]) -> tuple[Optional[bytes], int]:
+    """(text, input bytes) -> (tokens + end-of-document as bytes of the dataset dtype, or None if empty; input bytes)."""
+    text, nbytes = item
+    if not text:
+        return None, nbytes
+    ids = _worker_tokenizer.encode(text)
+    ids.append(_worker_tokenizer.eod)
+    return np.asarray(ids, dtype=_worker_dtype).tobytes(), nbytes
+
+
+def is_validation(document_number: int, valid_fraction: float) -> bool:
+    return (document_number * GOLDEN) % 1.0 < valid_fraction
+
+
+def _encoded(items: Iterable, spec: str, workers: int):
+    if workers == 1:
+        _init_worker(spec)
+        yield from map(_encode, items)
+        return
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        yield from pool.imap(_encode, items, chunksize=_CHUNK)
+
+
+def _write(files, spec, workers, json_key, valid_fraction, writers, progress_stream) -> tuple[int, int]:
+    """Tokenize every document into the train (and validation) writer; returns (kept, skipped) counts."""
+    dtype = writers[0].dtype
+    progress = Progress(total_bytes(files), "preprocess", stream=progress_stream)
+    kept = skipped = done = 0
+    for blob, nbytes in _encoded(iter_documents(files, json_key), spec, workers):
+        done += nbytes
+        if blob is None:
+            skipped += 1
+        else:
+            valid = len(writers) == 2 and is_validation(kept, valid_fraction)
+            writers[1 if valid else 0].add_document(np.frombuffer(blob, dtype=dtype))
+            kept += 1
+        progress.update(done, kept + skipped)
+    progress.close()
+    return kept, skipped
+
+
+def preprocess(inputs: list[str], tokenizer_spec: str, output_prefix: str, workers: int = 1,
+               json_key: str = "text", valid_fraction: float = 0.0, progress_stream=sys.stderr) -> list[str]:
+    """Write the dataset(s); returns their prefixes (train first)."""
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: must be at least 1")
+    if not 0 <= valid_fraction < 1:
+        raise ValueError(f"--valid-fraction {valid_fraction}: must lie in [0, 1)")
+    files = input_files(inputs)
+    dtype = token_dtype(load_tokenizer(tokenizer_spec).vocab_size)
+    split = valid_fraction > 0
+    prefixes = [output_prefix + "_train", output_prefix + "_valid"] if split else [output_prefix]
+    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
+    try:
+        kept, skipped = _write(files, tokenizer_spec, workers, json_key, valid_fraction, writers, progress_stream)
+        for prefix, writer in zip(prefixes, writers):
+            if not writer.lengths:
+                raise DatasetError(f"{prefix}: no documents ({kept} kept, {skipped} empty skipped, from {len(files)} "
+                                   f"input files); {'lower --valid-fraction or ' if split else ''}give inputs with text")
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    for writer in writers:
+        writer.finalize()
+    return prefixes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="text files (one document each), folders, .jsonl files")
+    p.add_argument("--json-key", default="text", help="the text's key in JSONL records")
+    p.add_argument("--tokenizer", required=True, help='"bytes", a SentencePiece .model, a tokenizer.json or a folder')
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--valid-fraction", type=float, default=0.0,
+                   help="hold out about this fraction of the documents as <prefix>_valid")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        prefixes = preprocess(args.input, args.tokenizer, args.output_prefix, args.workers, args.json_key,
+                              args.valid_fraction)
+    except (OSError, ValueError) as e:
+        sys.exit(f"preprocess: {e}")
+    for prefix in prefixes:
+        print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

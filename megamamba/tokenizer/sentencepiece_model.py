@@ -1,0 +1,91 @@
+"""SentencePiece tokenizers: train one from documents (reproducibly) and load `.model` files.
+
+Training settings keep text lossless: no normalisation, whitespace kept as is, newlines as
+their own piece, and bytes as fallback pieces for characters outside the vocabulary, so
+decode(encode(text)) == text for any text. `</s>` (id 1) is the end-of-document token, `<unk>`
+is 0; there is no BOS or padding piece. The result depends only on the documents, the options,
+the seed and the thread count (SentencePiece splits work by thread), never on the machine's
+core count, so the same input gives a byte-identical `.model`.
+"""
+import io
+import os
+import shutil
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+from megamamba.tokenizer.base import TokenizerError
+
+MODEL_FILE = "tokenizer.model"
+MODEL_TYPES = ("bpe", "unigram")
+TRAIN_THREADS = 4
+# 256 byte pieces + <unk> + </s> + "\n": below this SentencePiece has no room for merges.
+MIN_VOCAB_SIZE = 260
+
+
+class SentencePieceTokenizer:
+    """A loaded SentencePiece model; `path` is the `.model` file it came from."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.load(path)
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(f"{path}: not a readable SentencePiece model ({e})") from None
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod = self._sp.eos_id()
+        if self.eod < 0:
+            raise TokenizerError(f"{path}: the SentencePiece model has no end-of-sentence piece (eos_id=-1); "
+                                 "it is needed as the end-of-document token")
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def save(self, directory: str) -> None:
+        shutil.copyfile(self.path, os.path.join(directory, MODEL_FILE))
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _lines(documents: Iterable[str]) -> Iterable[str]:
+    for doc in documents:
+        for line in doc.split("\n"):
+            if line.strip():
+                yield line
+
+
+def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size: int, model_type: str = "bpe",
+                        seed: int = 0, threads: int = TRAIN_THREADS, character_coverage: float = 0.9995,
+                        max_sentences: int = 0) -> str:
+    """Train on the documents' non-blank lines; write `<output_prefix>.model` and return its path.
+
+    max_sentences > 0 trains on a seeded random sample of that many lines (large corpora).
+    """
+    if model_type not in MODEL_TYPES:
+        raise TokenizerError(f"model type {model_type!r}: choose one of {MODEL_TYPES}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
+        raise TokenizerError(f"vocab size {vocab_size!r}: must be an integer >= {MIN_VOCAB_SIZE} "
+                             "(256 byte pieces + <unk>, </s> and newline)")
+    spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(_lines(documents)), model_writer=model,
+            vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True, user_defined_symbols=["\n"],
+            unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=threads, max_sentence_length=1 << 16,
+            input_sentence_size=max_sentences, shuffle_input_sentence=max_sentences > 0, minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise TokenizerError(f"SentencePiece training failed: {e}") from None
+    path = output_prefix + ".model"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(model.getvalue())
+    return path
