@@ -101,8 +101,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         model = MambaConfig.from_dict(_read_json(args.model_config, "--model-config"))
     except ConfigError as e:
         raise LayoutError(f"--model-config {args.model_config!r}: {e}") from None
-    if model.vocab_size != ByteTokenizer.vocab_size:
-        raise LayoutError(f"--model-config vocab_size={model.vocab_size} but the byte tokenizer has "
+    if model.vocab_size < ByteTokenizer.vocab_size:
+        raise LayoutError(f"--model-config vocab_size={model.vocab_size} is smaller than the byte tokenizer's "
                           f"{ByteTokenizer.vocab_size} tokens")
     layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config)
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from megamamba import MambaConfig
+from megamamba import MambaConfig, MambaLM
 from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 
 from train_entry import ROOT, load_train_script
@@ -111,9 +111,31 @@ def test_bad_flags_are_refused_before_any_process_group(tmp_path, flags, words):
         _prepare(tmp_path, flags=flags)
 
 
-def test_a_model_whose_vocabulary_is_not_the_tokenizers_is_refused(tmp_path):
-    with pytest.raises(LayoutError, match="vocab_size=1000 but the byte tokenizer has 257"):
-        _prepare(tmp_path, model={**TINY.to_dict(), "vocab_size": 1000})
+def test_a_model_whose_vocabulary_cannot_hold_the_tokenizers_is_refused(tmp_path):
+    with pytest.raises(LayoutError, match="vocab_size=200 is smaller than the byte tokenizer's 257 tokens"):
+        _prepare(tmp_path, model={**TINY.to_dict(), "vocab_size": 200})
+
+
+GPU_SIZES = [("130m", 0.13), ("370m", 0.37), ("1.3b", 1.34), ("2.7b", 2.70)]
+
+
+@pytest.mark.parametrize("size", [s for s, _ in GPU_SIZES])
+@pytest.mark.parametrize("world, tp, pp", [(1, 1, 1), (8, 1, 2), (16, 1, 4)])
+def test_gpu_configs_pass_every_check_with_zero1_and_bf16_autocast(size, world, tp, pp):
+    script = load_train_script()
+    args = script.parse_args(["--deepspeed_config", str(ROOT / f"launch/configs/mamba2-{size}.json"),
+                              "--model-config", str(ROOT / f"launch/models/mamba2-{size}.json"), "--train-iters", "100",
+                              "--seq-length", "2048", "--tp", str(tp), "--pp", str(pp)])
+    plan = script.prepare(args, world)
+    assert plan.engine_config["torch_autocast"]["enabled"] and plan.engine_config["zero_optimization"]["stage"] == 1
+    assert plan.tensorboard_dir == f"runs/mamba2-{size}"
+
+
+@pytest.mark.parametrize("size, billions", GPU_SIZES)
+def test_gpu_model_configs_have_their_published_size(size, billions):
+    config = MambaConfig.from_json(ROOT / f"launch/models/mamba2-{size}.json")
+    params = sum(p.numel() for p in MambaLM(config, device="meta").parameters())
+    assert abs(params / 1e9 - billions) < 0.01, params
 
 
 def test_a_malformed_json_config_is_refused_by_path(tmp_path):
