@@ -11,7 +11,11 @@ import triton.language as tl
 
 from . import common
 
-_BLOCK_M = 16
+
+def _launch(group_size):
+    """(BLOCK_M, BLOCK_G, num_warps): at most 4096 elements per program (16 rows of small groups)."""
+    block_g = common.block(group_size, lo=1)
+    return max(1, min(16, 4096 // block_g)), block_g, 8 if block_g >= 2048 else 4
 
 
 @triton.jit
@@ -96,11 +100,12 @@ class _RMSNormGated(torch.autograd.Function):
         z2 = z.reshape(-1, n).contiguous() if z is not None else None
         rows = x2.shape[0]
         out = common.empty(x2.shape, device=x.device, dtype=x.dtype)
-        grid = (triton.cdiv(rows, _BLOCK_M), n // group_size)
+        block_m, block_g, warps = _launch(group_size)
+        grid = (triton.cdiv(rows, block_m), n // group_size)
         _norm_fwd_kernel[grid](x2, z2, weight, bias, out, rows, n, group_size, eps,
                                HAS_Z=z is not None, HAS_BIAS=bias is not None,
-                               NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=_BLOCK_M,
-                               BLOCK_G=common.block(group_size, lo=1))
+                               NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g,
+                               num_warps=warps)
         ctx.save_for_backward(x2, z2, weight, bias)
         ctx.meta = (shape, eps, group_size, norm_before_gate)
         return out.reshape(shape)
@@ -111,15 +116,16 @@ class _RMSNormGated(torch.autograd.Function):
         shape, eps, group_size, norm_before_gate = ctx.meta
         rows, n = x2.shape
         dy = dout.reshape(rows, n).contiguous()
-        grid = (triton.cdiv(rows, _BLOCK_M), n // group_size)
+        block_m, block_g, warps = _launch(group_size)
+        grid = (triton.cdiv(rows, block_m), n // group_size)
         dx = common.empty(x2.shape, device=x2.device, dtype=x2.dtype)
         dz = common.empty(x2.shape, device=x2.device, dtype=z2.dtype) if z2 is not None else None
         dw_part = common.empty((grid[0], n), device=x2.device, dtype=torch.float32)
         db_part = common.empty((grid[0], n), device=x2.device, dtype=torch.float32) if bias is not None else None
         _norm_bwd_kernel[grid](x2, z2, weight, bias, dy, dx, dz, dw_part, db_part, rows, n,
                                group_size, eps, HAS_Z=z2 is not None, HAS_BIAS=bias is not None,
-                               NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=_BLOCK_M,
-                               BLOCK_G=common.block(group_size, lo=1))
+                               NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g,
+                               num_warps=warps)
         dweight = dw_part.sum(0).to(weight.dtype)
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
         dz = dz.reshape(shape) if dz is not None else None

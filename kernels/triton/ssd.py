@@ -556,6 +556,8 @@ class _Sizes:
         self.block_e = common.block(self.state_size, hi=1024)
         self.block_h = 8
         self.prec = common.dot_precision(x.dtype)
+        # Kernels holding (BLOCK_M x dstate) float32 tiles get more warps to hold them.
+        self.warps = 8 if self.block_m * self.block_n >= 64 * 128 else 4
 
     def dims(self):
         return (self.seqlen, self.nheads, self.per_group, self.nchunks, self.chunk, self.headdim, self.dstate)
@@ -607,7 +609,7 @@ def _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, diag=None):
         *C.stride(), *out.stride(), doc.stride(0) if doc is not None else 0,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
         HAS_DOC=doc is not None, SCAN_ONLY=diag is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
-        BLOCK_P=block_p, BLOCK_N=sz.block_n)
+        BLOCK_P=block_p, BLOCK_N=sz.block_n, num_warps=sz.warps)
 
 
 class _SSDChunkScan(torch.autograd.Function):
@@ -666,14 +668,14 @@ class _SSDChunkScan(torch.autograd.Function):
             x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, dcs, wstate, *sz.dims(), *x.stride(), *B.stride(),
             *C.stride(), sdb, HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
             HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
-            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n)
+            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps)
 
         dB = _empty(B.shape, B, B.dtype)
         dC = _empty(C.shape, C, C.dtype)
         _dbc_kernel[(sz.batch * sz.nchunks * sz.ngroups, triton.cdiv(sz.chunk, sz.block_m))](
             x, B, C, dtp, cs, doc, dy, entering, dstates, dB, dC, *sz.dims(), *x.stride(), *B.stride(),
             *C.stride(), sdb, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
-            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n)
+            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps)
 
         ddt = _empty(dt.shape, dt, dt.dtype)
         da_part = _empty((sz.batch, sz.nchunks, sz.nheads), x)

@@ -95,6 +95,15 @@ def test_rmsnorm_gated_matches_oracle(gate, group_size, with_bias):
                          norm_before_gate=gate != "after_norm", eps=1e-5)
 
 
+def test_rmsnorm_gated_wide_rows_use_few_rows_per_program():
+    """4096-wide rows: one row per program (BLOCK_M = 1), rows not a multiple of anything."""
+    seed = 1100
+    gen = torch.Generator().manual_seed(seed)
+    tensors = dict(x=torch.randn(3, 4096, generator=gen), weight=torch.randn(4096, generator=gen),
+                   z=torch.randn(3, 4096, generator=gen))
+    check_against_oracle(rmsnorm_gated, naive_ops.rmsnorm_gated, tensors, seed, norm_before_gate=False)
+
+
 def test_rmsnorm_gated_rejects_group_size_not_dividing_dim():
     with pytest.raises(ValueError, match="group_size"):
         rmsnorm_gated(torch.randn(2, 10), torch.ones(10), group_size=4)
