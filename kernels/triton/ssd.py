@@ -14,13 +14,16 @@ masked ones are set to -inf before exp, so no decay overflows whatever dt is.
 
 The backward recomputes dt, cs, the states and the scan output instead of storing them,
 then (dy = the gradient of the scan output y):
-  _gate_bwd_kernel       dz, dy, dD partials, and dy_l . y_l
+  _gate_bwd_kernel       dz, dy, dD partials, and dy_l . y_l (y without its diagonal term)
   _chunk_state_kernel    (mode 1) dS_c from the outputs: sum_l exp(cs_l) dy_l^T C_l
-  _state_pass_bwd_kernel dS_c += exp(cs_last) dS_{c+1}; d initial state; <dS_{c+1}, S_{c+1}>
-  _dx_kernel             dx, the direct part of ddt, and -x_s . dx_s
+  _state_pass_bwd_kernel dS_c += exp(cs_last) dS_{c+1}; d initial state; exp(cs_last) <dS_{c+1}, S_c>
+  _dx_kernel             dx, the direct part of ddt, and the log-decay gradient pieces
   _dbc_kernel            dB, dC (summed over the heads of a group inside the program)
-  _dt_bwd_kernel         dcs_l = dy_l.y_l - x_l.dx_l (+ <dS, S> at the chunk end) -> ddt, dA,
-                         through the clamp / softplus to d dt and d dt_bias
+  _dt_bwd_kernel         the gradient of each step's log-decay dt*A -> ddt, dA, then through
+                         the clamp / softplus to d dt and d dt_bias
+The log-decay gradient is assembled from sums that never cancel in float32 (the diagonal
+term, which does not depend on cs, is kept out of both sides; the state path uses an
+exclusive cumsum), so large dt costs no accuracy beyond that of float32 cs itself.
 Document boundaries use per-position document counters (see common.document_counters).
 Offsets that scale with batch * seqlen are computed in 64 bits.
 """
