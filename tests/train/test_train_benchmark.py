@@ -1,0 +1,55 @@
+"""benchmarks/train.py runs only on a GPU; here: it imports, answers --help, and its summaries are right."""
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from train_entry import ROOT
+
+BENCH = ROOT / "benchmarks/train.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("megamamba_train_benchmark", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_lists_the_options_without_a_gpu():
+    proc = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--sizes", "--steps", "--launch-size", "--mamba-ssm-src", "--peak-tflops", "--results"):
+        assert flag in proc.stdout
+
+
+def test_every_size_has_a_model_and_a_deepspeed_config(bench):
+    for size in bench.SIZES:
+        for path in bench._paths(size):
+            assert (ROOT / path).is_file(), path
+
+
+def test_averages_leave_out_the_warmup_steps_and_keep_the_largest_memory(bench):
+    records = [{"step": i, "tokens_per_s": t, "tflops_per_device": t / 10, "mfu": t / 1000, "mem_peak_gb": m,
+                "loss": 5.0 - i} for i, (t, m) in enumerate([(1.0, 3.0), (100.0, 2.0), (200.0, 2.5)])]
+    summary = bench.averaged(records, warmup=1)
+    assert summary == pytest.approx({"tokens_per_s": 150.0, "tflops_per_device": 15.0, "mfu": 0.15, "mem_peak_gb": 3.0,
+                                     "final_loss": 3.0})
+
+
+def test_the_table_shows_each_run_or_its_failure(bench):
+    text = bench.table([("130m", "ours", {"tokens_per_s": 123456.0, "tflops_per_device": 101.25, "mfu": 0.1023,
+                                          "mem_peak_gb": 12.34}),
+                        ("1.3b", "mamba_ssm", {"error": "CUDA out of memory"})])
+    lines = text.splitlines()
+    assert lines[2] == "| 130m | ours | 123,456 | 101.2 | 10.2% | 12.3 |"
+    assert lines[3].startswith("| 1.3b | mamba_ssm | failed:") and "out of memory" in lines[3]
+
+
+def test_without_a_gpu_it_stops_with_a_message(bench):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--sizes", "130m"])
