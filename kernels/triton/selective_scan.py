@@ -215,7 +215,7 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         tl.store(dbias_ptr + b * dim + d, dbias_acc, mask=d_mask)
 
 
-def _groups(B, C, dim):
+def _groups(B, C):
     """Number of groups shared by the input-dependent B / C (1 if both are constant)."""
     counts = {M.shape[1] for M in (B, C) if M.dim() == 4}
     if len(counts) > 1:
@@ -235,7 +235,7 @@ class _SelectiveScan(torch.autograd.Function):
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, doc, softplus):
         batch, dim, seqlen = u.shape
         dstate = A.shape[1]
-        groups = _groups(B, C, dim)
+        groups = _groups(B, C)
         n_ckpt = triton.cdiv(seqlen, CHECKPOINT)
         out = common.empty((batch, dim, seqlen), device=u.device, dtype=u.dtype)
         ckpt = common.empty((batch, n_ckpt, dim, dstate), device=u.device, dtype=torch.float32)
@@ -258,7 +258,7 @@ class _SelectiveScan(torch.autograd.Function):
         u, delta, A, B, C, D, z, delta_bias, doc, ckpt = ctx.saved_tensors
         batch, dim, seqlen = u.shape
         dstate = A.shape[1]
-        groups = _groups(B, C, dim)
+        groups = _groups(B, C)
         n_blocks = triton.cdiv(dim // groups, _BLOCK_D)
         dev = u.device
 
