@@ -43,7 +43,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, out_ptr, dim, seqlen,
                      WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOC: tl.constexpr,
                      SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     t = tl.program_id(2).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
     d_mask = d < dim
     t_mask = t < seqlen
@@ -62,7 +62,7 @@ def _conv_bwd_grad_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, dout_ptr, g_ptr, dw_p
                           SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     """g = dout * act'(preact) (float32), and this tile's partial sums of dweight and dbias."""
     b = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     pid_l = tl.program_id(2)
     t = pid_l.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
     d_mask = d < dim
@@ -99,7 +99,7 @@ def _conv_bwd_dx_kernel(g_ptr, w_ptr, doc_ptr, dx_ptr, dim, seqlen,
                         BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     """dx[s] = sum_k weight[k] * g[s + (width-1-k)] over taps in the same document."""
     b = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = tl.program_id(2).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
     d_mask = d < dim
     s_mask = s < seqlen
