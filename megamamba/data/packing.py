@@ -1,0 +1,86 @@
+"""Packing one dataset's documents into fixed-length samples, with document ids per position.
+
+Each epoch shuffles the documents (a permutation seeded by (seed, dataset key, epoch)),
+concatenates them into one stream and cuts it into samples of seq_length + 1 tokens that
+overlap by one token: sample k covers stream[k*L, k*L + L + 1) — inputs are its first L
+tokens, labels its last L. The tail shorter than a sample is left out of that epoch. Samples
+are visited in a seeded random order, so consecutive samples do not come from one stretch.
+
+Document ids (`segment_ids`): a document's segment begins at the end-of-document token that
+closes the document before it — the position whose label is the document's first token. The
+model's state resets there, so a document is predicted from that token alone, as if it were a
+BOS, and never sees the document packed before it.
+
+Permutations use NumPy's legacy RandomState, whose streams NumPy keeps fixed across versions.
+"""
+from collections import OrderedDict
+
+import numpy as np
+
+from megamamba.data.indexed import IndexedDataset
+
+_EPOCHS_CACHED = 2
+_DOCUMENT_ORDER, _SAMPLE_ORDER = 0, 1
+
+
+def segment_ids(document_ends: np.ndarray, length: int) -> np.ndarray:
+    """int32 ids of `length` input positions from the window positions of documents' last tokens.
+
+    The id steps up at every document's last token (its end-of-document token) and starts at 0.
+    """
+    steps = np.zeros(length, dtype=np.int32)
+    ends = document_ends[(document_ends >= 0) & (document_ends < length)]
+    np.add.at(steps, ends, 1)
+    ids = np.cumsum(steps, dtype=np.int32)
+    return ids - ids[0]
+
+
+def _permutation(n: int, seed: int, key: int, epoch: int, purpose: int) -> np.ndarray:
+    state = np.random.SeedSequence([seed, key, epoch, purpose]).generate_state(1)[0]
+    return np.random.RandomState(state).permutation(n)
+
+
+class DocumentPacker:
+    """Sample number q of one dataset -> (tokens (seq_length + 1,) int64, document ids (seq_length,) int32)."""
+
+    def __init__(self, dataset: IndexedDataset, seq_length: int, seed: int, key: int):
+        if seed < 0:
+            raise ValueError(f"seed {seed}: must be >= 0")
+        self.dataset = dataset
+        self.seq_length = seq_length
+        self.seed = seed
+        self.key = key
+        self.samples_per_epoch = (dataset.num_tokens - 1) // seq_length
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"{dataset.prefix}: {dataset.num_tokens} tokens cannot fill one sample of "
+                             f"seq_length + 1 = {seq_length + 1} tokens")
+        self._epochs: OrderedDict = OrderedDict()
+
+    def _epoch(self, epoch: int):
+        """(document order, stream offset of each ordered document + the total, sample order) of an epoch."""
+        if epoch not in self._epochs:
+            order = _permutation(self.dataset.num_documents, self.seed, self.key, epoch, _DOCUMENT_ORDER)
+            lengths = np.diff(self.dataset.offsets)[order]
+            starts = np.zeros(order.size + 1, dtype=np.int64)
+            np.cumsum(lengths, out=starts[1:])
+            samples = _permutation(self.samples_per_epoch, self.seed, self.key, epoch, _SAMPLE_ORDER)
+            self._epochs[epoch] = (order, starts, samples)
+            while len(self._epochs) > _EPOCHS_CACHED:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
+
+    def sample(self, q: int) -> tuple[np.ndarray, np.ndarray]:
+        epoch, k = divmod(q, self.samples_per_epoch)
+        order, starts, samples = self._epoch(epoch)
+        begin = int(samples[k]) * self.seq_length
+        end = begin + self.seq_length + 1
+        first = int(np.searchsorted(starts, begin, side="right")) - 1
+        stop = int(np.searchsorted(starts, end, side="left"))
+        pieces = []
+        for d in range(first, stop):
+            doc_start = self.dataset.offsets[order[d]]
+            lo, hi = max(begin, starts[d]) - starts[d], min(end, starts[d + 1]) - starts[d]
+            pieces.append(self.dataset.tokens[doc_start + lo:doc_start + hi])
+        tokens = np.concatenate(pieces).astype(np.int64)
+        ends = starts[first + 1:stop + 1] - 1 - begin
+        return tokens, segment_ids(ends, self.seq_length)
