@@ -105,6 +105,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         raise LayoutError(f"--model-config vocab_size={model.vocab_size} is smaller than the byte tokenizer's "
                           f"{ByteTokenizer.vocab_size} tokens")
     layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config)
+    if layout.tp > 1:
+        raise LayoutError(f"--tensor-parallel-size {layout.tp}: tensor-parallel mixers are not built yet; use 1")
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
     if args.checkpoint_activations_interval < 0:
         raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")

@@ -111,8 +111,6 @@ class PlainTrainer:
 
 def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
                   seed: int, partition_method: str, checkpoint_interval: int):
-    if layout.tp > 1:
-        raise NotImplementedError("tensor parallelism: the TP mixers are not built yet")
     if layout.pp > 1:
         return PipelineTrainer(layout, config, engine_config, settings, seed, partition_method, checkpoint_interval)
     return PlainTrainer(layout, config, engine_config, settings, seed, checkpoint_interval)

@@ -111,6 +111,11 @@ def test_bad_flags_are_refused_before_any_process_group(tmp_path, flags, words):
         _prepare(tmp_path, flags=flags)
 
 
+def test_tensor_parallelism_is_refused_until_its_mixers_exist(tmp_path):
+    with pytest.raises(LayoutError, match="--tensor-parallel-size 2: tensor-parallel mixers are not built yet"):
+        _prepare(tmp_path, world=2, flags=["--tensor-parallel-size", "2"])
+
+
 def test_a_model_whose_vocabulary_cannot_hold_the_tokenizers_is_refused(tmp_path):
     with pytest.raises(LayoutError, match="vocab_size=200 is smaller than the byte tokenizer's 257 tokens"):
         _prepare(tmp_path, model={**TINY.to_dict(), "vocab_size": 200})

@@ -34,7 +34,9 @@ def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer
     for rank, summary in enumerate(ranks):
         curve = losses(summary["records"])
         assert all(l == l for l in curve), curve
-        assert relative_curve_error(curve, losses(ref)) <= TOLERANCE, (rank, curve, losses(ref))
+        error = relative_curve_error(curve, losses(ref))
+        print(f"{mixer} {layout} rank {rank}: max relative loss difference to (1,1,1) {error:.1e}")
+        assert error <= TOLERANCE, (rank, curve, losses(ref))
         assert relative_curve_error(losses(summary["records"], "val_loss"), losses(ref, "val_loss")) <= TOLERANCE
         assert relative_curve_error(losses(summary["records"], "grad_norm"), losses(ref, "grad_norm")) <= 1e-3
 
@@ -65,13 +67,17 @@ def test_zero_2_and_3_at_pipeline_size_1_train_the_same_curve(runs, reference, s
     assert expected <= ranks[0]["optimizer_state_bytes"] <= expected * 1.01
 
 
-def test_bf16_autocast_follows_the_float32_curve_with_float32_parameters(runs, reference):
-    ds = runs.ds_config(torch_autocast={"enabled": True, "dtype": "bfloat16"})
-    (summary,) = runs.spawned(1, "mamba2", [], ds_config=ds)
-    curve, ref = losses(summary["records"]), losses(reference("mamba2")["records"])
-    assert summary["parameter_dtypes"] == ["torch.float32"]
+def test_bf16_autocast_follows_the_float32_curve_with_float32_parameters(runs):
+    longer = ["--train-iters", "30", "--lr", "3e-3", "--lr-warmup-iters", "3", "--eval-interval", "0"]
+    (fp32,) = runs.spawned(1, "mamba2", longer)
+    (bf16,) = runs.spawned(1, "mamba2", longer, ds_config=runs.ds_config(
+        torch_autocast={"enabled": True, "dtype": "bfloat16"}))
+    assert bf16["parameter_dtypes"] == ["torch.float32"]  # A_log, D, dt_bias and the masters stay float32
+    curve, ref = losses(bf16["records"]), losses(fp32["records"])
+    assert ref[-1] < ref[0] - 0.5, ref  # a real stretch of training, not the flat start
     error = relative_curve_error(curve, ref)
-    assert 0 < error <= 2e-3, (error, curve, ref)  # > 0: the matmuls really ran in bf16
+    print(f"bf16 autocast vs float32, 30 steps: max relative loss difference {error:.2e}")
+    assert 0 < error <= 1e-2, (error, curve, ref)  # > 0: the matmuls really ran in bf16
 
 
 @pytest.mark.parametrize("layout, sp", [((1, 2, 1), False), ((1, 2, 2), True), ((2, 2, 2), False)])
