@@ -5,6 +5,12 @@ previous block's mixer output, adds them, normalises, and returns the new mixer 
 the updated residual. The model is the usual x + mixer(norm(x)); this order only lets a fused
 kernel do the add and the norm together. Keys: `norm.weight` (+ `norm.bias` for LayerNorm),
 `mixer.*`.
+
+Under tensor parallelism (`tp`) the mixer is split across the TP group and the norm replicated;
+with `tp.sequence_parallel` the block's input and output (hidden and residual) are this rank's
+shard of the sequence (batch, seqlen / TP, d_model): the mixer all-gathers the normed input and
+reduce-scatters its output, while seq_idx stays whole (batch, seqlen), as the conv and scan read
+it after the gather.
 """
 from typing import Optional
 
@@ -14,33 +20,34 @@ from torch import nn
 from megamamba.config import Mamba1Options, MambaConfig
 from megamamba.mamba1 import Mamba1
 from megamamba.mamba2 import Mamba2
-from megamamba.norm import RMSNorm
+from megamamba.norm import LayerNorm, RMSNorm
+from megamamba.parallel import TensorParallel
 
 NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
 
 
-def make_norm(config: MambaConfig, device=None, dtype=None) -> nn.Module:
-    """RMSNorm, or LayerNorm (with bias) when rms_norm is false."""
-    if config.rms_norm:
-        return RMSNorm(config.d_model, eps=NORM_EPS, device=device, dtype=dtype)
-    return nn.LayerNorm(config.d_model, eps=NORM_EPS, device=device, dtype=dtype)
+def make_norm(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None) -> nn.Module:
+    """RMSNorm, or LayerNorm (with bias) when rms_norm is false; under sequence parallelism
+    (`tp.sequence_parallel`) it normalises this rank's sequence shard (see `megamamba.norm`)."""
+    cls = RMSNorm if config.rms_norm else LayerNorm
+    return cls(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
 
-def make_mixer(config: MambaConfig, device=None, dtype=None) -> nn.Module:
-    """The mixer that config.ssm_cfg["layer"] names, built with its options."""
+def make_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None) -> nn.Module:
+    """The mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`)."""
     options = config.mixer_options
     cls = Mamba1 if isinstance(options, Mamba1Options) else Mamba2
-    return cls(config.d_model, options, device=device, dtype=dtype)
+    return cls(config.d_model, options, device=device, dtype=dtype, tp=tp)
 
 
 class Block(nn.Module):
     """residual += hidden; hidden = mixer(norm(residual)). Residual in float32 (or wider) when residual_in_fp32."""
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None):
+    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None):
         super().__init__()
         self.residual_in_fp32 = config.residual_in_fp32
-        self.norm = make_norm(config, device=device, dtype=dtype)
-        self.mixer = make_mixer(config, device=device, dtype=dtype)
+        self.norm = make_norm(config, device=device, dtype=dtype, tp=tp)
+        self.mixer = make_mixer(config, device=device, dtype=dtype, tp=tp)
 
     def _add_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
         residual = hidden_states if residual is None else hidden_states + residual

@@ -10,27 +10,94 @@ Initialisation is mamba_ssm's `_init_weights`: PyTorch's defaults for Linear and
 the mixers' SSM init, then every Linear bias zeroed (except dt_proj.bias), the embedding
 drawn from N(0, 0.02^2), and each mixer's out_proj re-drawn and scaled by
 1/sqrt(n_layer) (GPT-2's rescale of the residual branches; one residual per layer, no MLP).
+
+Tensor parallelism: `MambaLM(config, tp=TensorParallel(...))` (from
+`megamamba.parallel.groups.ParallelGroups.tensor_parallel`) splits every mixer across the TP
+group (see `megamamba.mamba1`, `megamamba.mamba2`), the embedding and the head by vocabulary
+rows (the padded vocab rounded up to a multiple of TP; those extra rows exist only in the built
+model: `megamamba.parallel.full_tensors` drops them). Its forward returns this rank's block of
+the logits, and `loss` the cross-entropy without ever gathering them. With
+`tp.sequence_parallel` the activations between blocks are split along the sequence (seqlen %
+TP == 0); the head gathers them. The same seed gives the single-device model's full weights
+at any TP size: every full tensor is drawn as above, then sliced (`megamamba.parallel.from_full`).
+The pieces a pipeline stage needs are here too: `make_embedding`, `Block`, `make_norm`,
+`make_head` / `head_logits` (tied), `lm_loss`.
 """
 import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megamamba.block import Block, make_norm
 from megamamba.config import MambaConfig
+from megamamba.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    local_shard,
+    parallel_linear,
+    vocab_parallel_cross_entropy,
+)
+from megamamba.parallel.from_full import sharded
+from megamamba.parallel.model_layout import check_model_layout, check_sequence_length
 
 EMBEDDING_INIT_STD = 0.02
+
+
+def _split(tp: Optional[TensorParallel]) -> Optional[TensorParallel]:
+    """`tp` when it splits anything, None for no TP or a single rank (the plain model)."""
+    return tp if tp is not None and tp.size > 1 else None
+
+
+def make_embedding(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None) -> nn.Module:
+    """Token ids (batch, seqlen) -> (batch, seqlen, d_model): nn.Embedding over the padded vocab, or
+    under TP a VocabParallelEmbedding whose output is replicated, or with sequence parallelism this
+    rank's sequence shard (batch, seqlen / TP, d_model)."""
+    full = nn.Embedding(config.padded_vocab_size, config.d_model, device=device, dtype=dtype)
+    if _split(tp) is None:
+        return full
+    return sharded(full, lambda: VocabParallelEmbedding(config.padded_vocab_size, config.d_model, tp), tp)
+
+
+def make_head(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None) -> nn.Module:
+    """The untied head, hidden -> logits: nn.Linear to the padded vocab, or under TP a VocabParallelHead
+    giving this rank's block of the logits (with sequence parallelism it gathers the hidden shards)."""
+    full = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+    if _split(tp) is None:
+        return full
+    return sharded(full, lambda: VocabParallelHead(config.d_model, config.padded_vocab_size, tp), tp)
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: Optional[TensorParallel] = None) -> torch.Tensor:
+    """The tied head: hidden @ weight.T with the embedding's weight (under TP its local rows, giving
+    this rank's block of the logits; with sequence parallelism the hidden shards are gathered)."""
+    if _split(tp) is None:
+        return F.linear(hidden, weight)
+    return parallel_linear(hidden, weight, None, tp)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+            tp: Optional[TensorParallel] = None) -> torch.Tensor:
+    """Mean cross-entropy over the tokens whose label is not -100, on the real vocabulary (padded
+    columns excluded). Under TP `logits` is this rank's vocab block and the full logits are never
+    gathered (`vocab_parallel_cross_entropy`); every rank gets the loss."""
+    if _split(tp) is None:
+        return F.cross_entropy(logits[..., :vocab_size].flatten(0, -2).float(), labels.flatten())
+    return vocab_parallel_cross_entropy(logits, labels, tp, vocab_size=vocab_size)
 
 
 class MambaBackbone(nn.Module):
     """Token ids -> final-normed hidden states (batch, seqlen, d_model)."""
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None):
+    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(Block(config, device=device, dtype=dtype) for _ in range(config.n_layer))
-        self.norm_f = make_norm(config, device=device, dtype=dtype)
+        self.embedding = make_embedding(config, device=device, dtype=dtype, tp=tp)
+        self.layers = nn.ModuleList(Block(config, device=device, dtype=dtype, tp=tp) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config, device=device, dtype=dtype, tp=tp)
 
     def _final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         residual = hidden_states + residual
@@ -52,14 +119,20 @@ class MambaBackbone(nn.Module):
 
 
 class MambaLM(nn.Module):
-    """Mamba-1 / Mamba-2 language model: `MambaLM(config)(input_ids)` -> logits (batch, seqlen, padded vocab)."""
+    """Mamba-1 / Mamba-2 language model: `MambaLM(config)(input_ids)` -> logits (batch, seqlen, padded vocab).
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None):
+    With `tp` (size > 1) the model is split across its tensor-parallel group (module docstring).
+    """
+
+    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None):
         super().__init__()
         config.validate()
+        self.tp = _split(tp)
+        if self.tp is not None:
+            check_model_layout(config, self.tp.size)
         self.config = config
-        self.backbone = MambaBackbone(config, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+        self.backbone = MambaBackbone(config, device=device, dtype=dtype, tp=self.tp)
+        self.lm_head = make_head(config, device=device, dtype=dtype, tp=self.tp)
         self._init_weights()
         if config.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
@@ -67,15 +140,24 @@ class MambaLM(nn.Module):
     @torch.no_grad()
     def _init_weights(self) -> None:
         for module in self.modules():
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                if not getattr(module.bias, "_no_reinit", False):
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=EMBEDDING_INIT_STD)
+            if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
+                for bias in (module.bias, getattr(module, "bias_replicated", None)):
+                    if bias is not None and not getattr(bias, "_no_reinit", False):
+                        nn.init.zeros_(bias)
+            elif isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
+                self._redraw(module.weight, (self.config.padded_vocab_size, self.config.d_model),
+                             lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD))
         for layer in self.backbone.layers:
-            out_proj = layer.mixer.out_proj.weight
-            nn.init.kaiming_uniform_(out_proj, a=math.sqrt(5))
-            out_proj /= math.sqrt(self.config.n_layer)
+            self._redraw(layer.mixer.out_proj.weight, (self.config.d_model, self.config.d_inner),
+                         lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(self.config.n_layer)))
+
+    def _redraw(self, param: nn.Parameter, full_shape: tuple, draw) -> None:
+        """Re-initialise `param` with `draw`, applied under TP to the full tensor, then sliced."""
+        if self.tp is None:
+            draw(param)
+            return
+        full = draw(torch.empty(full_shape, device=param.device, dtype=param.dtype))
+        param.copy_(local_shard(full, param.tp_shard, self.tp.size, self.tp.rank))
 
     def forward(self, input_ids: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
                 inference_cache: Optional[list] = None) -> torch.Tensor:
@@ -85,12 +167,31 @@ class MambaLM(nn.Module):
         changes, so packed documents do not see each other. inference_cache (from
         allocate_inference_cache): filled with the states after the last position, so `step`
         continues the sequence (prefill); not combined with seq_idx.
+
+        Under TP: input_ids and seq_idx whole and the same on every rank; the logits are LOCAL,
+        this rank's vocab block (batch, seqlen, rows) of the TP-padded vocab, rank r holding
+        columns [r * rows, (r + 1) * rows). Use `loss`, or `lm_loss` / `vocab_parallel_cross_entropy`
+        on them; `gather_from_tp_region(logits, tp)[..., :padded_vocab_size]` gives the full ones.
         """
         if seq_idx is not None and seq_idx.shape != input_ids.shape:
             raise ValueError(f"seq_idx shape {tuple(seq_idx.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
         if seq_idx is not None and inference_cache is not None:
             raise ValueError("inference_cache with seq_idx: a prefill continues one sequence; pass packed documents without a cache")
+        if self.tp is not None:
+            check_sequence_length(input_ids.shape[1], self.tp.size, self.tp.sequence_parallel)
+            if inference_cache is not None:
+                self._check_recurrent_form()
         return self.lm_head(self.backbone(input_ids, seq_idx=seq_idx, inference_cache=inference_cache))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean cross-entropy of `labels` (batch, seqlen; -100 = ignored) under the logits of `input_ids`,
+        over the real vocabulary; under TP computed on the vocab-parallel logits, never gathered."""
+        return lm_loss(self(input_ids, seq_idx=seq_idx), labels, self.config.vocab_size, self.tp)
+
+    def _check_recurrent_form(self) -> None:
+        if self.tp is not None and self.tp.sequence_parallel:
+            raise ValueError("the recurrent form (inference_cache, step) is not sequence-parallel: "
+                             "build the model with tp.without_sequence_parallel() for generation")
 
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> list:
         """Zeroed recurrent state for `step`: one (conv_state, ssm_state) per layer."""
@@ -98,4 +199,5 @@ class MambaLM(nn.Module):
 
     def step(self, input_ids: torch.Tensor, inference_cache: list) -> torch.Tensor:
         """One token per sequence: input_ids (batch,) -> logits (batch, padded_vocab_size); the cache advances in place."""
+        self._check_recurrent_form()
         return self.lm_head(self.backbone.step(input_ids, inference_cache))

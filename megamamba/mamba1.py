@@ -11,8 +11,16 @@ state dicts load unchanged:
     D         (d_inner,)
     out_proj  (d_model, d_inner)
 
-Split sizes come from this module's own attributes (d_inner, d_state, dt_rank), so a
-tensor-parallel version only has to build it with its local d_inner.
+Split sizes come from this module's own attributes (d_inner, d_state, dt_rank).
+
+Tensor parallelism (`tp` of size > 1; Megatron-style, see `megamamba.parallel`): the mixer is
+built as above, then `_shard` keeps this rank's d_inner / TP channels (d_inner below is the
+local width): in_proj column-parallel per component (x, z); conv1d, dt_proj, A_log, D split by
+channel; x_proj row-parallel, its small output (dt, B, C) all-reduced and then used by this
+rank's channels, so its gradient is all-reduced on the way back; out_proj row-parallel.
+Communication per call: forward 2 all-reduces (x_proj, out_proj), backward 2 (x_proj output,
+in_proj input); with sequence parallelism in_proj all-gathers its input and out_proj
+reduce-scatters instead (x_proj's all-reduce stays: inside the mixer the sequence is whole).
 """
 import math
 from typing import Optional
@@ -23,6 +31,16 @@ from torch import nn
 
 from megamamba.config import Mamba1Options
 from megamamba.kernels import causal_conv1d, causal_conv1d_update, selective_scan, selective_state_update
+from megamamba.parallel import (
+    ColumnParallelLinear,
+    Component,
+    RowParallelLinear,
+    TensorParallel,
+    copy_to_tp_region,
+)
+from megamamba.parallel.conv import ParallelDepthwiseConv1d
+from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
+from megamamba.parallel.model_layout import check_mixer_layout
 
 
 def fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
@@ -41,8 +59,11 @@ def sample_dt_bias(n: int, dt_min: float, dt_max: float, dt_init_floor: float, d
 class Mamba1(nn.Module):
     """Mamba-1 mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
 
-    def __init__(self, d_model: int, options: Mamba1Options = Mamba1Options(), device=None, dtype=None):
+    def __init__(self, d_model: int, options: Mamba1Options = Mamba1Options(), device=None, dtype=None,
+                 tp: Optional[TensorParallel] = None):
         super().__init__()
+        if tp is not None:
+            check_mixer_layout(d_model, options, tp.size)
         factory = {"device": device, "dtype": dtype}
         self.d_model = d_model
         self.d_state = options.d_state
@@ -75,6 +96,29 @@ class Mamba1(nn.Module):
         self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
         self.D._no_weight_decay = True
 
+        self.tp = None
+        if tp is not None and tp.size > 1:
+            self._shard(tp)
+
+    def _shard(self, tp: TensorParallel) -> None:
+        """Keep this rank's channels of every full tensor built above (see the module docstring)."""
+        d_inner, d_model = self.d_inner, self.d_model
+        self.in_proj = sharded(self.in_proj, lambda: ColumnParallelLinear(
+            d_model, 2 * d_inner, tp, bias=self.in_proj.bias is not None,
+            components=[Component("x", d_inner), Component("z", d_inner)]), tp)
+        self.conv1d = sharded(self.conv1d, lambda: ParallelDepthwiseConv1d(
+            [Component("channels", d_inner)], self.d_conv, tp, bias=self.conv1d.bias is not None), tp)
+        self.x_proj = sharded(self.x_proj, lambda: RowParallelLinear(
+            d_inner, self.dt_rank + 2 * self.d_state, tp.without_sequence_parallel(), bias=False), tp)
+        self.dt_proj.weight = shard_parameter(self.dt_proj.weight, split_rows("weight", d_inner), tp)
+        self.dt_proj.bias = shard_parameter(self.dt_proj.bias, split_rows("bias", d_inner), tp)
+        self.dt_proj.out_features = d_inner // tp.size
+        self.A_log = shard_parameter(self.A_log, split_rows("A_log", d_inner), tp)
+        self.D = shard_parameter(self.D, split_rows("D", d_inner), tp)
+        self.out_proj = sharded(self.out_proj, lambda: RowParallelLinear(
+            d_inner, d_model, tp, bias=self.out_proj.bias is not None), tp)
+        self.tp, self.d_inner = tp, d_inner // tp.size
+
     # ---- splits of the fused projections -------------------------------------------------
     def split_in_proj(self, xz: torch.Tensor):
         """in_proj output (..., 2*d_inner) -> x, z (..., d_inner) each, in that order."""
@@ -88,6 +132,18 @@ class Mamba1(nn.Module):
         """The state matrix diagonal, (d_inner, d_state), float32 (or wider)."""
         return -torch.exp(fp32_or_wider(self.A_log))
 
+    def conv_weight_and_bias(self):
+        """The depthwise conv's (weight (d_inner, d_conv), bias) as the conv kernel takes them."""
+        if self.tp is not None:
+            return self.conv1d.weight_and_bias()
+        return self.conv1d.weight.squeeze(1), self.conv1d.bias
+
+    def project_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., d_inner) -> x_proj(x) (..., dt_rank + 2*d_state). Under TP x_proj sums the ranks'
+        partial products (all-reduce) and this rank's channels use the sum, so its gradient is summed too."""
+        x_dbl = self.x_proj(x)
+        return x_dbl if self.tp is None else copy_to_tp_region(x_dbl, self.tp)
+
     # ---- parallel form -------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
                 inference_state: Optional[tuple] = None) -> torch.Tensor:
@@ -98,9 +154,9 @@ class Mamba1(nn.Module):
         x, z = x.transpose(1, 2), z.transpose(1, 2)  # (batch, d_inner, seqlen)
         if inference_state is not None:
             inference_state[0].copy_(F.pad(x, (self.d_conv - x.shape[-1], 0)))
-        x = causal_conv1d(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx=seq_idx, activation="silu")
+        x = causal_conv1d(x, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu")
 
-        dt, B, C = self.split_x_proj(self.x_proj(x.transpose(1, 2)))
+        dt, B, C = self.split_x_proj(self.project_x(x.transpose(1, 2)))
         dt = (dt @ self.dt_proj.weight.t()).transpose(1, 2)  # (batch, d_inner, seqlen); bias added in the scan
         B, C = B.transpose(1, 2), C.transpose(1, 2)  # (batch, d_state, seqlen)
         y = selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z, delta_bias=fp32_or_wider(self.dt_proj.bias),
@@ -124,8 +180,8 @@ class Mamba1(nn.Module):
         """One token: hidden_states (batch, d_model) -> (batch, d_model); the states advance in place."""
         conv_state, ssm_state = inference_state
         x, z = self.split_in_proj(self.in_proj(hidden_states))
-        x = causal_conv1d_update(x, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu")
-        dt, B, C = self.split_x_proj(self.x_proj(x))
+        x = causal_conv1d_update(x, conv_state, *self.conv_weight_and_bias(), activation="silu")
+        dt, B, C = self.split_x_proj(self.project_x(x))
         dt = dt @ self.dt_proj.weight.t()
         y = selective_state_update(ssm_state, x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
                                    dt_bias=fp32_or_wider(self.dt_proj.bias), dt_softplus=True)

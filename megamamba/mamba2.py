@@ -11,8 +11,22 @@ state dicts load unchanged (conv_dim = d_inner + 2*ngroups*d_state):
     norm      weight (d_inner,)   gated RMSNorm per group of d_inner/ngroups channels (with rmsnorm)
     out_proj  (d_model, d_inner)
 
-Split sizes come from this module's own attributes (d_inner, nheads, ngroups, d_state), so a
-tensor-parallel version only has to build it with its local sizes.
+Split sizes come from this module's own attributes (d_inner, nheads, ngroups, d_state).
+
+Tensor parallelism (`tp` of size > 1; Megatron-style, see `megamamba.parallel`): the mixer is
+built as above, then `_shard` keeps this rank's nheads / TP heads (d_inner, nheads below are
+local): in_proj column-parallel per component (z, x, B, C, dt), so the full weight is the same at
+every TP size; conv1d split to match; dt_bias, A_log, D split by head; out_proj row-parallel.
+The B/C groups are split when ngroups % TP == 0; when TP % ngroups == 0 (ngroups = 1 in every
+published Mamba-2) they are computed whole on every rank (their in_proj rows and conv channels
+replicated, gradients all-reduced) and each rank's scan reads the one group its heads belong to.
+The gated norm always normalises over the model's groups of d_inner_full / ngroups channels:
+within a rank when its groups are whole, otherwise across the ranks sharing a group, its
+statistics travelling in out_proj's reduction (`megamamba.parallel.spanning_norm`).
+Communication per call: forward 1 all-reduce (out_proj), backward 1 (in_proj input), plus with
+replicated groups 1 all-reduce per replicated parameter gradient (in_proj weight [and bias],
+conv weight [and bias]); with sequence parallelism in_proj all-gathers its input and out_proj
+reduce-scatters instead.
 """
 from typing import Optional
 
@@ -24,13 +38,21 @@ from megamamba.config import Mamba2Options
 from megamamba.kernels import causal_conv1d, causal_conv1d_update, selective_state_update, ssd_chunk_scan
 from megamamba.mamba1 import fp32_or_wider, sample_dt_bias
 from megamamba.norm import RMSNormGated
+from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
+from megamamba.parallel.conv import ParallelDepthwiseConv1d
+from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
+from megamamba.parallel.model_layout import check_mixer_layout
+from megamamba.parallel.spanning_norm import gated_rmsnorm_row_parallel
 
 
 class Mamba2(nn.Module):
     """Mamba-2 mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
 
-    def __init__(self, d_model: int, options: Mamba2Options = Mamba2Options(), device=None, dtype=None):
+    def __init__(self, d_model: int, options: Mamba2Options = Mamba2Options(), device=None, dtype=None,
+                 tp: Optional[TensorParallel] = None):
         super().__init__()
+        if tp is not None:
+            check_mixer_layout(d_model, options, tp.size)
         factory = {"device": device, "dtype": dtype}
         self.d_model = d_model
         self.d_state = options.d_state
@@ -66,6 +88,37 @@ class Mamba2(nn.Module):
                                      norm_before_gate=options.norm_before_gate, **factory)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=options.bias, **factory)
 
+        self.tp = None
+        self.own_group = None  # with B/C replicated over TP: the group this rank's heads read
+        self.norm_groups_across_ranks = None  # with norm groups spanning ranks: ngroups
+        if tp is not None and tp.size > 1:
+            self._shard(tp)
+
+    def _shard(self, tp: TensorParallel) -> None:
+        """Keep this rank's heads of every full tensor built above (see the module docstring)."""
+        d_inner, nheads, ngroups, bc = self.d_inner, self.nheads, self.ngroups, self.ngroups * self.d_state
+        groups_split = ngroups % tp.size == 0
+        xBC = [Component("x", d_inner), Component("B", bc, sharded=groups_split),
+               Component("C", bc, sharded=groups_split)]
+        self.in_proj = sharded(self.in_proj, lambda: ColumnParallelLinear(
+            self.d_model, self.in_proj.out_features, tp, bias=self.in_proj.bias is not None,
+            components=[Component("z", d_inner), *xBC, Component("dt", nheads)]), tp)
+        self.conv1d = sharded(self.conv1d, lambda: ParallelDepthwiseConv1d(
+            xBC, self.d_conv, tp, bias=self.conv1d.bias is not None), tp)
+        self.dt_bias = shard_parameter(self.dt_bias, split_rows("dt_bias", nheads, "heads"), tp)
+        self.A_log = shard_parameter(self.A_log, split_rows("A_log", nheads, "heads"), tp)
+        self.D = shard_parameter(self.D, split_rows("D", self.D.shape[0], "heads"), tp)
+        if self.rmsnorm:
+            self.norm.weight = shard_parameter(self.norm.weight, split_rows("weight", d_inner, "channels"), tp)
+        self.out_proj = sharded(self.out_proj, lambda: RowParallelLinear(
+            d_inner, self.d_model, tp, bias=self.out_proj.bias is not None), tp)
+        self.tp, self.d_inner, self.nheads = tp, d_inner // tp.size, nheads // tp.size
+        if groups_split:
+            self.ngroups = ngroups // tp.size
+        else:
+            self.own_group = tp.rank // (tp.size // ngroups)
+            self.norm_groups_across_ranks = ngroups
+
     # ---- splits of the fused projection --------------------------------------------------
     def split_in_proj(self, zxbcdt: torch.Tensor):
         """in_proj output -> z (..., d_inner), xBC (..., d_inner + 2*ngroups*d_state), dt (..., nheads)."""
@@ -73,12 +126,21 @@ class Mamba2(nn.Module):
         return torch.split(zxbcdt, [self.d_inner, conv_dim, self.nheads], dim=-1)
 
     def split_xBC(self, xBC: torch.Tensor):
-        """conv output (..., conv_dim) -> x (..., nheads, headdim), B, C (..., ngroups, d_state)."""
+        """conv output (..., conv_dim) -> x (..., nheads, headdim), B, C (..., ngroups, d_state);
+        with B/C replicated over TP, only the group this rank's heads read (ngroups 1)."""
         gn = self.ngroups * self.d_state
         x, B, C = torch.split(xBC, [self.d_inner, gn, gn], dim=-1)
         lead = xBC.shape[:-1]
-        return (x.reshape(*lead, self.nheads, self.headdim), B.reshape(*lead, self.ngroups, self.d_state),
-                C.reshape(*lead, self.ngroups, self.d_state))
+        B, C = B.reshape(*lead, self.ngroups, self.d_state), C.reshape(*lead, self.ngroups, self.d_state)
+        if self.own_group is not None:
+            B, C = B[..., self.own_group:self.own_group + 1, :], C[..., self.own_group:self.own_group + 1, :]
+        return x.reshape(*lead, self.nheads, self.headdim), B, C
+
+    def conv_weight_and_bias(self):
+        """The depthwise conv's (weight (conv_dim, d_conv), bias) as the conv kernel takes them."""
+        if self.tp is not None:
+            return self.conv1d.weight_and_bias()
+        return self.conv1d.weight.squeeze(1), self.conv1d.bias
 
     def A(self) -> torch.Tensor:
         """Per-head decay rate, (nheads,), float32 (or wider)."""
@@ -90,6 +152,11 @@ class Mamba2(nn.Module):
 
     def gate_and_project(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z (..., d_inner) -> out_proj(norm(y, z)); without rmsnorm the gate was applied in the scan."""
+        if self.rmsnorm and self.norm_groups_across_ranks is not None:
+            return gated_rmsnorm_row_parallel(
+                y, z, self.norm.weight, eps=self.norm.eps, group_size=self.norm.group_size,
+                ngroups=self.norm_groups_across_ranks, norm_before_gate=self.norm.norm_before_gate,
+                out_proj=self.out_proj)
         if self.rmsnorm:
             y = self.norm(y, z)
         return self.out_proj(y)
@@ -100,13 +167,12 @@ class Mamba2(nn.Module):
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids reset
         the conv and SSM state at document boundaries. With `inference_state` (conv_state, ssm_state)
         from `allocate_inference_cache`, the states after the last position are written into it."""
-        batch, seqlen, _ = hidden_states.shape
         z, xBC, dt = self.split_in_proj(self.in_proj(hidden_states))
+        batch, seqlen, _ = z.shape  # the whole sequence (sequence parallelism gathers it in in_proj)
         xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
         if inference_state is not None:
             inference_state[0].copy_(F.pad(xBC, (self.d_conv - seqlen, 0)))
-        xBC = causal_conv1d(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx=seq_idx,
-                            activation="silu").transpose(1, 2)
+        xBC = causal_conv1d(xBC, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu").transpose(1, 2)
         x, B, C = self.split_xBC(xBC)
         y = ssd_chunk_scan(x, dt, self.A(), B, C, self.chunk_size, D=self.D_per_head(),
                            z=None if self.rmsnorm else z.reshape_as(x), dt_bias=self.dt_bias, seq_idx=seq_idx,
@@ -123,8 +189,8 @@ class Mamba2(nn.Module):
         device = self.out_proj.weight.device
         conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
         ssm_dtype = self.in_proj.weight.dtype if dtype is None else dtype
-        conv_state = torch.zeros(batch_size, self.conv1d.weight.shape[0], self.d_conv, device=device,
-                                 dtype=conv_dtype)
+        conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
+        conv_state = torch.zeros(batch_size, conv_dim, self.d_conv, device=device, dtype=conv_dtype)
         ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device, dtype=ssm_dtype)
         return conv_state, ssm_state
 
@@ -132,8 +198,7 @@ class Mamba2(nn.Module):
         """One token: hidden_states (batch, d_model) -> (batch, d_model); the states advance in place."""
         conv_state, ssm_state = inference_state
         z, xBC, dt = self.split_in_proj(self.in_proj(hidden_states))
-        xBC = causal_conv1d_update(xBC, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                   activation="silu")
+        xBC = causal_conv1d_update(xBC, conv_state, *self.conv_weight_and_bias(), activation="silu")
         x, B, C = self.split_xBC(xBC)
         # dt as the scan computes it (bias, softplus, dt_limit), then broadcast over each head's channels.
         dt = F.softplus(fp32_or_wider(dt) + fp32_or_wider(self.dt_bias)).clamp(*self.dt_limit)

@@ -3,8 +3,9 @@
     parallel_linear(x, weight, bias, tp) = x_total @ weight.T + bias
 
 `x` is replicated over TP, or with `tp.sequence_parallel` this rank's sequence shard, which is
-all-gathered here (x_total is kept for backward, so backward communicates no more than the
-theoretical minimum). `weight` holds this rank's output rows. Backward starts the collective of
+all-gathered here, asynchronously: this rank's own tokens are multiplied while the other shards
+travel (x_total is kept for backward, so backward communicates no more than the theoretical
+minimum). `weight` holds this rank's output rows. Backward starts the collective of
 the input gradient (all-reduce, or reduce-scatter along the sequence) asynchronously and
 computes the weight gradient while it travels, as Megatron's async gradient communication does.
 
@@ -24,16 +25,28 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
+def _gather_overlapped(x, weight, bias, tp):
+    """(all-gathered x, its product): this rank's tokens are multiplied while the others arrive."""
+    pending = start_all_gather(x, tp, SEQ_DIM)
+    own = F.linear(x, weight, bias)
+    total = pending.wait()
+    parts = total.chunk(tp.size, SEQ_DIM)
+    out = torch.cat([own if r == tp.rank else F.linear(part, weight, bias) for r, part in enumerate(parts)], SEQ_DIM)
+    return total, out
+
+
 class _ParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, tp):
-        total = start_all_gather(x, tp, SEQ_DIM).wait() if tp.sequence_parallel else x
-        dtype = _autocast_dtype(total)
+        dtype = _autocast_dtype(x)
         if dtype is not None:
-            total, weight = total.to(dtype), weight.to(dtype)
+            x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(total.device.type, enabled=False):
-            out = F.linear(total, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            if tp.sequence_parallel:
+                total, out = _gather_overlapped(x, weight, bias, tp)
+            else:
+                total, out = x, F.linear(x, weight, bias)
         ctx.save_for_backward(total, weight)
         ctx.tp = tp
         ctx.has_bias = bias is not None

@@ -170,6 +170,12 @@ def _full_key(name: str, shard: Shard) -> str:
     return prefix + shard.full_name
 
 
+def full_key(name: str, param: nn.Parameter) -> str:
+    """The single-device state-dict key of the parameter called `name` in a parallel module
+    (`in_proj.weight_replicated` -> `in_proj.weight`)."""
+    return _full_key(name, _shard_of(param, name))
+
+
 def full_tensors(
     module: nn.Module,
     tp: TensorParallel,

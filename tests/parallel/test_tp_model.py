@@ -1,0 +1,226 @@
+"""The tensor/sequence-parallel MambaLM equals the single-device model, and communicates as designed.
+
+Every rank builds the single-device model and the TP model from the same seed, perturbs the
+single-device weights (so no bias, norm weight or D is a no-op) and loads them, as full
+tensors, into the TP model. Logits (gathered over the vocab), loss and every parameter
+gradient (gathered to full shapes with `full_tensors`) are compared in float32 with the
+single-device model's. One spawned run per TP size computes every case; the tests read it.
+
+Communication per block (one forward, one backward, captured around a single Block), the
+design this test holds the code to, with act = batch x seqlen x d_model float32 bytes:
+
+    Mamba-2, no SP:  forward all-reduce(act)                 backward all-reduce(act)
+    Mamba-2, SP:     forward all-gather(act), reduce-scatter(act)
+                     backward reduce-scatter(act), all-gather(act), all-reduce(norm weight)
+    Mamba-1, no SP:  forward all-reduce(x_dbl), all-reduce(act)
+                     backward all-reduce(x_dbl), all-reduce(act)
+    Mamba-1, SP:     forward all-gather(act), all-reduce(x_dbl), reduce-scatter(act)
+                     backward all-gather(act), all-reduce(x_dbl), reduce-scatter(act), all-reduce(norm weight)
+
+x_dbl = batch x seqlen x (dt_rank + 2 d_state). Mamba-2 with ngroups < TP (B/C replicated):
+out_proj's reduction carries the norm statistics, act -> batch x seqlen x ngroups x
+(d_model + 1), and backward adds one all-reduce per replicated-component gradient:
+in_proj.weight's B/C rows, conv1d.weight's and conv1d.bias's B/C channels.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megamamba import MambaConfig, MambaLM
+from megamamba.block import Block
+from megamamba.lm import lm_loss
+from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
+
+pytestmark = pytest.mark.slow
+
+SEED = 2024
+BATCH, SEQLEN = 2, 12  # seqlen divisible by 4, not by the chunk size 8
+D_MODEL = 32
+F32 = 4
+
+MAMBA1 = {"layer": "Mamba1", "d_state": 5, "dt_rank": 3}
+MAMBA2 = {"layer": "Mamba2", "d_state": 6, "headdim": 8, "chunk_size": 8}  # d_inner 64: 8 heads
+
+# name: (ssm_cfg, other config fields, sequence parallel, packed documents (seq_idx), also check `step`)
+CASES = {
+    "mamba2_groups_split": ({**MAMBA2, "ngroups": 4}, {}, False, True, False),
+    "mamba2_groups_split_sp": ({**MAMBA2, "ngroups": 4}, {"pad_vocab_size_multiple": 8}, True, False, False),
+    "mamba2_one_group": ({**MAMBA2, "ngroups": 1, "bias": True}, {"tie_embeddings": False}, False, False, True),
+    "mamba2_one_group_sp": ({**MAMBA2, "ngroups": 1, "norm_before_gate": True}, {}, True, True, False),
+    "mamba2_two_groups": ({**MAMBA2, "ngroups": 2, "rmsnorm": False}, {}, False, True, False),
+    "mamba2_two_groups_sp": ({**MAMBA2, "ngroups": 2, "D_has_hdim": True, "bias": True}, {}, True, False, False),
+    "mamba1": (MAMBA1, {}, False, True, True),
+    "mamba1_sp": ({**MAMBA1, "bias": True}, {"rms_norm": False, "tie_embeddings": False}, True, False, False),
+    "mamba1_sp_packed": (MAMBA1, {}, True, True, False),
+}
+BLOCK_CASES = {
+    "mamba2_groups_split": {**MAMBA2, "ngroups": 4},
+    "mamba2_one_group": {**MAMBA2, "ngroups": 1},
+    "mamba1": MAMBA1,
+}
+
+
+def config(ssm, **fields):
+    base = {"d_model": D_MODEL, "n_layer": 2, "vocab_size": 37, "pad_vocab_size_multiple": 1}
+    return MambaConfig(**{**base, **fields, "ssm_cfg": ssm})
+
+
+def _rel(out, ref):
+    out = out.detach()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _perturb(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def _inputs(cfg, packed):
+    gen = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
+    labels[0, :3] = -100
+    seq_idx = None
+    if packed:  # documents of 5 and 7 tokens, then 12 (the state resets at the boundary)
+        seq_idx = torch.tensor([[0] * 5 + [1] * 7, [0] * SEQLEN], dtype=torch.int32)
+    return ids, labels, seq_idx
+
+
+def check_model(tp_base, name):
+    ssm, fields, sp, packed, step = CASES[name]
+    cfg = config(ssm, **fields)
+    tp = TensorParallel(tp_base.group, tp_base.size, tp_base.rank, sequence_parallel=sp)
+    torch.manual_seed(SEED)
+    plain = MambaLM(cfg)
+    torch.manual_seed(SEED)
+    model = MambaLM(cfg, tp=tp)
+    init_equal = all(torch.equal(full_tensors(model, tp)[k], v) for k, v in plain.named_parameters())
+    _perturb(plain, SEED + 2)
+    load_full_tensors(model, dict(plain.named_parameters()), tp)
+
+    ids, labels, seq_idx = _inputs(cfg, packed)
+    ref_logits = plain(ids, seq_idx=seq_idx)
+    ref_loss = lm_loss(ref_logits, labels, cfg.vocab_size)
+    ref_loss.backward()
+    logits = model(ids, seq_idx=seq_idx)
+    loss = lm_loss(logits, labels, cfg.vocab_size, tp)
+    loss.backward()
+
+    full_logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
+    grads = full_tensors(model, tp, lambda p: p.grad)
+    ref_grads = {k: p.grad for k, p in plain.named_parameters()}
+    grad_errors = {k: _rel(grads[k], g) for k, g in ref_grads.items()}
+    result = dict(
+        init_equal=init_equal, logits=_rel(full_logits, ref_logits), loss=_rel(loss, ref_loss),
+        loss_value=loss.item(), grad_keys=sorted(grads) == sorted(ref_grads), grads=grad_errors,
+        local_vocab=logits.shape[-1],
+    )
+    if step:
+        result["step"] = check_step(plain, model, ids, tp)
+    return result
+
+
+def check_step(plain, model, ids, tp):
+    """Token-by-token generation at TP (no sequence parallelism) equals the single-device steps."""
+    with torch.no_grad():
+        ref_cache, cache = plain.allocate_inference_cache(BATCH), model.allocate_inference_cache(BATCH)
+        worst = 0.0
+        for t in range(4):
+            ref = plain.step(ids[:, t], ref_cache)
+            out = gather_from_tp_region(model.step(ids[:, t], cache), tp)[..., :ref.shape[-1]]
+            worst = max(worst, _rel(out, ref))
+    return worst
+
+
+def block_comm(tp_base, name, sp):
+    """(forward, backward) collectives of one Block at TP, as (kind, nbytes) in issue order."""
+    tp = TensorParallel(tp_base.group, tp_base.size, tp_base.rank, sequence_parallel=sp)
+    torch.manual_seed(SEED)
+    block = Block(config(BLOCK_CASES[name]), tp=tp)
+    gen = torch.Generator().manual_seed(SEED + 3)
+    local_len = SEQLEN // tp.size if sp else SEQLEN
+    hidden, residual, up_h, up_r = (torch.randn(BATCH, local_len, D_MODEL, generator=gen) for _ in range(4))
+    hidden.requires_grad_()
+    with comm_counter.capture() as fwd:
+        out, res = block(hidden, residual)
+    with comm_counter.capture() as bwd:
+        ((out * up_h).sum() + (res * up_r).sum()).backward()
+    return [(r.kind, r.nbytes) for r in fwd], [(r.kind, r.nbytes) for r in bwd]
+
+
+def model_checks():
+    tp = TensorParallel(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    torch.manual_seed(0)
+    out = {"model": {name: check_model(tp, name) for name in CASES}}
+    out["comm"] = {(name, sp): block_comm(tp, name, sp) for name in BLOCK_CASES for sp in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def run(request):
+    return request.param, run_ranks(model_checks, request.param, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_loss_and_every_gradient_equal_the_single_device_model(run, name):
+    tp_size, results = run
+    r = results[0]["model"][name]
+    assert r["grad_keys"]
+    worst = max(r["grads"], key=r["grads"].get)
+    assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5, f"seed {SEED}, TP {tp_size}: {r['logits']=}, {r['loss']=}"
+    assert r["grads"][worst] <= 1e-5, f"seed {SEED}, TP {tp_size}: gradient of {worst} off by {r['grads'][worst]:.2e}"
+    assert all(res["model"][name]["loss_value"] == r["loss_value"] for res in results), "ranks disagree on the loss"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_seed_builds_the_single_device_weights(run, name):
+    _, results = run
+    assert all(res["model"][name]["init_equal"] for res in results)
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[4]])
+def test_recurrent_steps_equal_the_single_device_steps(run, name):
+    tp_size, results = run
+    err = results[0]["model"][name]["step"]
+    assert err <= 1e-5, f"seed {SEED}, TP {tp_size}: {err:.2e}"
+
+
+def test_vocab_rows_padded_to_a_multiple_of_tp_and_split(run):
+    tp_size, results = run
+    assert results[0]["model"]["mamba1"]["local_vocab"] == -(-37 // tp_size)  # vocab 37, pad multiple 1
+
+
+def _expected(name, sp, tp_size):
+    act = BATCH * SEQLEN * D_MODEL * F32
+    if name == "mamba1":
+        x_dbl = BATCH * SEQLEN * (MAMBA1["dt_rank"] + 2 * MAMBA1["d_state"]) * F32
+        if sp:
+            return ([("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act)],
+                    [("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act), ("all_reduce", D_MODEL * F32)])
+        return [("all_reduce", x_dbl), ("all_reduce", act)], [("all_reduce", x_dbl), ("all_reduce", act)]
+    ngroups = BLOCK_CASES[name]["ngroups"]
+    out = act
+    replicated = []
+    if ngroups < tp_size:  # norm statistics ride along; B/C rows and channels replicated
+        out = BATCH * SEQLEN * ngroups * (D_MODEL + 1) * F32
+        bc = 2 * ngroups * MAMBA2["d_state"]
+        replicated = [("all_reduce", bc * D_MODEL * F32), ("all_reduce", bc * 4 * F32), ("all_reduce", bc * F32)]
+    if sp:
+        return ([("all_gather", act), ("reduce_scatter", out)],
+                [("all_gather", out), ("reduce_scatter", act), ("all_reduce", D_MODEL * F32), *replicated])
+    return [("all_reduce", out)], [("all_reduce", act), *replicated]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_each_block_communicates_exactly_the_design(run, name, sp):
+    tp_size, results = run
+    fwd, bwd = results[0]["comm"][(name, sp)]
+    want_fwd, want_bwd = _expected(name, sp, tp_size)
+    assert fwd == want_fwd
+    assert sorted(bwd) == sorted(want_bwd)
