@@ -63,6 +63,8 @@ def generate_ids(model: MambaLM, prompt_ids: torch.Tensor, max_new_tokens: int, 
     """prompt_ids (batch, prompt_len >= 1) -> new ids (batch, max_new_tokens); ids >= vocab_size are never picked."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids shape {tuple(prompt_ids.shape)}: need (batch, length >= 1)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     vocab_size = model.config.vocab_size if vocab_size is None else min(vocab_size, model.config.vocab_size)
     cache = model.allocate_inference_cache(prompt_ids.shape[0])
     logits = model(prompt_ids, inference_cache=cache)[:, -1]

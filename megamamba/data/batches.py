@@ -62,7 +62,7 @@ class PackedGlobalBatches:
         samples = [self.packers[i].sample(q) for i, q in self.sources(step, first, stop)]
         tokens = torch.from_numpy(np.stack([t for t, _ in samples]))
         seq_idx = torch.from_numpy(np.stack([s for _, s in samples])) if self.reset_at_documents else None
-        return tokens[:, :-1], tokens[:, 1:], seq_idx
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), seq_idx
 
     def global_batch(self, step: int) -> Batch:
         return self.rows(step, 0, self.global_batch_size)

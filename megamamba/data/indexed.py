@@ -19,6 +19,7 @@ or empty dataset breaks.
 """
 import os
 import struct
+from array import array
 from typing import Optional
 
 import numpy as np
@@ -55,7 +56,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"token dtype {self.dtype} has no code in the indexed-dataset layout")
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(prefix + ".bin.tmp", "wb")
-        self.lengths: list[int] = []
+        self.lengths = array("q")
 
     def abort(self) -> None:
         """Close and remove the temporary files; nothing under the final names is touched."""
@@ -68,6 +69,8 @@ class IndexedDatasetWriter:
         tokens = np.asarray(tokens)
         if tokens.dtype != self.dtype:
             raise ValueError(f"document tokens are {tokens.dtype}, the dataset stores {self.dtype}")
+        if tokens.size > np.iinfo(np.int32).max:
+            raise ValueError(f"a document of {tokens.size} tokens: the index stores lengths as int32")
         self._bin.write(tokens.tobytes(order="C"))
         self.lengths.append(tokens.size)
 

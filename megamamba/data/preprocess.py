@@ -4,8 +4,8 @@
         --output-prefix data/corpus --workers 4 --valid-fraction 0.02
 
 Every document's tokens are followed by the tokenizer's end-of-document id; empty documents
-are skipped. Worker processes tokenize while the main process writes the results in input
-order, so the files depend only on the input, the tokenizer and the options, never on the
+are skipped. Worker processes tokenize chunks of documents while the main process writes the
+results in input order, so the files depend only on the input, the tokenizer and the options, never on the
 number of workers. With a validation fraction f, document number i (counting the documents
 kept) goes to the validation set when frac(i * 0.618...) < f — a low-discrepancy rule that
 spreads the held-out documents evenly over the input — and the output is `<prefix>_train` and
@@ -14,7 +14,8 @@ spreads the held-out documents evenly over the input — and the output is `<pre
 import argparse
 import multiprocessing
 import sys
-from typing import Iterable, Optional
+from collections import deque
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -50,13 +51,36 @@ def is_validation(document_number: int, valid_fraction: float) -> bool:
     return (document_number * GOLDEN) % 1.0 < valid_fraction
 
 
-def _encoded(items: Iterable, spec: str, workers: int):
+def _encode_chunk(items: list) -> list:
+    return [_encode(item) for item in items]
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encoded(items: Iterable, spec: str, workers: int) -> Iterator:
+    """Encoded documents in input order. At most 4 chunks per worker are in flight, so the input
+    is read only as fast as it is tokenized (Pool.imap would read all of it into memory first)."""
     if workers == 1:
         _init_worker(spec)
         yield from map(_encode, items)
         return
     with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
-        yield from pool.imap(_encode, items, chunksize=_CHUNK)
+        pending = deque()
+        for chunk in _chunks(items, _CHUNK):
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 4 * workers:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
 
 
 def _write(files, spec, workers, json_key, valid_fraction, writers, progress_stream) -> tuple[int, int]:
