@@ -30,7 +30,8 @@ def allowed_tokens(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opt
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k={top_k}: must be at least 1")
-        allowed = torch.zeros_like(allowed).scatter_(-1, logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices, True)
+        best = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices
+        allowed = torch.zeros_like(allowed).scatter_(-1, best, True)
     if top_p is not None:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p={top_p}: must lie in (0, 1]")

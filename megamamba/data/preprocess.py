@@ -5,8 +5,8 @@
 
 Every document's tokens are followed by the tokenizer's end-of-document id; empty documents
 are skipped. Worker processes tokenize chunks of documents while the main process writes the
-results in input order, so the files depend only on the input, the tokenizer and the options, never on the
-number of workers. With a validation fraction f, document number i (counting the documents
+results in input order, so the files depend only on the input, the tokenizer and the options,
+never on the number of workers. With a validation fraction f, document number i (counting the documents
 kept) goes to the validation set when frac(i * 0.618...) < f — a low-discrepancy rule that
 spreads the held-out documents evenly over the input — and the output is `<prefix>_train` and
 `<prefix>_valid`; without it, `<prefix>`. Progress (rate and ETA) goes to stderr.
@@ -38,7 +38,7 @@ def _init_worker(spec: str) -> None:
 
 
 def _encode(item: tuple[str, int]) -> tuple[Optional[bytes], int]:
-    """(text, input bytes) -> (tokens + end-of-document as bytes of the dataset dtype, or None if empty; input bytes)."""
+    """(text, input bytes) -> (tokens + end-of-document as bytes of the dataset dtype or None if empty, input bytes)."""
     text, nbytes = item
     if not text:
         return None, nbytes
@@ -117,8 +117,9 @@ def preprocess(inputs: list[str], tokenizer_spec: str, output_prefix: str, worke
         kept, skipped = _write(files, tokenizer_spec, workers, json_key, valid_fraction, writers, progress_stream)
         for prefix, writer in zip(prefixes, writers):
             if not writer.lengths:
+                hint = "lower --valid-fraction or " if split else ""
                 raise DatasetError(f"{prefix}: no documents ({kept} kept, {skipped} empty skipped, from {len(files)} "
-                                   f"input files); {'lower --valid-fraction or ' if split else ''}give inputs with text")
+                                   f"input files); {hint}give inputs with text")
     except BaseException:
         for writer in writers:
             writer.abort()

@@ -10,7 +10,7 @@ core count, so the same input gives a byte-identical `.model`.
 import io
 import os
 import shutil
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import sentencepiece as spm
 

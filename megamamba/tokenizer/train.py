@@ -19,7 +19,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-type", default="bpe", choices=MODEL_TYPES)
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=TRAIN_THREADS, help="part of the result: keep it to reproduce a model")
+    p.add_argument("--threads", type=int, default=TRAIN_THREADS,
+                   help="part of the result: keep it to reproduce a model")
     p.add_argument("--max-sentences", type=int, default=0, help="train on a seeded sample of this many lines (0: all)")
     return p.parse_args(argv)
 

@@ -37,7 +37,8 @@ CORRUPTIONS = {
     "bad version": (lambda p: patch(p + ".idx", 9, struct.pack("<Q", 2)), r"d.idx: index version 2; only version 1"),
     "unknown dtype": (lambda p: patch(p + ".idx", 17, bytes([9])), r"d.idx: unknown token dtype code 9"),
     "float dtype": (lambda p: patch(p + ".idx", 17, bytes([7])), r"d.idx: token dtype float32 is not an integer type"),
-    "idx cut in header": (lambda p: cut(p + ".idx", 20), r"d.idx: truncated: 20 bytes, shorter than the 34-byte header"),
+    "idx cut in header": (lambda p: cut(p + ".idx", 20),
+                          r"d.idx: truncated: 20 bytes, shorter than the 34-byte header"),
     "idx cut in arrays": (lambda p: cut(p + ".idx", 60), r"d.idx: truncated: 60 bytes, its header \(3 sequences, 4 "
                                                          r"document-index entries\) implies 102"),
     "idx with trailing bytes": (lambda p: open(p + ".idx", "ab").write(b"\x00" * 5), r"d.idx: has trailing bytes"),

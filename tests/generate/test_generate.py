@@ -33,7 +33,7 @@ def check_greedy_matches_parallel_argmax(model, tok, losses, layer):
     top2 = logits.topk(2, dim=-1).values
     margin = (top2[:, 0] - top2[:, 1]).min().item()
     mismatch = (logits.argmax(dim=-1) != new[0]).nonzero().flatten().tolist()
-    assert not mismatch, f"{layer}: greedy tokens differ from the parallel argmax at {mismatch} (min margin {margin:.2e})"
+    assert not mismatch, f"{layer}: greedy differs from the parallel argmax at {mismatch} (min margin {margin:.2e})"
 
 
 def test_greedy_generation_equals_the_parallel_forward_argmax_mamba1(trained):

@@ -45,7 +45,8 @@ def test_folder_loads_in_another_dtype(folder):
 
 
 @pytest.mark.parametrize("damage,message", [
-    (lambda p: open(p + "/model.safetensors", "wb").write(b"\x00" * 20), "model.safetensors: not a readable safetensors"),
+    (lambda p: open(p + "/model.safetensors", "wb").write(b"\x00" * 20),
+     "model.safetensors: not a readable safetensors"),
     (lambda p: __import__("os").remove(p + "/model.safetensors"), "model.safetensors: no such file"),
     (lambda p: __import__("os").remove(p + "/config.json"), "config.json: no such file"),
     (lambda p: save_file({k: v for k, v in load_file(p + "/model.safetensors").items() if "norm_f" not in k},
@@ -77,5 +78,6 @@ def test_command_line_without_a_tokenizer_says_what_to_pass(folder, tmp_path):
 def test_command_line_refuses_a_tokenizer_larger_than_the_model(tmp_path):
     model = MambaLM(MambaConfig(d_model=18, n_layer=1, vocab_size=100, ssm_cfg=SSM))
     save_model_folder(model, str(tmp_path / "m"))
-    with pytest.raises(SystemExit, match="generate: tokenizer Bytes\\(\\) has 257 ids but the model config's vocab_size is 100"):
+    message = r"generate: tokenizer Bytes\(\) has 257 ids but the model config's vocab_size is 100"
+    with pytest.raises(SystemExit, match=message):
         generate_main(["--checkpoint", str(tmp_path / "m"), "--tokenizer", "bytes", "--device", "cpu"])
