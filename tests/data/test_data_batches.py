@@ -86,7 +86,7 @@ def test_segment_ids_begin_at_the_end_of_document_token():
 def test_blend_counts_stay_within_the_number_of_datasets_of_the_weights():
     weights = [Fraction(5, 10), Fraction(3, 10), Fraction(2, 10)]
     schedule = BlendSchedule(weights)
-    assigned = schedule.assign(0, 20000)
+    assigned = schedule.assign(0, 6000)
     counts = np.zeros(3)
     worst = 0.0
     for j, (i, q) in enumerate(assigned):
