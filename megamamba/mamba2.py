@@ -14,8 +14,9 @@ state dicts load unchanged (conv_dim = d_inner + 2*ngroups*d_state):
 Split sizes come from this module's own attributes (d_inner, nheads, ngroups, d_state).
 
 Tensor parallelism (`tp` of size > 1; Megatron-style, see `megamamba.parallel`): the mixer is
-built as above, then `_shard` keeps this rank's nheads / TP heads (d_inner, nheads below are
-local): in_proj column-parallel per component (z, x, B, C, dt), so the full weight is the same at
+built as above, then `_shard` keeps this rank's nheads / TP heads (from then on d_inner and
+nheads are this rank's, ngroups the groups its B/C hold: ngroups / TP, or all when replicated):
+in_proj column-parallel per component (z, x, B, C, dt), so the full weight is the same at
 every TP size; conv1d split to match; dt_bias, A_log, D split by head; out_proj row-parallel.
 The B/C groups are split when ngroups % TP == 0; when TP % ngroups == 0 (ngroups = 1 in every
 published Mamba-2) they are computed whole on every rank (their in_proj rows and conv channels
