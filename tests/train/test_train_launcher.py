@@ -35,8 +35,9 @@ def test_two_stage_pipeline_through_the_launcher_matches_the_single_rank_curve(r
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     ref = reference("mamba2")["records"]
     assert relative_curve_error(losses(run["records"]), losses(ref)) <= 1e-4
-    state_lines = [line for line in run["stdout"].splitlines() if "optimizer state bytes" in line]
-    assert len(state_lines) == 2 and all("= 12.000 x stage parameters / dp" in line for line in state_lines), state_lines
+    # one line per rank (two ranks print at once: the lines may interleave)
+    assert run["stdout"].count("optimizer state bytes") == 2, run["stdout"][-3000:]
+    assert run["stdout"].count("= 12.000 x stage parameters / dp") == 2, run["stdout"][-3000:]
     console = [line for line in run["stdout"].splitlines() if "| loss " in line]
     assert len(console) == 5, "the console log comes from one rank only"
 
