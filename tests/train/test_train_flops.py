@@ -23,6 +23,7 @@ def _counted_per_token(config, seq, suffixes):
     return total / seq
 
 
+@pytest.mark.slow
 def test_mamba1_projections_and_head_match_the_flop_counter():
     config = dataclasses.replace(MambaConfig.from_json(ROOT / "launch/models/tiny-mamba1.json"), n_layer=3)
     d, di, n, r, conv, v = config.d_model, config.d_inner, 8, config.dt_rank, 4, config.padded_vocab_size
