@@ -8,7 +8,8 @@ Initial weights do not depend on the layout: every rank builds the full single-d
 of it by mamba_ssm name, exactly as it would load a checkpoint. (This costs one float32 copy of
 the model in host memory per rank while starting.)
 
-The optimizer is torch's AdamW over `megamamba.optim.param_groups` (fused on CUDA), handed to
+Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
+pipeline stages and tied weights). The optimizer is torch's AdamW over `megamamba.optim.param_groups` (fused on CUDA), handed to
 DeepSpeed as a client optimizer: no JIT-compiled FusedAdam. The learning rate follows an
 `LRSchedule`, stepped by the engine after each optimizer step.
 """
@@ -24,6 +25,7 @@ from megamamba.config import MambaConfig
 from megamamba.lm import MambaLM
 from megamamba.lr_schedule import LRSchedule
 from megamamba.optim import param_groups
+from megamamba.pipelines import clipping
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
 from megamamba.pipelines.names import load_mamba_state_dict
@@ -62,6 +64,9 @@ class PipelineTrainer:
             config=engine_config)
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
         self.module = module
+        if not self.engine.zero_optimization():
+            clipping.install(self.engine, self.engine.grid.get_slice_parallel_rank(),
+                             self.engine.grid.get_model_parallel_group())
 
     def train_step(self, micro_batches: list) -> float:
         """One optimizer step over this rank's micro-batches; the loss averaged over the global batch."""
@@ -86,6 +91,8 @@ class PlainTrainer:
         self.dp_rank = dist.get_rank()
         self.module = module
         self.device = self.engine.device
+        if not self.engine.zero_optimization():
+            clipping.install(self.engine, tp_rank=0, model_parallel_group=None)
 
     def _mean_over_data_parallel(self, losses: list) -> float:
         loss = torch.stack(losses).mean()

@@ -13,12 +13,12 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 1e-4
 
 LAYOUTS = [
-    # (dp, tp, pp), mixer, extra flags
-    ((2, 1, 1), "mamba1", []),
-    ((2, 1, 1), "mamba2", []),
-    ((1, 1, 2), "mamba1", ["--checkpoint-activations-interval", "2", "--partition-method", "uniform"]),
-    ((2, 1, 2), "mamba1", ["--partition-method", "parameters"]),
-    ((2, 1, 2), "mamba2", ["--checkpoint-activations-interval", "1"]),
+    # (dp, tp, pp), mixer, ZeRO stage, extra flags  (the reference runs ZeRO-1)
+    ((2, 1, 1), "mamba1", 0, []),
+    ((2, 1, 1), "mamba2", 1, []),
+    ((1, 1, 2), "mamba1", 0, ["--checkpoint-activations-interval", "2", "--partition-method", "uniform"]),
+    ((2, 1, 2), "mamba1", 1, ["--partition-method", "parameters"]),
+    ((2, 1, 2), "mamba2", 1, ["--checkpoint-activations-interval", "1"]),
 ]
 
 
@@ -27,9 +27,11 @@ def _flags(layout, extra):
     return ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp), *extra]
 
 
-@pytest.mark.parametrize("layout, mixer, extra", LAYOUTS, ids=[f"{m}-{l}-{' '.join(e)}" for l, m, e in LAYOUTS])
-def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer, extra):
-    ranks = runs.spawned(layout[0] * layout[1] * layout[2], mixer, _flags(layout, extra))
+@pytest.mark.parametrize("layout, mixer, zero, extra", LAYOUTS,
+                         ids=[f"{m}-{l}-zero{z}-{' '.join(e)}" for l, m, z, e in LAYOUTS])
+def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer, zero, extra):
+    ds = runs.ds_config(zero_optimization={"stage": zero})
+    ranks = runs.spawned(layout[0] * layout[1] * layout[2], mixer, _flags(layout, extra), ds_config=ds)
     ref = reference(mixer)["records"]
     for rank, summary in enumerate(ranks):
         curve = losses(summary["records"])
@@ -38,7 +40,8 @@ def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer
         print(f"{mixer} {layout} rank {rank}: max relative loss difference to (1,1,1) {error:.1e}")
         assert error <= TOLERANCE, (rank, curve, losses(ref))
         assert relative_curve_error(losses(summary["records"], "val_loss"), losses(ref, "val_loss")) <= TOLERANCE
-        assert relative_curve_error(losses(summary["records"], "grad_norm"), losses(ref, "grad_norm")) <= 1e-3
+        # The clipped global norm: every parameter once, the tied embedding too (ZeRO-0: pipelines.clipping).
+        assert relative_curve_error(losses(summary["records"], "grad_norm"), losses(ref, "grad_norm")) <= 1e-5
 
 
 def test_loss_falls_over_the_five_steps(reference):
@@ -48,7 +51,8 @@ def test_loss_falls_over_the_five_steps(reference):
 
 
 def test_zero1_holds_12_bytes_per_stage_parameter_over_dp_on_every_rank(runs):
-    ranks = runs.spawned(4, "mamba2", _flags((2, 1, 2), ["--checkpoint-activations-interval", "1"]))
+    ranks = runs.spawned(4, "mamba2", _flags((2, 1, 2), ["--checkpoint-activations-interval", "1"]),
+                         ds_config=runs.ds_config(zero_optimization={"stage": 1}))
     assert {s["stage_parameters"] for s in ranks} == {ranks[0]["stage_parameters"], ranks[-1]["stage_parameters"]}
     for rank, s in enumerate(ranks):
         expected = 12 * s["stage_parameters"] / 2

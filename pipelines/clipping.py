@@ -1,0 +1,58 @@
+"""Global gradient-norm clipping for engines without ZeRO (stage 0).
+
+With ZeRO 1-3 DeepSpeed's optimizer computes the global norm right: every parameter once, the
+pipeline's second copy of a tied weight (`ds_pipe_replicated`) and TP-replicated parameters on
+TP ranks > 0 left out. Its stage-0 path (`engine.clip_fp32_gradients` in 0.19.8) does not: it
+counts the tied embedding twice and, under the pipeline grid, only the first stage's
+non-TP parameters, and it does not record the norm for logging. `install` replaces that path on
+an engine with this one, which counts each parameter once, sums over the model-parallel group
+(pipeline stages x TP ranks) and records the norm where `engine.get_global_grad_norm()` reads it.
+Data-parallel replicas hold identical, already averaged gradients when it runs.
+"""
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.utils import is_model_parallel_parameter
+
+
+def counted_here(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank's copy of `param` enters the global norm."""
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    return tp_rank == 0 or is_model_parallel_parameter(param)
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
+                     model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """sqrt of the sum of squared gradients over every parameter of the model, each counted once."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if counted_here(p, tp_rank):
+            total += p.grad.detach().double().pow(2).sum()
+    if model_parallel_group is not None:
+        dist.all_reduce(total, group=model_parallel_group)
+    return total.sqrt()
+
+
+def clip_(params: Iterable[torch.nn.Parameter], max_norm: float, tp_rank: int,
+          model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / norm); returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params, tp_rank, model_parallel_group)
+    coefficient = min(1.0, max_norm / (norm.item() + 1e-6))
+    for p in params:
+        p.grad.mul_(coefficient)
+    return norm
+
+
+def install(engine, tp_rank: int, model_parallel_group: Optional[dist.ProcessGroup]) -> None:
+    """Make a ZeRO-0 engine clip (and record) the correct global norm."""
+
+    def clip_and_record():
+        engine._global_grad_norm = clip_(engine.module.parameters(), engine.gradient_clipping(), tp_rank,
+                                         model_parallel_group).item()
+
+    engine.clip_fp32_gradients = clip_and_record
