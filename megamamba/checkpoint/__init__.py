@@ -1,0 +1,69 @@
+"""Layout-free checkpoints that a crash cannot corrupt.
+
+Format (checkpoint.py): mamba_ssm parameter names and full shapes, per-parameter optimizer state
+under the same names, scheduler and RNG states, the model config and whatever JSON the trainer
+adds, in safetensors and JSON files, with a manifest written last. Storage (store.py): staged in a
+temporary directory, fsynced, renamed into place, `latest` switched atomically, old ones pruned.
+
+Single process (tests, the plain trainer):
+
+    check_save_dir(save_dir)                                        # at start-up
+    save_training_checkpoint(save_dir, step, model, optimizer, scheduler, extra=..., keep_last=3)
+    step = load_training_checkpoint(open_checkpoint("auto", save_dir), model, optimizer, scheduler)
+
+Distributed trainer (any dp x tp x pp): every rank takes part in the gathers, one rank writes.
+
+    save:  1. per stage, collectively over TP: params = model_tensors(module, tp) (use the fp32 master
+              weights where the optimizer keeps them: deepspeed.utils.safe_get_full_fp32_param), and
+              optimizer_tensors(...) (ZeRO partitions: safe_get_full_optimizer_state(p, "exp_avg")
+              etc., collective over DP, then full_tensors over TP); pipeline names -> mamba_ssm names
+              (pipelines.names.to_mamba);
+           2. send each stage's dicts to global rank 0 (from its dp 0 / tp 0 rank); gather every
+              rank's capture_rng() to rank 0;
+           3. rank 0: save_checkpoint(save_dir, step, config, model, optimizer=..., optimizer_groups=...,
+              scheduler=scheduler_state(...), rng=[...], extra={args, layout, data position}, ...);
+           4. barrier (the others must not exit or save again before it is committed).
+    load:  rank 0: path = resolve_load(load, save_dir) (verifies hashes), broadcast path; every rank:
+           ckpt = Checkpoint(path, hashes=False); ckpt.check_config(run_config);
+           ckpt.model_tensors(names of this stage) -> load_model_tensors / load_full_tensors (TP slices);
+           ckpt.optimizer_tensors(names) -> load_optimizer_tensors, or safe_set_full_* for ZeRO;
+           load_scheduler_state; restore_rng(state_for_rank(ckpt.rng_states(), rank, world)).
+
+Memory: rank 0 holds the full parameters and optimizer moments on the CPU while saving (about
+12 bytes per parameter in float32: 33 GB for 2.7B); fine for this project's sizes, the limit for larger.
+"""
+from megamamba.checkpoint.checkpoint import (
+    Checkpoint,
+    config_differences,
+    open_checkpoint,
+    parameter_shapes,
+    save_checkpoint,
+)
+from megamamba.checkpoint.files import CheckpointError
+from megamamba.checkpoint.rng import capture_rng, restore_rng, state_for_rank
+from megamamba.checkpoint.state import (
+    load_model_tensors,
+    load_optimizer_tensors,
+    load_scheduler_state,
+    model_tensors,
+    optimizer_groups,
+    optimizer_tensors,
+    scheduler_state,
+)
+from megamamba.checkpoint.store import (
+    CheckpointWarning,
+    NoCheckpointError,
+    check_save_dir,
+    find_latest,
+    resolve_load,
+    tag_for,
+)
+from megamamba.checkpoint.training import load_training_checkpoint, save_training_checkpoint
+
+__all__ = [
+    "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "capture_rng", "check_save_dir",
+    "config_differences", "find_latest", "load_model_tensors", "load_optimizer_tensors", "load_scheduler_state",
+    "load_training_checkpoint", "model_tensors", "open_checkpoint", "optimizer_groups", "optimizer_tensors",
+    "parameter_shapes", "resolve_load", "restore_rng", "save_checkpoint", "save_training_checkpoint",
+    "scheduler_state", "state_for_rank", "tag_for",
+]

@@ -1,0 +1,106 @@
+"""Durable file operations, the only ones checkpoint code uses to change the disk.
+
+A write is durable once the file's bytes are fsynced and the directory entry naming it is
+fsynced too; a rename is durable once the directory holding the new name is fsynced. Every
+step of a save goes through `write_file`, `write_tensors`, `sync_dir`, `rename` or `remove_tree`, so a crash
+leaves the disk as it was after the last completed step (the crash tests interrupt each one).
+Readers raise `CheckpointError` with one message naming the file and what is wrong.
+"""
+import json
+import os
+import shutil
+from typing import Callable, IO
+
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+
+class CheckpointError(Exception):
+    """A checkpoint or save directory that cannot be used; the message says what and how to fix it."""
+
+
+def fsync_file(path: str) -> None:
+    """fsync a file written by other code (e.g. a tokenizer's `save`)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_dir(path: str) -> None:
+    """fsync a directory, making the names created, renamed or removed in it durable."""
+    fsync_file(path)
+
+
+def write_file(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Create `path` with `write(f)` and fsync it (its directory is synced by the caller)."""
+    with open(path, "xb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    write_file(path, lambda f: f.write(data))
+
+
+def write_json(path: str, obj) -> None:
+    """JSON text (Infinity allowed, as Python and transformers read it), fsynced."""
+    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_tensors(path: str, tensors: dict, metadata: dict = None) -> None:
+    """A safetensors file of CPU-contiguous copies of `tensors`, fsynced."""
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    if os.path.exists(path):
+        raise FileExistsError(path)
+    save_file(cpu, path, metadata=metadata)
+    fsync_file(path)
+
+
+def rename(src: str, dst: str) -> None:
+    """os.replace, made durable by syncing the destination's directory."""
+    os.replace(src, dst)
+    sync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
+def remove_tree(path: str) -> None:
+    """Delete a directory tree and sync its parent."""
+    shutil.rmtree(path)
+    sync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def read_json(path: str, what: str = "JSON file"):
+    """Parsed JSON of `path`; CheckpointError for a missing or malformed file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path}: no such file") from None
+    except OSError as e:
+        raise CheckpointError(f"{what} {path}: cannot be read ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{what} {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+def read_tensors(path: str) -> dict:
+    """Every tensor of a safetensors file, on the CPU; CheckpointError when it is missing or unreadable."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def tensor_file_metadata(path: str) -> dict:
+    """The str -> str metadata of a safetensors header."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+

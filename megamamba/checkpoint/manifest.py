@@ -1,0 +1,60 @@
+"""The manifest: written last into a checkpoint, it is what makes the checkpoint complete.
+
+`manifest.json` lists every other file of the checkpoint directory with its size and sha256,
+plus the tag and step. A directory without a valid manifest is an unfinished save; a file
+whose size or hash differs from its entry is truncated or corrupt. Hashing reads every byte
+(about 1-2 GB/s), so `verify(..., hashes=False)` checks only presence and sizes.
+"""
+import hashlib
+import os
+
+from megamamba.checkpoint import files
+from megamamba.checkpoint.files import CheckpointError, read_json
+
+MANIFEST = "manifest.json"
+FORMAT = "megamamba-checkpoint"
+VERSION = 1
+
+
+def sha256_of(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: str, tag: str, step: int) -> dict:
+    """fsync and hash every file of `directory`, write manifest.json (fsynced) and sync the directory."""
+    entries = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name == MANIFEST or not os.path.isfile(path):
+            raise CheckpointError(f"{path}: a checkpoint holds only plain files and no manifest before it is complete")
+        files.fsync_file(path)
+        entries[name] = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
+    manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "step": step, "files": entries}
+    files.write_json(os.path.join(directory, MANIFEST), manifest)
+    files.sync_dir(directory)
+    return manifest
+
+
+def verify(directory: str, hashes: bool = True) -> dict:
+    """The manifest of a complete checkpoint; CheckpointError naming the first problem otherwise."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{directory}: incomplete checkpoint, no {MANIFEST} (its save did not finish)")
+    manifest = read_json(path, "checkpoint manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format version {manifest.get('version')!r}, this code reads version {VERSION}")
+    for name, entry in manifest["files"].items():
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing (listed in {MANIFEST}); the checkpoint is damaged")
+        size = os.path.getsize(file)
+        if size != entry["size"]:
+            raise CheckpointError(f"{file}: {size} bytes, {MANIFEST} says {entry['size']}: the file is truncated or "
+                                  "corrupt; resume from another checkpoint")
+        if hashes and sha256_of(file) != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 differs from {MANIFEST}: the file is corrupt; resume from another "
+                                  "checkpoint")
+    return manifest

@@ -1,0 +1,188 @@
+"""Training state as layout-free, name-keyed contents, and back: model, optimizer, scheduler.
+
+Model: `model_tensors` gives every parameter under its single-device (mamba_ssm) name and
+full shape (under TP gathered with `megamamba.parallel.full_tensors`, which drops the rows
+added for TP vocab padding); a tied head appears once, as the embedding.
+
+Optimizer (any torch optimizer whose per-parameter state is tensors, e.g. AdamW): tensors keyed
+"<parameter name>/<state key>" ("backbone.layers.0.mixer.in_proj.weight/exp_avg"). A state
+tensor shaped like its parameter is gathered to the full shape like the parameter; a 0-d one
+(AdamW's `step`) is stored as is. The groups' hyperparameters, with the member names, go to
+JSON (`optimizer_groups`). Loading keeps the RUN's hyperparameters (a resume at the same flags
+is exact; changed flags take effect, with a warning naming them) and restores the state.
+
+Scheduler: torch's `state_dict()` as JSON; loading also sets every group's lr to the restored
+last lr, which the next optimizer step uses.
+
+Functions taking `tp` are collective over its group when tp.size > 1 (every TP rank calls them).
+"""
+import json
+import warnings
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from megamamba.checkpoint.files import CheckpointError
+from megamamba.checkpoint.store import CheckpointWarning
+from megamamba.parallel import TensorParallel, full_key, full_tensors, load_full_tensors, local_shard
+
+HEAD, EMBEDDING = "lm_head.weight", "backbone.embedding.weight"
+_LR_KEYS = ("lr", "initial_lr")
+
+
+def _split(tp: Optional[TensorParallel]) -> Optional[TensorParallel]:
+    return tp if tp is not None and tp.size > 1 else None
+
+
+def _named(model: nn.Module) -> dict:
+    """Local parameters by local name (a tied parameter once)."""
+    return dict(model.named_parameters())
+
+
+def model_tensors(model: nn.Module, tp: Optional[TensorParallel] = None) -> dict:
+    """Full parameters by single-device name, detached (on the parameters' device)."""
+    if _split(tp):
+        return full_tensors(model, tp)
+    return {name: p.detach() for name, p in _named(model).items()}
+
+
+def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp: Optional[TensorParallel] = None,
+                       source: str = "checkpoint") -> None:
+    """Copy full tensors into `model` (this rank's shards under TP); CheckpointError when names or shapes differ."""
+    tensors = dict(tensors)
+    wanted = {full_key(n, p) for n, p in _named(model).items()}
+    if HEAD in tensors and HEAD not in wanted:
+        if EMBEDDING in tensors and not torch.equal(tensors[HEAD], tensors[EMBEDDING]):
+            raise CheckpointError(f"{source}: {HEAD} differs from {EMBEDDING}, but the model ties them")
+        tensors.pop(HEAD)
+    missing, unexpected = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: parameters do not match the model: missing {missing}, unexpected {unexpected}")
+    if _split(tp):
+        try:
+            load_full_tensors(model, tensors, tp)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+        return
+    with torch.no_grad():
+        for name, param in _named(model).items():
+            if tensors[name].shape != param.shape:
+                raise CheckpointError(f"{source}: {name} has shape {tuple(tensors[name].shape)}, the model "
+                                      f"{tuple(param.shape)}")
+            param.copy_(tensors[name])
+
+
+def _state_keys(optimizer: torch.optim.Optimizer, named: dict) -> tuple:
+    """(per-element keys, scalar keys) of the optimizer state, checked to be tensors of those two kinds."""
+    elementwise, scalar = set(), set()
+    for name, p in named.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.shape == p.shape:
+                elementwise.add(key)
+            elif torch.is_tensor(value) and value.dim() == 0:
+                scalar.add(key)
+            else:
+                raise CheckpointError(f"optimizer state {key!r} of {name} is {type(value).__name__} "
+                                      f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
+                                      "parameter or 0-d tensors can be saved")
+    return sorted(elementwise), sorted(scalar)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module,
+                      tp: Optional[TensorParallel] = None) -> dict:
+    """The optimizer state, "<full name>/<key>" -> full tensor (empty before the first step)."""
+    named = _named(model)
+    elementwise, scalar = _state_keys(optimizer, named)
+    out = {}
+    for key in elementwise:
+        if _split(tp):
+            gathered = full_tensors(model, tp, select=lambda p, key=key: optimizer.state[p][key])
+        else:
+            gathered = {n: optimizer.state[p][key].detach() for n, p in named.items()}
+        out.update({f"{name}/{key}": t for name, t in gathered.items()})
+    for key in scalar:
+        for name, p in named.items():
+            out[f"{full_key(name, p)}/{key}"] = optimizer.state[p][key].detach()
+    return out
+
+
+def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> list:
+    """Each param group's hyperparameters (JSON) with "params": the full names of its members."""
+    names = {id(p): full_key(n, p) for n, p in _named(model).items()}
+    groups = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise CheckpointError(f"optimizer steps {len(unknown)} tensor(s) that are not parameters of the model")
+        members = list(dict.fromkeys(names[id(p)] for p in group["params"]))
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**json.loads(json.dumps(hyper)), "params": members})
+    return groups
+
+
+def _check_groups(saved: list, run: list) -> None:
+    if len(saved) != len(run):
+        raise CheckpointError(f"checkpoint optimizer has {len(saved)} parameter groups, the run {len(run)}")
+    for i, (s, r) in enumerate(zip(saved, run)):
+        if set(s["params"]) != set(r["params"]):
+            diff = sorted(set(s["params"]) ^ set(r["params"]))
+            raise CheckpointError(f"optimizer group {i}: parameters differ between checkpoint and run: {diff[:5]}")
+        changed = [f"{k}: checkpoint {s.get(k)!r}, run {r.get(k)!r}" for k in sorted(set(s) | set(r))
+                   if k not in (*_LR_KEYS, "params") and s.get(k) != r.get(k)]
+        if changed:
+            warnings.warn(f"optimizer group {i} hyperparameters differ from the checkpoint, the run's apply: "
+                          + "; ".join(changed), CheckpointWarning, stacklevel=3)
+
+
+def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel], what: str) -> torch.Tensor:
+    """This rank's part of a saved optimizer state tensor (0-d ones whole)."""
+    if t.dim() == 0:
+        return t
+    shard = getattr(param, "tp_shard", None)
+    local = local_shard(t, shard, tp.size, tp.rank) if _split(tp) and shard is not None else t
+    if local.shape != param.shape:
+        raise CheckpointError(f"checkpoint optimizer state {what} has shape {tuple(t.shape)}, which does not fit "
+                              f"the parameter {tuple(param.shape)}")
+    return local
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, tensors: Mapping[str, torch.Tensor],
+                           saved_groups: list, tp: Optional[TensorParallel] = None) -> None:
+    """Restore the state `optimizer_tensors` saved (this rank's shards under TP), keeping the run's hyperparameters."""
+    _check_groups(saved_groups, optimizer_groups(optimizer, model))
+    saved: dict = {}
+    for key_name, t in tensors.items():
+        name, _, key = key_name.rpartition("/")
+        saved.setdefault(name, {})[key] = t
+    if not saved:  # saved before the first step
+        return
+    named = _named(model)
+    full_names = {n: full_key(n, p) for n, p in named.items()}
+    missing = sorted(set(full_names.values()) - set(saved))
+    unexpected = sorted(set(saved) - set(full_names.values()))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint optimizer state does not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state = {
+        index[id(p)]: {key: _local(t, p, tp, f"{full_names[n]}/{key}") for key, t in saved[full_names[n]].items()}
+        for n, p in named.items()
+    }
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def scheduler_state(scheduler) -> dict:
+    """A torch LR scheduler's state_dict, checked to be JSON."""
+    state = scheduler.state_dict()
+    try:
+        return json.loads(json.dumps(state))
+    except TypeError as e:
+        raise CheckpointError(f"scheduler state of {type(scheduler).__name__} is not JSON ({e})") from None
+
+
+def load_scheduler_state(scheduler, state: dict) -> None:
+    """Restore a scheduler and set each group's lr to its restored last lr (used by the next step)."""
+    scheduler.load_state_dict(dict(state))
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr

@@ -1,0 +1,226 @@
+"""A save directory of checkpoints that a crash at any moment cannot corrupt.
+
+    <save>/step_000123/     one complete checkpoint (its manifest.json written last)
+    <save>/latest           the tag of the checkpoint to resume from ("step_000123")
+
+A save writes into `<save>/.tmp-<tag>-<pid>`, fsyncing every file, writes the manifest, renames
+the directory to `<save>/<tag>` (a checkpoint of the same tag, left by an abandoned run, is moved
+aside first and deleted after), then replaces `latest` atomically (latest.tmp, fsync, rename,
+fsync the directory), and only then deletes checkpoints beyond `keep_last` and leftovers of
+interrupted saves. Whenever a crash strikes, the previous checkpoints are intact and `latest`
+names a complete checkpoint, with one exception: when a tag is saved again (a run resumed from an
+older checkpoint reaches it), a crash between moving the old one aside and renaming the new one
+in leaves `latest` naming a missing directory, and `find_latest` warns and takes the newest
+complete one. One job writes a save directory at a time.
+
+`find_latest` (what `--load auto` means) takes the checkpoint `latest` names when it is
+complete; when `latest` is missing, malformed or names a damaged checkpoint, it warns and takes
+the newest complete one. `resolve_load` turns a `--load` value into a verified checkpoint path.
+"""
+import os
+import re
+import warnings
+from typing import Optional
+
+from megamamba.checkpoint import files
+from megamamba.checkpoint.files import CheckpointError
+from megamamba.checkpoint.manifest import MANIFEST, verify, write_manifest
+
+LATEST = "latest"
+STAGING_PREFIX = ".tmp-"
+ASIDE_PREFIX = ".old-"
+_TAG = re.compile(r"step_(\d+)")
+
+
+class NoCheckpointError(CheckpointError):
+    """No complete checkpoint exists where one was asked for."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint or `latest` was passed over."""
+
+
+def tag_for(step: int) -> str:
+    """The directory name of the checkpoint after `step` optimizer steps."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r}: must be an integer >= 0")
+    return f"step_{step:06d}"
+
+
+def step_of(tag: str) -> Optional[int]:
+    """The step a checkpoint tag names, None when `tag` is not a checkpoint name."""
+    m = _TAG.fullmatch(tag)
+    return int(m.group(1)) if m else None
+
+
+def check_save_dir(save_dir: str) -> None:
+    """Create `save_dir` if needed and prove it writable (write, fsync, delete a probe file).
+
+    Call at start-up, before training, so an unusable --save fails in seconds, not at the first save.
+    """
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--save {save_dir}: cannot create it ({e.strerror}); choose a directory you can "
+                              "write") from None
+    if not os.path.isdir(save_dir):
+        raise CheckpointError(f"--save {save_dir}: not a directory; choose a directory you can write")
+    probe = os.path.join(save_dir, f".write-test-{os.getpid()}")
+    try:
+        files.write_bytes(probe, b"megamamba\n")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {save_dir}: not writable ({e.strerror}); fix its permissions or choose "
+                              "another directory") from None
+
+
+def stage(save_dir: str, tag: str) -> str:
+    """A new, empty staging directory for the checkpoint `tag` (beside its final place)."""
+    staging = os.path.join(save_dir, f"{STAGING_PREFIX}{tag}-{os.getpid()}")
+    if os.path.exists(staging):
+        files.remove_tree(staging)
+    os.mkdir(staging)
+    files.sync_dir(save_dir)
+    return staging
+
+
+def read_latest(save_dir: str) -> Optional[str]:
+    """The tag in `<save_dir>/latest`, None when there is no such file; CheckpointError when malformed."""
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", "replace").strip()
+    if step_of(text) is None:
+        raise CheckpointError(f"{path}: holds {text[:60]!r}, not a checkpoint tag like 'step_000123'")
+    return text
+
+
+def set_latest(save_dir: str, tag: str) -> None:
+    """Point `latest` at `tag` atomically."""
+    tmp = os.path.join(save_dir, LATEST + ".tmp")
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    files.write_bytes(tmp, (tag + "\n").encode())
+    files.rename(tmp, os.path.join(save_dir, LATEST))
+
+
+def checkpoint_tags(save_dir: str) -> list:
+    """Tags of the checkpoint directories in `save_dir` (complete or not), newest step first."""
+    tags = [n for n in os.listdir(save_dir) if step_of(n) is not None and os.path.isdir(os.path.join(save_dir, n))]
+    return sorted(tags, key=step_of, reverse=True)
+
+
+def commit(save_dir: str, staging: str, tag: str, step: int, keep_last: Optional[int]) -> str:
+    """Finish a save staged in `staging`: manifest, rename to `<save_dir>/<tag>`, `latest`, retention."""
+    write_manifest(staging, tag, step)
+    final = os.path.join(save_dir, tag)
+    aside = None
+    if os.path.exists(final):
+        aside = os.path.join(save_dir, ASIDE_PREFIX + tag)
+        if os.path.exists(aside):
+            files.remove_tree(aside)
+        files.rename(final, aside)
+    files.rename(staging, final)
+    set_latest(save_dir, tag)
+    if aside is not None:
+        files.remove_tree(aside)
+    prune(save_dir, keep_last, tag)
+    return final
+
+
+def check_keep_last(keep_last: Optional[int]) -> None:
+    """ValueError unless keep_last is None (keep all) or a positive integer."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r}: must be a positive integer or None (keep every checkpoint)")
+
+
+def _complete(path: str) -> bool:
+    try:
+        verify(path, hashes=False)
+        return True
+    except CheckpointError:
+        return False
+
+
+def prune(save_dir: str, keep_last: Optional[int], current: str) -> None:
+    """Keep `current` and the keep_last - 1 newest complete checkpoints before it; delete older complete
+    ones and the leftovers of interrupted saves. Checkpoints after `current` (left by an abandoned
+    run) and damaged ones are not touched. keep_last None keeps every checkpoint."""
+    check_keep_last(keep_last)
+    for name in os.listdir(save_dir):
+        if name.startswith((STAGING_PREFIX, ASIDE_PREFIX)):
+            files.remove_tree(os.path.join(save_dir, name))
+    if keep_last is None:
+        return
+    older = [t for t in checkpoint_tags(save_dir) if step_of(t) < step_of(current)]
+    complete = [t for t in older if _complete(os.path.join(save_dir, t))]
+    for tag in complete[keep_last - 1:]:
+        files.remove_tree(os.path.join(save_dir, tag))
+
+
+def find_latest(save_dir: str, hashes: bool = True) -> str:
+    """The path of the checkpoint to resume from under `save_dir` (`--load auto`), verified.
+
+    The one `latest` names when complete; otherwise, with a CheckpointWarning, the newest complete one.
+    NoCheckpointError when there is none.
+    """
+    if not os.path.isdir(save_dir):
+        raise NoCheckpointError(f"{save_dir}: no such directory, so no checkpoint to resume from")
+    latest_file = os.path.join(save_dir, LATEST)
+    try:
+        latest = read_latest(save_dir)
+        problem = f"{latest_file} is missing"
+    except CheckpointError as e:
+        latest, problem = None, str(e)
+    if latest is not None:
+        try:
+            verify(os.path.join(save_dir, latest), hashes)
+            return os.path.join(save_dir, latest)
+        except CheckpointError as e:
+            problem = f"{latest_file} names {latest}, which is unusable: {e}"
+    rejected = []
+    for tag in checkpoint_tags(save_dir):
+        if tag == latest:
+            continue
+        try:
+            verify(os.path.join(save_dir, tag), hashes)
+        except CheckpointError as e:
+            rejected.append(str(e))
+            continue
+        warnings.warn(f"{problem}; resuming from the newest complete checkpoint {tag}", CheckpointWarning, stacklevel=2)
+        return os.path.join(save_dir, tag)
+    if not checkpoint_tags(save_dir):
+        rejected.append("it holds no step_* checkpoint")
+    raise NoCheckpointError(f"no complete checkpoint under {save_dir}: {'; '.join([problem] + rejected)}")
+
+
+def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True) -> str:
+    """The verified checkpoint path a `--load` value names.
+
+    "auto": `find_latest(save_dir)`. A checkpoint directory (step_N, holding manifest.json): itself.
+    A save directory: the checkpoint its `latest` names (CheckpointError when `latest` is missing).
+    """
+    if load == "auto":
+        if not save_dir:
+            raise CheckpointError("--load auto: resumes from the newest checkpoint under --save, but --save is not set")
+        return find_latest(save_dir, hashes)
+    if not os.path.isdir(load):
+        raise CheckpointError(f"--load {load}: no such directory")
+    if os.path.isfile(os.path.join(load, MANIFEST)) or step_of(os.path.basename(os.path.normpath(load))) is not None:
+        verify(load, hashes)
+        return load
+    latest = read_latest(load)
+    if latest is None:
+        found = checkpoint_tags(load)
+        hint = f" (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""
+        raise CheckpointError(f"--load {load}: no '{LATEST}' file{hint}; name a checkpoint directory such as "
+                              f"{os.path.join(load, found[0] if found else 'step_000100')}, or pass --load auto "
+                              "with --save to take the newest complete one")
+    path = os.path.join(load, latest)
+    try:
+        verify(path, hashes)
+    except CheckpointError as e:
+        raise CheckpointError(f"--load {load}: '{LATEST}' names {latest}: {e}; --load auto takes the newest complete "
+                              "checkpoint instead") from None
+    return path
