@@ -58,13 +58,13 @@ def check_save_dir(save_dir: str) -> None:
 
     Call at start-up, before training, so an unusable --save fails in seconds, not at the first save.
     """
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise CheckpointError(f"--save {save_dir}: not a directory; choose a directory you can write")
     try:
         os.makedirs(save_dir, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"--save {save_dir}: cannot create it ({e.strerror}); choose a directory you can "
                               "write") from None
-    if not os.path.isdir(save_dir):
-        raise CheckpointError(f"--save {save_dir}: not a directory; choose a directory you can write")
     probe = os.path.join(save_dir, f".write-test-{os.getpid()}")
     try:
         files.write_bytes(probe, b"megamamba\n")
