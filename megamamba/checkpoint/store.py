@@ -195,8 +195,8 @@ def find_latest(save_dir: str, hashes: bool = True) -> str:
     raise NoCheckpointError(f"no complete checkpoint under {save_dir}: {'; '.join([problem] + rejected)}")
 
 
-def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True) -> str:
-    """The verified checkpoint path a `--load` value names.
+def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True, flag: str = "--load") -> str:
+    """The verified checkpoint path a `--load` value names (`flag`: the option named in errors).
 
     "auto": `find_latest(save_dir)`. A checkpoint directory (step_N, holding manifest.json): itself.
     A save directory: the checkpoint its `latest` names (CheckpointError when `latest` is missing).
@@ -206,7 +206,7 @@ def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True)
             raise CheckpointError("--load auto: resumes from the newest checkpoint under --save, but --save is not set")
         return find_latest(save_dir, hashes)
     if not os.path.isdir(load):
-        raise CheckpointError(f"--load {load}: no such directory")
+        raise CheckpointError(f"{flag} {load}: no such directory")
     if os.path.isfile(os.path.join(load, MANIFEST)) or step_of(os.path.basename(os.path.normpath(load))) is not None:
         verify(load, hashes)
         return load
@@ -214,13 +214,13 @@ def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True)
     if latest is None:
         found = checkpoint_tags(load)
         hint = f" (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""
-        raise CheckpointError(f"--load {load}: no '{LATEST}' file{hint}; name a checkpoint directory such as "
+        raise CheckpointError(f"{flag} {load}: no '{LATEST}' file{hint}; name a checkpoint directory such as "
                               f"{os.path.join(load, found[0] if found else 'step_000100')}, or pass --load auto "
                               "with --save to take the newest complete one")
     path = os.path.join(load, latest)
     try:
         verify(path, hashes)
     except CheckpointError as e:
-        raise CheckpointError(f"--load {load}: '{LATEST}' names {latest}: {e}; --load auto takes the newest complete "
+        raise CheckpointError(f"{flag} {load}: '{LATEST}' names {latest}: {e}; --load auto takes the newest complete "
                               "checkpoint instead") from None
     return path

@@ -1,0 +1,193 @@
+"""Convert between our checkpoints / model folders and Hugging Face or mamba_ssm weights.
+
+    python -m megamamba.convert export --checkpoint DIR [--tag step_000100] --output HF_DIR
+    python -m megamamba.convert import --from hf|mamba_ssm --input DIR --output MODEL_DIR
+
+export: DIR is a checkpoint (step_N), a save directory (its `latest`, or --tag) or a model
+folder; HF_DIR gets transformers' config.json + model.safetensors (+ the tokenizer files the
+source holds), loadable by `MambaForCausalLM` / `Mamba2ForCausalLM` (`megamamba.hf` maps the
+names and fields and refuses, by name, what transformers cannot represent).
+
+import: DIR holds transformers' config.json + model.safetensors (or sharded, with
+model.safetensors.index.json), or mamba_ssm's config.json + pytorch_model.bin / model.safetensors;
+MODEL_DIR becomes our model folder (config.json + model.safetensors + tokenizer files), from
+which training, generation and export start. pytorch_model.bin is read with weights_only=True.
+
+Nothing is read by unpickling code, and nothing is overwritten: the output must not exist (or be
+an empty directory); it is written beside it, fsynced, and renamed into place.
+"""
+import argparse
+import os
+import shutil
+import sys
+
+import torch
+from safetensors import SafetensorError
+
+from megamamba.checkpoint.checkpoint import Checkpoint, check_model_tensors
+from megamamba.checkpoint.files import (
+    CheckpointError,
+    fsync_file,
+    read_json,
+    read_tensors,
+    rename,
+    sync_dir,
+    write_json,
+    write_tensors,
+)
+from megamamba.checkpoint.manifest import MANIFEST
+from megamamba.checkpoint.store import resolve_load
+from megamamba.config import ConfigError, MambaConfig
+from megamamba.hf import HFFormatError, config_from_hf, decode_special_floats, hf_config, hf_state, state_from_hf
+from megamamba.lm import MambaLM
+from megamamba.model_folder import CONFIG_FILE, WEIGHTS_FILE, save_model_folder
+from megamamba.tokenizer import TokenizerError, find_tokenizer, load_tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+SHARD_INDEX = "model.safetensors.index.json"
+TORCH_WEIGHTS = "pytorch_model.bin"
+
+
+class ConvertError(Exception):
+    """Input that cannot be converted; the message names the file or field."""
+
+
+def _source(directory: str, tag: str = None) -> tuple:
+    """(config, full tensors by our names, the directory holding them) of a checkpoint, save directory or model folder."""
+    is_folder = not tag and all(os.path.isfile(os.path.join(directory, n)) for n in (CONFIG_FILE, WEIGHTS_FILE)) \
+        and not os.path.isfile(os.path.join(directory, MANIFEST))
+    if is_folder:
+        config = _our_config(os.path.join(directory, CONFIG_FILE))
+        weights = os.path.join(directory, WEIGHTS_FILE)
+        return config, check_model_tensors(read_tensors(weights), config, weights), directory
+    if tag:
+        ckpt = Checkpoint(os.path.join(directory, tag))
+    else:
+        ckpt = Checkpoint(resolve_load(directory, flag="--checkpoint"), hashes=False)
+    return ckpt.config, ckpt.model_tensors(), ckpt.path
+
+
+def _our_config(path: str) -> MambaConfig:
+    try:
+        return MambaConfig.from_dict(read_json(path, "model config"))
+    except (ConfigError, TypeError) as e:
+        raise ConvertError(f"{path}: {e}") from None
+
+
+def _tokenizer_files(directory: str) -> list:
+    return [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
+
+
+def _staging(output: str) -> str:
+    """A fresh directory beside `output`, which must not exist or be empty."""
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ConvertError(f"--output {output}: exists and is not an empty directory; choose a new one")
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(output))}-{os.getpid()}")
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    os.mkdir(staging)
+    return staging
+
+
+def _finish(staging: str, output: str, tokenizer_source: str) -> None:
+    """Copy the tokenizer files, fsync everything and rename the staging directory to `output`."""
+    for name in _tokenizer_files(tokenizer_source):
+        shutil.copyfile(os.path.join(tokenizer_source, name), os.path.join(staging, name))
+    for name in os.listdir(staging):
+        fsync_file(os.path.join(staging, name))
+    sync_dir(staging)
+    rename(staging, output)
+
+
+def export_hf(directory: str, output: str, tag: str = None) -> str:
+    """Write transformers' folder for the checkpoint / model folder `directory`; returns `output`."""
+    config, state, source = _source(directory, tag)
+    tokenizer = find_tokenizer(source)
+    eos = load_tokenizer(tokenizer).eod if tokenizer is not None else None
+    hf = hf_config(config, state["backbone.embedding.weight"].dtype, eos)
+    staging = _staging(output)
+    write_json(os.path.join(staging, CONFIG_FILE), hf)
+    write_tensors(os.path.join(staging, WEIGHTS_FILE), hf_state(state, config), metadata={"format": "pt"})
+    _finish(staging, output, source)
+    return output
+
+
+def _read_weights(directory: str) -> dict:
+    """Tensors of model.safetensors, a sharded safetensors set, or pytorch_model.bin (weights_only)."""
+    single, index, torch_file = (os.path.join(directory, n) for n in (WEIGHTS_FILE, SHARD_INDEX, TORCH_WEIGHTS))
+    if os.path.isfile(single):
+        return read_tensors(single)
+    if os.path.isfile(index):
+        weight_map = read_json(index, "shard index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConvertError(f"{index}: no weight_map")
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(read_tensors(os.path.join(directory, shard)))
+        return state
+    if os.path.isfile(torch_file):
+        try:
+            return torch.load(torch_file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling refusal or damage: one message
+            reason = " ".join(str(e).split())
+            raise ConvertError(f"{torch_file}: not loadable with weights_only=True, which refuses pickled code "
+                               f"({reason})") from None
+    raise ConvertError(f"{directory}: holds none of {WEIGHTS_FILE}, {SHARD_INDEX}, {TORCH_WEIGHTS}")
+
+
+def import_weights(source_format: str, directory: str, output: str) -> str:
+    """Write our model folder from transformers' (`"hf"`) or mamba_ssm's (`"mamba_ssm"`) folder; returns `output`."""
+    config_path = os.path.join(directory, CONFIG_FILE)
+    if source_format == "hf":
+        try:
+            config = config_from_hf(decode_special_floats(read_json(config_path, "transformers config")))
+        except (HFFormatError, ConfigError) as e:
+            raise ConvertError(f"{config_path}: {e}") from None
+        state = state_from_hf(_read_weights(directory))
+    elif source_format == "mamba_ssm":
+        config = _our_config(config_path)
+        state = _read_weights(directory)
+    else:
+        raise ConvertError(f"--from {source_format!r}: choose hf or mamba_ssm")
+    state = check_model_tensors(state, config, directory)
+    with torch.device("meta"):
+        model = MambaLM(config)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.backbone.embedding.weight
+    staging = _staging(output)
+    save_model_folder(model, staging)
+    _finish(staging, output, directory)
+    return output
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="checkpoint or model folder -> Hugging Face transformers folder")
+    e.add_argument("--checkpoint", required=True, help="checkpoint, save directory (uses latest) or model folder")
+    e.add_argument("--tag", default=None, help="checkpoint in the save directory, e.g. step_000100")
+    e.add_argument("--output", required=True)
+    i = sub.add_parser("import", help="Hugging Face or mamba_ssm folder -> our model folder")
+    i.add_argument("--from", dest="source_format", required=True, choices=["hf", "mamba_ssm"])
+    i.add_argument("--input", required=True)
+    i.add_argument("--output", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        if args.command == "export":
+            out = export_hf(args.checkpoint, args.output, args.tag)
+        else:
+            out = import_weights(args.source_format, args.input, args.output)
+    except (ConvertError, CheckpointError, HFFormatError, SafetensorError, TokenizerError) as e:
+        sys.exit(f"convert {args.command}: error: {e}")
+    print(f"convert {args.command}: wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

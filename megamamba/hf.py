@@ -1,0 +1,139 @@
+"""Hugging Face transformers' Mamba / Mamba2 format <-> ours: config fields and parameter names.
+
+transformers' `MambaForCausalLM` (model_type "mamba") and `Mamba2ForCausalLM` ("mamba2") hold the
+same tensors as mamba_ssm under the same names, except `backbone.embeddings.weight` for our
+`backbone.embedding.weight`; a tied head is left out of the file. Their `vocab_size` is the
+number of embedding rows, i.e. our padded vocabulary (our `vocab_size`, the real one, is not
+stored: an imported model trains over all rows).
+
+Config fields (ours -> HF): d_model -> hidden_size, n_layer -> num_hidden_layers, d_state ->
+state_size, d_conv -> conv_kernel, bias -> use_bias, conv_bias -> use_conv_bias, tie_embeddings
+-> tie_word_embeddings, residual_in_fp32; Mamba-1: dt_rank -> time_step_rank, dt_scale / dt_min /
+dt_max / dt_init / dt_init_floor -> time_step_{scale,min,max,init_scheme,floor}; Mamba-2: nheads
+-> num_heads, headdim -> head_dim, ngroups -> n_groups, dt_limit -> time_step_limit, chunk_size,
+dt_min / dt_max / dt_init_floor -> time_step_{min,max,floor}. Options that only choose an
+initialisation HF lacks (A_init_range, conv_init) are not carried; options that change the
+function HF cannot compute are refused, by name (`HFFormatError`).
+"""
+import math
+from typing import Optional
+
+import torch
+
+from megamamba.block import NORM_EPS
+from megamamba.config import Mamba1Options, MambaConfig
+
+EMBEDDING, HF_EMBEDDING, HEAD = "backbone.embedding.weight", "backbone.embeddings.weight", "lm_head.weight"
+
+# transformers' defaults for the fields read here (configuration_mamba.py / configuration_mamba2.py).
+HF_DEFAULTS = {
+    "mamba": {"vocab_size": 50280, "hidden_size": 768, "state_size": 16, "num_hidden_layers": 32,
+              "layer_norm_epsilon": 1e-5, "expand": 2, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True,
+              "hidden_act": "silu", "residual_in_fp32": True, "time_step_rank": "auto", "time_step_scale": 1.0,
+              "time_step_min": 0.001, "time_step_max": 0.1, "time_step_init_scheme": "random",
+              "time_step_floor": 1e-4, "tie_word_embeddings": True},
+    "mamba2": {"num_heads": 128, "head_dim": 64, "vocab_size": 32768, "hidden_size": 4096, "state_size": 128,
+               "num_hidden_layers": 64, "layer_norm_epsilon": 1e-5, "expand": 2, "conv_kernel": 4, "n_groups": 8,
+               "use_bias": False, "use_conv_bias": True, "hidden_act": "silu", "residual_in_fp32": True,
+               "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4,
+               "time_step_limit": [0.0, math.inf], "chunk_size": 256, "tie_word_embeddings": False},
+}
+ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+
+
+class HFFormatError(ValueError):
+    """A config that the other format cannot represent; the message names the field."""
+
+
+def decode_special_floats(obj):
+    """transformers' JSON encoding of non-finite floats ({"__float__": "Infinity"}) decoded, recursively."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(obj["__float__"].replace("Infinity", "inf"))
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v) for v in obj]
+    return obj
+
+
+def _integer_expand(config: MambaConfig) -> int:
+    expand = config.mixer_options.expand
+    if expand != int(expand):
+        raise HFFormatError(f"ssm_cfg.expand={expand!r}: transformers stores expand as an integer")
+    return int(expand)
+
+
+def hf_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
+    """transformers' config.json for `config`; HFFormatError naming what it cannot represent."""
+    if not config.rms_norm:
+        raise HFFormatError("rms_norm=false (LayerNorm): transformers' Mamba and Mamba2 have RMSNorm only")
+    o = config.mixer_options
+    common = {
+        "vocab_size": config.padded_vocab_size, "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layer, "state_size": o.d_state, "conv_kernel": o.d_conv,
+        "expand": _integer_expand(config), "use_bias": o.bias, "use_conv_bias": o.conv_bias, "hidden_act": "silu",
+        "layer_norm_epsilon": NORM_EPS, "residual_in_fp32": config.residual_in_fp32,
+        "tie_word_embeddings": config.tie_embeddings, "time_step_min": o.dt_min, "time_step_max": o.dt_max,
+        "time_step_floor": o.dt_init_floor, "dtype": str(dtype).removeprefix("torch."),
+    }
+    if eos_token_id is not None:
+        common.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+    if isinstance(o, Mamba1Options):
+        model_type = "mamba"
+        fields = {"time_step_rank": config.dt_rank, "time_step_scale": o.dt_scale,
+                  "time_step_init_scheme": o.dt_init, "intermediate_size": config.d_inner}
+    else:
+        model_type = "mamba2"
+        if not o.rmsnorm:
+            raise HFFormatError("ssm_cfg.rmsnorm=false: transformers' Mamba2 always applies the gated RMSNorm")
+        if o.norm_before_gate:
+            raise HFFormatError("ssm_cfg.norm_before_gate=true: transformers' Mamba2 gates before normalising "
+                                "(norm_before_gate=false) only")
+        if o.D_has_hdim:
+            raise HFFormatError("ssm_cfg.D_has_hdim=true: transformers' Mamba2 has one D per head")
+        fields = {"num_heads": config.nheads, "head_dim": o.headdim, "n_groups": o.ngroups,
+                  "time_step_limit": list(o.dt_limit), "chunk_size": o.chunk_size}
+    return {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, **common, **fields}
+
+
+def config_from_hf(hf: dict) -> MambaConfig:
+    """Our config for transformers' config.json `hf`; HFFormatError naming what we cannot represent."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_DEFAULTS:
+        raise HFFormatError(f"model_type={model_type!r}: only {sorted(HF_DEFAULTS)} (transformers' Mamba, Mamba2) "
+                            "convert")
+    f = {**HF_DEFAULTS[model_type], **hf}
+    if f["hidden_act"] != "silu":
+        raise HFFormatError(f"hidden_act={f['hidden_act']!r}: the Mamba mixers use silu only")
+    if f["layer_norm_epsilon"] != NORM_EPS:
+        raise HFFormatError(f"layer_norm_epsilon={f['layer_norm_epsilon']!r}: our norms use mamba_ssm's {NORM_EPS}")
+    rows = f["vocab_size"]
+    ssm = {"d_state": f["state_size"], "d_conv": f["conv_kernel"], "expand": f["expand"], "bias": f["use_bias"],
+           "conv_bias": f["use_conv_bias"], "dt_min": f["time_step_min"], "dt_max": f["time_step_max"],
+           "dt_init_floor": f["time_step_floor"]}
+    if model_type == "mamba":
+        ssm.update(layer="Mamba1", dt_rank=f["time_step_rank"], dt_scale=f["time_step_scale"],
+                   dt_init=f["time_step_init_scheme"])
+    else:
+        d_inner = f["expand"] * f["hidden_size"]
+        if f["num_heads"] * f["head_dim"] != d_inner:
+            raise HFFormatError(f"num_heads={f['num_heads']} x head_dim={f['head_dim']} != expand x hidden_size = "
+                                f"{d_inner}")
+        ssm.update(layer="Mamba2", headdim=f["head_dim"], ngroups=f["n_groups"],
+                   dt_limit=[float(v) for v in f["time_step_limit"]], chunk_size=f["chunk_size"])
+    return MambaConfig(d_model=f["hidden_size"], n_layer=f["num_hidden_layers"], vocab_size=rows, ssm_cfg=ssm,
+                       rms_norm=True, residual_in_fp32=f["residual_in_fp32"],
+                       pad_vocab_size_multiple=8 if rows % 8 == 0 else 1, tie_embeddings=f["tie_word_embeddings"])
+
+
+def hf_state(state: dict, config: MambaConfig) -> dict:
+    """Our full tensors -> transformers' names (the head left out when tied)."""
+    out = {HF_EMBEDDING if k == EMBEDDING else k: v for k, v in state.items()}
+    if config.tie_embeddings:
+        out.pop(HEAD, None)
+    return out
+
+
+def state_from_hf(state: dict) -> dict:
+    """transformers' tensors -> our names."""
+    return {EMBEDDING if k == HF_EMBEDDING else k: v for k, v in state.items()}
