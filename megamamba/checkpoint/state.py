@@ -136,9 +136,10 @@ def _check_groups(saved: list, run: list) -> None:
 
 
 def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel], what: str) -> torch.Tensor:
-    """This rank's part of a saved optimizer state tensor (0-d ones whole)."""
+    """This rank's part of a saved optimizer state tensor (0-d ones whole), never shared between parameters
+    (the sharded and replicated parts of one tensor read the same saved `step`; AdamW increments it in place)."""
     if t.dim() == 0:
-        return t
+        return t.clone()
     shard = getattr(param, "tp_shard", None)
     local = local_shard(t, shard, tp.size, tp.rank) if _split(tp) and shard is not None else t
     if local.shape != param.shape:

@@ -31,10 +31,11 @@ def perturbed_model(config: MambaConfig, seed: int) -> MambaLM:
     return model
 
 
-def training_run(config: MambaConfig, seed: int):
-    """(model, AdamW over the decay groups, warm-up + cosine scheduler): a fresh run initialised from `seed`."""
+def training_run(config: MambaConfig, seed: int, tp=None):
+    """(model, AdamW over the decay groups, warm-up + cosine scheduler): a fresh run initialised from `seed`
+    (split over the tensor-parallel group `tp` when given)."""
     torch.manual_seed(seed)
-    model = MambaLM(config)
+    model = MambaLM(config, tp=tp)
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))
     scheduler = LRSchedule(1e-2, 1e-3, 2, 8).scheduler(optimizer)
     return model, optimizer, scheduler
