@@ -105,8 +105,6 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         raise LayoutError(f"--model-config vocab_size={model.vocab_size} is smaller than the byte tokenizer's "
                           f"{ByteTokenizer.vocab_size} tokens")
     layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config)
-    if layout.tp > 1:
-        raise LayoutError(f"--tensor-parallel-size {layout.tp}: tensor-parallel mixers are not built yet; use 1")
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
     if args.checkpoint_activations_interval < 0:
         raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
@@ -157,7 +155,7 @@ def main(argv=None) -> dict:
     layout, model_config, schedule = plan.layout, plan.model, plan.schedule
     settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
     trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
-                            args.checkpoint_activations_interval)
+                            args.checkpoint_activations_interval, args.sequence_parallel)
     tokens = tokenize(read_documents(args.data), ByteTokenizer())
     train_tokens, valid_tokens = split_train_valid(tokens, VALID_FRACTION)
     train = GlobalBatches(train_tokens, args.seq_length, layout.global_batch_size, args.seed)

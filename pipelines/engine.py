@@ -1,12 +1,14 @@
 """The DeepSpeed engine for a layout, behind one train-step / eval-step interface.
 
 pp > 1: DeepSpeed's PipelineEngine over `build_pipeline_module` (ZeRO 0 or 1).
-pp = 1: the plain DeepSpeedEngine over `PlainLM` (any ZeRO stage).
+pp = 1: the plain DeepSpeedEngine over `PlainLM` (any ZeRO stage), with our `mpu` under TP.
+Process groups come from `megamamba.parallel.groups.ParallelGroups`, laid out by the same
+DeepSpeed topology the pipeline engine builds its grid from, so both agree on every rank.
 
 Initial weights do not depend on the layout: every rank builds the full single-device
 `MambaLM(config)` on the CPU under `torch.manual_seed(seed)` and copies its own parameters out
-of it by mamba_ssm name, exactly as it would load a checkpoint. (This costs one float32 copy of
-the model in host memory per rank while starting.)
+of it by mamba_ssm name (its TP slice under tensor parallelism), exactly as it would load a
+checkpoint. (This costs one float32 copy of the model in host memory per rank while starting.)
 
 Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
 pipeline stages and tied weights). The optimizer is torch's AdamW over `megamamba.optim.param_groups` (fused on CUDA), handed to
@@ -14,21 +16,23 @@ DeepSpeed as a client optimizer: no JIT-compiled FusedAdam. The learning rate fo
 `LRSchedule`, stepped by the engine after each optimizer step.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megamamba.config import MambaConfig
 from megamamba.lm import MambaLM
 from megamamba.lr_schedule import LRSchedule
 from megamamba.optim import param_groups
+from megamamba.parallel import TensorParallel
+from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines import clipping
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
-from megamamba.pipelines.names import load_mamba_state_dict
+from megamamba.pipelines.names import load_full_state, load_mamba_state_dict
 from megamamba.pipelines.plain import PlainLM
 
 
@@ -54,11 +58,11 @@ def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.op
 class PipelineTrainer:
     """Layouts with pp > 1."""
 
-    def __init__(self, layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
-                 seed: int, partition_method: str, checkpoint_interval: int):
-        topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
-        module = build_pipeline_module(config, topology, partition_method, checkpoint_interval)
-        load_mamba_state_dict(module, initial_state(config, seed), config)
+    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], config: MambaConfig,
+                 engine_config: dict, settings: OptimizerSettings, seed: int, partition_method: str,
+                 checkpoint_interval: int):
+        module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp)
+        load_mamba_state_dict(module, initial_state(config, seed), config, tp)
         self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=module, optimizer=_optimizer(module, settings), lr_scheduler=settings.schedule.scheduler,
             config=engine_config)
@@ -80,24 +84,25 @@ class PipelineTrainer:
 class PlainTrainer:
     """Layouts with pp = 1."""
 
-    def __init__(self, layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
-                 seed: int, checkpoint_interval: int):
-        model = MambaLM(config)
-        model.load_state_dict(initial_state(config, seed))
-        module = PlainLM(model, checkpoint_interval).to(get_accelerator().current_device_name())
+    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], config: MambaConfig,
+                 engine_config: dict, settings: OptimizerSettings, seed: int, checkpoint_interval: int):
+        module = PlainLM(MambaLM(config, tp=tp), checkpoint_interval)
+        load_full_state(module, initial_state(config, seed), tp)
+        module = module.to(get_accelerator().current_device_name())
         self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=module, optimizer=_optimizer(module, settings), lr_scheduler=settings.schedule.scheduler,
-            config=engine_config)
-        self.dp_rank = dist.get_rank()
+            mpu=groups.mpu() if tp is not None else None, config=engine_config)
+        self.groups = groups
+        self.dp_rank = groups.data_rank
         self.module = module
         self.device = self.engine.device
         if not self.engine.zero_optimization():
-            clipping.install(self.engine, tp_rank=0, model_parallel_group=None)
+            clipping.install(self.engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
 
     def _mean_over_data_parallel(self, losses: list) -> float:
         loss = torch.stack(losses).mean()
-        dist.all_reduce(loss)
-        return (loss / dist.get_world_size()).item()
+        dist.all_reduce(loss, group=self.groups.data_group)
+        return (loss / self.groups.data_parallel_size).item()
 
     def train_step(self, micro_batches: list) -> float:
         losses = []
@@ -117,7 +122,11 @@ class PlainTrainer:
 
 
 def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
-                  seed: int, partition_method: str, checkpoint_interval: int):
+                  seed: int, partition_method: str, checkpoint_interval: int, sequence_parallel: bool = False):
+    """The trainer of this rank (torch.distributed initialised, world size = layout.world_size)."""
+    groups = ParallelGroups(layout.tp, layout.pp, layout.dp)
+    tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
     if layout.pp > 1:
-        return PipelineTrainer(layout, config, engine_config, settings, seed, partition_method, checkpoint_interval)
-    return PlainTrainer(layout, config, engine_config, settings, seed, checkpoint_interval)
+        return PipelineTrainer(groups, tp, config, engine_config, settings, seed, partition_method,
+                               checkpoint_interval)
+    return PlainTrainer(groups, tp, config, engine_config, settings, seed, checkpoint_interval)

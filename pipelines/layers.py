@@ -9,20 +9,40 @@ mamba_ssm keeps the residual. It always receives a gradient, as DeepSpeed requir
 
 Layer list: [embedding, block 0 .. block n-1, final norm, head]. The head reuses the
 embedding's weight when tie_embeddings (a tied layer in the pipeline).
+
+Tensor parallelism (`tp`, a `megamamba.parallel.TensorParallel` of size > 1, else None): the
+embedding and head split the vocabulary rows, the blocks their mixers (`megamamba.lm` and
+`megamamba.block` build them); the logits stay split and the loss is the vocab-parallel
+cross-entropy. The stream is the same on every TP rank, or with sequence parallelism this
+rank's sequence shard (batch, seqlen / TP, d_model).
 """
+from typing import Optional
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megamamba.block import Block, make_norm
 from megamamba.config import MambaConfig
+from megamamba.lm import head_logits, lm_loss
+from megamamba.parallel import TensorParallel, VocabParallelEmbedding, VocabParallelHead
 
 
 class EmbeddingPipe(nn.Embedding):
     """Token ids (int64) -> the residual stream; weight (padded vocab, d_model) as mamba_ssm's embedding."""
 
-    def __init__(self, config: MambaConfig):
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None):
         super().__init__(config.padded_vocab_size, config.d_model)
+        self.residual_in_fp32 = config.residual_in_fp32
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return as_stream(super().forward(input_ids), self.residual_in_fp32)
+
+
+class ParallelEmbeddingPipe(VocabParallelEmbedding):
+    """EmbeddingPipe with the vocabulary rows split across TP (same parameter name, `weight`)."""
+
+    def __init__(self, config: MambaConfig, tp: TensorParallel):
+        super().__init__(config.padded_vocab_size, config.d_model, tp)
         self.residual_in_fp32 = config.residual_in_fp32
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -50,9 +70,9 @@ def advance(block_forward, stream: torch.Tensor) -> torch.Tensor:
 class FinalNormPipe(nn.Module):
     """The stream -> final-normed hidden states (mamba_ssm's norm_f)."""
 
-    def __init__(self, config: MambaConfig):
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.norm = make_norm(config)
+        self.norm = make_norm(config, tp=tp)
 
     def forward(self, stream: torch.Tensor) -> torch.Tensor:
         return final_norm(self.norm, stream)
@@ -65,21 +85,33 @@ def final_norm(norm: nn.Module, stream: torch.Tensor) -> torch.Tensor:
 class HeadPipe(nn.Linear):
     """Untied LM head: hidden -> logits over the padded vocabulary (mamba_ssm's lm_head)."""
 
-    def __init__(self, config: MambaConfig):
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None):
         super().__init__(config.d_model, config.padded_vocab_size, bias=False)
 
 
-def tied_head(embedding: nn.Embedding, hidden: torch.Tensor) -> torch.Tensor:
-    """Tied LM head: logits = hidden @ embedding.weight^T."""
-    return F.linear(hidden, embedding.weight)
+class ParallelHeadPipe(VocabParallelHead):
+    """HeadPipe with the vocabulary rows split across TP: this rank's block of the logits."""
+
+    def __init__(self, config: MambaConfig, tp: TensorParallel):
+        super().__init__(config.d_model, config.padded_vocab_size, tp)
+
+
+class TiedHead:
+    """Tied LM head on the embedding module: logits = hidden @ embedding.weight^T (vocab-split under TP)."""
+
+    def __init__(self, tp: Optional[TensorParallel] = None):
+        self.tp = tp
+
+    def __call__(self, embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return head_logits(hidden, embedding.weight, self.tp)
 
 
 class LMLoss:
-    """Mean next-token cross-entropy over the real vocabulary (the padded columns are dropped)."""
+    """Mean next-token cross-entropy over the real vocabulary (padded columns excluded; vocab-parallel under TP)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, tp: Optional[TensorParallel] = None):
         self.vocab_size = vocab_size
+        self.tp = tp
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = logits[..., : self.vocab_size].float()
-        return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+        return lm_loss(logits, labels, self.vocab_size, self.tp)

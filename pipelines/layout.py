@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megamamba.config import MambaConfig
+from megamamba.parallel.model_layout import LayoutError as ModelLayoutError
+from megamamba.parallel.model_layout import check_model_layout
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 DEFAULT_CLIP_GRAD = 1.0
@@ -110,6 +112,10 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
         raise LayoutError(
             f"n_layer={model.n_layer} is smaller than pipeline parallel size {layout.pp}: every stage needs a block"
         )
+    try:
+        check_model_layout(model, layout.tp)
+    except ModelLayoutError as e:
+        raise LayoutError(str(e)) from None
     if sequence_parallel and layout.tp == 1:
         raise LayoutError("--sequence-parallel needs --tensor-parallel-size > 1 (it splits the sequence over TP ranks)")
     if sequence_parallel and seq_length % layout.tp:

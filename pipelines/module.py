@@ -14,13 +14,24 @@ and recomputes each run in the backward. We give it torch's non-reentrant checkp
 accepts runs that start at the token ids (no input needs a gradient).
 """
 import functools
+from typing import Optional
 
 import torch.utils.checkpoint
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MambaConfig
-from megamamba.pipelines.layers import BlockPipe, EmbeddingPipe, FinalNormPipe, HeadPipe, LMLoss, tied_head
+from megamamba.parallel import TensorParallel
+from megamamba.pipelines.layers import (
+    BlockPipe,
+    EmbeddingPipe,
+    FinalNormPipe,
+    HeadPipe,
+    LMLoss,
+    ParallelEmbeddingPipe,
+    ParallelHeadPipe,
+    TiedHead,
+)
 from megamamba.pipelines.names import TIED_KEY
 
 PARTITION_METHODS = ("uniform", "parameters", "type:<regex>")
@@ -33,25 +44,27 @@ def check_partition_method(method: str) -> None:
         raise ValueError(f"partition method {method!r}: choose one of {PARTITION_METHODS}")
 
 
-def layer_specs(config: MambaConfig) -> list:
-    """[embedding, n blocks, final norm, head] as DeepSpeed layer specs."""
+def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None) -> list:
+    """[embedding, n blocks, final norm, head] as DeepSpeed layer specs (split across `tp` when given)."""
+    embedding = EmbeddingPipe if tp is None else ParallelEmbeddingPipe
     if config.tie_embeddings:
-        first = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config)
-        last = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=tied_head)
+        first = TiedLayerSpec(TIED_KEY, embedding, config, tp)
+        last = TiedLayerSpec(TIED_KEY, embedding, config, tp, forward_fn=TiedHead(tp))
     else:
-        first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(HeadPipe, config)
-    blocks = [LayerSpec(BlockPipe, config) for _ in range(config.n_layer)]
-    return [first, *blocks, LayerSpec(FinalNormPipe, config), last]
+        first = LayerSpec(embedding, config, tp)
+        last = LayerSpec(HeadPipe if tp is None else ParallelHeadPipe, config, tp)
+    blocks = [LayerSpec(BlockPipe, config, tp=tp) for _ in range(config.n_layer)]
+    return [first, *blocks, LayerSpec(FinalNormPipe, config, tp), last]
 
 
 def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = "type:Block",
-                          checkpoint_interval: int = 0) -> PipelineModule:
-    """This rank's stage of the model (needs torch.distributed initialised)."""
+                          checkpoint_interval: int = 0, tp: Optional[TensorParallel] = None) -> PipelineModule:
+    """This rank's stage of the model (needs torch.distributed initialised; `tp` from the same topology)."""
     check_partition_method(partition_method)
     return PipelineModule(
-        layers=layer_specs(config),
+        layers=layer_specs(config, tp),
         topology=topology,
-        loss_fn=LMLoss(config.vocab_size),
+        loss_fn=LMLoss(config.vocab_size, tp),
         partition_method=partition_method,
         activation_checkpoint_interval=checkpoint_interval,
         activation_checkpoint_func=non_reentrant_checkpoint,

@@ -10,14 +10,19 @@ DeepSpeed names a pipeline layer's parameters `<global layer index>.<name>` and 
     {n+2}.weight               (untied) <-> lm_head.weight
 
 Indices are global, so the names do not depend on the number of stages; a stage holds a subset.
-Anything saved uses mamba_ssm's names (DESIGN.md), whatever the engine.
+Anything saved uses mamba_ssm's names (DESIGN.md), whatever the engine. Under tensor parallelism a
+parameter may be a slice of its full tensor or a part of it under another local name
+(`in_proj.weight_replicated`); `megamamba.parallel.full_key` gives the full tensor's name, which
+these functions then map.
 """
 import re
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
+from megamamba.parallel import TensorParallel, full_key, full_tensors, local_shard
 
 TIED_KEY = "embed"
 EMBEDDING = "backbone.embedding.weight"
@@ -74,21 +79,39 @@ def to_pipe(name: str, config: MambaConfig) -> str:
     raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
 
 
-def mamba_state_dict(pipe: nn.Module, config: MambaConfig) -> dict:
-    """This stage's parameters under mamba_ssm's names (lm_head.weight added where the tied embedding is)."""
-    state = {to_mamba(name, config): p for name, p in pipe.named_parameters()}
+def mamba_state_dict(pipe: nn.Module, config: MambaConfig, tp: Optional[TensorParallel] = None) -> dict:
+    """This stage's parameters as full tensors under mamba_ssm's names (lm_head.weight added where the
+    tied embedding is). Under TP the full tensors are gathered: every TP rank must call it."""
+    if tp is None:
+        state = {to_mamba(name, config): p for name, p in pipe.named_parameters()}
+    else:
+        state = {to_mamba(name, config): t for name, t in full_tensors(pipe, tp).items()}
     if config.tie_embeddings and EMBEDDING in state:
         state[HEAD] = state[EMBEDDING]
     return state
 
 
 @torch.no_grad()
-def load_mamba_state_dict(pipe: nn.Module, state: dict, config: MambaConfig) -> None:
-    """Copy this stage's parameters from a full mamba_ssm-named state dict; every local parameter must be found."""
-    for name, param in pipe.named_parameters():
-        key = to_mamba(name, config)
+def load_full_state(module: nn.Module, state: dict, tp: Optional[TensorParallel] = None,
+                    rename: Callable[[str], str] = lambda name: name) -> None:
+    """Copy `module`'s parameters (this rank's TP slices under `tp`) out of a full state dict.
+
+    `rename` maps a module parameter's full name to its key in `state`; every parameter must be found.
+    """
+    for name, param in module.named_parameters():
+        key = rename(full_key(name, param))
         if key not in state:
-            raise KeyError(f"state dict has no {key!r} (for pipeline parameter {name!r})")
-        if state[key].shape != param.shape:
-            raise ValueError(f"{key!r}: state dict shape {tuple(state[key].shape)} != parameter shape {tuple(param.shape)}")
-        param.copy_(state[key])
+            raise KeyError(f"state dict has no {key!r} (for parameter {name!r})")
+        value = state[key]
+        if tp is not None and getattr(param, "tp_shard", None) is not None:
+            value = local_shard(value, param.tp_shard, tp.size, tp.rank)
+        if value.shape != param.shape:
+            raise ValueError(f"{key!r}: state dict gives shape {tuple(value.shape)} for parameter {name!r} "
+                             f"of shape {tuple(param.shape)}")
+        param.copy_(value)
+
+
+def load_mamba_state_dict(pipe: nn.Module, state: dict, config: MambaConfig,
+                          tp: Optional[TensorParallel] = None) -> None:
+    """Copy this stage's parameters from a full mamba_ssm-named state dict (TP slices under `tp`)."""
+    load_full_state(pipe, state, tp, rename=lambda name: to_mamba(name, config))

@@ -5,7 +5,8 @@ runs the same layer list as the pipeline ([embedding, blocks, final norm, head],
 `pipelines.layers`) with the same math; runs of `checkpoint_interval` consecutive layers are
 recomputed in the backward, as a one-stage pipeline would. forward(input_ids, labels) -> loss.
 The head is called as the `lm_head` module (its weight is the embedding's when tied), so ZeRO-3
-gathers the tied weight through the module that uses it.
+gathers the tied weight through the module that uses it. A tensor-parallel `MambaLM` (built with
+`tp`) gives vocab-split logits and the vocab-parallel loss.
 """
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ class PlainLM(nn.Module):
         self.backbone = model.backbone
         self.lm_head = model.lm_head
         self.checkpoint_interval = checkpoint_interval
-        self.loss_fn = LMLoss(self.config.vocab_size)
+        self.loss_fn = LMLoss(self.config.vocab_size, model.tp)
 
     def _layers(self) -> list:
         residual_in_fp32 = self.config.residual_in_fp32

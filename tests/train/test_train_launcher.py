@@ -1,4 +1,4 @@
-"""Through the real `deepspeed` launcher: (1,1,1) and a two-stage pipeline train, log and refuse bad layouts.
+"""Through the real `deepspeed` launcher: (1,1,1), (1,2,2) and (2,2,2) train, log and refuse bad layouts.
 
 What only the launcher shows: its environment and argument passing (--local_rank), the exit
 status of the job, the console on one rank, files written where the flags say.
@@ -30,19 +30,43 @@ def test_single_rank_run_logs_every_metric_once_per_step(reference, mixer):
     assert len(console) == 5, run["stdout"][-2000:]
 
 
-def test_two_stage_pipeline_through_the_launcher_matches_the_single_rank_curve(runs, reference):
-    run = runs.launched(2, "mamba2", ["--pipeline-parallel-size", "2", "--log-dir", "tb"])
+# (dp, tp, pp), mixer, extra flags; at 8 ranks one mixer. (2,2,2) without sequence parallelism sends the
+# stage boundary TP-partitioned (DeepSpeed's pipe_partitioned); with it, whole.
+LAUNCHED = [
+    ((1, 2, 2), "mamba1", ["--sequence-parallel"]),
+    ((1, 2, 2), "mamba2", ["--log-dir", "tb"]),
+    ((2, 2, 2), "mamba1", []),
+]
+
+
+def _launched(runs, layout, mixer, extra):
+    dp, tp, pp = layout
+    run = runs.launched(dp * tp * pp, mixer, ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+                                              *extra])
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
-    ref = reference("mamba2")["records"]
-    assert relative_curve_error(losses(run["records"]), losses(ref)) <= 1e-4
-    # one line per rank (two ranks print at once: the lines may interleave)
-    assert run["stdout"].count("optimizer state bytes") == 2, run["stdout"][-3000:]
-    assert run["stdout"].count("= 12.000 x stage parameters / dp") == 2, run["stdout"][-3000:]
+    return run
+
+
+@pytest.mark.parametrize("layout, mixer, extra", LAUNCHED, ids=[f"{m}-{l}-{' '.join(e)}" for l, m, e in LAUNCHED])
+def test_launched_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer, extra):
+    run = _launched(runs, layout, mixer, extra)
+    ref = reference(mixer)["records"]
+    error = relative_curve_error(losses(run["records"]), losses(ref))
+    print(f"{mixer} {layout} {' '.join(extra)} (launcher): max relative loss difference to (1,1,1) {error:.1e}")
+    assert error <= 1e-4, (losses(run["records"]), losses(ref))
+    assert relative_curve_error(losses(run["records"], "grad_norm"), losses(ref, "grad_norm")) <= 1e-5
+    world = layout[0] * layout[1] * layout[2]
+    # one optimizer-state line per rank (ranks print at once: lines may interleave), ZeRO-1: 12 B / param / dp
+    assert run["stdout"].count("optimizer state bytes") == world, run["stdout"][-3000:]
+    assert run["stdout"].count("= 12.000 x stage parameters / dp") == world, run["stdout"][-3000:]
     console = [line for line in run["stdout"].splitlines() if "| loss " in line]
     assert len(console) == 5, "the console log comes from one rank only"
 
+
+def test_tensorboard_gets_every_metric_name_at_every_step(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    run = _launched(runs, *LAUNCHED[1])
     events = EventAccumulator(str(run["dir"] / "tb"))
     events.Reload()
     assert NAMES - {"step"} | {"val_loss"} <= set(events.Tags()["scalars"])

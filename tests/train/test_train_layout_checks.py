@@ -66,6 +66,9 @@ def _layout(dp=1, tp=1, pp=1):
     (_layout(), {"torch_autocast": {"enabled": True, "dtype": "float16"}}, TINY, 64, False, None,
      "only bfloat16 is supported"),
     (_layout(), {}, TINY, 0, False, None, "--seq-length=0"),
+    (_layout(tp=3), {}, TINY, 63, False, None, "nheads = 8 (d_inner 128 / headdim 16) is not divisible by TP = 3"),
+    (_layout(tp=3), {}, MambaConfig.from_json(ROOT / "launch/models/tiny-mamba1.json"), 63, False, None,
+     "d_inner = 128 (expand x d_model) is not divisible by TP = 3"),
 ])
 def test_inconsistent_runs_are_refused(layout, ds_extra, model, seq, sp, clip, words):
     with pytest.raises(LayoutError, match=re.escape(words)):
@@ -111,11 +114,6 @@ def test_bad_flags_are_refused_before_any_process_group(tmp_path, flags, words):
         _prepare(tmp_path, flags=flags)
 
 
-def test_tensor_parallelism_is_refused_until_its_mixers_exist(tmp_path):
-    with pytest.raises(LayoutError, match="--tensor-parallel-size 2: tensor-parallel mixers are not built yet"):
-        _prepare(tmp_path, world=2, flags=["--tensor-parallel-size", "2"])
-
-
 def test_a_model_whose_vocabulary_cannot_hold_the_tokenizers_is_refused(tmp_path):
     with pytest.raises(LayoutError, match="vocab_size=200 is smaller than the byte tokenizer's 257 tokens"):
         _prepare(tmp_path, model={**TINY.to_dict(), "vocab_size": 200})
@@ -125,7 +123,7 @@ GPU_SIZES = [("130m", 0.13), ("370m", 0.37), ("1.3b", 1.34), ("2.7b", 2.70)]
 
 
 @pytest.mark.parametrize("size", [s for s, _ in GPU_SIZES])
-@pytest.mark.parametrize("world, tp, pp", [(1, 1, 1), (8, 1, 2), (16, 1, 4)])
+@pytest.mark.parametrize("world, tp, pp", [(1, 1, 1), (8, 1, 2), (16, 1, 4), (8, 2, 2), (8, 8, 1)])
 def test_gpu_configs_pass_every_check_with_zero1_and_bf16_autocast(size, world, tp, pp):
     script = load_train_script()
     args = script.parse_args(["--deepspeed_config", str(ROOT / f"launch/configs/mamba2-{size}.json"),
