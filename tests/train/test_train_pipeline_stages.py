@@ -1,0 +1,54 @@
+"""The real PipelineModule at (tp, pp) = (2, 2): every stage's parameters, gathered over TP and named the
+mamba_ssm way, together are exactly the single-device model's initial state dict."""
+import pytest
+import torch
+
+from distributed import run_ranks
+from train_entry import ROOT
+
+pytestmark = pytest.mark.slow
+
+SEED = 5
+
+
+def _stage_state(path, tied):
+    import dataclasses
+
+    import deepspeed
+
+    from megamamba import MambaConfig
+    from megamamba.parallel.groups import ParallelGroups
+    from megamamba.pipelines.engine import initial_state
+    from megamamba.pipelines.module import build_pipeline_module
+    from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict
+
+    deepspeed.init_distributed()
+    config = dataclasses.replace(MambaConfig.from_json(path), n_layer=3, tie_embeddings=tied)
+    groups = ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2)
+    tp = groups.tensor_parallel()
+    stage = build_pipeline_module(config, groups.topology, "type:Block", 0, tp)
+    load_mamba_state_dict(stage, initial_state(config, SEED), config, tp)
+    names = sorted(n for n, _ in stage.named_parameters())
+    return groups.pipe_rank, names, {k: v.detach().clone() for k, v in mamba_state_dict(stage, config, tp).items()}
+
+
+@pytest.mark.parametrize("path, tied", [("launch/models/tiny-mamba2.json", True), ("launch/models/tiny-mamba1.json", False)])
+def test_stages_gathered_over_tp_give_back_the_full_mamba_ssm_state_dict(path, tied):
+    import dataclasses
+
+    from megamamba import MambaConfig
+    from megamamba.pipelines.engine import initial_state
+
+    results = run_ranks(_stage_state, 4, args=(str(ROOT / path), tied), init_process_group=False, timeout=240)
+    config = dataclasses.replace(MambaConfig.from_json(ROOT / path), n_layer=3, tie_embeddings=tied)
+    expected = initial_state(config, SEED)
+    merged = {}
+    for pipe_rank, names, state in results:
+        assert all(n.split(".")[0].isdigit() or n.startswith("tied_modules.embed.") for n in names), names
+        merged.update(state)
+    assert set(merged) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(merged[name], tensor), name
+    first, last = [r for r in results if r[0] == 0], [r for r in results if r[0] == 1]
+    assert "backbone.embedding.weight" in first[0][2] and "backbone.norm_f.weight" in last[0][2]
+    assert ("lm_head.weight" in last[0][2]) and (tied == ("backbone.embedding.weight" in last[0][2]))
