@@ -65,3 +65,14 @@ def test_documents_end_with_the_end_of_document_token_and_validation_is_held_out
     assert ids.tolist() == [97, 98, tok.eod, 99, tok.eod]
     train, valid = split_train_valid(torch.arange(100), 0.1)
     assert train.numel() == 90 and torch.equal(valid, torch.arange(90, 100))
+
+
+def test_data_files_are_one_document_each_and_a_missing_one_is_named(tmp_path):
+    from megamamba.global_batches import read_documents
+
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "b.txt").write_text("second")
+    assert read_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]) == ["first", "second"]
+    assert len(read_documents([])) > 100  # the built-in Python documentation
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        read_documents([str(tmp_path / "nope.txt")])
