@@ -55,7 +55,8 @@ def _free_port() -> int:
 
 
 def _paths(size):
-    return (os.path.join(REPO, f"launch/configs/mamba2-{size}.json"), os.path.join(REPO, f"launch/models/mamba2-{size}.json"))
+    return (os.path.join(REPO, f"launch/configs/mamba2-{size}.json"),
+            os.path.join(REPO, f"launch/models/mamba2-{size}.json"))
 
 
 def _train_flags(size, steps, seq_length, peak_tflops, metrics):

@@ -47,14 +47,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
-    p.add_argument("--sequence-parallel", action="store_true", help="split activations along the sequence over TP ranks")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="split activations along the sequence over TP ranks")
     p.add_argument("--partition-method", default="type:Block", help="uniform | parameters | type:<regex>")
     p.add_argument("--checkpoint-activations-interval", type=int, default=0,
                    help="recompute runs of this many consecutive layers in the backward (0: off)")
     p.add_argument("--train-iters", type=int, required=True)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", nargs="*", default=[], help="text files, one document each (default: built-in Python docs)")
+    p.add_argument("--data", nargs="*", default=[],
+                   help="text files, one document each (default: built-in Python docs)")
     p.add_argument("--tokenizer", default="byte", choices=["byte"])
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-5)

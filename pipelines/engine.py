@@ -11,7 +11,8 @@ of it by mamba_ssm name (its TP slice under tensor parallelism), exactly as it w
 checkpoint. (This costs one float32 copy of the model in host memory per rank while starting.)
 
 Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
-pipeline stages and tied weights). The optimizer is torch's AdamW over `megamamba.optim.param_groups` (fused on CUDA), handed to
+pipeline stages and tied weights). The optimizer is torch's AdamW over
+`megamamba.optim.param_groups` (fused on CUDA), handed to
 DeepSpeed as a client optimizer: no JIT-compiled FusedAdam. The learning rate follows an
 `LRSchedule`, stepped by the engine after each optimizer step.
 """

@@ -138,10 +138,12 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
         if ds_config.get(mode, {}).get("enabled", False):
             raise LayoutError(
                 f'"{mode}": {{"enabled": true}} casts every parameter, the SSM\'s A_log, D and dt_bias included, to '
-                '16 bits; use "torch_autocast": {"enabled": true, "dtype": "bfloat16"} (float32 parameters, bf16 matmuls)'
+                '16 bits; use "torch_autocast": {"enabled": true, "dtype": "bfloat16"} '
+                "(float32 parameters, bf16 matmuls)"
             )
     autocast = ds_config.get("torch_autocast", {})
-    if autocast.get("enabled", False) and autocast.get("dtype", "bfloat16") not in ("bfloat16", "bf16", "torch.bfloat16"):
+    bf16_names = ("bfloat16", "bf16", "torch.bfloat16")
+    if autocast.get("enabled", False) and autocast.get("dtype", "bfloat16") not in bf16_names:
         raise LayoutError(
             f"torch_autocast.dtype={autocast['dtype']!r}: only bfloat16 is supported (float16 needs loss scaling)"
         )

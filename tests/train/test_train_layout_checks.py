@@ -59,7 +59,8 @@ def _layout(dp=1, tp=1, pp=1):
     (_layout(tp=2), {}, TINY, 63, True, None, "--seq-length 63 is not divisible by tensor parallel size 2"),
     (_layout(), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, TINY, 64, False, None,
      '"optimizer" block in the DeepSpeed config'),
-    (_layout(), {"scheduler": {"type": "WarmupLR"}}, TINY, 64, False, None, '"scheduler" block in the DeepSpeed config'),
+    (_layout(), {"scheduler": {"type": "WarmupLR"}}, TINY, 64, False, None,
+     '"scheduler" block in the DeepSpeed config'),
     (_layout(), {"gradient_clipping": 1.0}, TINY, 64, False, 0.5, "gradient clipping set twice"),
     (_layout(), {"bf16": {"enabled": True}}, TINY, 64, False, None, '"bf16": {"enabled": true} casts every parameter'),
     (_layout(), {"fp16": {"enabled": True}}, TINY, 64, False, None, '"fp16": {"enabled": true} casts every parameter'),
@@ -145,8 +146,8 @@ def test_a_malformed_json_config_is_refused_by_path(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{ not json")
     script = load_train_script()
-    args = script.parse_args(["--deepspeed_config", str(bad), "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"),
-                              "--train-iters", "3"])
+    args = script.parse_args(["--deepspeed_config", str(bad),
+                              "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"), "--train-iters", "3"])
     with pytest.raises(LayoutError, match="--deepspeed_config .*bad.json"):
         script.prepare(args, 1)
 

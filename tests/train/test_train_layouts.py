@@ -61,7 +61,7 @@ def test_zero1_holds_12_bytes_per_stage_parameter_over_dp_on_every_rank(runs):
     for rank, s in enumerate(ranks):
         expected = 12 * s["stage_parameters"] / 2
         # ZeRO pads each flat group to a multiple of the dp size: a few elements at most.
-        assert expected <= s["optimizer_state_bytes"] <= expected + 12 * 2 * 8, (rank, s["optimizer_state_bytes"], expected)
+        assert expected <= s["optimizer_state_bytes"] <= expected + 12 * 2 * 8, (rank, s, expected)
 
 
 # ZeRO-3 keeps no separate float32 master: the float32 parameter shard it owns is the master.

@@ -32,7 +32,8 @@ def _stage_state(path, tied):
     return groups.pipe_rank, names, {k: v.detach().clone() for k, v in mamba_state_dict(stage, config, tp).items()}
 
 
-@pytest.mark.parametrize("path, tied", [("launch/models/tiny-mamba2.json", True), ("launch/models/tiny-mamba1.json", False)])
+@pytest.mark.parametrize("path, tied", [("launch/models/tiny-mamba2.json", True),
+                                        ("launch/models/tiny-mamba1.json", False)])
 def test_stages_gathered_over_tp_give_back_the_full_mamba_ssm_state_dict(path, tied):
     import dataclasses
 
