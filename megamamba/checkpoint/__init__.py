@@ -12,21 +12,27 @@ Single process (tests, the plain trainer):
     step = load_training_checkpoint(open_checkpoint("auto", save_dir), model, optimizer, scheduler)
 
 Distributed trainer (any dp x tp x pp): every rank takes part in the gathers, one rank writes.
+tests/checkpoint/test_checkpoint_deepspeed.py is the executable recipe for DeepSpeed's ZeRO-1.
 
-    save:  1. per stage, collectively over TP: params = model_tensors(module, tp) (use the fp32 master
-              weights where the optimizer keeps them: deepspeed.utils.safe_get_full_fp32_param), and
-              optimizer_tensors(...) (ZeRO partitions: safe_get_full_optimizer_state(p, "exp_avg")
-              etc., collective over DP, then full_tensors over TP); pipeline names -> mamba_ssm names
-              (pipelines.names.to_mamba);
+    save:  1. per stage, collectively over TP (and DP inside the safe_get_* calls):
+              params = full_tensors(module, tp, select=safe_get_full_fp32_param) (the fp32 master;
+              model_tensors(module, tp) when the optimizer keeps none), the moments likewise with
+              select=lambda p: safe_get_full_optimizer_state(p, "exp_avg") / "exp_avg_sq" as
+              "<name>/<key>", and "<name>/step" from the inner optimizer's state; a plain torch
+              optimizer: optimizer_tensors(optimizer, module, tp). DeepSpeed 0.19.8 links moments
+              to parameters only for groups stepped before its first link: call
+              deepspeed.utils.lazy_init_hp_params_optimizer_state per group first. Pipeline names
+              -> mamba_ssm names: pipelines.names.to_mamba;
            2. send each stage's dicts to global rank 0 (from its dp 0 / tp 0 rank); gather every
-              rank's capture_rng() to rank 0;
-           3. rank 0: save_checkpoint(save_dir, step, config, model, optimizer=..., optimizer_groups=...,
+              rank's capture_rng() to rank 0 (all_gather_object);
+           3. rank 0: save_checkpoint(save_dir, step, config, params, optimizer=..., optimizer_groups=...,
               scheduler=scheduler_state(...), rng=[...], extra={args, layout, data position}, ...);
            4. barrier (the others must not exit or save again before it is committed).
     load:  rank 0: path = resolve_load(load, save_dir) (verifies hashes), broadcast path; every rank:
            ckpt = Checkpoint(path, hashes=False); ckpt.check_config(run_config);
-           ckpt.model_tensors(names of this stage) -> load_model_tensors / load_full_tensors (TP slices);
-           ckpt.optimizer_tensors(names) -> load_optimizer_tensors, or safe_set_full_* for ZeRO;
+           ckpt.model_tensors(names of this stage) -> load_model_tensors / load_full_tensors (TP slices)
+           (and safe_set_full_fp32_param); ckpt.optimizer_tensors(names) -> load_optimizer_tensors,
+           or for ZeRO: create the flat AdamW state, link, safe_set_full_optimizer_state;
            load_scheduler_state; restore_rng(state_for_rank(ckpt.rng_states(), rank, world)).
 
 Memory: rank 0 holds the full parameters and optimizer moments on the CPU while saving (about
