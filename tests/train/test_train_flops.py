@@ -34,6 +34,7 @@ def test_mamba1_projections_and_head_match_the_flop_counter():
         + 2 * di * conv + 9 * di * n
 
 
+@pytest.mark.slow
 def test_mamba2_projections_and_head_match_the_flop_counter():
     config = dataclasses.replace(MambaConfig.from_json(ROOT / "launch/models/tiny-mamba2.json"), n_layer=3)
     d, di, n, g, h, q = config.d_model, config.d_inner, 16, 1, config.nheads, 32
