@@ -48,6 +48,7 @@ from megamamba.checkpoint.checkpoint import (
 from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.rng import capture_rng, restore_rng, state_for_rank
 from megamamba.checkpoint.state import (
+    check_optimizer_groups,
     load_model_tensors,
     load_optimizer_tensors,
     load_scheduler_state,
@@ -67,7 +68,8 @@ from megamamba.checkpoint.store import (
 from megamamba.checkpoint.training import load_training_checkpoint, save_training_checkpoint
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "capture_rng", "check_save_dir",
+    "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "capture_rng", "check_optimizer_groups",
+    "check_save_dir",
     "config_differences", "find_latest", "load_model_tensors", "load_optimizer_tensors", "load_scheduler_state",
     "load_training_checkpoint", "model_tensors", "open_checkpoint", "optimizer_groups", "optimizer_tensors",
     "parameter_shapes", "resolve_load", "restore_rng", "save_checkpoint", "save_training_checkpoint",

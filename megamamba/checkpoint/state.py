@@ -107,21 +107,27 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module,
     return out
 
 
-def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> list:
-    """Each param group's hyperparameters (JSON) with "params": the full names of its members."""
+def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module, members: Optional[list] = None) -> list:
+    """Each param group's hyperparameters (JSON) with "params": the full names of its members.
+
+    members: the model parameters of each group when the optimizer steps other tensors (DeepSpeed's
+    ZeRO optimizer steps flat partitions: pass its `bit16_groups`).
+    """
     names = {id(p): full_key(n, p) for n, p in _named(model).items()}
     groups = []
-    for group in optimizer.param_groups:
-        unknown = [p for p in group["params"] if id(p) not in names]
+    for i, group in enumerate(optimizer.param_groups):
+        params = group["params"] if members is None else members[i]
+        unknown = [p for p in params if id(p) not in names]
         if unknown:
-            raise CheckpointError(f"optimizer steps {len(unknown)} tensor(s) that are not parameters of the model")
-        members = list(dict.fromkeys(names[id(p)] for p in group["params"]))
+            raise CheckpointError(f"optimizer group {i} steps {len(unknown)} tensor(s) that are not parameters of the "
+                                  "model (pass `members` for an optimizer over flat partitions)")
         hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**json.loads(json.dumps(hyper)), "params": members})
+        groups.append({**json.loads(json.dumps(hyper)), "params": list(dict.fromkeys(names[id(p)] for p in params))})
     return groups
 
 
-def _check_groups(saved: list, run: list) -> None:
+def check_optimizer_groups(saved: list, run: list) -> None:
+    """CheckpointError when the groups hold other parameters; a warning naming changed hyperparameters (lr aside)."""
     if len(saved) != len(run):
         raise CheckpointError(f"checkpoint optimizer has {len(saved)} parameter groups, the run {len(run)}")
     for i, (s, r) in enumerate(zip(saved, run)):
@@ -151,7 +157,7 @@ def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel], w
 def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, tensors: Mapping[str, torch.Tensor],
                            saved_groups: list, tp: Optional[TensorParallel] = None) -> None:
     """Restore the state `optimizer_tensors` saved (this rank's shards under TP), keeping the run's hyperparameters."""
-    _check_groups(saved_groups, optimizer_groups(optimizer, model))
+    check_optimizer_groups(saved_groups, optimizer_groups(optimizer, model))
     saved: dict = {}
     for key_name, t in tensors.items():
         name, _, key = key_name.rpartition("/")

@@ -67,8 +67,10 @@ def link_moments(eng) -> None:
 
 
 def zero_state(eng) -> tuple:
-    """(full fp32 parameters, optimizer tensors "<name>/<key>") by mamba_ssm name, on every rank."""
+    """(full fp32 parameters, optimizer tensors "<name>/<key>", groups) by mamba_ssm name, on every rank."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from megamamba.checkpoint import optimizer_groups
 
     link_moments(eng)
     named = dict(eng.module.named_parameters())
@@ -77,16 +79,17 @@ def zero_state(eng) -> tuple:
     state = {f"{n}/{k}": safe_get_full_optimizer_state(p, k).cpu() for n, p in named.items()
              for k in ("exp_avg", "exp_avg_sq")}
     state.update({f"{n}/step": torch.tensor(step) for n in named})
-    return params, state
+    return params, state, optimizer_groups(eng.optimizer.optimizer, eng.module, members=eng.optimizer.bit16_groups)
 
 
 def load_zero_state(eng, ckpt) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from megamamba.checkpoint import load_scheduler_state
+    from megamamba.checkpoint import check_optimizer_groups, load_scheduler_state, optimizer_groups
 
     params, state = ckpt.model_tensors(), ckpt.optimizer_tensors()
     zero = eng.optimizer
+    check_optimizer_groups(ckpt.optimizer_groups, optimizer_groups(zero.optimizer, eng.module, zero.bit16_groups))
     (step,) = {t.item() for k, t in state.items() if k.endswith("/step")}
     for flat in zero.single_partition_of_fp32_groups:
         zero.optimizer.state[flat] = {"step": torch.tensor(step), "exp_avg": torch.zeros_like(flat),
@@ -117,9 +120,9 @@ def zero_ranks(save_dir: str, dp: int, extensions_dir: str) -> dict:
         return {"resumed": [train_step(eng, s, rank, dp) for s in range(SAVE_AT, STEPS)]}
     eng = engine(seed=0, dp=dp)
     losses = [train_step(eng, s, rank, dp) for s in range(SAVE_AT)]
-    params, state = zero_state(eng)
+    params, state, groups = zero_state(eng)
     if rank == 0:
-        save_checkpoint(save_dir, SAVE_AT, tiny("Mamba2"), params, optimizer=state,
+        save_checkpoint(save_dir, SAVE_AT, tiny("Mamba2"), params, optimizer=state, optimizer_groups=groups,
                         scheduler=scheduler_state(eng.lr_scheduler))
     dist.barrier()
     losses += [train_step(eng, s, rank, dp) for s in range(SAVE_AT, STEPS)]

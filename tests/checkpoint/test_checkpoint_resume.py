@@ -17,8 +17,10 @@ from megamamba.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     capture_rng,
+    load_model_tensors,
     load_training_checkpoint,
     open_checkpoint,
+    optimizer_groups,
     restore_rng,
     save_training_checkpoint,
     state_for_rank,
@@ -135,6 +137,16 @@ def test_loaded_model_refuses_tensors_of_another_shape(tmp_path):
     model = perturbed_model(tiny("Mamba1"), seed=0)
     save_training_checkpoint(str(tmp_path), 0, model, torch.optim.AdamW(model.parameters()))
     other = MambaLM(tiny("Mamba1", d_model=20))
-    from megamamba.checkpoint import load_model_tensors
     with pytest.raises(CheckpointError, match=r"has shape \(40, 18\), the model \(40, 20\)"):
         load_model_tensors(other, open_checkpoint("auto", str(tmp_path)).model_tensors())
+
+
+def test_groups_of_an_optimizer_over_flat_partitions_need_their_members():
+    model = MambaLM(tiny("Mamba1"))
+    params = list(model.parameters())
+    flat = torch.nn.Parameter(torch.cat([p.detach().flatten() for p in params]))
+    optimizer = torch.optim.AdamW([flat], weight_decay=0.1)
+    with pytest.raises(CheckpointError, match=r"group 0 steps 1 tensor\(s\) that are not parameters .* pass `members`"):
+        optimizer_groups(optimizer, model)
+    (group,) = optimizer_groups(optimizer, model, members=[params])
+    assert group["params"] == [n for n, _ in model.named_parameters()] and group["weight_decay"] == 0.1
