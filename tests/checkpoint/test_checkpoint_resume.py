@@ -146,7 +146,8 @@ def test_groups_of_an_optimizer_over_flat_partitions_need_their_members():
     params = list(model.parameters())
     flat = torch.nn.Parameter(torch.cat([p.detach().flatten() for p in params]))
     optimizer = torch.optim.AdamW([flat], weight_decay=0.1)
-    with pytest.raises(CheckpointError, match=r"group 0 steps 1 tensor\(s\) that are not parameters .* pass `members`"):
+    with pytest.raises(CheckpointError, match=r"group 0 steps 1 tensor\(s\) that are not parameters of the model "
+                                              r"\(pass `members`"):
         optimizer_groups(optimizer, model)
     (group,) = optimizer_groups(optimizer, model, members=[params])
     assert group["params"] == [n for n, _ in model.named_parameters()] and group["weight_decay"] == 0.1
