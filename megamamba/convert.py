@@ -53,7 +53,7 @@ class ConvertError(Exception):
 
 
 def _source(directory: str, tag: str = None) -> tuple:
-    """(config, full tensors by our names, the directory holding them) of a checkpoint, save directory or model folder."""
+    """(config, full tensors by our names, their directory) of a checkpoint, save directory or model folder."""
     is_folder = not tag and all(os.path.isfile(os.path.join(directory, n)) for n in (CONFIG_FILE, WEIGHTS_FILE)) \
         and not os.path.isfile(os.path.join(directory, MANIFEST))
     if is_folder:

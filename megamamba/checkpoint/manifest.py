@@ -42,7 +42,8 @@ def verify(directory: str, hashes: bool = True) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{directory}: incomplete checkpoint, no {MANIFEST} (its save did not finish)")
     manifest = read_json(path, "checkpoint manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    files_listed = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+    if not files_listed or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: format version {manifest.get('version')!r}, this code reads version {VERSION}")

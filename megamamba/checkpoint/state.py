@@ -58,7 +58,8 @@ def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp
         tensors.pop(HEAD)
     missing, unexpected = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
     if missing or unexpected:
-        raise CheckpointError(f"{source}: parameters do not match the model: missing {missing}, unexpected {unexpected}")
+        raise CheckpointError(f"{source}: parameters do not match the model: missing {missing}, "
+                              f"unexpected {unexpected}")
     if _split(tp):
         try:
             load_full_tensors(model, tensors, tp)
