@@ -11,7 +11,11 @@ pytestmark = pytest.mark.slow
 SEED = 5
 
 
-def _stage_state(path, tied):
+CASES = [("launch/models/tiny-mamba2.json", True), ("launch/models/tiny-mamba1.json", False)]
+
+
+def _stage_states(cases):
+    """Per case: (pipe rank, local parameter names, mamba_ssm-named full state of this rank's stage)."""
     import dataclasses
 
     import deepspeed
@@ -23,24 +27,35 @@ def _stage_state(path, tied):
     from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict
 
     deepspeed.init_distributed()
-    config = dataclasses.replace(MambaConfig.from_json(path), n_layer=3, tie_embeddings=tied)
     groups = ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2)
     tp = groups.tensor_parallel()
-    stage = build_pipeline_module(config, groups.topology, "type:Block", 0, tp)
-    load_mamba_state_dict(stage, initial_state(config, SEED), config, tp)
-    names = sorted(n for n, _ in stage.named_parameters())
-    return groups.pipe_rank, names, {k: v.detach().clone() for k, v in mamba_state_dict(stage, config, tp).items()}
+    out = []
+    for path, tied in cases:
+        config = dataclasses.replace(MambaConfig.from_json(path), n_layer=3, tie_embeddings=tied)
+        stage = build_pipeline_module(config, groups.topology, "type:Block", 0, tp)
+        load_mamba_state_dict(stage, initial_state(config, SEED), config, tp)
+        names = sorted(n for n, _ in stage.named_parameters())
+        state = {k: v.detach().clone() for k, v in mamba_state_dict(stage, config, tp).items()}
+        out.append((groups.pipe_rank, names, state))
+    return out
 
 
-@pytest.mark.parametrize("path, tied", [("launch/models/tiny-mamba2.json", True),
-                                        ("launch/models/tiny-mamba1.json", False)])
-def test_stages_gathered_over_tp_give_back_the_full_mamba_ssm_state_dict(path, tied):
+@pytest.fixture(scope="module")
+def stage_states():
+    cases = [(str(ROOT / path), tied) for path, tied in CASES]
+    per_rank = run_ranks(_stage_states, 4, args=(cases,), init_process_group=False, timeout=240)
+    return [[rank[i] for rank in per_rank] for i in range(len(CASES))]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{p.split('/')[-1]}-tied={t}" for p, t in CASES])
+def test_stages_gathered_over_tp_give_back_the_full_mamba_ssm_state_dict(stage_states, case):
     import dataclasses
 
     from megamamba import MambaConfig
     from megamamba.pipelines.engine import initial_state
 
-    results = run_ranks(_stage_state, 4, args=(str(ROOT / path), tied), init_process_group=False, timeout=240)
+    path, tied = CASES[case]
+    results = stage_states[case]
     config = dataclasses.replace(MambaConfig.from_json(ROOT / path), n_layer=3, tie_embeddings=tied)
     expected = initial_state(config, SEED)
     merged = {}
