@@ -11,7 +11,7 @@ import os
 import shutil
 from typing import Callable, IO
 
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
@@ -92,15 +92,6 @@ def read_tensors(path: str) -> dict:
         raise CheckpointError(f"{path}: no such file")
     try:
         return load_file(path, device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def tensor_file_metadata(path: str) -> dict:
-    """The str -> str metadata of a safetensors header."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            return f.metadata() or {}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
