@@ -15,6 +15,10 @@ pipeline stages and tied weights). The optimizer is torch's AdamW over
 `megamamba.optim.param_groups` (fused on CUDA), handed to
 DeepSpeed as a client optimizer: no JIT-compiled FusedAdam. The learning rate follows an
 `LRSchedule`, stepped by the engine after each optimizer step.
+
+Micro-batches are (inputs, labels, seq_idx) as `megamamba.data.batches` makes them: seq_idx
+(document ids, or None) goes to the model beside the ids, so every block resets its state at
+document boundaries; the pipeline engine receives it as the first stage's input pair.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -75,11 +79,17 @@ class PipelineTrainer:
 
     def train_step(self, micro_batches: list) -> float:
         """One optimizer step over this rank's micro-batches; the loss averaged over the global batch."""
-        return self.engine.train_batch(iter(micro_batches)).item()
+        return self.engine.train_batch(_pipeline_batches(micro_batches)).item()
 
     def eval_loss(self, micro_batches: list) -> float:
-        loss = self.engine.eval_batch(iter(micro_batches), num_micro_batches=len(micro_batches))
+        loss = self.engine.eval_batch(_pipeline_batches(micro_batches), num_micro_batches=len(micro_batches))
         return loss.item()
+
+
+def _pipeline_batches(micro_batches: list):
+    """(inputs, labels, seq_idx) -> DeepSpeed's (first-stage input, last-stage labels): ids or (ids, seq_idx)."""
+    return iter([(inputs if seq_idx is None else (inputs, seq_idx), labels)
+                 for inputs, labels, seq_idx in micro_batches])
 
 
 class PlainTrainer:
@@ -100,6 +110,9 @@ class PlainTrainer:
         if not self.engine.zero_optimization():
             clipping.install(self.engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
 
+    def _to_device(self, seq_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if seq_idx is None else seq_idx.to(self.device)
+
     def _mean_over_data_parallel(self, losses: list) -> float:
         loss = torch.stack(losses).mean()
         dist.all_reduce(loss, group=self.groups.data_group)
@@ -107,8 +120,8 @@ class PlainTrainer:
 
     def train_step(self, micro_batches: list) -> float:
         losses = []
-        for inputs, labels in micro_batches:
-            loss = self.engine(inputs.to(self.device), labels.to(self.device))
+        for inputs, labels, seq_idx in micro_batches:
+            loss = self.engine(inputs.to(self.device), labels.to(self.device), self._to_device(seq_idx))
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
@@ -117,7 +130,8 @@ class PlainTrainer:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list) -> float:
         self.engine.eval()
-        losses = [self.engine(x.to(self.device), y.to(self.device)).float() for x, y in micro_batches]
+        losses = [self.engine(x.to(self.device), y.to(self.device), self._to_device(s)).float()
+                  for x, y, s in micro_batches]
         self.engine.train()
         return self._mean_over_data_parallel(losses)
 
