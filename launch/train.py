@@ -23,18 +23,18 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from megamamba.byte_tokenizer import ByteTokenizer
+from megamamba.checkpoint import CheckpointError
 from megamamba.config import ConfigError, MambaConfig
+from megamamba.data.training_data import TrainingData, training_data
 from megamamba.flops import training_flops_per_token
-from megamamba.global_batches import GlobalBatches, read_documents, split_train_valid, tokenize
 from megamamba.lr_schedule import DECAY_STYLES, LRSchedule
 from megamamba.metrics import MetricsLogger
+from megamamba.pipelines import checkpointing
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
+from megamamba.pipelines.faults import NonFiniteGuard, NonFiniteSteps, StopRequest, Watchdog
 from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
-
-VALID_FRACTION = 0.05
 
 # DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
 # available (gloo); autograd then warns once per rank about a node it never differentiates.
@@ -56,8 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", nargs="*", default=[],
-                   help="text files, one document each (default: built-in Python docs)")
-    p.add_argument("--tokenizer", default="byte", choices=["byte"])
+                   help="preprocessed dataset prefix, or pairs 'weight prefix' to blend (default: the built-in "
+                        "corpus tokenized in memory)")
+    p.add_argument("--valid-data", nargs="*", default=[], help="validation dataset prefix or blend (with --data)")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes | a SentencePiece .model | a tokenizer.json | a folder holding one")
+    p.add_argument("--no-reset-at-documents", action="store_true",
+                   help="let the state run across packed documents (no seq_idx)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-5)
     p.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -72,8 +77,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="TensorBoard directory")
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON object per logged step")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak TFLOP/s, for MFU")
-    p.add_argument("--save", default=None, help="checkpoint directory (checkpointing: issue 6)")
-    p.add_argument("--load", default=None, help="checkpoint to resume from (checkpointing: issue 6)")
+    p.add_argument("--save", default=None, help="checkpoint directory (created and checked writable at start-up)")
+    p.add_argument("--load", default=None,
+                   help="resume from: auto (the newest complete checkpoint under --save; none yet: start afresh), "
+                        "a save directory (its latest) or a checkpoint directory")
+    p.add_argument("--save-interval", type=int, default=0, help="checkpoint every this many steps (0: at the end)")
+    p.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep (default: all)")
+    p.add_argument("--max-skipped-steps", type=int, default=5,
+                   help="abort after this many steps in a row skipped for non-finite loss or gradients")
+    p.add_argument("--step-timeout", type=float, default=600,
+                   help="exit when no step finishes for this many seconds after the first (0: off)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -92,20 +105,16 @@ class RunPlan(NamedTuple):
     engine_config: dict
     schedule: LRSchedule
     tensorboard_dir: Optional[str]
+    data: TrainingData
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     """Every check that needs no process group; raises LayoutError with one message."""
-    if args.save or args.load:
-        raise LayoutError("--save/--load: checkpointing is not implemented yet (issue 6)")
     ds_config = _read_json(args.deepspeed_config, "--deepspeed_config")
     try:
         model = MambaConfig.from_dict(_read_json(args.model_config, "--model-config"))
     except ConfigError as e:
         raise LayoutError(f"--model-config {args.model_config!r}: {e}") from None
-    if model.vocab_size < ByteTokenizer.vocab_size:
-        raise LayoutError(f"--model-config vocab_size={model.vocab_size} is smaller than the byte tokenizer's "
-                          f"{ByteTokenizer.vocab_size} tokens")
     layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config)
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
     if args.checkpoint_activations_interval < 0:
@@ -115,8 +124,21 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
     except ValueError as e:
         raise LayoutError(str(e)) from None
+    try:
+        data = training_data(model, args.tokenizer, args.data, args.valid_data, args.seq_length,
+                             layout.global_batch_size, args.seed, not args.no_reset_at_documents,
+                             needs_validation=args.eval_interval > 0)
+    except (OSError, ValueError) as e:
+        raise LayoutError(str(e)) from None
+    try:
+        checkpointing.check_flags(args.save, args.load, args.save_interval, args.keep_last)
+    except CheckpointError as e:
+        raise LayoutError(str(e)) from None
+    if args.max_skipped_steps < 1 or args.step_timeout < 0:
+        raise LayoutError(f"--max-skipped-steps {args.max_skipped_steps} must be >= 1 and --step-timeout "
+                          f"{args.step_timeout} >= 0")
     return RunPlan(layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule,
-                   tensorboard_dir(args, ds_config))
+                   tensorboard_dir(args, ds_config), data)
 
 
 def tensorboard_dir(args, ds_config: dict) -> Optional[str]:
@@ -156,12 +178,19 @@ def main(argv=None) -> dict:
     rank = dist.get_rank()
     layout, model_config, schedule = plan.layout, plan.model, plan.schedule
     settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
-    trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
-                            args.checkpoint_activations_interval, args.sequence_parallel)
-    tokens = tokenize(read_documents(args.data), ByteTokenizer())
-    train_tokens, valid_tokens = split_train_valid(tokens, VALID_FRACTION)
-    train = GlobalBatches(train_tokens, args.seq_length, layout.global_batch_size, args.seed)
-    valid = GlobalBatches(valid_tokens, args.seq_length, layout.global_batch_size, args.seed + 1)
+    try:
+        resume = checkpointing.open_for_run(args.load, args.save, model_config)
+        trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
+                                args.checkpoint_activations_interval, args.sequence_parallel)
+        if args.save or args.load:
+            checkpointing.check_trainer(trainer)
+        first_step = checkpointing.load(trainer, resume, model_config) if resume else 0
+    except CheckpointError as e:
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    stop, guard = StopRequest(), NonFiniteGuard(trainer.engine, trainer.module, args.max_skipped_steps)
+    watchdog = Watchdog(args.step_timeout)
+    train, valid = plan.data.train, plan.data.valid
     logger = MetricsLogger(rank == 0, args.metrics_jsonl, plan.tensorboard_dir)
     tokens_per_step = layout.global_batch_size * args.seq_length
     flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
@@ -173,7 +202,7 @@ def main(argv=None) -> dict:
     summary = {"records": [], "stage_parameters": stage_params,
                "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
     steps_timed, seconds = 0, 0.0
-    for step in range(args.train_iters):
+    for step in range(first_step, args.train_iters):
         start = time.perf_counter()
         loss = trainer.train_step(micro_batches(train, step))
         seconds += time.perf_counter() - start
@@ -181,6 +210,11 @@ def main(argv=None) -> dict:
         if step == 0:  # torch's AdamW allocates its moments in the first step
             summary["optimizer_state_bytes"] = optimizer_state_bytes(trainer.optimizer, trainer.module)
             print(optimizer_state_line(rank, layout, summary["optimizer_state_bytes"], stage_params), flush=True)
+        try:
+            guard.after_step(step, loss)
+        except NonFiniteSteps as e:
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
         evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == args.train_iters - 1)
         val_loss = None
         if evaluate:
@@ -203,6 +237,18 @@ def main(argv=None) -> dict:
             }
             logger.log(record)
             summary["records"].append({k: v for k, v in record.items() if v is not None})
+        stopping = stop.agreed()
+        if args.save and checkpointing.save_due(step + 1, args.train_iters, args.save_interval, stopping):
+            with watchdog.paused():
+                checkpointing.save(trainer, model_config, args.save, step + 1, scheduler=trainer.lr_scheduler,
+                                   extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},
+                                   tokenizer=plan.data.tokenizer, keep_last=args.keep_last)
+        if stopping:
+            if rank == 0:
+                print(f"train.py: SIGTERM: stopped after step {step} ({step + 1} steps done)"
+                      + (f", checkpoint in {args.save}" if args.save else ", no --save: nothing saved"), flush=True)
+            break
+        watchdog.beat()
     logger.close()
     return summary
 

@@ -7,6 +7,13 @@ would form, so the math (and every rounding) is the single-device model's, and a
 carries ONE float tensor (batch, seqlen, d_model) — float32 when residual_in_fp32, as
 mamba_ssm keeps the residual. It always receives a gradient, as DeepSpeed requires.
 
+Packed documents: the first layer takes token ids, or the pair (ids, seq_idx) with seq_idx the
+(batch, seqlen) document ids; every layer up to the final norm then passes (stream, seq_idx),
+so each block on each stage resets its conv and SSM state where the id changes. seq_idx is an
+integer tensor: DeepSpeed sends it along and expects no gradient for it (it sends gradients of
+float tensors only), and with TP it is the second tensor of the pair, which `pipe_partitioned`
+leaves whole. It reaches the kernels as int32.
+
 Layer list: [embedding, block 0 .. block n-1, final norm, head]. The head reuses the
 embedding's weight when tie_embeddings (a tied layer in the pipeline).
 
@@ -27,15 +34,28 @@ from megamamba.lm import head_logits, lm_loss
 from megamamba.parallel import TensorParallel, VocabParallelEmbedding, VocabParallelHead
 
 
+def unpack(x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A layer input -> (tensor, seq_idx as int32 or None): a tensor alone or the pair (tensor, seq_idx)."""
+    if isinstance(x, torch.Tensor):
+        return x, None
+    tensor, seq_idx = x
+    return tensor, seq_idx.to(torch.int32)
+
+
+def pack(tensor: torch.Tensor, seq_idx: Optional[torch.Tensor]):
+    """The layer output for the next layer: the tensor, with seq_idx beside it when there is one."""
+    return tensor if seq_idx is None else (tensor, seq_idx)
+
+
 class EmbeddingPipe(nn.Embedding):
-    """Token ids (int64) -> the residual stream; weight (padded vocab, d_model) as mamba_ssm's embedding."""
+    """Token ids (int64) [, seq_idx] -> the residual stream [, seq_idx]; weight (padded vocab, d_model)."""
 
     def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None):
         super().__init__(config.padded_vocab_size, config.d_model)
         self.residual_in_fp32 = config.residual_in_fp32
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return as_stream(super().forward(input_ids), self.residual_in_fp32)
+    def forward(self, inputs):
+        return embed(super().forward, inputs, self.residual_in_fp32)
 
 
 class ParallelEmbeddingPipe(VocabParallelEmbedding):
@@ -45,8 +65,14 @@ class ParallelEmbeddingPipe(VocabParallelEmbedding):
         super().__init__(config.padded_vocab_size, config.d_model, tp)
         self.residual_in_fp32 = config.residual_in_fp32
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return as_stream(super().forward(input_ids), self.residual_in_fp32)
+    def forward(self, inputs):
+        return embed(super().forward, inputs, self.residual_in_fp32)
+
+
+def embed(embedding_forward, inputs, residual_in_fp32: bool):
+    """ids [, seq_idx] -> the stream entering block 0 [, seq_idx]."""
+    input_ids, seq_idx = unpack(inputs)
+    return pack(as_stream(embedding_forward(input_ids), residual_in_fp32), seq_idx)
 
 
 def as_stream(embedded: torch.Tensor, residual_in_fp32: bool) -> torch.Tensor:
@@ -55,27 +81,33 @@ def as_stream(embedded: torch.Tensor, residual_in_fp32: bool) -> torch.Tensor:
 
 
 class BlockPipe(Block):
-    """One Mamba block on the residual stream: s -> s + mixer(norm(s))."""
+    """One Mamba block on the residual stream: s -> s + mixer(norm(s)) [, seq_idx passed on]."""
 
-    def forward(self, stream: torch.Tensor) -> torch.Tensor:
-        return advance(super().forward, stream)
+    def forward(self, x):
+        return block_step(super().forward, x)
 
 
-def advance(block_forward, stream: torch.Tensor) -> torch.Tensor:
+def block_step(block_forward, x):
+    """stream [, seq_idx] -> the next stream [, seq_idx]."""
+    stream, seq_idx = unpack(x)
+    return pack(advance(block_forward, stream, seq_idx), seq_idx)
+
+
+def advance(block_forward, stream: torch.Tensor, seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run a block's (hidden, residual) forward on the stream and return the next stream."""
-    hidden, residual = block_forward(stream)
+    hidden, residual = block_forward(stream, seq_idx=seq_idx)
     return hidden + residual
 
 
 class FinalNormPipe(nn.Module):
-    """The stream -> final-normed hidden states (mamba_ssm's norm_f)."""
+    """The stream [, seq_idx] -> final-normed hidden states (mamba_ssm's norm_f); seq_idx ends here."""
 
     def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None):
         super().__init__()
         self.norm = make_norm(config, tp=tp)
 
-    def forward(self, stream: torch.Tensor) -> torch.Tensor:
-        return final_norm(self.norm, stream)
+    def forward(self, x) -> torch.Tensor:
+        return final_norm(self.norm, unpack(x)[0])
 
 
 def final_norm(norm: nn.Module, stream: torch.Tensor) -> torch.Tensor:

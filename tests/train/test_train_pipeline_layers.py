@@ -122,3 +122,37 @@ def test_plain_module_matches_the_model_with_and_without_activation_checkpointin
     assert [n for n, _ in plain.named_parameters()] == list(ref_grads)
     for name, p in plain.named_parameters():
         assert _rel(p.grad, ref_grads[name]) <= 1e-5, (name, interval, f"seed {SEED}")
+
+
+def _packed_seq_idx(seqlen, seed):
+    """(2, seqlen) int32 document ids with several boundaries per row, at different places in each row."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(2, seqlen, generator=g) < 0.15
+    return starts.cumsum(dim=1).to(torch.int32)
+
+
+@pytest.mark.parametrize("path", [CONFIGS[1], pytest.param(CONFIGS[0], marks=pytest.mark.slow)])
+def test_seq_idx_reaches_every_block_of_the_chained_layers_and_the_plain_module(path):
+    config, model, ids, labels = _setup(path)
+    seq_idx = _packed_seq_idx(ids.shape[1], SEED)
+    ref_logits = model(ids, seq_idx=seq_idx).detach()
+    assert _rel(model(ids).detach(), ref_logits) > 1e-2  # the resets matter: the checks below can fail
+    ref_loss, ref_grads = _reference_packed(model, config, ids, labels, seq_idx)
+    chain = ChainedSpecs(config)
+    load_mamba_state_dict(chain, model.state_dict(), config)
+    logits = chain((ids, seq_idx.long())).detach()  # int64, as it may travel between stages
+    assert torch.isfinite(logits).all()
+    assert _rel(logits, ref_logits) <= 1e-6, f"seed {SEED}"
+    model.zero_grad()
+    loss = PlainLM(model, checkpoint_interval=2)(ids, labels, seq_idx)
+    loss.backward()
+    assert _rel(loss.detach(), ref_loss) <= 1e-6, f"seed {SEED}"
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, ref_grads[name]) <= 1e-5, (name, f"seed {SEED}")
+
+
+def _reference_packed(model, config, ids, labels, seq_idx):
+    model.zero_grad()
+    loss = F.cross_entropy(model(ids, seq_idx=seq_idx)[..., : config.vocab_size].flatten(0, 1), labels.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -1,0 +1,84 @@
+"""A training run's data from its flags: the tokenizer and the train and validation global batches.
+
+    --data 0.7 a 0.3 b  (or one prefix)   preprocessed datasets, blended (megamamba.data.blend)
+    --valid-data PREFIX ...               the validation blend (e.g. the `_valid` sets of preprocess)
+    no --data                             the built-in corpus (megamamba.corpus), tokenized in memory
+                                          with --tokenizer; preprocess's held-out rule puts every
+                                          ~20th document (BUILTIN_VALID_FRACTION) in validation
+
+Validation batches are the same blend machinery under seed + 1; an evaluation reads the
+validation global batches 0..eval_iters-1, so successive evaluations measure the same tokens.
+Everything here runs before any process group exists and fails with one message naming the
+offending value: an unreadable tokenizer, a dataset made with another tokenizer (an id beyond
+the tokenizer's vocabulary), a model vocabulary smaller than the tokenizer's, data too short
+for one sample.
+"""
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megamamba.config import MambaConfig
+from megamamba.corpus import default_corpus
+from megamamba.data.batches import PackedGlobalBatches, open_blend
+from megamamba.data.preprocess import is_validation
+from megamamba.tokenizer import Tokenizer, check_vocab, load_tokenizer
+
+BUILTIN_VALID_FRACTION = 0.05
+BUILTIN_NAME = "<built-in corpus>"
+
+
+class DocumentTokens:
+    """Tokenized documents held in memory, read by the packer as it reads an `IndexedDataset`."""
+
+    def __init__(self, name: str, documents: Sequence[list]):
+        if not documents:
+            raise ValueError(f"{name}: no documents")
+        self.prefix = name
+        lengths = np.array([len(d) for d in documents], dtype=np.int64)
+        self.offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        self.tokens = np.fromiter((t for d in documents for t in d), dtype=np.int64, count=int(self.offsets[-1]))
+        self.num_tokens = int(self.offsets[-1])
+
+    @property
+    def num_documents(self) -> int:
+        return self.offsets.size - 1
+
+
+def builtin_datasets(tokenizer: Tokenizer) -> tuple[DocumentTokens, DocumentTokens]:
+    """(train, validation) of the built-in corpus: each document's tokens then the end-of-document id."""
+    split = ([], [])
+    for number, text in enumerate(t for t in default_corpus() if t):
+        split[is_validation(number, BUILTIN_VALID_FRACTION)].append(tokenizer.encode(text) + [tokenizer.eod])
+    return DocumentTokens(BUILTIN_NAME + " train", split[0]), DocumentTokens(BUILTIN_NAME + " valid", split[1])
+
+
+@dataclass
+class TrainingData:
+    tokenizer: Tokenizer
+    train: PackedGlobalBatches
+    valid: Optional[PackedGlobalBatches]
+
+
+def training_data(model: MambaConfig, tokenizer_spec: str, data: Sequence[str], valid_data: Sequence[str],
+                  seq_length: int, global_batch_size: int, seed: int, reset_at_documents: bool = True,
+                  needs_validation: bool = False) -> TrainingData:
+    """The run's data (see the module docstring); ValueError/OSError with one message when unusable."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    check_vocab(model, tokenizer)
+    if not data and valid_data:
+        raise ValueError("--valid-data without --data: the built-in corpus brings its own validation split")
+    if data:
+        train_sets, train_weights = open_blend(data, tokenizer.vocab_size)
+        valid = open_blend(valid_data, tokenizer.vocab_size) if valid_data else None
+    else:
+        train_set, valid_set = builtin_datasets(tokenizer)
+        (train_sets, train_weights), valid = ([train_set], [1]), ([valid_set], [1])
+    if needs_validation and valid is None:
+        raise ValueError("--eval-interval > 0 with --data needs --valid-data (e.g. the <prefix>_valid "
+                         "datasets that preprocess --valid-fraction writes)")
+    train = PackedGlobalBatches(train_sets, train_weights, seq_length, global_batch_size, seed, reset_at_documents)
+    if valid is not None:
+        valid = PackedGlobalBatches(*valid, seq_length, global_batch_size, seed + 1, reset_at_documents)
+    return TrainingData(tokenizer, train, valid)
