@@ -7,8 +7,8 @@ forward and backward, with packed documents. Slow: the interpreter runs each pro
 import pytest
 import torch
 
-import megamamba.kernels.triton as triton_ops
 from megamamba import MambaLM
+from megamamba.optim import param_groups
 
 
 def rel_err(out, ref):
@@ -25,8 +25,6 @@ def logits_and_grads(model, ids, seq_idx):
 @pytest.mark.slow
 @pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])
 def test_triton_kernels_match_reference_in_the_model(tiny_config, layer, monkeypatch):
-    if layer == "Mamba1" and not hasattr(triton_ops, "selective_scan"):
-        pytest.skip("megamamba.kernels.triton has no selective_scan yet")
     seed = 51
     torch.manual_seed(seed)
     cfg = tiny_config(layer, n_layer=1)
@@ -45,3 +43,35 @@ def test_triton_kernels_match_reference_in_the_model(tiny_config, layer, monkeyp
         assert torch.isfinite(g).all(), name
         err = rel_err(g, ref_grads[name])
         assert err <= 1e-4, f"{layer} seed {seed}: grad of {name} rel err {err:.2e}"
+
+
+def train_losses(cfg, seed, steps):
+    """Losses of `steps` AdamW steps on one fixed random batch, from the init of `seed`."""
+    torch.manual_seed(seed)
+    model = MambaLM(cfg)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
+    batch = torch.randint(0, cfg.vocab_size, (2, 17))
+    losses = []
+    for _ in range(steps):
+        logits = model(batch[:, :-1])[..., : cfg.vocab_size]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])
+def test_training_on_triton_kernels_follows_the_reference_loss_curve(tiny_config, layer, monkeypatch):
+    seed, steps = 52, 3
+    cfg = tiny_config(layer, n_layer=1)
+    monkeypatch.setenv("MEGAMAMBA_KERNELS", "reference")
+    ref = train_losses(cfg, seed, steps)
+    monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
+    out = train_losses(cfg, seed, steps)
+    assert torch.isfinite(out).all(), out
+    assert ref[-1] < ref[0], f"seed {seed}: the reference run did not learn: {ref.tolist()}"
+    err = rel_err(out, ref)
+    assert err <= 1e-4, f"{layer} seed {seed}: loss curve rel err {err:.2e}: {out.tolist()} vs {ref.tolist()}"
