@@ -73,6 +73,7 @@ class PipelineTrainer:
             config=engine_config)
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
         self.module = module
+        self.groups, self.tp = groups, tp
         if not self.engine.zero_optimization():
             clipping.install(self.engine, self.engine.grid.get_slice_parallel_rank(),
                              self.engine.grid.get_model_parallel_group())
@@ -103,7 +104,7 @@ class PlainTrainer:
         self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=module, optimizer=_optimizer(module, settings), lr_scheduler=settings.schedule.scheduler,
             mpu=groups.mpu() if tp is not None else None, config=engine_config)
-        self.groups = groups
+        self.groups, self.tp = groups, tp
         self.dp_rank = groups.data_rank
         self.module = module
         self.device = self.engine.device

@@ -1,0 +1,280 @@
+"""A trainer's whole state to and from a layout-free checkpoint, at any (dp, tp, pp) and either engine.
+
+Saving (collective, every rank): each rank takes its stage's parameters as full tensors under
+mamba_ssm's names (gathered over TP; under ZeRO the fp32 masters and Adam moments are gathered over
+DP from the partitions), the stage's representative (dp 0, tp 0) sends them to global rank 0,
+which writes one checkpoint with every rank's RNG state (`megamamba.checkpoint.save_checkpoint`:
+staged, fsynced, committed atomically), then all ranks meet at a barrier.
+
+Loading (collective): global rank 0 resolves `--load` and verifies the checksums, every rank opens
+the same checkpoint, checks the model config, reads only its stage's tensors and cuts its TP slice
+and ZeRO partition out of them. The data order is a function of (seed, step), so the step is the
+data position. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's
+ZeRO-1/2 optimizer over it; anything else is refused before training.
+
+Test hook: MEGAMAMBA_TEST_KILL_SAVE="STEP:N" makes the writer SIGKILL itself at the N-th file
+primitive (write, fsync of a directory, rename, delete) of the save of STEP.
+"""
+import os
+import signal
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megamamba.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    NoCheckpointError,
+    capture_rng,
+    check_optimizer_groups,
+    check_save_dir,
+    load_optimizer_tensors,
+    load_scheduler_state,
+    optimizer_groups,
+    optimizer_tensors,
+    resolve_load,
+    restore_rng,
+    save_checkpoint,
+    scheduler_state,
+    state_for_rank,
+)
+from megamamba.checkpoint import files
+from megamamba.config import MambaConfig
+from megamamba.parallel import full_key, full_tensors, local_shard
+from megamamba.pipelines.names import HEAD, load_full_state, to_mamba
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+KILL_HOOK = "MEGAMAMBA_TEST_KILL_SAVE"
+_PRIMITIVES = ("write_file", "write_tensors", "write_bytes", "sync_dir", "rename", "remove_tree")
+
+
+def _zero(trainer):
+    """DeepSpeed's ZeRO-1/2 optimizer of the trainer, None when the engine steps torch's AdamW itself."""
+    optimizer = trainer.engine.optimizer
+    if isinstance(optimizer, torch.optim.AdamW):
+        return None
+    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups"):
+        return optimizer
+    raise CheckpointError(f"checkpoints support torch AdamW without ZeRO and DeepSpeed's ZeRO-1/2 optimizer, not "
+                          f"{type(optimizer).__name__} (ZeRO-3 or a bf16 optimizer wrapper): run without --save/--load")
+
+
+def check_trainer(trainer) -> None:
+    """CheckpointError before training when the trainer's optimizer cannot be checkpointed."""
+    _zero(trainer)
+
+
+def _rename(trainer, config: MambaConfig):
+    """Module full parameter name -> mamba_ssm name (the pipeline's layer names are mapped)."""
+    if trainer.engine.__class__.__name__ == "PipelineEngine":
+        return lambda name: to_mamba(name, config)
+    return lambda name: name
+
+
+def _link_moments(zero) -> None:
+    """Link ZeRO's flat Adam moments to each parameter (DeepSpeed 0.19.8 links only the first group by itself)."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    for lp_group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+        lazy_init_hp_params_optimizer_state(lp_group, flat, zero.optimizer.state)
+
+
+def _gather_full(trainer, select) -> dict:
+    """Full tensors of this stage by module full name: `select(param)` gathered over TP."""
+    if trainer.tp is not None:
+        return full_tensors(trainer.module, trainer.tp, select=select)
+    return {full_key(n, p): select(p) for n, p in trainer.module.named_parameters()}
+
+
+def stage_state(trainer, config: MambaConfig) -> tuple:
+    """(parameters, optimizer tensors, optimizer groups) of this rank's stage under mamba_ssm names, on the CPU."""
+    rename = _rename(trainer, config)
+    zero = _zero(trainer)
+    if zero is None:
+        params = _gather_full(trainer, lambda p: p.detach())
+        optimizer = optimizer_tensors(trainer.engine.optimizer, trainer.module, trainer.tp)
+        groups = optimizer_groups(trainer.engine.optimizer, trainer.module)
+    else:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        params = _gather_full(trainer, safe_get_full_fp32_param)
+        optimizer = {}
+        steps = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
+        if steps:
+            _link_moments(zero)
+            for key in MOMENTS:
+                gathered = _gather_full(trainer, lambda p, key=key: safe_get_full_optimizer_state(p, key))
+                optimizer.update({f"{n}/{key}": t for n, t in gathered.items()})
+            (step,) = steps
+            optimizer.update({f"{n}/step": torch.tensor(step, dtype=torch.float32) for n in params})
+        groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
+
+    def mamba(name: str) -> str:
+        base, slash, key = name.rpartition("/")
+        return f"{rename(base)}/{key}" if slash else rename(name)
+
+    groups = [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
+    return ({rename(n): t.detach().cpu().clone() for n, t in params.items()},
+            {mamba(n): t.detach().cpu().clone() for n, t in optimizer.items()}, groups)
+
+
+def _merge_groups(stage_groups: list) -> list:
+    """One list of groups from every stage's: hyperparameters of the first, member names united."""
+    merged = [dict(g, params=list(g["params"])) for g in stage_groups[0]]
+    for groups in stage_groups[1:]:
+        if len(groups) != len(merged):
+            raise CheckpointError(f"pipeline stages have {len(merged)} and {len(groups)} optimizer groups")
+        for m, g in zip(merged, groups):
+            m["params"] += [n for n in g["params"] if n not in m["params"]]
+    return merged
+
+
+def _install_kill_hook(step: int) -> None:
+    spec = os.environ.get(KILL_HOOK)
+    if not spec or int(spec.split(":")[0]) != step:
+        return
+    at, calls = int(spec.split(":")[1]), []
+    for name in _PRIMITIVES:
+        original = getattr(files, name)
+
+        def primitive(*args, _original=original, **kwargs):
+            calls.append(1)
+            if len(calls) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _original(*args, **kwargs)
+
+        setattr(files, name, primitive)
+
+
+def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, extra: dict, tokenizer=None,
+         keep_last: Optional[int] = None) -> Optional[str]:
+    """Write the checkpoint after `step` optimizer steps (collective); its path on global rank 0, else None."""
+    rank = dist.get_rank()
+    params, optimizer, groups = stage_state(trainer, config)
+    representative = trainer.dp_rank == 0 and trainer.groups.tensor_rank == 0
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((params, optimizer, groups) if representative else None, parts, dst=0)
+    rngs = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(capture_rng(), rngs, dst=0)
+    path = None
+    if rank == 0:
+        stages = [p for p in parts if p is not None]
+        all_params, all_optimizer = {}, {}
+        for p, o, _ in stages:
+            all_params.update(p)
+            all_optimizer.update(o)
+        if config.tie_embeddings:
+            all_params.pop(HEAD, None)
+        _install_kill_hook(step)
+        path = save_checkpoint(save_dir, step, config, all_params, optimizer=all_optimizer,
+                               optimizer_groups=_merge_groups([g for _, _, g in stages]),
+                               scheduler=scheduler_state(scheduler), rng=rngs, extra=extra,
+                               tokenizer=tokenizer if hasattr(tokenizer, "save") else None, keep_last=keep_last)
+    dist.barrier()
+    return path
+
+
+def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConfig) -> Optional[Checkpoint]:
+    """The checkpoint to resume from (collective), None to start afresh.
+
+    Global rank 0 resolves `load` and verifies every checksum; every rank then opens the same path.
+    `--load auto` with no checkpoint under --save yet starts afresh (a first start and a requeue use
+    the same command). CheckpointError (same message on every rank) for anything unusable.
+    """
+    if not load:
+        return None
+    answer = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [("path", resolve_load(load, save_dir))]
+        except NoCheckpointError as e:
+            answer = [("none", str(e)) if load == "auto" else ("error", str(e))]
+        except CheckpointError as e:
+            answer = [("error", str(e))]
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    if kind == "none":
+        if dist.get_rank() == 0:
+            print(f"train.py: --load auto: nothing to resume ({value}); starting from step 0", flush=True)
+        return None
+    checkpoint = Checkpoint(value, hashes=False)
+    checkpoint.check_config(config)
+    return checkpoint
+
+
+def _local(trainer, full: torch.Tensor, param) -> torch.Tensor:
+    shard = getattr(param, "tp_shard", None)
+    if trainer.tp is not None and shard is not None and full.dim() > 0:
+        return local_shard(full, shard, trainer.tp.size, trainer.tp.rank)
+    return full
+
+
+def load(trainer, checkpoint: Checkpoint, config: MambaConfig) -> int:
+    """Restore parameters, masters, optimizer state, scheduler and RNG of this rank; returns the step."""
+    rename = _rename(trainer, config)
+    names = {full_key(n, p): rename(full_key(n, p)) for n, p in trainer.module.named_parameters()}
+    mine = sorted(set(names.values()))
+    params, optimizer = checkpoint.model_tensors(mine), checkpoint.optimizer_tensors(mine)
+    saved_groups = [{**g, "params": [n for n in g["params"] if n in names.values()]}
+                    for g in checkpoint.optimizer_groups]
+    load_full_state(trainer.module, params, trainer.tp, rename)
+    zero = _zero(trainer)
+    if zero is None:
+        inverse = {m: n for n, m in names.items()}
+        tensors = {}
+        for key, t in optimizer.items():
+            name, _, state_key = key.rpartition("/")
+            tensors[f"{inverse[name]}/{state_key}"] = t
+        saved_groups = [{**g, "params": [inverse[n] for n in g["params"]]} for g in saved_groups]
+        load_optimizer_tensors(trainer.engine.optimizer, trainer.module, tensors, saved_groups, trainer.tp)
+    else:
+        _load_zero(trainer, zero, optimizer, saved_groups, names)
+    load_scheduler_state(trainer.lr_scheduler, checkpoint.scheduler)
+    restore_rng(state_for_rank(checkpoint.rng_states(), dist.get_rank(), dist.get_world_size()))
+    trainer.engine.global_steps = checkpoint.step
+    return checkpoint.step
+
+
+def _load_zero(trainer, zero, optimizer: dict, saved_groups: list, names: dict) -> None:
+    """ZeRO: fresh flat Adam state at the saved step, linked, then each parameter's master and moments set."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    run_groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
+    check_optimizer_groups(saved_groups, [{**g, "params": [names[n] for n in g["params"]]} for g in run_groups])
+    steps = {t.item() for k, t in optimizer.items() if k.endswith("/step")}
+    if len(steps) > 1:
+        raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")
+    for flat in zero.single_partition_of_fp32_groups if steps else ():
+        zero.optimizer.state[flat] = {"step": torch.tensor(next(iter(steps)), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+    if steps:
+        _link_moments(zero)
+    with torch.no_grad():
+        for name, p in trainer.module.named_parameters():
+            safe_set_full_fp32_param(p, p.detach().float())
+            key = names[full_key(name, p)]
+            for moment in MOMENTS if steps else ():
+                safe_set_full_optimizer_state(p, _local(trainer, optimizer[f"{key}/{moment}"], p), moment)
+
+
+def check_flags(save: Optional[str], load: Optional[str], save_interval: int, keep_last: Optional[int]) -> None:
+    """Start-up checks of the checkpoint flags (no process group needed): CheckpointError with one message.
+
+    An unusable --save fails here, in seconds, not at the first save.
+    """
+    if save_interval < 0:
+        raise CheckpointError(f"--save-interval {save_interval}: must be >= 0 (0: save only at the end)")
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"--keep-last {keep_last}: must be >= 1 (omit it to keep every checkpoint)")
+    if load == "auto" and not save:
+        raise CheckpointError("--load auto: resumes from the newest checkpoint under --save, but --save is not set")
+    if save:
+        check_save_dir(save)
+
+
+def save_due(steps_done: int, train_iters: int, save_interval: int, stopping: bool) -> bool:
+    """Whether to checkpoint after `steps_done` steps: at the interval, at the end, when stopping."""
+    return stopping or steps_done == train_iters or bool(save_interval and steps_done % save_interval == 0)
