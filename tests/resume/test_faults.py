@@ -1,0 +1,115 @@
+"""Faults through train.py: SIGTERM, a killed rank, kill -9 during a save, non-finite steps.
+
+Measured here (2 cores): a rank SIGKILLed in training ends the launched job non-zero in ~1-2 s
+(deepspeed's launch.py polls its ranks every second and terminates the rest); SIGTERM to the
+launcher reaches rank 0 first (launch.py terminates one rank tree at a time), the flag all-reduce
+stops every rank after the same step.
+"""
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from megamamba.checkpoint import Checkpoint, find_latest
+from resume_runs import SAVE_AT, STEPS, errors, losses
+
+pytestmark = pytest.mark.slow
+
+
+def records_of(out):
+    import json
+
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_steps(proc, out, n, timeout=240):
+    deadline = time.monotonic() + timeout
+    while len(records_of(out)) < n:
+        assert proc.poll() is None, (out / "stdout.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the launched run logged no steps"
+        time.sleep(0.1)
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly(runs):
+    reference = runs.spawned((2, 1, 1), 1)["records"]
+    out = runs.new_dir()
+    save = out / "ckpt"
+    proc = runs.launch(2, runs.argv(out, (2, 1, 1), 1, ["--save", str(save)]), out)
+    wait_for_steps(proc, out, 2)
+    os.kill(proc.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    code = proc.wait(timeout=120)
+    print(f"SIGTERM: launcher exited {code} after {time.monotonic() - sent:.1f} s")
+    stdout = (out / "stdout.txt").read_text()
+    stopped = records_of(out)[-1]["step"]
+    assert 1 <= stopped < STEPS - 1, stdout[-3000:]
+    assert f"train.py: SIGTERM: stopped after step {stopped} ({stopped + 1} steps done)" in stdout, stdout[-3000:]
+    checkpoint = Checkpoint(find_latest(str(save)))
+    assert checkpoint.step == stopped + 1
+    assert losses(records_of(out)) == losses(reference)[:stopped + 1]
+    resumed = runs.spawned((2, 1, 1), 1, ["--load", "auto", "--save", str(save)])["records"]
+    assert [r["step"] for r in resumed] == list(range(stopped + 1, STEPS))
+    assert losses(resumed) == losses(reference)[stopped + 1:]
+
+
+def test_a_rank_killed_mid_training_ends_the_launched_job_non_zero_within_60_s(runs):
+    out = runs.new_dir()
+    proc = runs.launch(2, runs.argv(out, (2, 1, 1), 1, ["--train-iters", "400"]), out)
+    wait_for_steps(proc, out, 2)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in " ".join(p.cmdline())]
+    assert len(ranks) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
+    ranks[0].kill()
+    killed = time.monotonic()
+    code = proc.wait(timeout=120)
+    elapsed = time.monotonic() - killed
+    print(f"rank 1 SIGKILLed: launcher exited {code} after {elapsed:.1f} s")
+    assert code != 0 and elapsed < 60
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+
+
+# The file primitive (write, directory fsync, rename, delete) of the step-4 save at which the writer dies:
+# 5: tensor files half written, 10: before the manifest, 16: the new checkpoint in place, before `latest`.
+@pytest.mark.parametrize("at", [5, 10, 16])
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resumes_from_it(runs, reference, at):
+    out = runs.new_dir()
+    save = out / "ckpt"
+    flags = ["--save", str(save), "--save-interval", "2"]
+    killed = runs.direct(runs.argv(out, zero=0, flags=flags), env={"MEGAMAMBA_TEST_KILL_SAVE": f"4:{at}"}, out=out)
+    assert killed["returncode"] == -signal.SIGKILL, killed["stderr"][-3000:]
+    assert Checkpoint(find_latest(str(save))).step == 2
+    out2 = runs.new_dir()
+    run = runs.direct(runs.argv(out2, zero=0, flags=["--load", "auto", *flags]), out=out2)
+    assert run["returncode"] == 0, run["stderr"][-3000:]
+    assert [r["step"] for r in run["records"]] == list(range(2, STEPS))
+    assert losses(run["records"]) == losses(reference["records"])[2:]
+    assert Checkpoint(find_latest(str(save))).step == STEPS
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(runs, zero):
+    out = runs.new_dir()
+    save = out / "ckpt"
+    run = runs.direct(runs.argv(out, zero=zero, flags=["--train-iters", "4", "--save", str(save),
+                                                       "--save-interval", "1"]),
+                      env={"MEGAMAMBA_TEST_NAN_STEPS": "2"}, out=out)
+    assert run["returncode"] == 0, run["stderr"][-3000:]
+    assert "train.py: warning: step 2: non-finite loss or gradients" in run["stdout"], run["stdout"][-2000:]
+    assert all(r["loss"] == r["loss"] for r in run["records"])
+    weights = [load_file(str(save / f"step_{s:06d}" / "model.safetensors")) for s in (2, 3, 4)]
+    moments = [load_file(str(save / f"step_{s:06d}" / "optimizer.safetensors")) for s in (2, 3)]
+    assert all((weights[0][k] == weights[1][k]).all() for k in weights[0]), "the skipped step changed weights"
+    assert all((moments[0][k] == moments[1][k]).all() for k in moments[0]), "the skipped step changed Adam state"
+    assert any((weights[1][k] != weights[2][k]).any() for k in weights[1]), "the step after did not train"
+
+
+def test_too_many_non_finite_steps_in_a_row_abort_with_one_message(runs):
+    out = runs.new_dir()
+    run = runs.direct(runs.argv(out, zero=0, flags=["--max-skipped-steps", "2"]),
+                      env={"MEGAMAMBA_TEST_NAN_STEPS": "1,2"}, out=out)
+    assert run["returncode"] == 1
+    assert errors(run["stderr"]) == ["train.py: error: 2 steps in a row up to step 2 had non-finite loss or "
+                                     "gradients; lower the learning rate or resume from an earlier checkpoint"]

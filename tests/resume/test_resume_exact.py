@@ -1,0 +1,28 @@
+"""Resume is exact: 8 steps uninterrupted vs 4 steps, a checkpoint, a fresh process resuming 4 more.
+
+(1,1,1) without ZeRO (torch AdamW stepped by the engine) here; (2,2,2) with ZeRO-1 in
+test_resume_layouts.py. The last four losses must be bit-identical in float32.
+"""
+import pytest
+
+from resume_runs import SAVE_AT, STEPS, losses
+
+pytestmark = pytest.mark.slow
+
+
+def test_single_rank_resume_continues_the_loss_curve_bit_identically(runs, reference):
+    out = runs.new_dir()
+    checkpoint = reference["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
+    run = runs.direct(runs.argv(out, zero=0, flags=["--load", str(checkpoint)]), out=out)
+    assert run["returncode"] == 0, run["stderr"][-3000:]
+    assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, STEPS))
+    assert losses(run["records"]) == losses(reference["records"])[SAVE_AT:], (run["records"], reference["records"])
+
+
+def test_the_reference_saved_at_the_interval_and_at_the_end(reference):
+    from megamamba.checkpoint import Checkpoint, find_latest
+
+    ckpt = reference["dir"] / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", f"step_{SAVE_AT:06d}", f"step_{STEPS:06d}"]
+    latest = Checkpoint(find_latest(str(ckpt)))
+    assert latest.step == STEPS and latest.extra["layout"] == [1, 1, 1]
