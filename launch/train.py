@@ -18,7 +18,6 @@ import time
 import warnings
 from typing import NamedTuple, Optional
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -29,6 +28,7 @@ from megamamba.data.training_data import TrainingData, training_data
 from megamamba.flops import training_flops_per_token
 from megamamba.lr_schedule import DECAY_STYLES, LRSchedule
 from megamamba.metrics import MetricsLogger
+from megamamba.parallel.groups import init_distributed
 from megamamba.pipelines import checkpointing
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
 from megamamba.pipelines.faults import NonFiniteGuard, NonFiniteSteps, StopRequest, Watchdog
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
-    deepspeed.init_distributed()
+    init_distributed()
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank = dist.get_rank()
     layout, model_config, schedule = plan.layout, plan.model, plan.schedule

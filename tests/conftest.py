@@ -7,10 +7,38 @@ virtual environment gets its own torch-extension cache (DeepSpeed JIT-builds an 
 """
 import os
 import sys
+import time
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+_SHM = "/dev/shm"
+_SHM_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def _shm_buffers() -> set:
+    return {n for n in os.listdir(_SHM) if n.startswith(_SHM_PREFIX)} if os.path.isdir(_SHM) else set()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_deepspeed_shm_buffers():
+    """Remove DeepSpeed CPU all-reduce buffers that a test's killed ranks left in RAM-backed /dev/shm.
+
+    Ranks that exit normally release theirs (megamamba.parallel.groups.init_distributed); a rank
+    killed before that leaves ~66 MB behind, which a whole suite would pile up into gigabytes.
+    Only buffers that appeared during the test and are over a minute old go (not a live start-up).
+    """
+    before = _shm_buffers()
+    yield
+    for name in _shm_buffers() - before:
+        path = os.path.join(_SHM, name)
+        try:
+            if time.time() - os.path.getmtime(path) > 60:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass

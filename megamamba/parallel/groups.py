@@ -11,10 +11,29 @@ group through `ParallelGroups.tensor_parallel()`; DeepSpeed's plain engine gets 
 """
 from __future__ import annotations
 
+import os
+
+import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megamamba.parallel.tensor_parallel import TensorParallel
+
+
+def init_distributed(**kwargs) -> None:
+    """`deepspeed.init_distributed(**kwargs)`, then release DeepSpeed's CPU shared-memory buffer name.
+
+    On CPU, DeepSpeed 0.19 gives every rank a ~66 MB all-reduce buffer in /dev/shm (RAM) and
+    never unlinks it, so each run would leave world_size of them behind until the machine runs
+    out of memory. Once every rank has mapped every buffer (DeepSpeed's initialisation waits for
+    that; the barrier makes sure all ranks are past it) the names can go: the mappings stay valid.
+    """
+    deepspeed.init_distributed(**kwargs)
+    dist.barrier()
+    name = "/dev/shm/deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), dist.get_rank())
+    if os.path.exists(name):
+        os.unlink(name)
 
 
 def data_parallel_size_for(

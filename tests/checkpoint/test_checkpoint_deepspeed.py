@@ -106,12 +106,12 @@ def load_zero_state(eng, ckpt) -> None:
 
 def zero_ranks(save_dir: str, dp: int, extensions_dir: str) -> dict:
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
-    import deepspeed
     import torch.distributed as dist
 
     from megamamba.checkpoint import Checkpoint, save_checkpoint, scheduler_state
+    from megamamba.parallel.groups import init_distributed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     path = os.path.join(save_dir, f"step_{SAVE_AT:06d}")
     if dp == 1:  # resume the dp-2 checkpoint

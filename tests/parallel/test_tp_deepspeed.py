@@ -5,7 +5,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -79,9 +78,9 @@ def _train_step(zero_stage):
 
 
 def deepspeed_checks():
-    import deepspeed
+    from megamamba.parallel.groups import init_distributed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     return {stage: _train_step(stage) for stage in (0, 1)}
 

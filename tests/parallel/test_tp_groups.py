@@ -57,10 +57,10 @@ def _error(build):
 
 
 def group_checks():
-    import deepspeed
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+    from megamamba.parallel.groups import init_distributed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(dist_backend="gloo")
     out = {}
     for dp, tp, pp in LAYOUTS:
         groups = ParallelGroups(tensor_parallel_size=tp, pipeline_parallel_size=pp)

@@ -18,15 +18,15 @@ def _stage_states(cases):
     """Per case: (pipe rank, local parameter names, mamba_ssm-named full state of this rank's stage)."""
     import dataclasses
 
-    import deepspeed
 
     from megamamba import MambaConfig
     from megamamba.parallel.groups import ParallelGroups
     from megamamba.pipelines.engine import initial_state
     from megamamba.pipelines.module import build_pipeline_module
     from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict
+    from megamamba.parallel.groups import init_distributed
 
-    deepspeed.init_distributed()
+    init_distributed()
     groups = ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2)
     tp = groups.tensor_parallel()
     out = []
