@@ -111,3 +111,13 @@ def test_report_summarises_the_layout_and_the_cross_node_pipeline_boundaries():
 def test_report_refuses_what_the_check_refuses():
     with pytest.raises(PlacementError):
         placement_report(launcher_places({"a": 3, "b": 1}), topology(1, 2, 2))
+
+
+def test_the_hostfile_example_parses_and_fits_the_layout_its_comment_shows():
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    from harness import ROOT
+
+    slots = fetch_hostfile(str(ROOT / "launch/hostfile.example"))
+    assert dict(slots) == {"node1": 8, "node2": 8}
+    check_tensor_groups(launcher_places(slots), topology(1, 8, 2))

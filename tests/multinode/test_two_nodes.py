@@ -92,22 +92,76 @@ def test_a_world_size_that_does_not_fit_tp_times_pp_is_refused_before_training_o
     assert not any("| loss " in out for out in outputs)
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker-node-killed", "master-node-killed"])
-def test_killing_every_process_of_one_node_makes_the_other_node_exit_nonzero_within_60s(tmp_path, victim):
-    nodes = launch_nodes(tmp_path, [2, 2], TRAIN_PY, train_args(tmp_path, train_iters=500))
+def kill_one_node_in_training(tmp, victim, args, after_step):
+    """Start 2 nodes, SIGKILL every process of node `victim` once step `after_step` is logged, wait for the other.
+
+    Returns (the nodes, seconds from the kill until the other node's last process is gone, or None
+    if it is still running EXIT_WITHIN_S seconds later)."""
+    nodes = launch_nodes(tmp, [2, 2], TRAIN_PY, args)
+    metrics = tmp / "metrics.jsonl"
     try:
-        wait_for(lambda: len(read_metrics(tmp_path / "metrics.jsonl")) >= 2, 240, "two training steps")
+        wait_for(lambda: any(r["step"] >= after_step for r in read_metrics(metrics)), 240, f"step {after_step}",
+                 interval=0.05)
         kill_node(nodes[victim])
         survivor = nodes[1 - victim]
         start = time.monotonic()
         try:
-            elapsed = wait_for(lambda: not node_alive(survivor), EXIT_WITHIN_S, f"node {survivor.rank} exits")
+            wait_for(lambda: not node_alive(survivor), EXIT_WITHIN_S, f"node {survivor.rank} exits")
+            elapsed = time.monotonic() - start
         except TimeoutError:
-            pytest.fail(f"node {survivor.rank} still running {EXIT_WITHIN_S} s after node {victim} was killed:\n"
-                        + survivor.output()[-3000:])
-        print(f"node {victim} killed: node {survivor.rank} gone after {time.monotonic() - start:.1f} s, "
-              f"launcher status {survivor.proc.returncode}")
-        assert survivor.proc.returncode not in (0, None), survivor.output()[-3000:]
-        assert elapsed < EXIT_WITHIN_S
+            elapsed = None
+        print(f"node {victim} killed after step {after_step}: node {survivor.rank} "
+              + (f"gone after {elapsed:.1f} s" if elapsed is not None else f"still running after {EXIT_WITHIN_S} s")
+              + f", launcher status {survivor.proc.poll()}")
     finally:
         stop_all(nodes)
+    return nodes, elapsed
+
+
+SAVE_INTERVAL, RESUME_ITERS = 3, 12
+
+
+@pytest.fixture(scope="module")
+def killed_worker_node(tmp_path_factory):
+    """A 12-step run checkpointing every 3 steps; node 1 killed once step 3 is logged (checkpoint 3 exists)."""
+    tmp = tmp_path_factory.mktemp("killed_worker_node")
+    save = tmp / "checkpoints"
+    args = train_args(tmp, RESUME_ITERS, ("--save", save, "--save-interval", SAVE_INTERVAL))
+    nodes, elapsed = kill_one_node_in_training(tmp, 1, args, after_step=SAVE_INTERVAL)
+    return {"dir": tmp, "save": save, "nodes": nodes, "elapsed": elapsed,
+            "records": read_metrics(tmp / "metrics.jsonl"), "latest": (save / "latest").read_text().strip()}
+
+
+def assert_other_node_exited_nonzero_in_time(node, elapsed):
+    assert elapsed is not None, f"node {node.rank} still running {EXIT_WITHIN_S} s after the other was killed:\n" \
+        + node.output()[-3000:]
+    assert node.proc.returncode != 0, node.output()[-3000:]
+
+
+def test_killing_every_process_of_the_worker_node_ends_the_master_node_nonzero_within_60s(killed_worker_node):
+    assert_other_node_exited_nonzero_in_time(killed_worker_node["nodes"][0], killed_worker_node["elapsed"])
+
+
+def test_killing_every_process_of_the_master_node_ends_the_worker_node_nonzero_within_60s(tmp_path):
+    nodes, elapsed = kill_one_node_in_training(tmp_path, 0, train_args(tmp_path, train_iters=500), after_step=1)
+    assert_other_node_exited_nonzero_in_time(nodes[1], elapsed)
+
+
+def test_restarting_both_nodes_resumes_from_the_last_checkpoint_and_repeats_its_steps_exactly(killed_worker_node):
+    killed = killed_worker_node
+    assert killed["latest"] == f"step_{SAVE_INTERVAL:06d}", killed["latest"]
+    restart = killed["dir"] / "restart"
+    restart.mkdir()
+    args = train_args(restart, RESUME_ITERS, ("--save", killed["save"], "--load", "auto",
+                                              "--save-interval", SAVE_INTERVAL))
+    codes, outputs = run_nodes(restart, [2, 2], TRAIN_PY, args)
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    resumed = read_metrics(restart / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(SAVE_INTERVAL, RESUME_ITERS)), resumed
+    before = {r["step"]: r for r in killed["records"]}
+    repeated = [r for r in resumed if r["step"] in before]
+    assert repeated, f"the killed run logged steps {sorted(before)}: none after the checkpoint"
+    for r in repeated:
+        assert (r["loss"], r["grad_norm"]) == (before[r["step"]]["loss"], before[r["step"]]["grad_norm"]), r["step"]
+    print(f"resumed at step {SAVE_INTERVAL} from {killed['latest']}; steps {[r['step'] for r in repeated]} "
+          "repeated bit for bit")
