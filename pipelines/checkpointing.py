@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megamamba.checkpoint import (
     Checkpoint,
@@ -67,7 +68,7 @@ def check_trainer(trainer) -> None:
 
 def _rename(trainer, config: MambaConfig):
     """Module full parameter name -> mamba_ssm name (the pipeline's layer names are mapped)."""
-    if trainer.engine.__class__.__name__ == "PipelineEngine":
+    if isinstance(trainer.engine, PipelineEngine):
         return lambda name: to_mamba(name, config)
     return lambda name: name
 
@@ -110,9 +111,9 @@ def stage_state(trainer, config: MambaConfig) -> tuple:
             optimizer.update({f"{n}/step": torch.tensor(step, dtype=torch.float32) for n in params})
         groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
 
-    def mamba(name: str) -> str:
-        base, slash, key = name.rpartition("/")
-        return f"{rename(base)}/{key}" if slash else rename(name)
+    def mamba(name: str) -> str:  # "<parameter>/<state key>"
+        base, _, key = name.rpartition("/")
+        return f"{rename(base)}/{key}"
 
     groups = [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
     return ({rename(n): t.detach().cpu().clone() for n, t in params.items()},
