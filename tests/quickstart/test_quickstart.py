@@ -1,8 +1,8 @@
 """The README's quick start (scripts/quickstart.sh) end to end: raw text to a trained model's samples.
 
-One run of the script (about 3 minutes on 2 idle cores; it needs the set-up .venv) serves every
+One run of the script (4 minutes on 2 shared cores here; it needs the set-up .venv) serves every
 test here. Requirements checked: the loss falls (final validation loss at least 2 nats below the
-step-0 training loss; measured 7.65 -> 4.42), TensorBoard event files hold the metric names of
+step-0 training loss; measured 7.65 -> 4.53), TensorBoard event files hold the metric names of
 DESIGN.md, the checkpoint is a model folder with its tokenizer, and the printed samples are text.
 """
 import json
