@@ -8,14 +8,14 @@ on every rank and exits 2. No model is built, so a launch costs only the launche
 import os
 import sys
 
-import deepspeed
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from megamamba.parallel.groups import init_distributed
 from megamamba.parallel.placement import PlacementError, check_placement
 
 
 def main(tp: int, pp: int) -> None:
-    deepspeed.init_distributed()
+    init_distributed()  # as launch/train.py: DeepSpeed's, then its /dev/shm buffer name released
     world = int(os.environ["WORLD_SIZE"])
     try:
         check_placement(PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp)))
