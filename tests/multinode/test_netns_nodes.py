@@ -11,8 +11,17 @@ import time
 import pytest
 
 import netns
-from harness import TRAIN_PY, launcher_env, node_alive, read_metrics, start_node, stop_all, wait_for, wait_node, \
-    write_hostfile
+from harness import (
+    TRAIN_PY,
+    launcher_env,
+    node_alive,
+    read_metrics,
+    start_node,
+    stop_all,
+    wait_for,
+    wait_node,
+    write_hostfile,
+)
 from training_runs import assert_same_curve, train_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))]
@@ -51,7 +60,8 @@ def test_a_cut_link_ends_both_nodes_nonzero_within_60s_through_the_step_timeout(
             start = time.monotonic()
             for node in nodes:
                 try:
-                    wait_for(lambda: not node_alive(node), EXIT_WITHIN_S - (time.monotonic() - start), f"node {node.rank} exits")
+                    left = EXIT_WITHIN_S - (time.monotonic() - start)
+                    wait_for(lambda: not node_alive(node), left, f"node {node.rank} exits")
                 except TimeoutError:
                     pytest.fail(f"node {node.rank} still running {EXIT_WITHIN_S} s after the link was cut:\n"
                                 + node.output()[-3000:])
