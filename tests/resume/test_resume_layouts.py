@@ -4,7 +4,8 @@ Uninterrupted: 8 steps at (2,2,2) on 8 spawned ranks, saving after step 4 (savin
 perturb training: the uninterrupted curve is the one a run without --save trains). Resumed from
 that checkpoint: at (2,2,2) bit-identically; at (1,1,4), (4,1,1) with ZeRO-1 and (1,2,1) without
 ZeRO (the plain engine stepping torch AdamW) within 1e-4 relative of the uninterrupted curve
-(reduction order differs between layouts, as in the 3D loss-curve tests).
+(reduction order differs between layouts, as in the 3D loss-curve tests). And the (1,1,1) ZeRO-0
+reference checkpoint continues in a 2-stage pipeline without ZeRO.
 """
 import pytest
 import torch
@@ -43,4 +44,15 @@ def test_2_2_2_checkpoint_continues_the_curve_at_another_layout(runs, run222, la
     assert torch.isfinite(got).all(), got
     error = ((got - ref).abs() / ref.abs()).max().item()
     print(f"(2,2,2) step {SAVE_AT} -> {layout} zero {zero}: max relative loss difference {error:.1e}")
+    assert error <= TOLERANCE, (got, ref)
+
+
+def test_single_rank_checkpoint_continues_the_curve_in_a_pipeline_without_zero(runs, reference):
+    load = ["--load", str(reference["dir"] / "ckpt" / f"step_{SAVE_AT:06d}")]
+    run = runs.spawned((1, 1, 2), 0, load)
+    got = torch.tensor(losses(run["records"]), dtype=torch.float64)
+    ref = torch.tensor(losses(reference["records"])[SAVE_AT:], dtype=torch.float64)
+    assert torch.isfinite(got).all() and len(got) == len(ref), got
+    error = ((got - ref).abs() / ref.abs()).max().item()
+    print(f"(1,1,1) zero 0 step {SAVE_AT} -> (1,1,2) zero 0: max relative loss difference {error:.1e}")
     assert error <= TOLERANCE, (got, ref)
