@@ -26,3 +26,12 @@ def test_the_reference_saved_at_the_interval_and_at_the_end(reference):
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", f"step_{SAVE_AT:06d}", f"step_{STEPS:06d}"]
     latest = Checkpoint(find_latest(str(ckpt)))
     assert latest.step == STEPS and latest.extra["layout"] == [1, 1, 1]
+
+
+def test_keep_last_keeps_only_the_newest_checkpoints(runs):
+    out = runs.new_dir()
+    save = out / "ckpt"
+    run = runs.direct(runs.argv(out, zero=0, flags=["--train-iters", "4", "--save", str(save), "--save-interval", "1",
+                                                    "--keep-last", "2"]), out=out)
+    assert run["returncode"] == 0, run["stderr"][-3000:]
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "step_000003", "step_000004"]
