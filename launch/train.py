@@ -28,7 +28,8 @@ from megamamba.data.training_data import TrainingData, training_data
 from megamamba.flops import training_flops_per_token
 from megamamba.lr_schedule import DECAY_STYLES, LRSchedule
 from megamamba.metrics import MetricsLogger
-from megamamba.parallel.groups import init_distributed
+from megamamba.parallel.groups import init_distributed, topology
+from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines import checkpointing
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
 from megamamba.pipelines.faults import NonFiniteGuard, NonFiniteSteps, StopRequest, Watchdog
@@ -177,6 +178,11 @@ def main(argv=None) -> dict:
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank = dist.get_rank()
     layout, model_config, schedule = plan.layout, plan.model, plan.schedule
+    try:
+        check_placement(topology(layout.tp, layout.pp, layout.dp))
+    except PlacementError as e:
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
     try:
         resume = checkpointing.open_for_run(args.load, args.save, model_config)

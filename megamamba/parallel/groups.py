@@ -67,6 +67,12 @@ def data_parallel_size_for(
     return data_parallel_size
 
 
+def topology(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int):
+    """The rank layout shared by our groups and DeepSpeed's pipeline engine (TP rank fastest)."""
+    return PipeModelDataParallelTopology(
+        num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size, num_dp=data_parallel_size)
+
+
 class ParallelGroups:
     """This rank's data, tensor and pipeline groups, ranks and sizes.
 
@@ -87,8 +93,7 @@ class ParallelGroups:
         self.pipeline_parallel_size = pipeline_parallel_size
         self.data_parallel_size = data_parallel_size_for(
             self.world_size, tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
-        self.topology = PipeModelDataParallelTopology(
-            num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size, num_dp=self.data_parallel_size)
+        self.topology = topology(tensor_parallel_size, pipeline_parallel_size, self.data_parallel_size)
         coord = self.topology.get_coord(self.rank)
         self.tensor_rank, self.data_rank, self.pipe_rank = coord.model, coord.data, coord.pipe
         self.tensor_group, self.tensor_ranks = self._new_groups("model")

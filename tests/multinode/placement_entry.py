@@ -8,9 +8,7 @@ on every rank and exits 2. No model is built, so a launch costs only the launche
 import os
 import sys
 
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-from megamamba.parallel.groups import init_distributed
+from megamamba.parallel.groups import init_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 
 
@@ -18,7 +16,7 @@ def main(tp: int, pp: int) -> None:
     init_distributed()  # as launch/train.py: DeepSpeed's, then its /dev/shm buffer name released
     world = int(os.environ["WORLD_SIZE"])
     try:
-        check_placement(PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp)))
+        check_placement(topology(tp, pp, world // (tp * pp)))
     except PlacementError as e:
         print(f"placement_entry.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
