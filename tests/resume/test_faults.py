@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from megamamba.checkpoint import Checkpoint, find_latest
-from resume_runs import SAVE_AT, STEPS, errors, losses
+from resume_runs import STEPS, errors, losses
 
 pytestmark = pytest.mark.slow
 
