@@ -8,7 +8,9 @@ before any process group exists (`megamamba.pipelines.layout`); a failure prints
 exits with status 2. The optimizer and learning-rate schedule come from the flags below, never
 from the JSON. Metrics (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb,
 val_loss, mfu) go to the console of global rank 0, to TensorBoard (--log-dir, else the JSON's
-"tensorboard" block) and to --metrics-jsonl.
+"tensorboard" block) and to --metrics-jsonl. Data (`megamamba.data.training_data`): --tokenizer,
+--data / --valid-data blends of preprocessed datasets (default: the built-in corpus tokenized in
+memory), packed with document ids (seq_idx) unless --no-reset-at-documents.
 """
 import argparse
 import json
