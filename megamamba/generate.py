@@ -8,11 +8,13 @@ in parallel once (prefill), which leaves each layer's conv and SSM state in the 
 cache; each new token then costs one `model.step`. DIR is a model folder (model_folder.py).
 """
 import argparse
+import os
 import sys
 from typing import Optional
 
 import torch
 
+from megamamba.checkpoint import CheckpointError, resolve_load
 from megamamba.lm import MambaLM
 from megamamba.model_folder import load_model_folder
 from megamamba.tokenizer import Tokenizer, check_vocab, find_tokenizer, load_tokenizer
@@ -97,7 +99,9 @@ def generate(model: MambaLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="model folder: config.json + model.safetensors (+ tokenizer)")
+    p.add_argument("--checkpoint", required=True,
+                   help="model folder (config.json + model.safetensors + tokenizer; every checkpoint is one), "
+                        "or a --save directory: the checkpoint its `latest` names")
     p.add_argument("--prompt", default="")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the one saved in the folder)")
     p.add_argument("--max-new-tokens", type=int, default=100)
@@ -111,14 +115,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def model_folder_of(path: str) -> str:
+    """`path` when it is a model folder, else the checkpoint that the save directory's `latest` names."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    return resolve_load(path, flag="--checkpoint")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    spec = args.tokenizer or find_tokenizer(args.checkpoint)
+    try:
+        folder = model_folder_of(args.checkpoint)
+    except CheckpointError as e:
+        sys.exit(f"generate: {e}")
+    spec = args.tokenizer or find_tokenizer(folder)
     if spec is None:
-        sys.exit(f"generate: {args.checkpoint} holds no tokenizer files; pass --tokenizer (e.g. bytes or a .model)")
+        sys.exit(f"generate: {folder} holds no tokenizer files; pass --tokenizer (e.g. bytes or a .model)")
     try:
         tokenizer = load_tokenizer(spec)
-        model = load_model_folder(args.checkpoint, device=args.device, dtype=DTYPES[args.dtype])
+        model = load_model_folder(folder, device=args.device, dtype=DTYPES[args.dtype])
         text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                         args.top_p, args.greedy, args.seed)
     except (OSError, ValueError) as e:

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megamamba import MambaConfig, MambaLM
+from megamamba.checkpoint import model_tensors, save_checkpoint
 from megamamba.generate import main as generate_main
 from megamamba.model_folder import ModelFolderError, load_model_folder, save_model_folder
 from megamamba.tokenizer import load_tokenizer
@@ -81,3 +82,19 @@ def test_command_line_refuses_a_tokenizer_larger_than_the_model(tmp_path):
     message = r"generate: tokenizer Bytes\(\) has 257 ids but the model config's vocab_size is 100"
     with pytest.raises(SystemExit, match=message):
         generate_main(["--checkpoint", str(tmp_path / "m"), "--tokenizer", "bytes", "--device", "cpu"])
+
+
+def test_command_line_follows_a_save_directorys_latest_checkpoint(folder, tmp_path, capsys):
+    model, path = folder
+    generate_main(["--checkpoint", path, "--prompt", "Hi", "--max-new-tokens", "6", "--greedy", "--device", "cpu"])
+    from_folder = capsys.readouterr().out
+    save_checkpoint(str(tmp_path / "save"), 7, model.config, model_tensors(model), tokenizer=load_tokenizer("bytes"))
+    generate_main(["--checkpoint", str(tmp_path / "save"), "--prompt", "Hi", "--max-new-tokens", "6", "--greedy",
+                   "--device", "cpu"])
+    assert capsys.readouterr().out == from_folder
+
+
+def test_command_line_on_a_folder_that_is_neither_says_what_it_needs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="--checkpoint .*empty: no 'latest' file"):
+        generate_main(["--checkpoint", str(tmp_path / "empty"), "--prompt", "x", "--device", "cpu"])
