@@ -30,7 +30,7 @@ from megamamba.data.training_data import TrainingData, training_data
 from megamamba.flops import training_flops_per_token
 from megamamba.lr_schedule import DECAY_STYLES, LRSchedule
 from megamamba.metrics import MetricsLogger
-from megamamba.parallel.groups import init_distributed, topology
+from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines import checkpointing
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
@@ -258,6 +258,7 @@ def main(argv=None) -> dict:
             break
         watchdog.beat()
     logger.close()
+    shutdown_distributed()
     return summary
 
 

@@ -36,6 +36,16 @@ def init_distributed(**kwargs) -> None:
         os.unlink(name)
 
 
+def shutdown_distributed() -> None:
+    """Leave together: a barrier, then destroy the default group.
+
+    A rank that exits while peers still hold connections to it can make them abort at exit
+    (seen across two simulated nodes: "terminate called without an active exception").
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def data_parallel_size_for(
     world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
     data_parallel_size: int | None = None,

@@ -60,8 +60,9 @@ def start_node(hostfile: Path, node_rank: int, master_port: int, script: Path, a
 
 def node_alive(node: Node) -> bool:
     """Whether any process of the node's session is still running (the launcher or one of its ranks)."""
-    node.proc.poll()  # reap the launcher if it has exited
-    return _session_has_processes(node.proc.pid)
+    alive = _session_has_processes(node.proc.pid)
+    node.proc.poll()  # reap the launcher after the scan, so a node found gone has its exit status
+    return alive
 
 
 def _session_has_processes(sid: int) -> bool:

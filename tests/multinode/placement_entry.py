@@ -8,7 +8,7 @@ on every rank and exits 2. No model is built, so a launch costs only the launche
 import os
 import sys
 
-from megamamba.parallel.groups import init_distributed, topology
+from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 
 
@@ -20,6 +20,7 @@ def main(tp: int, pp: int) -> None:
     except PlacementError as e:
         print(f"placement_entry.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
