@@ -68,6 +68,13 @@ def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, re
     results.put((rank, payload))
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
+
+
+def _peer_gone(traceback_text: str) -> bool:
+    return any(marker in traceback_text for marker in _PEER_GONE)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -118,7 +125,9 @@ def run_ranks(
                 p.terminate()
         for p in procs:
             p.join(timeout=10)
-    errors = [(r, o) for r, o in outcome.items() if o[0] == "error"]  # in order of arrival
+    # In order of arrival, but a rank that failed only because a peer's process went away (its
+    # gloo connection reset) reports a consequence, not the cause: those go last.
+    errors = sorted(((r, o) for r, o in outcome.items() if o[0] == "error"), key=lambda e: _peer_gone(e[1][2]))
     if errors:
         rank, (_, pickled, text) = errors[0]
         others = f" (then ranks {[r for r, _ in errors[1:]]} failed too)" if len(errors) > 1 else ""
