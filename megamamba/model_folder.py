@@ -37,7 +37,8 @@ def save_model_folder(model: MambaLM, directory: str, tokenizer=None) -> None:
         tokenizer.save(directory)
 
 
-def _read_weights(path: str) -> dict:
+def read_weights(path: str) -> dict:
+    """Every tensor of a safetensors file, on the CPU, never unpickling; ModelFolderError when unreadable."""
     if not os.path.isfile(path):
         raise ModelFolderError(f"{path}: no such file")
     try:
@@ -69,7 +70,7 @@ def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] 
         raise ModelFolderError(f"{config_path}: no such file (a model folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
     config = MambaConfig.from_json(config_path)
     weights_path = os.path.join(directory, WEIGHTS_FILE)
-    state = _read_weights(weights_path)
+    state = read_weights(weights_path)
     with torch.device("meta"):
         model = MambaLM(config)
     _check_keys(weights_path, state, model)

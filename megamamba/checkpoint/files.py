@@ -11,8 +11,9 @@ import os
 import shutil
 from typing import Callable, IO
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from megamamba.model_folder import ModelFolderError, read_weights
 
 
 class CheckpointError(Exception):
@@ -88,10 +89,8 @@ def read_json(path: str, what: str = "JSON file"):
 
 def read_tensors(path: str) -> dict:
     """Every tensor of a safetensors file, on the CPU; CheckpointError when it is missing or unreadable."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file")
     try:
-        return load_file(path, device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        return read_weights(path)
+    except ModelFolderError as e:
+        raise CheckpointError(str(e)) from None
 
