@@ -1,0 +1,107 @@
+"""Every Triton kernel compiles for the H200 (sm_90), without a GPU: benchmarks/compile_kernels.py
+records the launches of every op (forward and backward, float32 and bfloat16, model steps) and
+compiles each specialization to a cubin (registers, shared memory and grid checked against the
+GPU's limits), with Triton 3.6 (the GPU machine's, installed beside the venv by scripts/setup.sh)
+and with the venv's own Triton. Each run is its own process, since
+interpreted kernels (TRITON_INTERPRET, set for the rest of the suite) are never compiled."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "compile_kernels.py")
+TRITON_36 = os.path.join(ROOT, ".venv", "triton-3.6")
+TRITON_MODULES = ("ssd", "selective_scan", "conv", "norm")
+
+
+def compiler_env(triton_version):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_version == "3.6":
+        if not os.path.isdir(os.path.join(TRITON_36, "triton")):
+            pytest.fail(f"Triton 3.6 is not installed at {TRITON_36}: run scripts/setup.sh")
+        env["PYTHONPATH"] = os.pathsep.join([TRITON_36, env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module", params=["3.6", "venv"])
+def report(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile") / "report.json"
+    run = subprocess.run([sys.executable, SCRIPT, "--arch", "90", "--json", str(out)], cwd=ROOT,
+                         env=compiler_env(request.param), capture_output=True, text=True, timeout=1200)
+    assert out.exists(), f"compile_kernels.py wrote no report (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    if request.param == "3.6":
+        assert data["triton"] == "3.6.0"
+    return data, run
+
+
+def defined_kernels():
+    """Names of the launchable kernels (`*_kernel`) in megamamba.kernels.triton's modules."""
+    import importlib
+    names = set()
+    for module in TRITON_MODULES:
+        names |= {n for n in vars(importlib.import_module(f"megamamba.kernels.triton.{module}")) if n.endswith("_kernel")}
+    return names
+
+
+def test_every_kernel_of_the_triton_ops_is_compiled(report):
+    data, _ = report
+    assert defined_kernels() - {row["kernel"] for row in data["kernels"]} == set()
+
+
+def test_every_specialization_compiles_and_fits_an_sm90_block(report):
+    data, run = report
+    failed = [f"{r['kernel']} ({r['case']}): {r['error']}" for r in data["kernels"] if not r["ok"]]
+    assert not failed, "\n".join(failed)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert all(r["regs"] > 0 for r in data["kernels"])
+
+
+PROBE = textwrap.dedent('''
+    import json, sys
+    sys.path.insert(0, {benchmarks!r})
+    import torch, triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    import compile_kernels
+
+    @triton.jit
+    def square_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        idx = tl.arange(0, BLOCK)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        x = tl.load(x_ptr + idx)
+        tl.store(y_ptr + idx, tl.dot(x, x))
+
+    target = GPUTarget("cuda", 90, 32)
+    x = torch.zeros(64, 64)
+    with compile_kernels.LaunchRecorder(target) as recorder:
+        recorder.case = "probe"
+        square_kernel[(1,)](x, x, BLOCK={block})
+    assert torch.all(x == 0), "the recorder launched the kernel"
+    (launch,) = recorder.launches.values()
+    print(json.dumps(compile_kernels.compile_launch(launch, target, {limits})))
+''')
+
+
+def probe(tmp_path, block, limits):
+    path = tmp_path / "probe.py"
+    path.write_text(PROBE.format(benchmarks=os.path.dirname(SCRIPT), block=block, limits=limits))
+    run = subprocess.run([sys.executable, str(path)], env=compiler_env("venv"), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_kernel_that_does_not_compile_is_reported(tmp_path):
+    row = probe(tmp_path, block=48, limits="compile_kernels.LIMITS[90]")
+    assert not row["ok"] and "CompilationError" in row["error"] and "power of 2" in row["error"]
+
+
+def test_a_kernel_over_the_register_or_shared_memory_limit_is_reported(tmp_path):
+    row = probe(tmp_path, block=64, limits="dict(regs_per_block=1024, shared_bytes=1024)")
+    assert not row["ok"]
+    assert f"{row['regs'] * 128} registers per block > 1024" in row["error"]
+    assert f"{row['shared_bytes']} B shared memory > 1024" in row["error"]
