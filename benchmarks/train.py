@@ -96,6 +96,18 @@ def run_ours(size, args, launcher=False):
     return {**averaged(records, 1 if launcher else args.warmup), "wall_s": time.time() - started}
 
 
+def _names_only_module(name):
+    """A stand-in module every public name can be imported from: training never uses them."""
+    module = types.ModuleType(name)
+
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return object
+    module.__getattr__ = __getattr__
+    return module
+
+
 def load_mamba_ssm(src):
     """mamba_ssm's (MambaLMHeadModel, MambaConfig) from its source release, or (None, why not)."""
     if not src or not os.path.isdir(os.path.join(src, "mamba_ssm")):
@@ -103,16 +115,10 @@ def load_mamba_ssm(src):
     sys.path.insert(0, src)
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
     try:
-        import transformers.generation  # noqa: F401  (mamba_ssm's generation utilities import it)
+        import transformers.generation  # noqa: F401  (mamba_ssm's generation and hub helpers import it)
     except ImportError:
-        stub = types.ModuleType("transformers")
-        generation = types.ModuleType("transformers.generation")
-        generation.GreedySearchDecoderOnlyOutput = generation.SampleDecoderOnlyOutput = object
-        generation.TextStreamer = object
-        utils, hub = types.ModuleType("transformers.utils"), types.ModuleType("transformers.utils.hub")
-        utils.WEIGHTS_NAME, utils.CONFIG_NAME, hub.cached_file = "pytorch_model.bin", "config.json", None
-        sys.modules.update({"transformers": stub, "transformers.generation": generation,
-                            "transformers.utils": utils, "transformers.utils.hub": hub})
+        sys.modules.update({name: _names_only_module(name) for name in
+                            ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub")})
     try:
         from mamba_ssm.models.config_mamba import MambaConfig
         from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel

@@ -53,3 +53,27 @@ def test_without_a_gpu_it_stops_with_a_message(bench):
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--sizes", "130m"])
+
+
+def test_mamba_ssm_loads_where_transformers_is_missing(bench, tmp_path, monkeypatch):
+    """The GPU machine has no transformers; mamba_ssm 2.3.2's generation and hub helpers import names from it."""
+    pkg = tmp_path / "mamba_ssm"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "config_mamba.py").write_text("class MambaConfig:\n    pass\n")
+    (pkg / "models" / "mixer_seq_simple.py").write_text(
+        "from transformers.generation import GenerateDecoderOnlyOutput, TextStreamer\n"
+        "from transformers.utils import WEIGHTS_NAME, CONFIG_NAME\n"
+        "from transformers.utils.hub import cached_file\n"
+        "class MambaLMHeadModel:\n    pass\n")
+    for name in ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as where it is not installed
+    for name in ("mamba_ssm", "mamba_ssm.models", "mamba_ssm.models.config_mamba", "mamba_ssm.models.mixer_seq_simple"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    classes, how = bench.load_mamba_ssm(str(tmp_path))
+    assert how == "imported"
+    assert [c.__name__ for c in classes] == ["MambaLMHeadModel", "MambaConfig"]
+    for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
+        del sys.modules[name]
