@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Prepare what a GPU session carries to the lent machine (one H200: torch 2.11, Triton 3.6, no
+# DeepSpeed, no network), on this machine, into .whl/ (ignored by git, never committed):
+#   - DeepSpeed 0.19.8 and the packages it lacks there, as wheels (shared/device/prepare.sh);
+#   - einops, which mamba_ssm imports;
+#   - the Python files of mamba_ssm 2.3.2.post1's source release (.whl/mamba_ssm-src/), which the
+#     benchmarks compare against (its CUDA extension is never built: the benchmarks stub it).
+# Then one device call carrying .whl runs every check: `bash benchmarks/gpu_check.sh`.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+. .venv/bin/activate
+bash ../shared/device/prepare.sh
+python -m pip download -q --no-deps "einops==0.8.2" -d .whl
+if [ ! -d .whl/mamba_ssm-src/mamba_ssm ]; then
+  tmp=$(mktemp -d)
+  MAMBA_SKIP_CUDA_BUILD=TRUE python -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+    "mamba_ssm==2.3.2.post1" -d "$tmp"
+  tar xzf "$tmp/mamba_ssm-2.3.2.post1.tar.gz" -C "$tmp"
+  mkdir -p .whl/mamba_ssm-src
+  cp -r "$tmp/mamba_ssm-2.3.2.post1/mamba_ssm" .whl/mamba_ssm-src/
+  rm -rf "$tmp"
+fi
+du -sh .whl
