@@ -4,39 +4,10 @@ import pytest
 import torch
 
 import naive_ops
-from megamamba.kernels.triton import causal_conv1d, common, rmsnorm_gated
+from megamamba.kernels.triton import causal_conv1d, rmsnorm_gated
+from oracle_checks import TOL, check_against_oracle, rel_err
 
-pytestmark = pytest.mark.slow
-TOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    """Every kernel-written buffer starts as NaN, so an unwritten element fails the check."""
-    monkeypatch.setattr(common, "empty", lambda shape, *, device, dtype: torch.full(
-        shape, float("nan"), device=device, dtype=dtype))
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def check_against_oracle(fn, oracle, tensors, seed, **kwargs):
-    """fn(float32 tensors) vs oracle(float64 tensors): output and grads of every float tensor."""
-    ins32 = {k: (v.detach().float().clone().requires_grad_() if v.is_floating_point() else v) for k, v in tensors.items()}
-    ins64 = {k: (v.detach().double().clone().requires_grad_() if v.is_floating_point() else v) for k, v in tensors.items()}
-    out = fn(**ins32, **kwargs)
-    ref = oracle(**ins64, **kwargs)
-    assert torch.isfinite(out).all(), f"seed {seed}: non-finite output"
-    assert rel_err(out, ref) <= TOL, f"seed {seed}: output rel err {rel_err(out, ref):.2e}"
-    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-    out.backward(dout.float())
-    ref.backward(dout)
-    for name, v in ins32.items():
-        if v.is_floating_point():
-            assert torch.isfinite(v.grad).all(), f"seed {seed}: non-finite grad of {name}"
-            err = rel_err(v.grad, ins64[name].grad)
-            assert err <= TOL, f"seed {seed}: grad of {name} rel err {err:.2e}"
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("poisoned_buffers")]
 
 
 def documents(batch, seqlen, gen):

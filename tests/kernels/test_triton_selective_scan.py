@@ -6,23 +6,13 @@ import torch
 
 import megamamba.kernels
 import naive_ops
+import oracle_checks
 from megamamba.kernels.triton import common, selective_scan
 from megamamba.kernels.triton.selective_scan import CHECKPOINT
+from oracle_checks import TOL, rel_err
 
-pytestmark = pytest.mark.slow
-TOL = 1e-4
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("poisoned_buffers")]
 BATCH, DIM, SEQLEN, DSTATE, GROUPS = 2, 12, 45, 5, 2
-
-
-@pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    """Every kernel-written buffer starts as NaN, so an unwritten element fails the check."""
-    monkeypatch.setattr(common, "empty", lambda shape, *, device, dtype: torch.full(
-        shape, float("nan"), device=device, dtype=dtype))
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def inputs(seed, *, b_shape=(BATCH, GROUPS, DSTATE, SEQLEN), c_shape=(BATCH, GROUPS, DSTATE, SEQLEN),
@@ -45,22 +35,8 @@ def documents():
 
 def check_against_oracle(tensors, seed, **kwargs):
     """Triton on float32 copies vs the oracle on float64 copies: out, last state, all gradients."""
-    ins32 = {k: v.detach().float().clone().requires_grad_() for k, v in tensors.items()}
-    ins64 = {k: v.detach().double().clone().requires_grad_() for k, v in tensors.items()}
-    out, last = selective_scan(**ins32, return_last_state=True, **kwargs)
-    out_ref, last_ref = naive_ops.selective_scan(**ins64, return_last_state=True, **kwargs)
-    for name, got, ref in (("out", out, out_ref), ("last_state", last, last_ref)):
-        assert torch.isfinite(got).all(), f"seed {seed}: non-finite {name}"
-        assert rel_err(got, ref) <= TOL, f"seed {seed}: {name} rel err {rel_err(got, ref):.2e}"
-    gen = torch.Generator().manual_seed(seed + 1)
-    dout = torch.randn(out_ref.shape, generator=gen, dtype=torch.float64)
-    dlast = torch.randn(last_ref.shape, generator=gen, dtype=torch.float64)
-    ((out * dout.float()).sum() + (last * dlast.float()).sum()).backward()
-    ((out_ref * dout).sum() + (last_ref * dlast).sum()).backward()
-    for name, v in ins32.items():
-        assert torch.isfinite(v.grad).all(), f"seed {seed}: non-finite grad of {name}"
-        err = rel_err(v.grad, ins64[name].grad)
-        assert err <= TOL, f"seed {seed}: grad of {name} rel err {err:.2e}"
+    oracle_checks.check_against_oracle(selective_scan, naive_ops.selective_scan, tensors, seed,
+                                       names=("out", "last_state"), return_last_state=True, **kwargs)
 
 
 @pytest.mark.parametrize("with_seq_idx", [False, True])

@@ -6,22 +6,12 @@ import torch
 
 import megamamba.kernels
 import naive_ops
+import oracle_checks
 from megamamba.kernels.triton import common, ssd_chunk_scan
+from oracle_checks import TOL, rel_err
 
-pytestmark = pytest.mark.slow
-TOL = 1e-4
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("poisoned_buffers")]
 BATCH, SEQLEN, NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK = 2, 37, 4, 8, 2, 16, 16
-
-
-@pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    """Every kernel-written buffer starts as NaN, so an unwritten element fails the check."""
-    monkeypatch.setattr(common, "empty", lambda shape, *, device, dtype: torch.full(
-        shape, float("nan"), device=device, dtype=dtype))
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def inputs(seed, *, d_shape=(NHEADS,), z=True, dt_bias=True, initial_states=False, dt_scale=1.0):
@@ -49,23 +39,8 @@ def documents():
 def check_against_oracle(fn, tensors, seed, tol_by_grad=None, **kwargs):
     """fn on float32 copies vs the oracle on float64 copies: y, final state and all gradients
     (within TOL, or tol_by_grad[name] for the named ones)."""
-    ins32 = {k: v.detach().float().clone().requires_grad_() for k, v in tensors.items()}
-    ins64 = {k: v.detach().double().clone().requires_grad_() for k, v in tensors.items()}
-    y, final = fn(**ins32, chunk_size=CHUNK, return_final_states=True, **kwargs)
-    y_ref, final_ref = naive_ops.ssd_chunk_scan(**ins64, chunk_size=CHUNK, return_final_states=True, **kwargs)
-    for name, out, ref in (("y", y, y_ref), ("final_states", final, final_ref)):
-        assert torch.isfinite(out).all(), f"seed {seed}: non-finite {name}"
-        assert rel_err(out, ref) <= TOL, f"seed {seed}: {name} rel err {rel_err(out, ref):.2e}"
-    gen = torch.Generator().manual_seed(seed + 1)
-    dy = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
-    dfinal = torch.randn(final_ref.shape, generator=gen, dtype=torch.float64)
-    ((y * dy.float()).sum() + (final * dfinal.float()).sum()).backward()
-    ((y_ref * dy).sum() + (final_ref * dfinal).sum()).backward()
-    for name, v in ins32.items():
-        assert torch.isfinite(v.grad).all(), f"seed {seed}: non-finite grad of {name}"
-        err = rel_err(v.grad, ins64[name].grad)
-        tol = (tol_by_grad or {}).get(name, TOL)
-        assert err <= tol, f"seed {seed}: grad of {name} rel err {err:.2e}"
+    oracle_checks.check_against_oracle(fn, naive_ops.ssd_chunk_scan, tensors, seed, names=("y", "final_states"),
+                                       tol_by_grad=tol_by_grad, chunk_size=CHUNK, return_final_states=True, **kwargs)
 
 
 @pytest.mark.parametrize("with_initial_states", [False, True])
