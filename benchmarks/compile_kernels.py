@@ -128,9 +128,11 @@ def model_steps():
     return steps
 
 
-def resources(cubin: bytes, triton_module) -> dict:
-    """Registers per thread, stack and local (spill) bytes of a cubin's kernel, from cuobjdump."""
-    tool = os.path.join(os.path.dirname(triton_module.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def resources(cubin: bytes) -> dict:
+    """Registers per thread, stack and local (spill) bytes of a cubin's kernel, from the cuobjdump
+    that ships with Triton."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -142,17 +144,20 @@ def resources(cubin: bytes, triton_module) -> dict:
 
 
 def compile_launch(launch, target, limits) -> dict:
+    """Compile one recorded specialization for `target`; its resources, and ok or what is wrong."""
     import triton
     from triton.compiler import ASTSource
     t0 = time.time()
-    row = dict(kernel=launch["jit"].fn.__qualname__, case=launch["case"], num_warps=launch["options"].num_warps,
-               num_stages=launch["options"].num_stages, max_grid=list(launch["grid"]), signature={k: str(v) for k, v in launch["signature"].items()})
+    options = launch["options"]
+    row = dict(kernel=launch["jit"].fn.__qualname__, case=launch["case"], num_warps=options.num_warps,
+               num_stages=options.num_stages, max_grid=list(launch["grid"]),
+               signature={k: str(v) for k, v in launch["signature"].items()})
     try:
         source = ASTSource(launch["jit"], launch["signature"], launch["constexprs"], launch["attrs"])
-        compiled = triton.compile(source, target=target, options=launch["options"].__dict__)
+        compiled = triton.compile(source, target=target, options=options.__dict__)
     except Exception as e:
         return dict(row, ok=False, error=f"{type(e).__name__}: {e}", seconds=round(time.time() - t0, 2))
-    row.update(resources(compiled.asm["cubin"], triton), shared_bytes=compiled.metadata.shared,
+    row.update(resources(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared,
                seconds=round(time.time() - t0, 2))
     regs_per_block = row["regs"] * 32 * row["num_warps"]
     problems = []
@@ -163,6 +168,9 @@ def compile_launch(launch, target, limits) -> dict:
     if any(g > m for g, m in zip(launch["grid"], MAX_GRID)):
         problems.append(f"grid {launch['grid']} > {MAX_GRID}")
     return dict(row, ok=not problems, error="; ".join(problems) or None)
+
+
+_LAUNCHES = None  # (launches, target, limits) that forked compile workers inherit
 
 
 def compile_all(launches, target, limits) -> list:
@@ -216,7 +224,8 @@ def summary(rows, arch) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, choices=sorted(LIMITS), help="CUDA compute capability")
-    parser.add_argument("--json", default=os.path.join(os.environ["OUT"], "compile_kernels.json") if os.environ.get("OUT") else None)
+    parser.add_argument("--json", help="where to write the details (default $OUT/compile_kernels.json when OUT is set)",
+                        default=os.path.join(os.environ["OUT"], "compile_kernels.json") if os.environ.get("OUT") else None)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: interpreted kernels are not compiled; unset it")
