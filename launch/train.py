@@ -167,14 +167,32 @@ def optimizer_state_line(rank: int, layout, state_bytes: int, stage_params: int)
             f"= {state_bytes * layout.dp / stage_params:.3f} x stage parameters / dp")
 
 
+def fail(error, status: int = 2):
+    """One line on stderr, this rank's process group torn down, then exit with `status`.
+
+    Without the teardown a rank can abort at exit (SIGABRT, "terminate called without an active
+    exception") instead of exiting with the status.
+    """
+    print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(status)
+
+
+def print_line(text: str) -> None:
+    """Print a line every rank prints in one write: the launcher runs ranks unbuffered (python -u),
+    where print's separate newline lets the lines of ranks sharing a pipe run together."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def main(argv=None) -> dict:
     """Train; returns this rank's summary: logged records, optimizer-state bytes, stage parameter count."""
     args = parse_args(argv)
     try:
         plan = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))
     except LayoutError as e:
-        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(e)
 
     init_distributed()
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -183,8 +201,7 @@ def main(argv=None) -> dict:
     try:
         check_placement(topology(layout.tp, layout.pp, layout.dp))
     except PlacementError as e:
-        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(e)
     settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
     try:
         resume = checkpointing.open_for_run(args.load, args.save, model_config)
@@ -194,8 +211,7 @@ def main(argv=None) -> dict:
             checkpointing.check_trainer(trainer)
         first_step = checkpointing.load(trainer, resume, model_config) if resume else 0
     except CheckpointError as e:
-        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(e)
     stop, guard = StopRequest(), NonFiniteGuard(trainer.engine, trainer.module, args.max_skipped_steps)
     watchdog = Watchdog(args.step_timeout)
     train, valid = plan.data.train, plan.data.valid
@@ -217,12 +233,11 @@ def main(argv=None) -> dict:
         steps_timed += 1
         if step == 0:  # torch's AdamW allocates its moments in the first step
             summary["optimizer_state_bytes"] = optimizer_state_bytes(trainer.optimizer, trainer.module)
-            print(optimizer_state_line(rank, layout, summary["optimizer_state_bytes"], stage_params), flush=True)
+            print_line(optimizer_state_line(rank, layout, summary["optimizer_state_bytes"], stage_params))
         try:
             guard.after_step(step, loss)
         except NonFiniteSteps as e:
-            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            fail(e, status=1)
         evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == args.train_iters - 1)
         val_loss = None
         if evaluate:
