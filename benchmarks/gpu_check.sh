@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH   # the `deepspeed` launcher is in /tmp/site/bin
 src=.whl/mamba_ssm-src
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

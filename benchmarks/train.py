@@ -60,7 +60,14 @@ def _paths(size):
 
 
 def _train_flags(size, steps, seq_length, peak_tflops, metrics):
+    """launch/train.py's flags for a size; its DeepSpeed config is copied beside `metrics` without the
+    tensorboard block: event files are not what is measured, and the GPU machine has no tensorboard."""
     ds_config, model_config = _paths(size)
+    with open(ds_config) as f:
+        config = {k: v for k, v in json.load(f).items() if k != "tensorboard"}
+    ds_config = os.path.join(os.path.dirname(metrics), "ds_config.json")
+    with open(ds_config, "w") as f:
+        json.dump(config, f)
     return [os.path.join(REPO, "launch/train.py"), "--deepspeed_config", ds_config, "--model-config", model_config,
             "--train-iters", str(steps), "--seq-length", str(seq_length), "--log-interval", "1",
             "--metrics-jsonl", metrics, "--peak-tflops", str(peak_tflops)]

@@ -1,7 +1,9 @@
 """benchmarks/train.py runs only on a GPU; here: it imports, answers --help, and its summaries are right."""
 import importlib.util
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,11 @@ def test_mamba_ssm_loads_where_transformers_is_missing(bench, tmp_path, monkeypa
     assert [c.__name__ for c in classes] == ["MambaLMHeadModel", "MambaConfig"]
     for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
         del sys.modules[name]
+
+
+def test_our_runs_write_no_tensorboard_files(bench, tmp_path):
+    """The GPU machine has no tensorboard; the configs' tensorboard block is left out of the benchmark's copy."""
+    flags = bench._train_flags("130m", 3, 2048, 989.0, str(tmp_path / "metrics.jsonl"))
+    config = json.loads(Path(flags[flags.index("--deepspeed_config") + 1]).read_text())
+    assert "tensorboard" not in config and config["zero_optimization"] == {"stage": 1}
+    assert "tensorboard" in json.loads(Path(bench._paths("130m")[0]).read_text())
