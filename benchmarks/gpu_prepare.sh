@@ -2,7 +2,8 @@
 # Prepare what a GPU session carries to the lent machine (one H200: torch 2.11, Triton 3.6, no
 # DeepSpeed, no network), on this machine, into .whl/ (ignored by git, never committed):
 #   - DeepSpeed 0.19.8 and the packages it lacks there, as wheels (shared/device/prepare.sh);
-#   - einops, which mamba_ssm imports;
+#   - what launch/train.py and mamba_ssm import beyond torch and DeepSpeed: safetensors, tokenizers,
+#     sentencepiece, einops (wheels for its Python 3.12; whatever it has is shadowed by them);
 #   - the Python files of mamba_ssm 2.3.2.post1's source release (.whl/mamba_ssm-src/), which the
 #     benchmarks compare against (its CUDA extension is never built: the benchmarks stub it).
 # Then one device call carrying .whl runs every check: `bash benchmarks/gpu_check.sh`.
@@ -10,7 +11,9 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 . .venv/bin/activate
 bash ../shared/device/prepare.sh
-python -m pip download -q --no-deps "einops==0.8.2" -d .whl
+python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl "safetensors==0.8.0" "tokenizers==0.23.3" "sentencepiece==0.2.3" "einops==0.8.2"
 if [ ! -d .whl/mamba_ssm-src/mamba_ssm ]; then
   tmp=$(mktemp -d)
   MAMBA_SKIP_CUDA_BUILD=TRUE python -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
