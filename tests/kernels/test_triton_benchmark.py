@@ -1,5 +1,6 @@
 """benchmarks/kernels.py (a GPU-only script): the parts that must be right before it ever runs
-on a GPU — its layer shapes, FLOP count, mamba_ssm loading and command line."""
+on a GPU — its layer shapes, FLOP count, mamba_ssm loading and command line — and its correctness
+and timing sections run end to end on the CPU with the reference standing in for the kernels."""
 import importlib.util
 import os
 import sys
@@ -69,3 +70,39 @@ def test_help_parses_on_a_machine_without_gpu(bench, capsys):
         bench.main(["--help"])
     assert exit_info.value.code == 0
     assert "--mamba-ssm-src" in capsys.readouterr().out
+
+
+@pytest.fixture
+def small_benchmark(bench, monkeypatch):
+    """The benchmark on the CPU at small shapes, the PyTorch reference standing in for every kernel
+    (and for mamba_ssm), one call per timing: its GPU-only paths run end to end."""
+    from megamamba.kernels.reference.ssd import ssd_chunk_scan
+    reference = {name: (ref, ref) for name, (_, ref) in bench.ops().items()}
+    mamba2_shape, mamba1_shape = bench.mamba2_shape, bench.mamba1_shape
+    monkeypatch.setattr(bench, "ops", lambda: reference)
+    monkeypatch.setattr(bench, "load_mamba_ssm", lambda src: (ssd_chunk_scan, "the reference standing in"))
+    monkeypatch.setattr(bench, "cuda_time", lambda fn: fn() or 1.0)
+    monkeypatch.setattr(bench, "mamba2_shape", lambda d: mamba2_shape(d, tokens=96, seqlen=48))
+    monkeypatch.setattr(bench, "mamba1_shape", lambda d: mamba1_shape(d, tokens=96, seqlen=48))
+    monkeypatch.setattr(bench, "MAMBA2_D_MODEL", {"tiny": 64})
+    monkeypatch.setattr(bench, "MAMBA1_D_MODEL", {"tiny": 32})
+    monkeypatch.setattr(bench, "TOKENS", 96)
+    monkeypatch.setattr(bench, "LONG_SEQLEN", 300)
+    return bench
+
+
+def test_timing_measures_every_op_and_compares_ssd_with_mamba_ssm(small_benchmark):
+    rows, how = small_benchmark.timing("cpu", "unused")
+    assert how == "the reference standing in"
+    assert [(r["op"], r["layer"]) for r in rows] == [("ssd_chunk_scan", "mamba2-tiny"), ("causal_conv1d", "mamba2-tiny"),
+                                                     ("rmsnorm_gated", "mamba2-tiny"), ("selective_scan", "mamba1-tiny")]
+    assert rows[0]["vs_mamba_ssm_fwd_bwd"] == 1.0 and rows[0]["vs_reference_fwd_bwd"] == 1.0
+    table = small_benchmark.summary([], rows)
+    assert "ssd_chunk_scan  mamba2-tiny" in table and "1.00" in table
+
+
+@pytest.mark.slow
+def test_correctness_check_passes_when_the_kernels_are_the_reference(small_benchmark):
+    checks = small_benchmark.correctness("cpu")
+    assert len(checks) == 13 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    assert {c["dtype"] for c in checks} == {"float32", "bfloat16"}
