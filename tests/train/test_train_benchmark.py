@@ -1,6 +1,10 @@
-"""benchmarks/train.py runs only on a GPU; here: it imports, answers --help, and its summaries are right."""
+"""benchmarks/train.py runs only on a GPU; here: it imports, answers --help, its summaries are right,
+and its runs of our engine (one rank, and through the deepspeed launcher) train on a tiny CPU config."""
+import argparse
 import importlib.util
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +91,18 @@ def test_our_runs_write_no_tensorboard_files(bench, tmp_path):
     config = json.loads(Path(flags[flags.index("--deepspeed_config") + 1]).read_text())
     assert "tensorboard" not in config and config["zero_optimization"] == {"stage": 1}
     assert "tensorboard" in json.loads(Path(bench._paths("130m")[0]).read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [False, True], ids=["one-rank", "deepspeed-launcher"])
+def test_our_runs_train_and_report_throughput(bench, monkeypatch, launcher):
+    """run_ours as the GPU benchmark calls it, on the tiny CPU config: one rank started directly,
+    or through `deepspeed --num_gpus 1` found on PATH."""
+    monkeypatch.setattr(bench, "_paths", lambda size: (str(ROOT / "launch/configs/tiny-cpu.json"),
+                                                       str(ROOT / "launch/models/tiny-mamba2.json")))
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    args = argparse.Namespace(steps=3, warmup=1, seq_length=64, peak_tflops=1.0, launch_steps=2)
+    result = bench.run_ours("tiny", args, launcher=launcher)
+    assert "error" not in result, result.get("error")
+    assert result["tokens_per_s"] > 0 and result["mfu"] == pytest.approx(result["tflops_per_device"])
+    assert math.isfinite(result["final_loss"])
