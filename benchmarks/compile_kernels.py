@@ -10,8 +10,9 @@ benchmark (benchmarks/kernels.py) checks and times, in float32 and bfloat16, pas
 and from a training step of a Mamba-1 and a Mamba-2 layer (float32 and bf16 autocast, with and
 without documents). Each kernel's registers, local-memory (spill) bytes and shared memory are
 read from its cubin and checked against what one block may use on the target, and the largest
-grid it was launched with against CUDA's grid limits. Exit 1 if a kernel fails to compile or
-does not fit; a short table is printed last, details go to --json.
+grid it was launched with against CUDA's grid limits; the occupancy they allow (resident warps
+per SM) is reported. Exit 1 if a kernel fails to compile or does not fit; a short table is
+printed last, details go to --json.
 Run it without TRITON_INTERPRET, whose kernels are not compiled.
 """
 import argparse
@@ -31,9 +32,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-# What one block may use: registers (the register file) and shared memory (the opt-in maximum).
-LIMITS = {90: dict(gpu="sm_90 (H100/H200)", regs_per_block=65536, shared_bytes=232448),
-          80: dict(gpu="sm_80 (A100)", regs_per_block=65536, shared_bytes=166912)}
+# What one block may use (registers; shared memory, the opt-in maximum) and what one SM holds.
+LIMITS = {90: dict(gpu="sm_90 (H100/H200)", regs_per_block=65536, shared_bytes=232448,
+                   regs_per_sm=65536, shared_per_sm=233472, warps_per_sm=64, blocks_per_sm=32),
+          80: dict(gpu="sm_80 (A100)", regs_per_block=65536, shared_bytes=166912,
+                   regs_per_sm=65536, shared_per_sm=167936, warps_per_sm=64, blocks_per_sm=32)}
 MAX_GRID = (2**31 - 1, 65535, 65535)  # programs along x, y, z of one launch (every CUDA GPU)
 
 
@@ -143,6 +146,16 @@ def resources(cubin: bytes) -> dict:
     return dict(regs=int(m.group(1)), stack_bytes=int(m.group(2)), local_bytes=int(m.group(4)))
 
 
+def resident_warps(regs: int, num_warps: int, shared_bytes: int, limits) -> int:
+    """Warps of this kernel one SM can hold at once (occupancy), from its registers (allocated per
+    warp in units of 256) and shared memory (plus 1 KiB the driver reserves per block)."""
+    regs_per_warp = -(-regs * 32 // 256) * 256
+    blocks = min(limits["blocks_per_sm"], limits["warps_per_sm"] // num_warps,
+                 limits["regs_per_sm"] // (regs_per_warp * num_warps),
+                 limits["shared_per_sm"] // (shared_bytes + 1024))
+    return blocks * num_warps
+
+
 def compile_launch(launch, target, limits) -> dict:
     """Compile one recorded specialization for `target`; its resources, and ok or what is wrong."""
     import triton
@@ -159,6 +172,7 @@ def compile_launch(launch, target, limits) -> dict:
         return dict(row, ok=False, error=f"{type(e).__name__}: {e}", seconds=round(time.time() - t0, 2))
     row.update(resources(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared,
                seconds=round(time.time() - t0, 2))
+    row["warps_per_sm"] = resident_warps(row["regs"], row["num_warps"], row["shared_bytes"], limits)
     regs_per_block = row["regs"] * 32 * row["num_warps"]
     problems = []
     if regs_per_block > limits["regs_per_block"]:
@@ -205,9 +219,11 @@ def record_launches(target) -> tuple:
 
 
 def summary(rows, arch) -> str:
-    """One line per kernel: specializations, worst registers / spills / shared memory, failures."""
+    """One line per kernel: specializations, worst registers / spills / shared memory / occupancy
+    (resident warps per SM, of 64), failures."""
     lines = [f"Triton kernels compiled for {LIMITS[arch]['gpu']}",
-             f"{'kernel':24s} {'specs':>5s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'shared KiB':>10s}  status"]
+             f"{'kernel':24s} {'specs':>5s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'shared KiB':>10s} "
+             f"{'warps/SM':>8s}  status"]
     for kernel in sorted({r["kernel"] for r in rows}):
         mine = [r for r in rows if r["kernel"] == kernel]
         done = [r for r in mine if "regs" in r]
@@ -216,8 +232,9 @@ def summary(rows, arch) -> str:
         regs = max((r["regs"] for r in done), default=0)
         spill = max((r["local_bytes"] for r in done), default=0)
         shared = max((r["shared_bytes"] for r in done), default=0) / 1024
+        resident = min((r["warps_per_sm"] for r in done), default=0)
         status = "ok" if not failed else f"FAILED {len(failed)}: {failed[0]['error'][:200]}"
-        lines.append(f"{kernel:24s} {len(mine):5d} {warps:>5s} {regs:5d} {spill:8d} {shared:10.1f}  {status}")
+        lines.append(f"{kernel:24s} {len(mine):5d} {warps:>5s} {regs:5d} {spill:8d} {shared:10.1f} {resident:8d}  {status}")
     return "\n".join(lines)
 
 

@@ -101,7 +101,7 @@ def test_a_kernel_that_does_not_compile_is_reported(tmp_path):
 
 
 def test_a_kernel_over_the_register_or_shared_memory_limit_is_reported(tmp_path):
-    row = probe(tmp_path, block=64, limits="dict(regs_per_block=1024, shared_bytes=1024)")
+    row = probe(tmp_path, block=64, limits="dict(compile_kernels.LIMITS[90], regs_per_block=1024, shared_bytes=1024)")
     assert not row["ok"]
     assert f"{row['regs'] * 128} registers per block > 1024" in row["error"]
     assert f"{row['shared_bytes']} B shared memory > 1024" in row["error"]
