@@ -105,3 +105,16 @@ def test_a_kernel_over_the_register_or_shared_memory_limit_is_reported(tmp_path)
     assert not row["ok"]
     assert f"{row['regs'] * 128} registers per block > 1024" in row["error"]
     assert f"{row['shared_bytes']} B shared memory > 1024" in row["error"]
+
+
+def test_occupancy_is_limited_by_registers_shared_memory_or_the_warp_count():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import compile_kernels
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    sm90 = compile_kernels.LIMITS[90]
+    assert compile_kernels.resident_warps(255, 8, 149_000, sm90) == 8     # registers: one block of 8 warps
+    assert compile_kernels.resident_warps(40, 4, 100_000, sm90) == 8      # shared memory: two blocks
+    assert compile_kernels.resident_warps(32, 4, 0, sm90) == 64           # the SM's 64 warps
+    assert compile_kernels.resident_warps(33, 4, 0, sm90) == 48           # 33 registers are allocated as 40
