@@ -34,7 +34,14 @@ from megamamba.parallel.groups import init_distributed, shutdown_distributed, to
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines import checkpointing
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
-from megamamba.pipelines.faults import NonFiniteGuard, NonFiniteSteps, StopRequest, Watchdog
+from megamamba.pipelines.faults import (
+    NonFiniteGuard,
+    NonFiniteSteps,
+    StopRequest,
+    Watchdog,
+    check_max_skipped_steps,
+    check_step_timeout,
+)
 from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
@@ -137,9 +144,11 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         checkpointing.check_flags(args.save, args.load, args.save_interval, args.keep_last)
     except CheckpointError as e:
         raise LayoutError(str(e)) from None
-    if args.max_skipped_steps < 1 or args.step_timeout < 0:
-        raise LayoutError(f"--max-skipped-steps {args.max_skipped_steps} must be >= 1 and --step-timeout "
-                          f"{args.step_timeout} >= 0")
+    try:
+        check_max_skipped_steps(args.max_skipped_steps)
+        check_step_timeout(args.step_timeout)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
     return RunPlan(layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule,
                    tensorboard_dir(args, ds_config), data)
 

@@ -13,7 +13,8 @@ guard reads to warn and to abort after `max_in_a_row` consecutive skips.
 
 Stalls: `Watchdog` ends the process (exit 1) when no step boundary is reached within `timeout`
 seconds, so a rank stuck in a collective with a vanished peer cannot hang the job; it is armed
-after the first step (first-time op builds happen before) and paused around saves and evaluations.
+after the first step (first-time op builds happen before) and paused around saves (an evaluation
+counts toward the step it follows).
 
 Test hook: MEGAMAMBA_TEST_NAN_STEPS="3,4" turns the gradient of the first parameter of global
 rank 0 to NaN in those (0-based) steps.
@@ -30,6 +31,16 @@ import torch
 import torch.distributed as dist
 
 NAN_HOOK = "MEGAMAMBA_TEST_NAN_STEPS"
+
+
+def check_max_skipped_steps(max_in_a_row: int) -> None:
+    if max_in_a_row < 1:
+        raise ValueError(f"--max-skipped-steps {max_in_a_row}: must be >= 1")
+
+
+def check_step_timeout(timeout: float) -> None:
+    if timeout < 0:
+        raise ValueError(f"--step-timeout {timeout}: must be >= 0 (0: off)")
 
 
 class StopRequest:
@@ -57,8 +68,7 @@ class NonFiniteGuard:
     """Skips non-finite steps (see module docstring) and counts them in a row."""
 
     def __init__(self, engine, module: torch.nn.Module, max_in_a_row: int):
-        if max_in_a_row < 1:
-            raise ValueError(f"--max-skipped-steps {max_in_a_row}: must be >= 1")
+        check_max_skipped_steps(max_in_a_row)
         self.engine, self.max_in_a_row, self.in_a_row = engine, max_in_a_row, 0
         self._skipped_before = engine.skipped_steps
         if isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization():
@@ -107,8 +117,7 @@ class Watchdog:
     """Exit 1 when no `beat()` comes within `timeout` seconds (0: off); armed by the first beat."""
 
     def __init__(self, timeout: float):
-        if timeout < 0:
-            raise ValueError(f"--step-timeout {timeout}: must be >= 0 (0: off)")
+        check_step_timeout(timeout)
         self.timeout, self._last, self._paused = timeout, None, 0
         if timeout:
             threading.Thread(target=self._watch, daemon=True, name="megamamba-watchdog").start()
@@ -118,7 +127,7 @@ class Watchdog:
 
     @contextlib.contextmanager
     def paused(self):
-        """No deadline inside (saves, evaluations); the clock restarts after."""
+        """No deadline inside (saves); the clock restarts after."""
         self._paused += 1
         try:
             yield

@@ -108,6 +108,8 @@ def _prepare(tmp_path, world=1, ds=None, model=None, flags=()):
     (["--min-lr", "1.0", "--lr", "0.1"], "min lr 1.0"),
     (["--partition-method", "balanced"], "partition method 'balanced'"),
     (["--checkpoint-activations-interval", "-1"], "--checkpoint-activations-interval -1"),
+    (["--max-skipped-steps", "0"], "--max-skipped-steps 0: must be >= 1"),
+    (["--step-timeout", "-1"], "--step-timeout -1.0: must be >= 0"),
 ])
 def test_bad_flags_are_refused_before_any_process_group(tmp_path, flags, words):
     with pytest.raises(LayoutError, match=re.escape(words)):
