@@ -11,19 +11,15 @@ launcher under another command (e.g. `ip netns exec <ns>`).
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAIN_PY = ROOT / "launch" / "train.py"
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+from train_entry import DEEPSPEED
 
 
 def write_hostfile(path: Path, slots_per_host: dict) -> Path:
@@ -110,10 +106,3 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2) -> flo
         time.sleep(interval)
     return time.monotonic() - start
 
-
-def read_metrics(path: Path) -> list:
-    """The records of a --metrics-jsonl file (complete lines only)."""
-    if not path.exists():
-        return []
-    lines = path.read_text().split("\n")[:-1]
-    return [json.loads(line) for line in lines]

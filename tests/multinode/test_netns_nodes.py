@@ -12,16 +12,15 @@ import pytest
 
 import netns
 from harness import (
-    TRAIN_PY,
     launcher_env,
     node_alive,
-    read_metrics,
     start_node,
     stop_all,
     wait_for,
     wait_node,
     write_hostfile,
 )
+from train_entry import TRAIN_PY, read_metrics
 from training_runs import assert_same_curve, train_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))]

@@ -13,7 +13,8 @@ import pytest
 
 import sshd
 from distributed import free_port
-from harness import DEEPSPEED, TRAIN_PY, read_metrics, write_hostfile
+from harness import write_hostfile
+from train_entry import DEEPSPEED, TRAIN_PY, read_metrics
 from training_runs import assert_same_curve, train_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sshd.unavailable() is not None, reason=str(sshd.unavailable()))]

@@ -116,7 +116,7 @@ def test_report_refuses_what_the_check_refuses():
 def test_the_hostfile_example_parses_and_fits_the_layout_its_comment_shows():
     from deepspeed.launcher.runner import fetch_hostfile
 
-    from harness import ROOT
+    from train_entry import ROOT
 
     slots = fetch_hostfile(str(ROOT / "launch/hostfile.example"))
     assert dict(slots) == {"node1": 8, "node2": 8}

@@ -11,17 +11,15 @@ import pytest
 
 from distributed import free_port
 from harness import (
-    ROOT,
-    TRAIN_PY,
     kill_node,
     node_alive,
-    read_metrics,
     start_node,
     stop_all,
     wait_for,
     wait_node,
     write_hostfile,
 )
+from train_entry import ROOT, TRAIN_PY, read_metrics
 from training_runs import assert_same_curve, train_args
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from distributed import free_port
-from harness import DEEPSPEED, ROOT, TRAIN_PY, launcher_env, read_metrics
+from harness import launcher_env
+from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics
 
 TP, PP = 2, 2
 WORLD = 4

@@ -10,16 +10,15 @@ import os
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megamamba.tokenizer import find_tokenizer
+from train_entry import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 VAL_LOSS_MARGIN = 2.0  # nats below the step-0 loss (ln 2048 = 7.62 at initialisation)
 SCALARS = {"loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_peak_gb", "val_loss"}
 SAMPLE = re.compile(r"^=== sample (\d+): prompt '(.*)' ===$")

@@ -12,13 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-
-from distributed import free_port, run_ranks  # noqa: E402
-from train_entry import ROOT, TRAIN_PY, run_train  # noqa: E402
+from distributed import free_port, run_ranks
+from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 
 STEPS, SAVE_AT = 8, 4
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 COMMON = ["--train-iters", str(STEPS), "--seq-length", "32", "--log-interval", "1", "--lr", "1e-3", "--min-lr",
           "1e-4", "--lr-warmup-iters", "1", "--seed", "1234"]
 
@@ -89,10 +86,8 @@ class Runs:
                     "MASTER_PORT": str(free_port())}
         proc = subprocess.run([sys.executable, str(TRAIN_PY), *argv], cwd=out, capture_output=True, text=True,
                               timeout=300, env=self.env(**rank_env, **(env or {})))
-        jsonl = out / "metrics.jsonl"
-        records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
-        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "records": records,
-                "dir": out}
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                "records": read_metrics(out / "metrics.jsonl"), "dir": out}
 
     def launch(self, world: int, argv, out: Path) -> subprocess.Popen:
         """The real launcher in the background (its own session, so signals reach it alone)."""

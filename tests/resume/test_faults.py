@@ -16,15 +16,13 @@ from safetensors.torch import load_file
 
 from megamamba.checkpoint import Checkpoint, find_latest
 from resume_runs import STEPS, errors, losses
+from train_entry import read_metrics
 
 pytestmark = pytest.mark.slow
 
 
 def records_of(out):
-    import json
-
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_metrics(out / "metrics.jsonl")
 
 
 def wait_for_steps(proc, out, n, timeout=240):

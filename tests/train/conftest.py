@@ -8,19 +8,17 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from distributed import free_port, run_ranks
-from train_entry import ROOT, TRAIN_PY, run_train
+from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 
 N_LAYER = 3
 DS_CONFIG = ROOT / "launch/configs/tiny-cpu.json"
 COMMON = ["--train-iters", "5", "--seq-length", "32", "--log-interval", "1", "--lr", "1e-3", "--min-lr", "1e-4",
           "--lr-warmup-iters", "1", "--eval-interval", "5", "--eval-iters", "1", "--seed", "1234"]
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 
 
 def relative_curve_error(curve, reference):
@@ -77,10 +75,8 @@ class Runs:
                    *self._argv(mixer, flags, ds_config, out)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-            jsonl = out / "metrics.jsonl"
-            records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
             self._cache[key] = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
-                                "records": records, "dir": out}
+                                "records": read_metrics(out / "metrics.jsonl"), "dir": out}
         return self._cache[key]
 
 

@@ -1,15 +1,18 @@
-"""launch/train.py loaded as a module (it is a script), and a rank function that runs it.
+"""launch/train.py for the tests: its path, the venv's `deepspeed` launcher, the script loaded as a
+module, a rank function that runs it, and the records of a --metrics-jsonl file.
 
 `run_train(argv)` is top-level so `tests/distributed.run_ranks` can run it on spawned ranks
 (with init_process_group=False: train.py initialises DeepSpeed's process group itself).
 """
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = ROOT / "launch" / "train.py"
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 
 
 def load_train_script():
@@ -25,3 +28,11 @@ def run_train(argv, extensions_dir):
     """One rank of a training run; returns that rank's summary (records, optimizer-state bytes, ...)."""
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
     return load_train_script().main(list(argv))
+
+
+def read_metrics(path: Path) -> list:
+    """The records of a --metrics-jsonl file: its complete lines ([] before the file exists)."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines]
