@@ -16,7 +16,7 @@ import torch
 
 from megamamba.checkpoint import CheckpointError, resolve_load
 from megamamba.lm import MambaLM
-from megamamba.model_folder import load_model_folder
+from megamamba.model_folder import CONFIG_FILE, load_model_folder
 from megamamba.tokenizer import Tokenizer, check_vocab, find_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_folder_of(path: str) -> str:
     """`path` when it is a model folder, else the checkpoint that the save directory's `latest` names."""
-    if os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.isfile(os.path.join(path, CONFIG_FILE)):
         return path
     return resolve_load(path, flag="--checkpoint")
 

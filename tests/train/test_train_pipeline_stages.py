@@ -9,8 +9,6 @@ from train_entry import ROOT
 pytestmark = pytest.mark.slow
 
 SEED = 5
-
-
 CASES = [("launch/models/tiny-mamba2.json", True), ("launch/models/tiny-mamba1.json", False)]
 
 
@@ -18,13 +16,11 @@ def _stage_states(cases):
     """Per case: (pipe rank, local parameter names, mamba_ssm-named full state of this rank's stage)."""
     import dataclasses
 
-
     from megamamba import MambaConfig
-    from megamamba.parallel.groups import ParallelGroups
+    from megamamba.parallel.groups import ParallelGroups, init_distributed
     from megamamba.pipelines.engine import initial_state
     from megamamba.pipelines.module import build_pipeline_module
     from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict
-    from megamamba.parallel.groups import init_distributed
 
     init_distributed()
     groups = ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2)
