@@ -1,0 +1,159 @@
+"""What every section of the GPU check shares: its JSONL records, child processes with a streamed
+log and a hard timeout, mamba_ssm loaded from its source release with its autotuning capped, and
+the count of Triton compilations that the shipped cache answered.
+
+The check may be cut short at any moment, so nothing is kept for the end: each record is one
+line appended and flushed to $OUT/results.jsonl as soon as it is measured.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+RESULTS = "results.jsonl"
+COMPILES = "triton_compiles.jsonl"
+
+
+class Results:
+    """Appends one JSON object per measurement to <out>/results.jsonl, flushed at once."""
+
+    def __init__(self, out: str, section: str):
+        self.path, self.section, self.t0 = os.path.join(out, RESULTS), section, time.time()
+
+    def write(self, kind: str, **fields) -> dict:
+        record = {"section": self.section, "kind": kind, "t": round(time.time() - self.t0, 2), **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        print(f"[{self.section}] {kind}: " + " ".join(f"{k}={_short(v)}" for k, v in fields.items()), flush=True)
+        return record
+
+
+def _short(value):
+    return f"{value:.4g}" if isinstance(value, float) else str(value)[:160]
+
+
+def read_results(out: str) -> list:
+    """Every complete record of <out>/results.jsonl (a line cut by a kill is skipped)."""
+    path = os.path.join(out, RESULTS)
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return records
+
+
+def run_logged(cmd, log: str, timeout: float, env=None, cwd=None, grace: float = 10.0) -> dict:
+    """Run `cmd` in its own process group, its stdout and stderr streamed to `log`; past `timeout`
+    seconds the whole group gets SIGTERM (train.py saves and stops on it), then SIGKILL after
+    `grace`. Returns dict(rc, seconds, timed_out)."""
+    start = time.time()
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+    _signal_group(proc.pid, signal.SIGKILL)  # strays of a finished group (e.g. a launcher's ranks)
+    return dict(rc=proc.returncode, seconds=round(time.time() - start, 1), timed_out=timed_out)
+
+
+def _signal_group(pid: int, sig) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def count_triton_compiles(out: str, section: str) -> None:
+    """Log every Triton compilation of this process to <out>/triton_compiles.jsonl: cache_hit true
+    when the on-disk cache (TRITON_CACHE_DIR) held the kernel, false when it was compiled anew."""
+    try:
+        from triton import knobs
+    except ImportError:  # Triton without knobs (older than 3.4): nothing counted
+        return
+    path = os.path.join(out, COMPILES)
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        name = getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?")
+        with open(path, "a") as f:
+            f.write(json.dumps({"section": section, "kernel": name, "cache_hit": bool(cache_hit),
+                                "hash": metadata.get("hash")}) + "\n")
+    knobs.compilation.listener = listener
+
+
+# ----------------------------------------------------------------------------- mamba_ssm
+
+def names_only_module(name):
+    """A stand-in module every public name can be imported from (mamba_ssm's generation helpers
+    import transformers, which the GPU machine lacks; training never uses them)."""
+    module = types.ModuleType(name)
+
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return object
+    module.__getattr__ = __getattr__
+    return module
+
+
+def load_mamba_ssm(src: str):
+    """mamba_ssm from its unpacked source release (the folder holding mamba_ssm/) with its compiled
+    extension stubbed: a namespace of the entry points the check compares with, or (None, why not).
+
+    Every autotuned Triton kernel of mamba_ssm keeps only the first of its configurations (see
+    cap_autotuning), so its first use compiles one kernel per shape instead of timing a dozen.
+    """
+    if not src or not os.path.isdir(os.path.join(src, "mamba_ssm")):
+        return None, f"no mamba_ssm/ under {src!r}"
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    try:
+        import transformers.generation  # noqa: F401
+    except ImportError:
+        sys.modules.update({name: names_only_module(name) for name in
+                            ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub")})
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_ref
+        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as exc:  # noqa: BLE001 - reported as the reason, the check goes on without it
+        return None, f"import failed: {exc!r:.300}"
+    capped = cap_autotuning("mamba_ssm.ops.triton")
+    return types.SimpleNamespace(mamba_chunk_scan_combined=mamba_chunk_scan_combined, rmsnorm_fn=rmsnorm_fn,
+                                 selective_scan_ref=selective_scan_ref, MambaLMHeadModel=MambaLMHeadModel,
+                                 MambaConfig=MambaConfig), f"imported; autotuning capped to one config in {capped}"
+
+
+def cap_autotuning(prefix: str) -> list:
+    """Keep the first configuration of every triton.autotune in the loaded modules under `prefix`
+    (an autotuner with one configuration runs it without benchmarking); the capped kernels' names."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    capped = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(prefix) or module is None:
+            continue
+        for attr, value in vars(module).items():
+            while isinstance(value, Heuristics):
+                value = value.fn
+            if isinstance(value, Autotuner) and len(value.configs) > 1:
+                value.configs = value.configs[:1]
+                capped.append(attr)
+    return sorted(set(capped))

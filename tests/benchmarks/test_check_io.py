@@ -1,0 +1,39 @@
+"""The GPU check's plumbing: records are on disk as soon as they are written, and a child past its
+timeout is stopped (SIGTERM, then SIGKILL) together with its own children."""
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from check_io import Results, read_results, run_logged  # noqa: E402
+
+
+def test_each_record_is_on_disk_when_written_and_a_cut_line_is_skipped(tmp_path):
+    results = Results(str(tmp_path), "errors")
+    results.write("error", op="ssd_chunk_scan", ours=1e-3)
+    assert read_results(str(tmp_path))[0]["ours"] == 1e-3
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write('{"section": "timings", "kind": "tim')  # a writer killed mid-line
+    results.write("error", op="rmsnorm_gated", ours=2e-3)
+    assert [r["op"] for r in read_results(str(tmp_path))] == ["ssd_chunk_scan"]
+
+
+def test_a_child_that_ignores_sigterm_is_killed_with_its_children(tmp_path):
+    log = tmp_path / "child.log"
+    script = "trap 'echo got TERM' TERM; sleep 60 & echo $! > pid; echo started; wait; sleep 60"
+    start = time.time()
+    status = run_logged(["bash", "-c", script], str(log), timeout=1.5, cwd=tmp_path, grace=1.0)
+    assert status["timed_out"] and status["rc"] != 0 and time.time() - start < 10
+    assert "started" in log.read_text() and "got TERM" in log.read_text()
+    grandchild = int((tmp_path / "pid").read_text())
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{grandchild}") or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+
+
+def test_a_finished_child_reports_its_exit_status(tmp_path):
+    status = run_logged(["bash", "-c", "echo hi; exit 3"], str(tmp_path / "log"), timeout=30)
+    assert status == {"rc": 3, "seconds": status["seconds"], "timed_out": False}
+    assert (tmp_path / "log").read_text() == "hi\n"
