@@ -11,8 +11,8 @@ layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1) and Mamba-1 l
 and the time ratio against mamba_ssm's Triton SSD (mamba_chunk_scan_combined) when its Python
 sources are given (--mamba-ssm-src: the unpacked PyPI source release; its CUDA extension is
 replaced by a stub module) and against our PyTorch reference.
-A short table is printed last; details go to --json (default $OUT/kernels_benchmark.json when
-OUT is set).
+megamamba is imported as installed, never from the checkout. A short table is printed last;
+details go to --json (default $OUT/kernels_benchmark.json when OUT is set).
 """
 import argparse
 import json
@@ -23,10 +23,6 @@ import time
 import types
 
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 PEAK_TFLOPS = 790.0     # measured bf16 matmul ceiling of the H200 this was written for
 PEAK_GBPS = 4300.0      # measured device-copy ceiling

@@ -14,20 +14,20 @@ Reported per run: tokens/s, TFLOP/s (megamamba.flops, the same count for both), 
 --peak-tflops, peak GPU memory; the first --warmup steps (compilation, autotuning) are left out.
 mamba_ssm comes from its unpacked source release (--mamba-ssm-src, the folder holding mamba_ssm/);
 its compiled extension and the modules of its package that only generation needs are stubbed.
+megamamba is imported as installed (`pip install -e .`, or benchmarks/gpu_check.sh's site folder),
+never from the checkout: megamamba.kernels and megamamba.pipelines exist only once installed.
 """
 import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # check_io beside it, never the checkout
 
 SIZES = ("130m", "370m", "1.3b", "2.7b")
 H200_PEAK_TFLOPS = 989.0  # dense bf16, the H100/H200 datasheet figure
@@ -59,10 +59,9 @@ def _paths(size):
             os.path.join(REPO, f"launch/models/mamba2-{size}.json"))
 
 
-def _train_flags(size, steps, seq_length, peak_tflops, metrics):
-    """launch/train.py's flags for a size; its DeepSpeed config is copied beside `metrics` without the
+def _train_flags(ds_config, model_config, steps, seq_length, peak_tflops, metrics):
+    """launch/train.py's flags; its DeepSpeed config is copied beside `metrics` without the
     tensorboard block: event files are not what is measured, and the GPU machine has no tensorboard."""
-    ds_config, model_config = _paths(size)
     with open(ds_config) as f:
         config = {k: v for k, v in json.load(f).items() if k != "tensorboard"}
     ds_config = os.path.join(os.path.dirname(metrics), "ds_config.json")
@@ -84,35 +83,36 @@ def averaged(records, warmup):
 
 def run_ours(size, args, launcher=False):
     """launch/train.py on one GPU, as a plain process (one rank) or through the deepspeed launcher."""
+    return train_ours(*_paths(size), args.launch_steps if launcher else args.steps, 1 if launcher else args.warmup,
+                      args.seq_length, args.peak_tflops, launcher)
+
+
+def train_ours(ds_config, model_config, steps, warmup, seq_length, peak_tflops, launcher=False, log=None,
+               timeout=None):
+    """Averaged metrics of launch/train.py on one device, with the installed megamamba (the checkout
+    is not put on the import path). Its output streams to `log` (a temporary file when None, its
+    tail returned on failure); past `timeout` seconds it is stopped (SIGTERM, then SIGKILL)."""
+    from check_io import run_logged
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        steps = args.launch_steps if launcher else args.steps
-        flags = _train_flags(size, steps, args.seq_length, args.peak_tflops, metrics)
-        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        flags = _train_flags(ds_config, model_config, steps, seq_length, peak_tflops, metrics)
+        env = dict(os.environ)
         if launcher:
             cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(_free_port()), *flags]
         else:
             cmd = [sys.executable, *flags]
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        started = time.time()
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            return {"error": (proc.stdout + proc.stderr)[-1500:]}
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f]
-    return {**averaged(records, 1 if launcher else args.warmup), "wall_s": time.time() - started}
-
-
-def _names_only_module(name):
-    """A stand-in module every public name can be imported from: training never uses them."""
-    module = types.ModuleType(name)
-
-    def __getattr__(attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return object
-    module.__getattr__ = __getattr__
-    return module
+        log = log or os.path.join(tmp, "train.log")
+        status = run_logged(cmd, log, timeout or 24 * 3600, env=env, cwd=tmp)
+        records = []
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                records = [json.loads(line) for line in f if line.endswith("\n")]
+        if status["rc"] != 0 or not records:
+            with open(log, errors="replace") as f:
+                return {"error": f"exit {status['rc']}{' (timed out)' if status['timed_out'] else ''}: "
+                                 + f.read()[-1500:], "wall_s": status["seconds"]}
+    return {**averaged(records, warmup), "wall_s": status["seconds"]}
 
 
 def load_mamba_ssm(src):
@@ -121,10 +121,11 @@ def load_mamba_ssm(src):
         return None, f"no mamba_ssm/ under --mamba-ssm-src={src!r}"
     sys.path.insert(0, src)
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    from check_io import names_only_module
     try:
         import transformers.generation  # noqa: F401  (mamba_ssm's generation and hub helpers import it)
     except ImportError:
-        sys.modules.update({name: _names_only_module(name) for name in
+        sys.modules.update({name: names_only_module(name) for name in
                             ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub")})
     try:
         from mamba_ssm.models.config_mamba import MambaConfig
@@ -136,6 +137,12 @@ def load_mamba_ssm(src):
 
 def run_mamba_ssm(size, args, classes):
     """mamba_ssm's model, AMP bf16, fused torch AdamW, same batch split as our config."""
+    return train_mamba_ssm(classes, *_paths(size), args.steps, args.warmup, args.seq_length, args.peak_tflops)
+
+
+def train_mamba_ssm(classes, ds_config, model_config, steps, warmup, seq_length, peak_tflops, device="cuda"):
+    """mamba_ssm's MambaLMHeadModel trained on `device` with autocast(bf16) and torch AdamW on float32
+    parameters, the micro-batch, accumulation and clipping of our DeepSpeed config; averaged metrics."""
     import torch
     import torch.nn.functional as F
 
@@ -143,39 +150,44 @@ def run_mamba_ssm(size, args, classes):
     from megamamba.flops import training_flops_per_token
 
     MambaLMHeadModel, TheirConfig = classes
-    ds_config, model_config = _paths(size)
+    device = torch.device(device)
+    cuda = device.type == "cuda"
     with open(ds_config) as f:
         batch = json.load(f)
-    micro, accum = batch["train_micro_batch_size_per_gpu"], batch["gradient_accumulation_steps"]
+    micro = batch["train_micro_batch_size_per_gpu"]
+    accum = batch.get("gradient_accumulation_steps") or batch.get("train_batch_size", micro) // micro
     ours = OurConfig.from_json(model_config)
     fields = {**ours.to_dict(), "ssm_cfg": {**ours.ssm_cfg, "use_mem_eff_path": False}}
-    model = MambaLMHeadModel(TheirConfig(**fields), device="cuda", dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    ids = torch.randint(0, ours.vocab_size, (micro, args.seq_length + 1), device="cuda")
+    model = MambaLMHeadModel(TheirConfig(**fields), device=device, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    ids = torch.randint(0, ours.vocab_size, (micro, seq_length + 1), device=device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
-    flops_per_step = training_flops_per_token(ours, args.seq_length) * micro * accum * args.seq_length
-    torch.cuda.reset_peak_memory_stats()
+    flops_per_step = training_flops_per_token(ours, seq_length) * micro * accum * seq_length
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
+    for _ in range(steps):
+        sync()
         start = time.perf_counter()
         for _ in range(accum):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(inputs).logits
             loss = F.cross_entropy(logits[..., : ours.vocab_size].float().flatten(0, 1), labels.flatten()) / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
-    seconds = sum(times[args.warmup:]) / max(1, len(times[args.warmup:]))
+    seconds = sum(times[warmup:]) / max(1, len(times[warmup:]))
     tflops = flops_per_step / seconds / 1e12
-    result = {"tokens_per_s": micro * accum * args.seq_length / seconds, "tflops_per_device": tflops,
-              "mfu": tflops / args.peak_tflops, "mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+    result = {"tokens_per_s": micro * accum * seq_length / seconds, "tflops_per_device": tflops,
+              "mfu": tflops / peak_tflops, "mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "final_loss": loss.item() * accum}
     del model, optimizer
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return result
 
 

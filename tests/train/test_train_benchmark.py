@@ -87,7 +87,7 @@ def test_mamba_ssm_loads_where_transformers_is_missing(bench, tmp_path, monkeypa
 
 def test_our_runs_write_no_tensorboard_files(bench, tmp_path):
     """The GPU machine has no tensorboard; the configs' tensorboard block is left out of the benchmark's copy."""
-    flags = bench._train_flags("130m", 3, 2048, 989.0, str(tmp_path / "metrics.jsonl"))
+    flags = bench._train_flags(*bench._paths("130m"), 3, 2048, 989.0, str(tmp_path / "metrics.jsonl"))
     config = json.loads(Path(flags[flags.index("--deepspeed_config") + 1]).read_text())
     assert "tensorboard" not in config and config["zero_optimization"] == {"stage": 1}
     assert "tensorboard" in json.loads(Path(bench._paths("130m")[0]).read_text())
