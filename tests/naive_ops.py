@@ -26,8 +26,9 @@ def _silu(v):
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, seq_idx=None):
-    """Mamba-1: h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t, y_t = C_t . h_t (+ D u_t) (* silu z_t)."""
+                   return_last_state=False, seq_idx=None, initial_state=None):
+    """Mamba-1: h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t, y_t = C_t . h_t (+ D u_t) (* silu z_t);
+    h_{-1} = initial_state (batch, dim, dstate), else zero."""
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
     if delta_bias is not None:
@@ -45,7 +46,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
             return M[:, None, :, t].expand(batch, dim, dstate)
         return M[:, :, :, t].repeat_interleave(dim // M.shape[1], dim=1)
 
-    h = u.new_zeros(batch, dim, dstate)
+    h = u.new_zeros(batch, dim, dstate) if initial_state is None else initial_state
     ys = []
     for t in range(seqlen):
         h = torch.where(starts[:, t, None, None], torch.zeros_like(h), h)

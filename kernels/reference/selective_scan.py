@@ -11,7 +11,8 @@ state, and only products of decays and exps of sums that start at a chunk's firs
 nothing divides by a decay, so tiny decays underflow to exact zeros, never inf or NaN.
 
 Document boundaries (seq_idx) zero the step decay where a document starts, and the entering
-state reaches only positions of the document the previous chunk ended in.
+state reaches only positions of the document the previous chunk ended in (so an initial state
+reaches only the first document).
 """
 import math
 
@@ -59,7 +60,7 @@ def _states_operand(M, q, nchunks, pad, dim):
     return per_group.reshape(q, nchunks, batch, dim, dstate)
 
 
-def _check(u, delta, A, D, z, delta_bias):
+def _check(u, delta, A, D, z, delta_bias, initial_state=None):
     if u.dim() != 3:
         raise ValueError(f"u must have shape (batch, dim, seqlen), got {tuple(u.shape)}")
     batch, dim, seqlen = u.shape
@@ -74,14 +75,18 @@ def _check(u, delta, A, D, z, delta_bias):
         check_shape("z", z, u.shape, "(batch, dim, seqlen) like u")
     if delta_bias is not None:
         check_shape("delta_bias", delta_bias, (dim,), "(dim,)")
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, (batch, dim, A.shape[1]), "(batch, dim, dstate)")
+        check_real("initial_state", initial_state)
     for name, t in (("u", u), ("delta", delta), ("A", A)):
         check_real(name, t)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, seq_idx=None):
-    """Mamba-1 scan (as mamba_ssm's selective_scan_fn, plus seq_idx); see megamamba.kernels."""
-    _check(u, delta, A, D, z, delta_bias)
+                   return_last_state=False, seq_idx=None, initial_state=None):
+    """Mamba-1 scan (as mamba_ssm's selective_scan_fn, plus seq_idx and initial_state); see
+    megamamba.kernels."""
+    _check(u, delta, A, D, z, delta_bias, initial_state)
     out_dtype, ct = u.dtype, compute_dtype(u)
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
@@ -136,7 +141,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     # last position among them exactly when no document starts inside the chunk).
     from_start = torch.exp(torch.cumsum(dA, dim=0).masked_fill(~entering, float("-inf")))
     chunk_decays, chunk_ends = from_start[-1].unbind(0), states[-1].unbind(0)
-    state = states.new_zeros(batch, dim, dstate)
+    state = states.new_zeros(batch, dim, dstate) if initial_state is None else initial_state.to(ct)
     entering_states = []
     for c in range(nchunks):
         entering_states.append(state)

@@ -54,6 +54,20 @@ def test_all_options_with_documents_match_naive(dtype):
         TOLERANCE[dtype], seed, delta_softplus=True, return_last_state=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_initial_state_matches_naive(dtype, with_documents):
+    """The initial state reaches only the first document; it and its gradient match the oracle."""
+    seed = 27
+    t = inputs(seed)
+    t["initial_state"] = torch.randn(BATCH, DIM, DSTATE, generator=torch.Generator().manual_seed(seed),
+                                     dtype=torch.float64)
+    if with_documents:
+        t["seq_idx"] = documents()
+    naive_ops.assert_matches_naive(selective_scan, naive_ops.selective_scan, t, dtype, TOLERANCE[dtype], seed,
+                                   delta_softplus=True, return_last_state=True)
+
+
 @pytest.mark.parametrize("layout", ["one group", "constant", "constant B, grouped C"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_every_B_C_layout_matches_naive(layout, dtype):
@@ -91,6 +105,7 @@ def test_output_keeps_input_dtype_and_state_is_float32():
     ("B", (BATCH, 4, DSTATE, SEQLEN), r"B has 4 groups, which must divide dim \(6\)"),
     ("C", (BATCH, DSTATE, SEQLEN + 2), r"C must have shape \(batch, dstate, seqlen\)"),
     ("D", (DIM, 1), r"D must have shape \(dim,\)"),
+    ("initial_state", (BATCH, DIM, DSTATE + 1), r"initial_state must have shape \(batch, dim, dstate\)"),
 ])
 def test_bad_shapes_are_refused_naming_the_argument(name, shape, message):
     t = inputs(26)
