@@ -40,18 +40,19 @@ def _pick(name, reference_fn, device_tensor):
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, seq_idx=None):
+                   return_last_state=False, seq_idx=None, initial_state=None):
     """Mamba-1 selective scan, as mamba_ssm's selective_scan_fn.
 
     u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (batch, groups, dstate, seqlen),
     (batch, dstate, seqlen) or (dim, dstate); D, delta_bias: (dim,). delta -> delta + delta_bias ->
     softplus if delta_softplus. out = y (+ D*u) (* silu(z)), (batch, dim, seqlen) in u's dtype,
     and last_state (batch, dim, dstate) when return_last_state. seq_idx (batch, seqlen) int: the
-    state restarts from zero wherever the document id changes.
+    state restarts from zero wherever the document id changes. initial_state (batch, dim, dstate):
+    the state before the first step (it reaches only the first document); differentiable.
     """
     fn = _pick("selective_scan", reference_selective_scan, u)
     return fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-              return_last_state=return_last_state, seq_idx=seq_idx)
+              return_last_state=return_last_state, seq_idx=seq_idx, initial_state=initial_state)
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,

@@ -19,7 +19,7 @@ def call_arguments():
     return {
         "selective_scan": dict(u=t["u"], delta=t["delta"], A=t["A"], B=t["B"], C=t["C"], D=t["D"], z=t["z"],
                                delta_bias=torch.ones(1), delta_softplus=True, return_last_state=True,
-                               seq_idx=torch.zeros(1, 1, dtype=torch.int32)),
+                               seq_idx=torch.zeros(1, 1, dtype=torch.int32), initial_state=torch.ones(1, 1, 1)),
         "ssd_chunk_scan": dict(x=t["x"], dt=t["dt"], A=t["A"], B=t["B"], C=t["C"], chunk_size=7, D=t["D"],
                                z=t["z"], dt_bias=torch.ones(1), initial_states=torch.ones(1, 1),
                                seq_idx=torch.zeros(1, 1, dtype=torch.int32), dt_softplus=True,
