@@ -100,8 +100,8 @@ def generate(model: MambaLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True,
-                   help="model folder (config.json + model.safetensors + tokenizer; every checkpoint is one), "
-                        "or a --save directory: the checkpoint its `latest` names")
+                   help="model folder (config.json + model.safetensors or its shards + tokenizer; every checkpoint "
+                        "is one), or a --save directory: the checkpoint its `latest` names")
     p.add_argument("--prompt", default="")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the one saved in the folder)")
     p.add_argument("--max-new-tokens", type=int, default=100)

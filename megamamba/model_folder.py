@@ -1,4 +1,8 @@
-"""A model folder: `config.json` + `model.safetensors` (+ the tokenizer's files), read without unpickling.
+"""A model folder: `config.json` + the weights (+ the tokenizer's files), read without unpickling.
+
+The weights are `model.safetensors`, or shards `model-00001-of-00002.safetensors`, ... listed by
+`model.safetensors.index.json` (transformers' sharded form: {"metadata": {"total_size"},
+"weight_map": {name: file}}); a checkpoint saved by a pipeline writes one shard per stage.
 
 The weights carry mamba_ssm's names and full shapes (`backbone.embedding.weight`, ...,
 `lm_head.weight`), the vocabulary padded as mamba_ssm pads it. With tied embeddings the head
@@ -6,18 +10,20 @@ is the embedding and `lm_head.weight` may be left out (safetensors stores no sha
 when present it must equal the embedding. Tokenizer files are whatever `tokenizer.save`
 writes (tokenizer.model, tokenizer.json, tokenizer_config.json); `load_tokenizer(folder)` reads them.
 """
+import json
 import os
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from megamamba.config import MambaConfig
 from megamamba.lm import MambaLM
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_STEM = "model"
+WEIGHTS_FILE = f"{WEIGHTS_STEM}.safetensors"
 HEAD_KEY, EMBEDDING_KEY = "lm_head.weight", "backbone.embedding.weight"
 
 
@@ -47,6 +53,58 @@ def read_weights(path: str) -> dict:
         raise ModelFolderError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def shard_file(stem: str, index: int, count: int) -> str:
+    """The file of shard `index` (0-based) of `count` of the tensor set `stem`: "model-00001-of-00002.safetensors"."""
+    return f"{stem}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def index_file(stem: str) -> str:
+    return f"{stem}.safetensors.index.json"
+
+
+def weight_map(directory: str, stem: str = WEIGHTS_STEM) -> dict:
+    """Tensor name -> file (in `directory`) of the tensor set `stem`: its shard index, else `stem`.safetensors alone."""
+    index = os.path.join(directory, index_file(stem))
+    if not os.path.isfile(index):
+        single = os.path.join(directory, f"{stem}.safetensors")
+        try:
+            with safe_open(single, framework="pt") as f:
+                return dict.fromkeys(f.keys(), os.path.basename(single))
+        except FileNotFoundError:
+            raise ModelFolderError(f"{single}: no such file (nor {index_file(stem)})") from None
+        except (SafetensorError, OSError) as e:
+            raise ModelFolderError(f"{single}: not a readable safetensors file ({e})") from None
+    try:
+        with open(index, encoding="utf-8") as f:
+            mapping = json.load(f).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelFolderError(f"{index}: not a shard index ({e})") from None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) and os.sep not in v for v in mapping.values()):
+        raise ModelFolderError(f"{index}: its weight_map is not {{tensor name: file in this folder}}")
+    return mapping
+
+
+def read_folder_tensors(directory: str, stem: str = WEIGHTS_STEM, names=None) -> dict:
+    """The tensors of the set `stem` (all, or `names`), on the CPU, opening only the files that hold them."""
+    mapping = weight_map(directory, stem)
+    wanted = sorted(mapping) if names is None else sorted(set(names))
+    absent = [n for n in wanted if n not in mapping]
+    if absent:
+        raise ModelFolderError(f"{os.path.join(directory, stem)}: has no tensors {absent[:5]}")
+    out = {}
+    for file in sorted({mapping[n] for n in wanted}):
+        path = os.path.join(directory, file)
+        try:
+            with safe_open(path, framework="pt") as f:
+                out.update({n: f.get_tensor(n) for n in wanted if mapping[n] == file})
+        except FileNotFoundError:
+            raise ModelFolderError(f"{path}: no such file") from None
+        except (SafetensorError, OSError) as e:
+            raise ModelFolderError(f"{path}: not a readable safetensors file, or without a tensor its index "
+                                   f"names ({e})") from None
+    return out
+
+
 def _check_keys(path: str, state: dict, model: MambaLM) -> None:
     expected = model.state_dict()
     if model.config.tie_embeddings and HEAD_KEY in state:
@@ -69,8 +127,9 @@ def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] 
     if not os.path.isfile(config_path):
         raise ModelFolderError(f"{config_path}: no such file (a model folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
     config = MambaConfig.from_json(config_path)
-    weights_path = os.path.join(directory, WEIGHTS_FILE)
-    state = read_weights(weights_path)
+    sharded = os.path.isfile(os.path.join(directory, index_file(WEIGHTS_STEM)))
+    weights_path = os.path.join(directory, index_file(WEIGHTS_STEM) if sharded else WEIGHTS_FILE)
+    state = read_folder_tensors(directory) if sharded else read_weights(os.path.join(directory, WEIGHTS_FILE))
     with torch.device("meta"):
         model = MambaLM(config)
     _check_keys(weights_path, state, model)
