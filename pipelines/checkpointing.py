@@ -1,10 +1,13 @@
 """A trainer's whole state to and from a layout-free checkpoint, at any (dp, tp, pp) and either engine.
 
 Saving (collective, every rank): each rank takes its stage's parameters as full tensors under
-mamba_ssm's names (gathered over TP; under ZeRO the fp32 masters and Adam moments are gathered over
-DP from the partitions), the stage's representative (dp 0, tp 0) sends them to global rank 0,
-which writes one checkpoint with every rank's RNG state (`megamamba.checkpoint.save_checkpoint`:
-staged, fsynced, committed atomically), then all ranks meet at a barrier.
+mamba_ssm's names (gathered over TP; under ZeRO the fp32 masters and Adam moments gathered over DP
+from the partitions: tensor collectives on the accelerator). Global rank 0 creates the staging
+directory and broadcasts its path; each stage's representative (dp 0, tp 0) writes its stage's
+model and optimizer shards there itself, and every rank its RNG file (megamamba.checkpoint.writer).
+Object collectives carry only the path, each rank's file records (size, sha256) and the outcome:
+rank 0 writes the rest and the manifest, commits atomically, and every rank returns or raises with
+it. Rank 0 holds no more than its own stage's state.
 
 Loading (collective): global rank 0 resolves `--load` and verifies the checksums, every rank opens
 the same checkpoint, checks the model config, reads only its stage's tensors and cuts its TP slice
@@ -12,8 +15,9 @@ and ZeRO partition out of them. The data order is a function of (seed, step), so
 data position. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's
 ZeRO-1/2 optimizer over it; anything else is refused before training.
 
-Test hook: MEGAMAMBA_TEST_KILL_SAVE="STEP:N" makes the writer SIGKILL itself at the N-th file
-primitive (write, fsync of a directory, rename, delete) of the save of STEP.
+Test hook: MEGAMAMBA_TEST_KILL_SAVE="STEP:N" makes every rank SIGKILL itself at its own N-th file
+primitive (write, fsync of a directory, rename, delete) of the save of STEP: ranks write their RNG
+file, stage representatives their shards, rank 0 also the staging directory, manifest and commit.
 """
 import os
 import signal
@@ -27,23 +31,25 @@ from megamamba.checkpoint import (
     Checkpoint,
     CheckpointError,
     NoCheckpointError,
+    begin,
     capture_rng,
     check_optimizer_groups,
     check_save_dir,
+    finish,
     load_optimizer_tensors,
     load_scheduler_state,
     optimizer_groups,
     optimizer_tensors,
     resolve_load,
     restore_rng,
-    save_checkpoint,
     scheduler_state,
-    state_for_rank,
+    write_rng,
+    write_stage,
 )
 from megamamba.checkpoint import files
 from megamamba.config import MambaConfig
 from megamamba.parallel import full_key, full_tensors, local_shard
-from megamamba.pipelines.names import HEAD, load_full_state, to_mamba
+from megamamba.pipelines.names import EMBEDDING, load_full_state, to_mamba
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KILL_HOOK = "MEGAMAMBA_TEST_KILL_SAVE"
@@ -88,8 +94,12 @@ def _gather_full(trainer, select) -> dict:
     return {full_key(n, p): select(p) for n, p in trainer.module.named_parameters()}
 
 
-def stage_state(trainer, config: MambaConfig) -> tuple:
-    """(parameters, optimizer tensors, optimizer groups) of this rank's stage under mamba_ssm names, on the CPU."""
+def stage_state(trainer, config: MambaConfig, keep: bool = True) -> tuple:
+    """(parameters, optimizer tensors, optimizer groups) of this rank's stage under mamba_ssm names.
+
+    Collective over TP (and DP under ZeRO). keep: return host copies (the stage's writer); False
+    takes part in the gathers and returns empty dicts, so only writers hold the stage on the host.
+    """
     rename = _rename(trainer, config)
     zero = _zero(trainer)
     if zero is None:
@@ -110,6 +120,8 @@ def stage_state(trainer, config: MambaConfig) -> tuple:
             (step,) = steps
             optimizer.update({f"{n}/step": torch.tensor(step, dtype=torch.float32) for n in params})
         groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
+    if not keep:
+        return {}, {}, []
 
     def mamba(name: str) -> str:  # "<parameter>/<state key>"
         base, _, key = name.rpartition("/")
@@ -118,17 +130,6 @@ def stage_state(trainer, config: MambaConfig) -> tuple:
     groups = [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
     return ({rename(n): t.detach().cpu().clone() for n, t in params.items()},
             {mamba(n): t.detach().cpu().clone() for n, t in optimizer.items()}, groups)
-
-
-def _merge_groups(stage_groups: list) -> list:
-    """One list of groups from every stage's: hyperparameters of the first, member names united."""
-    merged = [dict(g, params=list(g["params"])) for g in stage_groups[0]]
-    for groups in stage_groups[1:]:
-        if len(groups) != len(merged):
-            raise CheckpointError(f"pipeline stages have {len(merged)} and {len(groups)} optimizer groups")
-        for m, g in zip(merged, groups):
-            m["params"] += [n for n in g["params"] if n not in m["params"]]
-    return merged
 
 
 def _install_kill_hook(step: int) -> None:
@@ -148,32 +149,60 @@ def _install_kill_hook(step: int) -> None:
         setattr(files, name, primitive)
 
 
+def _outcome(fn) -> tuple:
+    """("ok", fn()) or ("error", message) for a CheckpointError or OSError, to share with the other ranks."""
+    try:
+        return "ok", fn()
+    except (CheckpointError, OSError) as e:
+        return "error", f"rank {dist.get_rank()}: {e}"
+
+
+def _shared(outcome: tuple):
+    """Rank 0's outcome on every rank (collective): its value, or CheckpointError with its message."""
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
 def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, extra: dict, tokenizer=None,
          keep_last: Optional[int] = None) -> Optional[str]:
-    """Write the checkpoint after `step` optimizer steps (collective); its path on global rank 0, else None."""
-    rank = dist.get_rank()
-    params, optimizer, groups = stage_state(trainer, config)
-    representative = trainer.dp_rank == 0 and trainer.groups.tensor_rank == 0
-    parts = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object((params, optimizer, groups) if representative else None, parts, dst=0)
-    rngs = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(capture_rng(), rngs, dst=0)
-    path = None
+    """Write the checkpoint after `step` optimizer steps (collective); its path on global rank 0, else None.
+
+    CheckpointError on every rank, with the same message, when any rank failed to write its part.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    writer = trainer.dp_rank == 0 and trainer.groups.tensor_rank == 0
+    params, optimizer, groups = stage_state(trainer, config, keep=writer)
+    if trainer.groups.pipe_rank > 0:  # a tied embedding lives on the last stage too: the first stage writes it
+        params.pop(EMBEDDING, None)
+        optimizer = {k: t for k, t in optimizer.items() if k.rpartition("/")[0] != EMBEDDING}
+    _install_kill_hook(step)
+    staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if rank == 0 else None)
+
+    def write() -> dict:
+        records = {}
+        if writer:
+            records = write_stage(staging, trainer.groups.pipe_rank, trainer.groups.pipeline_parallel_size,
+                                  params, optimizer, groups)
+        return records | write_rng(staging, rank, capture_rng())
+
+    mine = _outcome(write)
+    del params, optimizer  # on disk now: rank 0 finishes without its stage's host copies
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    outcome = None
     if rank == 0:
-        stages = [p for p in parts if p is not None]
-        all_params, all_optimizer = {}, {}
-        for p, o, _ in stages:
-            all_params.update(p)
-            all_optimizer.update(o)
-        if config.tie_embeddings:
-            all_params.pop(HEAD, None)
-        _install_kill_hook(step)
-        path = save_checkpoint(save_dir, step, config, all_params, optimizer=all_optimizer,
-                               optimizer_groups=_merge_groups([g for _, _, g in stages]),
-                               scheduler=scheduler_state(scheduler), rng=rngs, extra=extra,
-                               tokenizer=tokenizer if hasattr(tokenizer, "save") else None, keep_last=keep_last)
-    dist.barrier()
-    return path
+        errors = [value for kind, value in parts if kind == "error"]
+        records = {file: entry for kind, value in parts if kind == "ok" for file, entry in value.items()}
+        more = f" (and {len(errors) - 1} more ranks failed)" if len(errors) > 1 else ""
+        outcome = ("error", errors[0] + more) if errors else _outcome(lambda: finish(
+            save_dir, staging, step, config, records, scheduler=scheduler_state(scheduler), extra=extra,
+            tokenizer=tokenizer if hasattr(tokenizer, "save") else None, keep_last=keep_last))
+    path = _shared(outcome)
+    return path if rank == 0 else None
 
 
 def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConfig) -> Optional[Checkpoint]:
@@ -185,18 +214,15 @@ def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConf
     """
     if not load:
         return None
-    answer = [None]
+    answer = None
     if dist.get_rank() == 0:
         try:
-            answer = [("path", resolve_load(load, save_dir))]
+            answer = ("ok", ("path", resolve_load(load, save_dir)))
         except NoCheckpointError as e:
-            answer = [("none", str(e)) if load == "auto" else ("error", str(e))]
+            answer = ("ok", ("none", str(e))) if load == "auto" else ("error", str(e))
         except CheckpointError as e:
-            answer = [("error", str(e))]
-    dist.broadcast_object_list(answer, src=0)
-    kind, value = answer[0]
-    if kind == "error":
-        raise CheckpointError(value)
+            answer = ("error", str(e))
+    kind, value = _shared(answer)
     if kind == "none":
         if dist.get_rank() == 0:
             print(f"train.py: --load auto: nothing to resume ({value}); starting from step 0", flush=True)
@@ -234,7 +260,7 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig) -> int:
     else:
         _load_zero(trainer, zero, optimizer, saved_groups, names)
     load_scheduler_state(trainer.lr_scheduler, checkpoint.scheduler)
-    restore_rng(state_for_rank(checkpoint.rng_states(), dist.get_rank(), dist.get_world_size()))
+    restore_rng(checkpoint.rng_state(dist.get_rank(), dist.get_world_size()))
     trainer.engine.global_steps = checkpoint.step
     return checkpoint.step
 

@@ -2,8 +2,10 @@
 
 Format (checkpoint.py): mamba_ssm parameter names and full shapes, per-parameter optimizer state
 under the same names, scheduler and RNG states, the model config and whatever JSON the trainer
-adds, in safetensors and JSON files, with a manifest written last. Storage (store.py): staged in a
-temporary directory, fsynced, renamed into place, `latest` switched atomically, old ones pruned.
+adds, in safetensors and JSON files, with a manifest written last. Writing (writer.py): each
+process writes its own files (a pipeline stage its shards, a rank its RNG state), one commits.
+Storage (store.py): staged in a temporary directory, fsynced, renamed into place, `latest`
+switched atomically, old ones pruned.
 
 Single process (tests, the plain trainer):
 
@@ -11,8 +13,10 @@ Single process (tests, the plain trainer):
     save_training_checkpoint(save_dir, step, model, optimizer, scheduler, extra=..., keep_last=3)
     step = load_training_checkpoint(open_checkpoint("auto", save_dir), model, optimizer, scheduler)
 
-Distributed trainer (any dp x tp x pp): every rank takes part in the gathers, one rank writes.
-tests/checkpoint/test_checkpoint_deepspeed.py is the executable recipe for DeepSpeed's ZeRO-1.
+Distributed trainer (any dp x tp x pp; megamamba.pipelines.checkpointing is the implementation,
+tests/checkpoint/test_checkpoint_deepspeed.py the executable recipe for DeepSpeed's ZeRO-1).
+Tensors move only through tensor collectives and files; object collectives carry a few hundred
+bytes per rank (a path, file sizes and hashes, an error message).
 
     save:  1. per stage, collectively over TP (and DP inside the safe_get_* calls):
               params = full_tensors(module, tp, select=safe_get_full_fp32_param) (the fp32 master;
@@ -23,30 +27,26 @@ tests/checkpoint/test_checkpoint_deepspeed.py is the executable recipe for DeepS
               to parameters only for groups stepped before its first link: call
               deepspeed.utils.lazy_init_hp_params_optimizer_state per group first. Pipeline names
               -> mamba_ssm names: pipelines.names.to_mamba;
-           2. send each stage's dicts to global rank 0 (from its dp 0 / tp 0 rank); gather every
-              rank's capture_rng() to rank 0 (all_gather_object);
-           3. rank 0: save_checkpoint(save_dir, step, config, params, optimizer=..., optimizer_groups=...,
-              scheduler=scheduler_state(...), rng=[...], extra={args, layout, data position}, ...);
-           4. barrier (the others must not exit or save again before it is committed).
+           2. global rank 0: staging = begin(save_dir, step, keep_last); broadcast the path;
+           3. each stage's representative (dp 0, tp 0): write_stage(staging, stage, stages, params,
+              optimizer, optimizer_groups(...)); every rank: write_rng(staging, rank, capture_rng());
+              gather the returned records (file -> size, sha256) to rank 0;
+           4. rank 0: finish(save_dir, staging, step, config, records, scheduler=scheduler_state(...),
+              extra={args, layout, data position}, ...), then broadcast the outcome (the others must
+              not exit or save again before it is committed, and fail with rank 0 when it fails).
     load:  rank 0: path = resolve_load(load, save_dir) (verifies hashes), broadcast path; every rank:
            ckpt = Checkpoint(path, hashes=False); ckpt.check_config(run_config);
            ckpt.model_tensors(names of this stage) -> load_model_tensors / load_full_tensors (TP slices)
            (and safe_set_full_fp32_param); ckpt.optimizer_tensors(names) -> load_optimizer_tensors,
-           or for ZeRO: create the flat AdamW state, link, safe_set_full_optimizer_state;
-           load_scheduler_state; restore_rng(state_for_rank(ckpt.rng_states(), rank, world)).
+           or for ZeRO: create the flat AdamW state, link,
+           safe_set_full_optimizer_state; load_scheduler_state; restore_rng(ckpt.rng_state(rank, world)).
 
-Memory: rank 0 holds the full parameters and optimizer moments on the CPU while saving (about
-12 bytes per parameter in float32: 33 GB for 2.7B); fine for this project's sizes, the limit for larger.
+Memory: a stage's representative holds its stage's full parameters and optimizer moments on the
+CPU while saving (about 12 bytes per parameter in float32); global rank 0 holds no more than that.
 """
-from megamamba.checkpoint.checkpoint import (
-    Checkpoint,
-    config_differences,
-    open_checkpoint,
-    parameter_shapes,
-    save_checkpoint,
-)
+from megamamba.checkpoint.checkpoint import Checkpoint, config_differences, open_checkpoint, parameter_shapes
 from megamamba.checkpoint.files import CheckpointError
-from megamamba.checkpoint.rng import capture_rng, restore_rng, state_for_rank
+from megamamba.checkpoint.rng import capture_rng, restore_rng
 from megamamba.checkpoint.state import (
     check_optimizer_groups,
     load_model_tensors,
@@ -66,12 +66,12 @@ from megamamba.checkpoint.store import (
     tag_for,
 )
 from megamamba.checkpoint.training import load_training_checkpoint, save_training_checkpoint
+from megamamba.checkpoint.writer import begin, finish, save_checkpoint, write_rng, write_stage
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "capture_rng", "check_optimizer_groups",
-    "check_save_dir",
-    "config_differences", "find_latest", "load_model_tensors", "load_optimizer_tensors", "load_scheduler_state",
-    "load_training_checkpoint", "model_tensors", "open_checkpoint", "optimizer_groups", "optimizer_tensors",
-    "parameter_shapes", "resolve_load", "restore_rng", "save_checkpoint", "save_training_checkpoint",
-    "scheduler_state", "state_for_rank", "tag_for",
+    "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "begin", "capture_rng",
+    "check_optimizer_groups", "check_save_dir", "config_differences", "find_latest", "finish", "load_model_tensors",
+    "load_optimizer_tensors", "load_scheduler_state", "load_training_checkpoint", "model_tensors", "open_checkpoint",
+    "optimizer_groups", "optimizer_tensors", "parameter_shapes", "resolve_load", "restore_rng", "save_checkpoint",
+    "save_training_checkpoint", "scheduler_state", "tag_for", "write_rng", "write_stage",
 ]

@@ -1,48 +1,59 @@
-"""One checkpoint: what it holds, `save_checkpoint` to write it, `Checkpoint` to read it.
+"""One checkpoint: what it holds and `Checkpoint` to read it (writer.py writes it).
 
     <save>/step_000123/
         config.json            the model config (mamba_ssm form)
         model.safetensors      parameters: mamba_ssm names, full shapes, the padded vocab of the
-                               config (no TP padding); a tied head is left out
-        optimizer.safetensors  per-parameter optimizer state, "<name>/<key>" (state.py)
-        rng.safetensors        every rank's RNG states (rng.py)
+                               config (no TP padding); a tied head is left out. A pipeline writes
+                               one shard per stage instead, model-00001-of-0000S.safetensors, ...,
+                               listed by model.safetensors.index.json (transformers' sharded form)
+        optimizer.safetensors  per-parameter optimizer state, "<name>/<key>" (state.py); sharded
+                               per stage the same way (optimizer-*.safetensors + its index)
+        rng-rank-00000.safetensors ...  each rank's RNG states, one file per rank (rng.py)
         trainer_state.json     {"format_version", "step", "optimizer": {"param_groups"},
                                "scheduler", "extra": whatever the trainer adds (args, layout, data position)}
         tokenizer files        when a tokenizer is given (tokenizer.json / tokenizer.model / tokenizer_config.json)
         manifest.json          written last: sizes and sha256 of all the above (manifest.py)
 
-Nothing depends on the (dp, tp, pp) layout that wrote it, so any layout reads it; config.json +
-model.safetensors (+ tokenizer) also make it a model folder (`megamamba.model_folder`).
-Everything is read without unpickling: safetensors and JSON only.
+Which file holds a tensor depends on the number of stages that wrote it, never its names or
+shapes, so any layout reads it; config.json + the model weights (+ tokenizer) also make it a
+model folder (`megamamba.model_folder`). Everything is read without unpickling: safetensors and
+JSON only. Format version 1 (one model and optimizer file, every rank's RNG in rng.safetensors)
+is still read.
 
-`save_checkpoint` runs in ONE process, given full tensors (the trainer gathers them; see the
-package docstring). It stages, fsyncs and commits through `store`, so a crash leaves the
-previous checkpoint and `latest` intact.
+Several processes write one checkpoint, each its own files (writer.py): a writer per pipeline
+stage its shards, every rank its RNG file, one process the rest and the manifest.
 """
 import dataclasses
 import functools
 import json
 import os
+import re
 from typing import Iterable, Mapping, Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
 from megamamba import model_folder
-from megamamba.checkpoint import files
 from megamamba.checkpoint import rng as rng_files
 from megamamba.checkpoint.files import CheckpointError, read_json
 from megamamba.checkpoint.manifest import verify
 from megamamba.checkpoint.state import EMBEDDING, HEAD
-from megamamba.checkpoint.store import check_keep_last, commit, resolve_load, stage, tag_for
+from megamamba.checkpoint.store import resolve_load
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.lm import MambaLM
+from megamamba.model_folder import ModelFolderError
 
-CONFIG_FILE, MODEL_FILE = model_folder.CONFIG_FILE, model_folder.WEIGHTS_FILE
-OPTIMIZER_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
+CONFIG_FILE = model_folder.CONFIG_FILE
+MODEL, OPTIMIZER = model_folder.WEIGHTS_STEM, "optimizer"
+RNG_V1_FILE = "rng.safetensors"
+_RNG_FILE = re.compile(r"rng-rank-(\d{5})\.safetensors")
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS = (1, 2)
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank-{rank:05d}.safetensors"
 
 
 def parameter_shapes(config: MambaConfig) -> dict:
@@ -57,6 +68,19 @@ def _parameter_shapes(config_json: str) -> tuple:
     return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
+def check_model_shapes(shapes: Mapping[str, tuple], config: MambaConfig, source: str) -> None:
+    """CheckpointError when the names or full shapes of the model tensors (tied head left out) do not fit the config."""
+    expected = parameter_shapes(config)
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: tensors do not match the model config: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    for name, shape in shapes.items():
+        if tuple(shape) != expected[name]:
+            raise CheckpointError(f"{source}: {name} has shape {tuple(shape)}, the model config implies "
+                                  f"{expected[name]} (full shapes, without tensor-parallel vocab padding)")
+
+
 def check_model_tensors(model: Mapping[str, torch.Tensor], config: MambaConfig, source: str) -> dict:
     """The model tensors without a (tied, equal) head; CheckpointError when names or shapes do not fit the config."""
     tensors = dict(model)
@@ -64,50 +88,8 @@ def check_model_tensors(model: Mapping[str, torch.Tensor], config: MambaConfig, 
         if EMBEDDING in tensors and not torch.equal(tensors[HEAD].cpu(), tensors[EMBEDDING].cpu()):
             raise CheckpointError(f"{source}: tie_embeddings is true but {HEAD} differs from {EMBEDDING}")
         del tensors[HEAD]
-    shapes = parameter_shapes(config)
-    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing or unexpected:
-        raise CheckpointError(f"{source}: tensors do not match the model config: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != shapes[name]:
-            raise CheckpointError(f"{source}: {name} has shape {tuple(t.shape)}, the model config implies "
-                                  f"{shapes[name]} (full shapes, without tensor-parallel vocab padding)")
+    check_model_shapes({n: t.shape for n, t in tensors.items()}, config, source)
     return tensors
-
-
-def save_checkpoint(save_dir: str, step: int, config: MambaConfig, model: Mapping[str, torch.Tensor], *,
-                    optimizer: Optional[Mapping[str, torch.Tensor]] = None, optimizer_groups: Optional[list] = None,
-                    scheduler: Optional[dict] = None, rng: Optional[list] = None, extra: Optional[dict] = None,
-                    tokenizer=None, keep_last: Optional[int] = None) -> str:
-    """Write the checkpoint of `step` under `save_dir` atomically; returns its path.
-
-    model: full tensors by mamba_ssm name (`state.model_tensors`). optimizer / optimizer_groups:
-    `state.optimizer_tensors` / `state.optimizer_groups`. scheduler: `state.scheduler_state`.
-    rng: every rank's `rng.capture_rng()` in global rank order (default: this process's).
-    extra: JSON the trainer wants back (args, layout, data position). tokenizer: anything with
-    `save(directory)`. keep_last: how many checkpoints to keep (None: all).
-    """
-    check_keep_last(keep_last)
-    model = check_model_tensors(model, config, "save_checkpoint")
-    state = {"format_version": FORMAT_VERSION, "step": step,
-             "optimizer": {"param_groups": optimizer_groups or []}, "scheduler": scheduler, "extra": extra or {}}
-    try:
-        state = json.loads(json.dumps(state))
-    except TypeError as e:
-        raise CheckpointError(f"save_checkpoint: trainer state is not JSON ({e})") from None
-    tag = tag_for(step)
-    os.makedirs(save_dir, exist_ok=True)
-    staging = stage(save_dir, tag)
-    files.write_json(os.path.join(staging, CONFIG_FILE), config.to_dict())
-    files.write_tensors(os.path.join(staging, MODEL_FILE), model, metadata={"format": "pt"})
-    files.write_tensors(os.path.join(staging, OPTIMIZER_FILE), dict(optimizer or {}))
-    rng_tensors, rng_metadata = rng_files.to_file(rng if rng is not None else [rng_files.capture_rng()])
-    files.write_tensors(os.path.join(staging, RNG_FILE), rng_tensors, metadata=rng_metadata)
-    files.write_json(os.path.join(staging, STATE_FILE), state)
-    if tokenizer is not None:
-        tokenizer.save(staging)
-    return commit(save_dir, staging, tag, step, keep_last)
 
 
 def config_differences(saved: MambaConfig, run: MambaConfig) -> list:
@@ -132,9 +114,9 @@ class Checkpoint:
         self.tag = self.manifest["tag"]
         self.step = self.manifest["step"]
         self.state = read_json(os.path.join(path, STATE_FILE), "trainer state")
-        if self.state.get("format_version") != FORMAT_VERSION:
+        if self.state.get("format_version") not in READS:
             raise CheckpointError(f"{os.path.join(path, STATE_FILE)}: format version "
-                                  f"{self.state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
+                                  f"{self.state.get('format_version')!r}, this code reads {READS}")
         config_path = os.path.join(path, CONFIG_FILE)
         try:
             self.config = MambaConfig.from_dict(read_json(config_path, "model config"))
@@ -152,40 +134,37 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: the model config differs from the run's: {'; '.join(diff)}. "
                                   "Resume with the checkpoint's config.json, or start a new run (--load unset)")
 
-    def _read(self, file: str, names: Optional[Iterable[str]]) -> dict:
-        path = os.path.join(self.path, file)
+    def _read(self, stem: str, names: Optional[Iterable[str]]) -> dict:
         try:
-            with safe_open(path, framework="pt") as f:
-                keys = set(f.keys())
-                wanted = keys if names is None else set(names)
-                absent = sorted(wanted - keys)
-                if absent:
-                    raise CheckpointError(f"{path}: has no tensors {absent[:5]}")
-                return {k: f.get_tensor(k) for k in sorted(wanted)}
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+            return model_folder.read_folder_tensors(self.path, stem, names)
+        except ModelFolderError as e:
+            raise CheckpointError(str(e)) from None
+
+    def _names(self, stem: str) -> list:
+        try:
+            return list(model_folder.weight_map(self.path, stem))
+        except ModelFolderError as e:
+            raise CheckpointError(str(e)) from None
 
     def model_tensors(self, names: Optional[Iterable[str]] = None) -> dict:
         """Full parameters by mamba_ssm name (all, or `names`: e.g. one pipeline stage's), on the CPU.
 
-        With tie_embeddings, asking for lm_head.weight gives the embedding.
+        Only the files holding them are read. With tie_embeddings, asking for lm_head.weight gives the embedding.
         """
-        names = None if names is None else list(names)
-        tied = self.config.tie_embeddings and names is not None and HEAD in names
-        wanted = None if names is None else [EMBEDDING if tied and n == HEAD else n for n in names]
-        tensors = self._read(MODEL_FILE, None if wanted is None else set(wanted))
         if names is None:
-            return check_model_tensors(tensors, self.config, os.path.join(self.path, MODEL_FILE))
-        return {n: tensors[EMBEDDING if tied and n == HEAD else n] for n in names}
+            return check_model_tensors(self._read(MODEL, None), self.config, self.path)
+        names = list(names)
+        tied = self.config.tie_embeddings and HEAD in names
+        source = {n: EMBEDDING if tied and n == HEAD else n for n in names}
+        tensors = self._read(MODEL, set(source.values()))
+        return {n: tensors[source[n]] for n in names}
 
     def optimizer_tensors(self, names: Optional[Iterable[str]] = None) -> dict:
         """Optimizer state "<name>/<key>" of all parameters, or of the parameters in `names`."""
         if names is None:
-            return self._read(OPTIMIZER_FILE, None)
+            return self._read(OPTIMIZER, None)
         wanted = set(names)
-        with safe_open(os.path.join(self.path, OPTIMIZER_FILE), framework="pt") as f:
-            keys = [k for k in f.keys() if k.rpartition("/")[0] in wanted]
-        return self._read(OPTIMIZER_FILE, keys)
+        return self._read(OPTIMIZER, [k for k in self._names(OPTIMIZER) if k.rpartition("/")[0] in wanted])
 
     @property
     def optimizer_groups(self) -> list:
@@ -195,10 +174,19 @@ class Checkpoint:
     def scheduler(self) -> Optional[dict]:
         return self.state["scheduler"]
 
-    def rng_states(self) -> list:
-        path = os.path.join(self.path, RNG_FILE)
+    def rng_state(self, rank: int, world_size: int) -> dict:
+        """The RNG states rank `rank` of `world_size` restores: its own when as many ranks saved, else rank 0's."""
+        if self.state["format_version"] == 1:
+            path = os.path.join(self.path, RNG_V1_FILE)
+            with safe_open(path, framework="pt") as f:
+                states = rng_files.from_file({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
+            return states[rank] if len(states) == world_size else states[0]
+        saved = sorted(int(m.group(1)) for m in map(_RNG_FILE.fullmatch, self.manifest["files"]) if m)
+        if saved != list(range(len(saved))) or not saved:
+            raise CheckpointError(f"{self.path}: RNG files of ranks {saved[:8]}, expected ranks 0..N-1")
+        path = os.path.join(self.path, rng_file(rank if len(saved) == world_size else 0))
         with safe_open(path, framework="pt") as f:
-            return rng_files.from_file({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
+            return rng_files.from_file({k: f.get_tensor(k) for k in f.keys()}, f.metadata())[0]
 
 
 def open_checkpoint(load: str, save_dir: Optional[str] = None, hashes: bool = True) -> Checkpoint:

@@ -7,6 +7,7 @@ whose size or hash differs from its entry is truncated or corrupt. Hashing reads
 """
 import hashlib
 import os
+from typing import Optional
 
 from megamamba.checkpoint import files
 from megamamba.checkpoint.files import CheckpointError, read_json
@@ -21,15 +22,30 @@ def sha256_of(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_manifest(directory: str, tag: str, step: int) -> dict:
-    """fsync and hash every file of `directory`, write manifest.json (fsynced) and sync the directory."""
+def write_manifest(directory: str, tag: str, step: int, known: Optional[dict] = None) -> dict:
+    """Write manifest.json (fsynced) listing every file of `directory`, and sync the directory.
+
+    known: {file: {"size", "sha256"}} of files their writers (other processes) fsynced and hashed;
+    each must be present with that size. Every other file is fsynced and hashed here.
+    """
+    known = known or {}
+    names = sorted(os.listdir(directory))
+    absent = sorted(set(known) - set(names))
+    if absent:
+        raise CheckpointError(f"{directory}: {absent[:5]} were written by other processes but are not here")
     entries = {}
-    for name in sorted(os.listdir(directory)):
+    for name in names:
         path = os.path.join(directory, name)
         if name == MANIFEST or not os.path.isfile(path):
             raise CheckpointError(f"{path}: a checkpoint holds only plain files and no manifest before it is complete")
-        files.fsync_file(path)
-        entries[name] = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
+        if name in known:
+            entry = {"size": known[name]["size"], "sha256": known[name]["sha256"]}
+            if os.path.getsize(path) != entry["size"]:
+                raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, its writer wrote {entry['size']}")
+        else:
+            files.fsync_file(path)
+            entry = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
+        entries[name] = entry
     manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "step": step, "files": entries}
     files.write_json(os.path.join(directory, MANIFEST), manifest)
     files.sync_dir(directory)

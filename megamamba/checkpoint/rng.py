@@ -1,12 +1,12 @@
 """Random-number-generator states of every rank: Python's, NumPy's global, torch's CPU and CUDA ones.
 
 A state is a dict {"python": [...], "numpy": {...}, "torch": uint8 tensor, "cuda": [uint8 tensors]}
-(`capture_rng`), picklable so a trainer can gather all ranks' states to the writer. In a checkpoint
-they live in one safetensors file: the tensors under "<rank>.torch", "<rank>.cuda.<i>",
-"<rank>.numpy", the Python and NumPy scalars as JSON in its header metadata.
+(`capture_rng`). In a checkpoint each rank writes its own safetensors file (format version 1: one
+file of all ranks): the tensors under "<i>.torch", "<i>.cuda.<j>", "<i>.numpy" (i: the state's
+place in the file), the Python and NumPy scalars as JSON in its header metadata.
 
-Which state a rank restores (`state_for_rank`): with as many ranks as were saved, rank r gets rank
-r's; otherwise every rank gets rank 0's. Training draws no random numbers after initialisation
+Which state a rank restores (`Checkpoint.rng_state`): with as many ranks as were saved, rank r gets
+rank r's; otherwise every rank gets rank 0's. Training draws no random numbers after initialisation
 (no dropout; the data order is a function of (seed, step)), so this choice does not change the
 loss curve; it matters to user code that draws random numbers. CUDA states are restored when
 the run has as many CUDA devices as were saved, and skipped otherwise (e.g. a CPU resume).
@@ -44,7 +44,7 @@ def restore_rng(state: dict) -> None:
 
 
 def to_file(states: list) -> tuple:
-    """(tensors, metadata) of a safetensors file holding every rank's state, in rank order."""
+    """(tensors, metadata) of a safetensors file holding `states` in order."""
     tensors, scalars = {}, []
     for rank, s in enumerate(states):
         tensors[f"{rank}.torch"] = s["torch"]
@@ -56,7 +56,7 @@ def to_file(states: list) -> tuple:
 
 
 def from_file(tensors: dict, metadata: dict) -> list:
-    """Every rank's state from the contents `to_file` wrote."""
+    """The states `to_file` wrote, in order."""
     states = []
     for rank, s in enumerate(json.loads(metadata["rng"])):
         states.append({
@@ -66,8 +66,3 @@ def from_file(tensors: dict, metadata: dict) -> list:
             "cuda": [tensors[f"{rank}.cuda.{i}"] for i in range(s["cuda_devices"])],
         })
     return states
-
-
-def state_for_rank(states: list, rank: int, world_size: int) -> dict:
-    """The saved state rank `rank` of `world_size` restores: its own at the saved size, else rank 0's."""
-    return states[rank] if len(states) == world_size else states[0]

@@ -3,7 +3,8 @@
     <save>/step_000123/     one complete checkpoint (its manifest.json written last)
     <save>/latest           the tag of the checkpoint to resume from ("step_000123")
 
-A save writes into `<save>/.tmp-<tag>-<pid>`, fsyncing every file, writes the manifest, renames
+A save writes into `<save>/.tmp-<tag>-<pid>` (its writers, one process or several, fsync every
+file they write), then the process that created it writes the manifest, renames
 the directory to `<save>/<tag>` (a checkpoint of the same tag, left by an abandoned run, is moved
 aside first and deleted after), then replaces `latest` atomically (latest.tmp, fsync, rename,
 fsync the directory), and only then deletes checkpoints beyond `keep_last` and leftovers of
@@ -111,9 +112,11 @@ def checkpoint_tags(save_dir: str) -> list:
     return sorted(tags, key=step_of, reverse=True)
 
 
-def commit(save_dir: str, staging: str, tag: str, step: int, keep_last: Optional[int]) -> str:
-    """Finish a save staged in `staging`: manifest, rename to `<save_dir>/<tag>`, `latest`, retention."""
-    write_manifest(staging, tag, step)
+def commit(save_dir: str, staging: str, tag: str, step: int, keep_last: Optional[int],
+           known: Optional[dict] = None) -> str:
+    """Finish a save staged in `staging`: manifest (`known`: files hashed by their writers), rename to
+    `<save_dir>/<tag>`, `latest`, retention."""
+    write_manifest(staging, tag, step, known)
     final = os.path.join(save_dir, tag)
     aside = None
     if os.path.exists(final):

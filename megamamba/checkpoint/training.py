@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from megamamba.checkpoint.checkpoint import Checkpoint, save_checkpoint
-from megamamba.checkpoint.rng import capture_rng, restore_rng, state_for_rank
+from megamamba.checkpoint.checkpoint import Checkpoint
+from megamamba.checkpoint.rng import capture_rng, restore_rng
 from megamamba.checkpoint.state import (
     load_model_tensors,
     load_optimizer_tensors,
@@ -20,6 +20,7 @@ from megamamba.checkpoint.state import (
     optimizer_tensors,
     scheduler_state,
 )
+from megamamba.checkpoint.writer import save_checkpoint
 from megamamba.lm import MambaLM
 
 
@@ -42,5 +43,5 @@ def load_training_checkpoint(checkpoint: Checkpoint, model: MambaLM, optimizer: 
     load_optimizer_tensors(optimizer, model, checkpoint.optimizer_tensors(), checkpoint.optimizer_groups)
     if scheduler is not None:
         load_scheduler_state(scheduler, checkpoint.scheduler)
-    restore_rng(state_for_rank(checkpoint.rng_states(), 0, 1))
+    restore_rng(checkpoint.rng_state(0, 1))
     return checkpoint.step

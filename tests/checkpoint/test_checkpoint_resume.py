@@ -14,16 +14,18 @@ from safetensors import safe_open
 
 from checkpoint_fixtures import perturbed_model, tiny, train_step, training_run
 from megamamba.checkpoint import (
+    Checkpoint,
     CheckpointError,
     CheckpointWarning,
     capture_rng,
     load_model_tensors,
     load_training_checkpoint,
+    model_tensors,
     open_checkpoint,
     optimizer_groups,
     restore_rng,
+    save_checkpoint,
     save_training_checkpoint,
-    state_for_rank,
 )
 from megamamba.lm import MambaLM
 from megamamba.model_folder import load_model_folder
@@ -127,10 +129,15 @@ def test_rng_states_restore_python_numpy_and_torch():
     assert draws[0] == again[0] and draws[1] == again[1] and torch.equal(draws[2], again[2])
 
 
-def test_each_rank_restores_its_own_rng_state_at_the_saved_world_size_else_rank_zeros():
-    states = ["rank0", "rank1", "rank2", "rank3"]
-    assert [state_for_rank(states, r, 4) for r in range(4)] == states
-    assert [state_for_rank(states, r, 2) for r in range(2)] == ["rank0", "rank0"]
+def test_each_rank_restores_its_own_rng_state_at_the_saved_world_size_else_rank_zeros(tmp_path):
+    states = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        states.append(capture_rng())
+    config = tiny("Mamba1")
+    ckpt = Checkpoint(save_checkpoint(str(tmp_path), 1, config, model_tensors(MambaLM(config)), rng=states))
+    assert [ckpt.rng_state(r, 4)["torch"].tolist() for r in range(4)] == [s["torch"].tolist() for s in states]
+    assert [ckpt.rng_state(r, 2)["torch"].tolist() for r in range(2)] == [states[0]["torch"].tolist()] * 2
 
 
 def test_loaded_model_refuses_tensors_of_another_shape(tmp_path):

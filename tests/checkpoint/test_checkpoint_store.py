@@ -53,7 +53,7 @@ def test_save_writes_a_complete_checkpoint_and_points_latest_at_it(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000007"]
     assert (tmp_path / "latest").read_text() == "step_000007\n"
     assert sorted(verify(path)["files"]) == ["config.json", "model.safetensors", "optimizer.safetensors",
-                                              "rng.safetensors", "trainer_state.json"]
+                                              "rng-rank-00000.safetensors", "trainer_state.json"]
     ckpt = Checkpoint(path)
     assert (ckpt.step, ckpt.tag, ckpt.extra) == (7, "step_000007", {"note": "step 7"})
     assert holds_weights_of(path, 7)

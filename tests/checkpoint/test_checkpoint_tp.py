@@ -1,8 +1,9 @@
 """Checkpoints do not depend on the tensor-parallel size: saved at TP 2, resumed at TP 2 and at TP 1, and back.
 
 On two spawned gloo ranks a TP-2 run trains 2 steps, gathers its parameters and optimizer state
-to full tensors (`model_tensors` / `optimizer_tensors` with `tp`), rank 0 saves, and the run
-goes on 2 steps. A fresh TP-2 run (another seed) loads the checkpoint: its next 2 losses,
+to full tensors (`model_tensors` / `optimizer_tensors` with `tp`), rank 0 writes them and each
+rank its RNG state (the writer's steps, as a distributed trainer takes them), and the run goes
+on 2 steps. A fresh TP-2 run (another seed) loads the checkpoint: its next 2 losses,
 shards and optimizer state are bit-identical to the uninterrupted run's. The single process
 then resumes the same checkpoint at TP 1 (and the ranks resume a TP-1 checkpoint at TP 2): the
 loss curves agree to float32 reduction-order error (<= 1e-5 relative; TP sums in another order).
@@ -16,7 +17,9 @@ from checkpoint_fixtures import tiny, train_step, training_run
 from distributed import run_ranks
 from megamamba.checkpoint import (
     Checkpoint,
+    begin,
     capture_rng,
+    finish,
     load_model_tensors,
     load_optimizer_tensors,
     load_scheduler_state,
@@ -25,10 +28,10 @@ from megamamba.checkpoint import (
     optimizer_groups,
     optimizer_tensors,
     restore_rng,
-    save_checkpoint,
     save_training_checkpoint,
     scheduler_state,
-    state_for_rank,
+    write_rng,
+    write_stage,
 )
 from megamamba.parallel import TensorParallel
 
@@ -44,7 +47,7 @@ def resume_tp(run, ckpt: Checkpoint, tp) -> None:
     load_model_tensors(model, ckpt.model_tensors(), tp)
     load_optimizer_tensors(optimizer, model, ckpt.optimizer_tensors(), ckpt.optimizer_groups, tp)
     load_scheduler_state(scheduler, ckpt.scheduler)
-    restore_rng(state_for_rank(ckpt.rng_states(), dist.get_rank(), dist.get_world_size()))
+    restore_rng(ckpt.rng_state(dist.get_rank(), dist.get_world_size()))
 
 
 def tp_ranks(case: str, save_dir: str, tp1_checkpoint: str) -> dict:
@@ -56,11 +59,15 @@ def tp_ranks(case: str, save_dir: str, tp1_checkpoint: str) -> dict:
     model, optimizer, scheduler = run
     full = model_tensors(model, tp)
     state = optimizer_tensors(optimizer, model, tp)
-    rng = [None, None]
-    dist.all_gather_object(rng, capture_rng())
+    staging = [begin(save_dir, SAVE_AT) if rank == 0 else None]
+    dist.broadcast_object_list(staging, src=0)
+    records = write_rng(staging[0], rank, capture_rng())
     if rank == 0:
-        save_checkpoint(save_dir, SAVE_AT, config, full, optimizer=state, optimizer_groups=optimizer_groups(
-            optimizer, model), scheduler=scheduler_state(scheduler), rng=rng)
+        records.update(write_stage(staging[0], 0, 1, full, state, optimizer_groups(optimizer, model)))
+    parts = [None, None] if rank == 0 else None
+    dist.gather_object(records, parts, dst=0)
+    if rank == 0:
+        finish(save_dir, staging[0], SAVE_AT, config, parts[0] | parts[1], scheduler=scheduler_state(scheduler))
     dist.barrier()
     losses += [train_step(*run, s) for s in range(SAVE_AT, STEPS)]
 

@@ -79,7 +79,8 @@ def test_a_rank_killed_mid_training_ends_the_launched_job_non_zero_within_60_s(r
 
 
 # The file primitive (write, directory fsync, rename, delete) of the step-4 save at which the writer dies:
-# 5: tensor files half written, 10: before the manifest, 16: the new checkpoint in place, before `latest`.
+# 5: the tensor files written, not the JSON ones; 10: before the manifest; 16: the new checkpoint in place,
+# before `latest`.
 @pytest.mark.parametrize("at", [5, 10, 16])
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resumes_from_it(runs, reference, at):
     out = runs.new_dir()
