@@ -11,9 +11,10 @@ it. Rank 0 holds no more than its own stage's state.
 
 Loading (collective): global rank 0 resolves `--load` and verifies the checksums, every rank opens
 the same checkpoint, checks the model config, reads only its stage's tensors and cuts its TP slice
-and ZeRO partition out of them. The data order is a function of (seed, step), so the step is the
-data position. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's
-ZeRO-1/2 optimizer over it; anything else is refused before training.
+and ZeRO partition out of them; optimizer state lands where torch's AdamW keeps it (the
+parameter's device and dtype; `step` on the device when fused). The data order is a function of
+(seed, step), so the step is the data position. Optimizers handled: torch AdamW as the engine's
+optimizer (no ZeRO) and DeepSpeed's ZeRO-1/2 optimizer over it; anything else is refused before training.
 
 Test hook: MEGAMAMBA_TEST_KILL_SAVE="STEP:N" makes every rank SIGKILL itself at its own N-th file
 primitive (write, fsync of a directory, rename, delete) of the save of STEP: ranks write their RNG
@@ -31,6 +32,7 @@ from megamamba.checkpoint import (
     Checkpoint,
     CheckpointError,
     NoCheckpointError,
+    adam_step,
     begin,
     capture_rng,
     check_optimizer_groups,
@@ -275,7 +277,8 @@ def _load_zero(trainer, zero, optimizer: dict, saved_groups: list, names: dict) 
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")
     for flat in zero.single_partition_of_fp32_groups if steps else ():
-        zero.optimizer.state[flat] = {"step": torch.tensor(next(iter(steps)), dtype=torch.float32),
+        group = next(g for g in zero.optimizer.param_groups if any(p is flat for p in g["params"]))
+        zero.optimizer.state[flat] = {"step": adam_step(next(iter(steps)), flat, group),
                                       "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
     if steps:
         _link_moments(zero)

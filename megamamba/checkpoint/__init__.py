@@ -38,7 +38,7 @@ bytes per rank (a path, file sizes and hashes, an error message).
            ckpt = Checkpoint(path, hashes=False); ckpt.check_config(run_config);
            ckpt.model_tensors(names of this stage) -> load_model_tensors / load_full_tensors (TP slices)
            (and safe_set_full_fp32_param); ckpt.optimizer_tensors(names) -> load_optimizer_tensors,
-           or for ZeRO: create the flat AdamW state, link,
+           or for ZeRO: create the flat AdamW state (adam_step for `step`), link,
            safe_set_full_optimizer_state; load_scheduler_state; restore_rng(ckpt.rng_state(rank, world)).
 
 Memory: a stage's representative holds its stage's full parameters and optimizer moments on the
@@ -48,6 +48,7 @@ from megamamba.checkpoint.checkpoint import Checkpoint, config_differences, open
 from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.rng import capture_rng, restore_rng
 from megamamba.checkpoint.state import (
+    adam_step,
     check_optimizer_groups,
     load_model_tensors,
     load_optimizer_tensors,
@@ -69,7 +70,7 @@ from megamamba.checkpoint.training import load_training_checkpoint, save_trainin
 from megamamba.checkpoint.writer import begin, finish, save_checkpoint, write_rng, write_stage
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "begin", "capture_rng",
+    "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "adam_step", "begin", "capture_rng",
     "check_optimizer_groups", "check_save_dir", "config_differences", "find_latest", "finish", "load_model_tensors",
     "load_optimizer_tensors", "load_scheduler_state", "load_training_checkpoint", "model_tensors", "open_checkpoint",
     "optimizer_groups", "optimizer_tensors", "parameter_shapes", "resolve_load", "restore_rng", "save_checkpoint",

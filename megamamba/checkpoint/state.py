@@ -9,7 +9,10 @@ Optimizer (any torch optimizer whose per-parameter state is tensors, e.g. AdamW)
 tensor shaped like its parameter is gathered to the full shape like the parameter; a 0-d one
 (AdamW's `step`) is stored as is. The groups' hyperparameters, with the member names, go to
 JSON (`optimizer_groups`). Loading keeps the RUN's hyperparameters (a resume at the same flags
-is exact; changed flags take effect, with a warning naming them) and restores the state.
+is exact; changed flags take effect, with a warning naming them) and restores the state where
+torch keeps it: through `Optimizer.load_state_dict`, tensors shaped like a parameter on its
+device in its dtype, AdamW's `step` float32 on the parameter's device when the group is fused or
+capturable and on the host otherwise (`adam_step`, for optimizers whose state is built by hand).
 
 Scheduler: torch's `state_dict()` as JSON; loading also sets every group's lr to the restored
 last lr, which the next optimizer step uses.
@@ -178,6 +181,15 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, t
         for n, p in named.items()
     }
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def adam_step(step: float, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """AdamW's `step` as torch creates it for `param` in `group`: float32 on the parameter's device when fused
+    or capturable (the update reads it there, without a host sync), else a host tensor of the default scalar dtype."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(step), dtype=dtype)
 
 
 def scheduler_state(scheduler) -> dict:
