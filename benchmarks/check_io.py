@@ -15,6 +15,7 @@ import types
 
 RESULTS = "results.jsonl"
 COMPILES = "triton_compiles.jsonl"
+_RUNNING = set()  # process groups run_logged has started and not yet reaped
 
 
 class Results:
@@ -57,19 +58,49 @@ def run_logged(cmd, log: str, timeout: float, env=None, cwd=None, grace: float =
     start = time.time()
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        _RUNNING.add(proc.pid)
         timed_out = False
         try:
             proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
             timed_out = True
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
-    _signal_group(proc.pid, signal.SIGKILL)  # strays of a finished group (e.g. a launcher's ranks)
+            _stop_group(proc, grace)
+        finally:
+            _signal_group(proc.pid, signal.SIGKILL)  # strays of a finished group (e.g. a launcher's ranks)
+            _RUNNING.discard(proc.pid)
     return dict(rc=proc.returncode, seconds=round(time.time() - start, 1), timed_out=timed_out)
+
+
+def _stop_group(proc, grace: float) -> None:
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def stop_children_on_sigterm(grace: float = 5.0) -> None:
+    """On SIGTERM (the driver's timeout), stop the groups run_logged started, which live in their own
+    sessions and would outlive this process on the GPU, then exit with 143."""
+    def handler(signum, frame):
+        for pid in list(_RUNNING):
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.time() + grace
+        while time.time() < deadline and any(_alive(pid) for pid in _RUNNING):
+            time.sleep(0.2)
+        for pid in list(_RUNNING):
+            _signal_group(pid, signal.SIGKILL)
+        os._exit(143)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _signal_group(pid: int, sig) -> None:
@@ -96,6 +127,19 @@ def count_triton_compiles(out: str, section: str) -> None:
     knobs.compilation.listener = listener
 
 
+def triton_cache_identity() -> dict:
+    """What Triton's cache keys depend on beyond the kernel and its options: sha256 of triton_key()
+    (its version, compiler sources and libtriton), the `ptxas --version` of the ptxas it uses for
+    sm_90, and the cache-invalidating variables set. Equal on two machines, equal keys."""
+    import hashlib
+
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.nvidia.compiler import get_ptxas_version
+    from triton.runtime.cache import triton_key
+    return {"triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
+            "ptxas": " | ".join(get_ptxas_version(90).strip().splitlines()[-2:]), "env": get_cache_invalidating_env_vars()}
+
+
 # ----------------------------------------------------------------------------- mamba_ssm
 
 def names_only_module(name):
@@ -111,12 +155,17 @@ def names_only_module(name):
     return module
 
 
+CHOICES = "autotune_choices.json"  # beside mamba_ssm/ in its source folder, written by triton_cache.py
+
+
 def load_mamba_ssm(src: str):
     """mamba_ssm from its unpacked source release (the folder holding mamba_ssm/) with its compiled
     extension stubbed: a namespace of the entry points the check compares with, or (None, why not).
 
-    Every autotuned Triton kernel of mamba_ssm keeps only the first of its configurations (see
-    cap_autotuning), so its first use compiles one kernel per shape instead of timing a dozen.
+    Every autotuned Triton kernel of mamba_ssm keeps one configuration, so its first use compiles
+    one kernel per shape instead of timing a dozen: the one <src>/autotune_choices.json names (the
+    first of its list that fits an sm_90 block at every shape the check runs, found by
+    benchmarks/triton_cache.py), else its first.
     """
     if not src or not os.path.isdir(os.path.join(src, "mamba_ssm")):
         return None, f"no mamba_ssm/ under {src!r}"
@@ -136,24 +185,39 @@ def load_mamba_ssm(src: str):
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except Exception as exc:  # noqa: BLE001 - reported as the reason, the check goes on without it
         return None, f"import failed: {exc!r:.300}"
-    capped = cap_autotuning("mamba_ssm.ops.triton")
+    path = os.path.join(src, CHOICES)
+    choices = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            choices = json.load(f)
+    tuners = autotuners("mamba_ssm.ops.triton")
+    cap_autotuning(tuners, choices)
+    picked = ", ".join(f"{name} #{index}" for name, index in sorted(choices.items()) if index) or "none"
     return types.SimpleNamespace(mamba_chunk_scan_combined=mamba_chunk_scan_combined, rmsnorm_fn=rmsnorm_fn,
                                  selective_scan_ref=selective_scan_ref, MambaLMHeadModel=MambaLMHeadModel,
-                                 MambaConfig=MambaConfig), f"imported; autotuning capped to one config in {capped}"
+                                 MambaConfig=MambaConfig), \
+        f"imported; {len(tuners)} autotuned kernels capped to one config each, the first except: {picked}" \
+        + ("" if choices else f" (no {path})")
 
 
-def cap_autotuning(prefix: str) -> list:
-    """Keep the first configuration of every triton.autotune in the loaded modules under `prefix`
-    (an autotuner with one configuration runs it without benchmarking); the capped kernels' names."""
+def autotuners(prefix: str) -> dict:
+    """kernel name -> triton Autotuner, for the loaded modules under `prefix`."""
     from triton.runtime.autotuner import Autotuner, Heuristics
-    capped = []
+    found = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith(prefix) or module is None:
             continue
         for attr, value in vars(module).items():
             while isinstance(value, Heuristics):
                 value = value.fn
-            if isinstance(value, Autotuner) and len(value.configs) > 1:
-                value.configs = value.configs[:1]
-                capped.append(attr)
-    return sorted(set(capped))
+            if isinstance(value, Autotuner):
+                found[attr] = value
+    return found
+
+
+def cap_autotuning(tuners: dict, choices: dict) -> None:
+    """Leave each autotuner only its configuration number choices[name] (default 0, the last when
+    past the end) of its original list; an autotuner with one configuration runs it unbenchmarked."""
+    for name, tuner in tuners.items():
+        configs = tuner.__dict__.setdefault("configs_before_cap", tuner.configs)
+        tuner.configs = [configs[min(choices.get(name, 0), len(configs) - 1)]]

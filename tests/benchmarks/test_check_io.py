@@ -37,3 +37,17 @@ def test_a_finished_child_reports_its_exit_status(tmp_path):
     status = run_logged(["bash", "-c", "echo hi; exit 3"], str(tmp_path / "log"), timeout=30)
     assert status == {"rc": 3, "seconds": status["seconds"], "timed_out": False}
     assert (tmp_path / "log").read_text() == "hi\n"
+
+
+def test_a_stopped_section_stops_the_groups_it_started(tmp_path):
+    """A section runs launch/train.py in a session of its own; when the driver stops the section,
+    that session must not outlive it."""
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+            "from check_io import run_logged, stop_children_on_sigterm\n"
+            "stop_children_on_sigterm(grace=1.0)\n"
+            "run_logged(['bash', '-c', 'echo $$ > inner; sleep 60'], 'inner.log', timeout=60)\n")
+    status = run_logged([sys.executable, "-c", code], str(tmp_path / "outer.log"), timeout=3, cwd=tmp_path, grace=5)
+    assert status["timed_out"] and status["rc"] == 143, (tmp_path / "outer.log").read_text()
+    inner = int((tmp_path / "inner").read_text())
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{inner}") or "Z" in Path(f"/proc/{inner}/stat").read_text().split()[2]

@@ -1,0 +1,185 @@
+"""The GPU check's kernel sections: each op's error against float64, and op timings, ours next to
+mamba_ssm's on the same inputs (inputs and layer shapes from benchmarks/kernels.py).
+
+errors   ssd_chunk_scan, selective_scan, causal_conv1d, rmsnorm_gated at a Mamba-2 / Mamba-1 130M
+         layer's training shape (2 x 2048 tokens), in float32 (TF32 off) and bfloat16: the relative
+         error of the output and of each input's gradient (one fixed output gradient) against our
+         PyTorch reference in float64 on the same rounded inputs, for ours and for theirs.
+timings  forward and forward+backward milliseconds at the Mamba-2 130M/370M/1.3B and Mamba-1 layer
+         shapes (16K tokens, bf16), ours then theirs for each shape.
+
+Theirs: mamba_ssm's mamba_chunk_scan_combined and rmsnorm_fn (Triton); its selective scan is a CUDA
+extension that is not built, so its PyTorch selective_scan_ref stands in for the error and nothing
+for the timing; causal_conv1d is torch's depthwise conv1d + SiLU, what mamba_ssm runs without the
+causal-conv1d package. In the dry run everything is our reference at tiny shapes.
+"""
+import importlib.util
+import os
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_kernel_benchmark():
+    """benchmarks/kernels.py as a module (its inputs, shapes and timer)."""
+    spec = importlib.util.spec_from_file_location("benchmark_kernels", os.path.join(HERE, "kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def torch_causal_conv1d(x, weight, bias=None, activation=None):
+    """Depthwise causal conv1d with torch's conv1d: mamba_ssm's path without causal-conv1d."""
+    out = F.conv1d(x, weight.unsqueeze(1).to(x.dtype), None if bias is None else bias.to(x.dtype),
+                   padding=weight.shape[1] - 1, groups=x.shape[1])[..., : x.shape[-1]]
+    return F.silu(out) if activation in ("silu", "swish") else out
+
+
+def theirs_table(theirs):
+    """op -> (mamba_ssm's function with our op's keyword arguments, its label), None where it has none."""
+    def norm(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+        return theirs.rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size,
+                                 norm_before_gate=norm_before_gate)
+    return {"ssd_chunk_scan": (theirs.mamba_chunk_scan_combined, "mamba_chunk_scan_combined (Triton)"),
+            "selective_scan": (theirs.selective_scan_ref, "selective_scan_ref (PyTorch; CUDA kernel not built)"),
+            "causal_conv1d": (torch_causal_conv1d, "torch conv1d + silu (no causal-conv1d package)"),
+            "rmsnorm_gated": (norm, "layernorm_gated.rmsnorm_fn (Triton)")}
+
+
+def stand_in():
+    """mamba_ssm's op entry points played by our reference (the dry run)."""
+    from megamamba.kernels.reference.norm import rmsnorm_gated
+    from megamamba.kernels.reference.selective_scan import selective_scan
+    from megamamba.kernels.reference.ssd import ssd_chunk_scan
+
+    def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+        return rmsnorm_gated(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+    return types.SimpleNamespace(mamba_chunk_scan_combined=ssd_chunk_scan, rmsnorm_fn=rmsnorm_fn,
+                                 selective_scan_ref=selective_scan)
+
+
+def error_cases(bench, dry):
+    """(op, label, inputs(dtype, device, gen) -> (tensors, kwargs)) at training shapes (tiny when dry)."""
+    if dry:
+        ssd = dict(batch=2, seqlen=96, nheads=2, headdim=16, ngroups=1, dstate=16, chunk=32)
+        scan, conv, norm = dict(batch=2, seqlen=96, dim=32, dstate=8), (2, 48, 96), (192, 32, 32)
+    else:
+        ssd = bench.mamba2_shape(768, tokens=2 * 2048)
+        scan = bench.mamba1_shape(768, tokens=2 * 2048)
+        d_inner = bench.EXPAND * 768
+        conv, norm = (2, d_inner + 2 * bench.D_STATE2, 2048), (2 * 2048, d_inner, d_inner)
+    return [("ssd_chunk_scan", f"mamba2-130m {ssd['batch']}x{ssd['seqlen']} docs",
+             lambda dt, dev, g: bench.ssd_inputs(ssd, dt, dev, g, docs=True)),
+            ("selective_scan", f"mamba1-130m {scan['batch']}x{scan['seqlen']}",
+             lambda dt, dev, g: bench.scan_inputs(scan, dt, dev, g)),
+            ("causal_conv1d", f"dim {conv[1]} {conv[0]}x{conv[2]}",
+             lambda dt, dev, g: bench.conv_inputs(*conv, dt, dev, g)),
+            ("rmsnorm_gated", f"{norm[0]} rows x {norm[1]}",
+             lambda dt, dev, g: bench.norm_inputs(*norm, dt, dev, g))]
+
+
+def forward_backward(fn, tensors, kwargs, dtype):
+    """Output and the gradient of every float input, for one fixed random output gradient rounded
+    to `dtype` (the same values whatever the output's own dtype)."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items() if v.is_floating_point()}
+    out = fn(**{**tensors, **leaves}, **kwargs)
+    gen = torch.Generator(device=out.device).manual_seed(1)
+    out.backward(torch.randn(out.shape, generator=gen, device=out.device).to(dtype).to(out.dtype))
+    return out.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def errors(results, device, theirs, dry):
+    """One record per (op, dtype, output or gradient): ours' and theirs' error against float64."""
+    import megamamba.kernels as ours
+    from megamamba.kernels.reference import conv, norm, selective_scan, ssd
+    oracle = {"ssd_chunk_scan": ssd.ssd_chunk_scan, "selective_scan": selective_scan.selective_scan,
+              "causal_conv1d": conv.causal_conv1d, "rmsnorm_gated": norm.rmsnorm_gated}
+    bench = load_kernel_benchmark()
+    table = theirs_table(theirs) if theirs else {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for op, label, make in error_cases(bench, dry):
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).replace("torch.", "")
+            try:
+                tensors, kwargs = make(dtype, device, torch.Generator(device=device).manual_seed(0))
+                exact = {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
+                ref_out, ref_grads = forward_backward(oracle[op], exact, kwargs, dtype)
+                mine = forward_backward(getattr(ours, op), tensors, kwargs, dtype)
+                fn, impl = table.get(op, (None, "none"))
+                other = forward_backward(fn, tensors, kwargs, dtype) if fn else None
+            except Exception as exc:  # noqa: BLE001 - one failing op must not hide the others
+                results.write("error_failed", op=op, dtype=name, shape=label, error=repr(exc)[:500])
+                continue
+            for quantity, ref in [("out", ref_out), *((f"d{k}", g) for k, g in ref_grads.items())]:
+                pick = (lambda res: res[0]) if quantity == "out" else (lambda res, k=quantity[1:]: res[1][k])
+                err_ours = relative_error(pick(mine), ref)
+                err_theirs = relative_error(pick(other), ref) if other else None
+                results.write("error", op=op, dtype=name, shape=label, quantity=quantity, ours=err_ours,
+                              theirs=err_theirs, theirs_impl=impl,
+                              ratio=err_ours / err_theirs if err_theirs else None)
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def relative_error(value, ref) -> float:
+    """||value - ref|| / ||ref|| in float64; inf when value is not finite."""
+    value = value.double()
+    if not bool(torch.isfinite(value).all()):
+        return float("inf")
+    return ((value - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def cpu_time(fn):
+    """The dry run's stand-in for CUDA-event timing: one call, milliseconds."""
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def timing_cases(bench, dry):
+    """(op, layer, inputs(device, gen)) at the layer shapes, ssd/conv/norm per Mamba-2 size, then the scan."""
+    tokens, seqlen = (128, 64) if dry else (bench.TOKENS, 2048)
+    sizes2 = {"tiny": 64} if dry else bench.MAMBA2_D_MODEL
+    sizes1 = {"tiny": 32} if dry else bench.MAMBA1_D_MODEL
+    bf16 = torch.bfloat16
+    cases = []
+    for name, d_model in sizes2.items():
+        shape = bench.mamba2_shape(d_model, tokens=tokens, seqlen=seqlen)
+        d_inner, batch = bench.EXPAND * d_model, tokens // seqlen
+        cases += [("ssd_chunk_scan", f"mamba2-{name}", lambda dev, g, s=shape: bench.ssd_inputs(s, bf16, dev, g)),
+                  ("causal_conv1d", f"mamba2-{name}", lambda dev, g, b=batch, d=d_inner + 2 * shape["dstate"]:
+                   bench.conv_inputs(b, d, seqlen, bf16, dev, g)),
+                  ("rmsnorm_gated", f"mamba2-{name}", lambda dev, g, d=d_inner:
+                   bench.norm_inputs(tokens, d, d, bf16, dev, g))]
+    for name, d_model in sizes1.items():
+        shape = bench.mamba1_shape(d_model, tokens=tokens, seqlen=seqlen)
+        cases.append(("selective_scan", f"mamba1-{name}", lambda dev, g, s=shape: bench.scan_inputs(s, bf16, dev, g)))
+    return cases
+
+
+def timings(results, device, theirs, dry):
+    """One record per (op, layer, implementation): forward and forward+backward ms, ours then theirs."""
+    import megamamba.kernels as ours
+    bench = load_kernel_benchmark()
+    if dry:
+        bench.cuda_time = cpu_time
+    table = theirs_table(theirs) if theirs else {}
+    gen = torch.Generator(device=device).manual_seed(2)
+    for op, layer, make in timing_cases(bench, dry):
+        tensors, kwargs = make(device, gen)
+        fn_theirs, impl = table.get(op, (None, "none"))
+        runs = [("ours", getattr(ours, op))]
+        if fn_theirs is not None and op != "selective_scan":  # their scan here is PyTorch: not timed
+            runs.append((f"mamba_ssm: {impl}", fn_theirs))
+        for who, fn in runs:
+            try:
+                fwd, fwd_bwd = bench.time_op(fn, tensors, kwargs)
+            except Exception as exc:  # noqa: BLE001
+                results.write("timing_failed", op=op, layer=layer, impl=who, error=repr(exc)[:500])
+                continue
+            results.write("timing", op=op, layer=layer, impl=who, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd,
+                          tokens=tensors[next(iter(tensors))].numel() and None or None)

@@ -1,0 +1,314 @@
+"""The GPU check's driver: every section in its own child process with a timeout, in this order,
+within one time budget, each measurement appended to <out>/results.jsonl as it is made.
+
+    python benchmarks/gpu_check.py --out DIR [--work DIR] [--site DIR] [--mamba-ssm-src DIR] [--budget 450] [--dry-run]
+        [--only imports errors ...]        (run by benchmarks/gpu_check.sh, which installs the package)
+    python benchmarks/gpu_check.py --out DIR --summary     (the tables of what a run wrote so far)
+
+imports      every megamamba subpackage, from --site (the installed copy) and not from the checkout;
+             versions of python, torch, Triton, DeepSpeed, CUDA and the GPU
+nccl_smoke   `deepspeed --num_gpus 1 launch/train.py` with a save and a resume (check_train.py)
+errors       each op's fp32 and bf16 error against float64, ours next to mamba_ssm's (check_ops.py)
+timings      op timings, ours and mamba_ssm's interleaved per shape (check_ops.py)
+throughput:* training tokens/s at 130m, 370m, 1.3b, ours then mamba_ssm's (check_train.py)
+parity       losses of ours and mamba_ssm over 20 bf16 steps from the same weights and batches
+A section past its timeout is stopped (SIGTERM, then SIGKILL) and the next one runs; a section
+that no longer fits the budget is skipped with a record saying so. Each child's output streams to
+<out>/<section>.log. --dry-run: the CPU, our PyTorch reference for the kernels and for mamba_ssm,
+tiny shapes and models, gloo: every section's code path and records, no GPU.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from check_io import (COMPILES, Results, count_triton_compiles, load_mamba_ssm, read_results, run_logged,
+                      stop_children_on_sigterm)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+# (section, seconds at most); the budget may cut a later one shorter.
+SECTIONS = [("imports", 60), ("nccl_smoke", 100), ("errors", 75), ("timings", 75), ("throughput:130m", 70),
+            ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60)]
+PACKAGES = ["megamamba", "megamamba.kernels", "megamamba.kernels.reference", "megamamba.kernels.triton",
+            "megamamba.pipelines", "megamamba.parallel", "megamamba.checkpoint", "megamamba.data",
+            "megamamba.tokenizer"]
+MIN_SECONDS = 15  # a section given less than this is skipped
+DRY_SCALE = 4  # the dry run's caps: a shared 2-core CPU starts DeepSpeed far slower than the GPU machine
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder: results.jsonl, one log per section")
+    p.add_argument("--work", default=None, help="scratch folder for checkpoints (default: a new temporary one)")
+    p.add_argument("--site", default=None, help="where the package was installed (the imports section checks it)")
+    p.add_argument("--cache-identity", default=None,
+                   help="the shipped Triton cache's key inputs (triton_cache.py's .json), compared with this machine's")
+    p.add_argument("--mamba-ssm-src", default=None, help="unpacked mamba_ssm source release (holding mamba_ssm/)")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for all sections together")
+    p.add_argument("--dry-run", action="store_true", help="CPU, reference kernels, tiny shapes, no mamba_ssm")
+    p.add_argument("--only", nargs="+", default=None, metavar="SECTION", help="run these sections only")
+    p.add_argument("--summary", action="store_true", help="print the tables of <out>/results.jsonl and exit")
+    p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child runs one section
+    p.add_argument("--timeout", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    names = [name for name, _ in SECTIONS]
+    for name in args.only or []:
+        if name not in names:
+            p.error(f"--only {name}: no such section (sections: {', '.join(names)})")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.summary:
+        print(summary(args.out))
+        return 0
+    if args.section:
+        return run_section(args)
+    args.work = args.work or tempfile.mkdtemp(prefix="gpu_check_")
+    results = Results(args.out, "check")
+    start = time.time()
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    shipped = cache_entries(cache)
+    results.write("start", dry_run=args.dry_run, budget_s=args.budget, triton_cache_dir=cache,
+                  triton_cache_entries=len(shipped))
+    failed = 0
+    for name, cap in SECTIONS:
+        if args.only and name not in args.only:
+            continue
+        left = args.budget - (time.time() - start)
+        timeout = min(cap * (DRY_SCALE if args.dry_run else 1), left)
+        if timeout < MIN_SECONDS:
+            results.write("section", name=name, rc=None, skipped=f"{left:.0f} s of the budget left")
+            failed += 1
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--out", args.out, "--work", args.work,
+               "--timeout", str(timeout)] + (["--dry-run"] if args.dry_run else [])
+        cmd += ["--site", args.site] if args.site else []
+        cmd += ["--cache-identity", args.cache_identity] if args.cache_identity else []
+        cmd += ["--mamba-ssm-src", args.mamba_ssm_src] if args.mamba_ssm_src else []
+        status = run_logged(cmd, os.path.join(args.out, name.replace(":", "_") + ".log"), timeout,
+                            env=section_env(args.dry_run))
+        results.write("section", name=name, **status)
+        failed += status["rc"] != 0
+    now = cache_entries(cache)
+    results.write("triton_cache", dir=cache, shipped=len(shipped), compiled_anew=len(now - shipped),
+                  total_s=round(time.time() - start, 1))
+    print(summary(args.out), flush=True)
+    return 1 if failed else 0
+
+
+def section_env(dry: bool) -> dict:
+    """A child's environment: the dry run forces the reference kernels on the CPU, and pins the
+    launcher's ranks to it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if dry:
+        env.update(MEGAMAMBA_KERNELS="reference", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def cache_entries(cache) -> set:
+    """The kernel entries (one folder per compiled kernel) of a Triton cache folder."""
+    return set(os.listdir(cache)) if cache and os.path.isdir(cache) else set()
+
+
+def run_section(args) -> int:
+    """One section, in this (child) process."""
+    stop_children_on_sigterm()
+    import torch
+    results = Results(args.out, args.section)
+    count_triton_compiles(args.out, args.section)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if not args.dry_run and not torch.cuda.is_available():
+        results.write("section_failed", error="no CUDA device (use --dry-run on a CPU)")
+        return 1
+    name, _, size = args.section.partition(":")
+    if name == "imports":
+        if args.cache_identity:
+            compare_cache_identity(results, args.cache_identity)
+        return imports(results, args.site)
+    if name == "nccl_smoke":
+        from check_train import nccl_smoke
+        nccl_smoke(results, args.out, args.work, args.dry_run, args.timeout or 100)
+        return 0
+    theirs = mamba_ssm(results, args)
+    if name in ("errors", "timings"):
+        import check_ops
+        ops = check_ops.stand_in() if args.dry_run else theirs
+        (check_ops.errors if name == "errors" else check_ops.timings)(results, device, ops, args.dry_run)
+        return 0
+    import check_train
+    models = check_train.stand_in_models() if args.dry_run else theirs
+    if name == "throughput":
+        check_train.throughput(results, args.out, size, args.dry_run, models, args.timeout or 90)
+    elif models is not None:
+        check_train.parity(results, args.dry_run, models)
+    else:
+        results.write("parity_failed", error="mamba_ssm not loaded (see its record)")
+    return 0
+
+
+def mamba_ssm(results, args):
+    """mamba_ssm's entry points, or None (the reason recorded); never loaded in the dry run."""
+    if args.dry_run:
+        results.write("mamba_ssm", loaded=False, how="dry run: our reference stands in")
+        return None
+    theirs, how = load_mamba_ssm(args.mamba_ssm_src)
+    results.write("mamba_ssm", loaded=theirs is not None, how=how)
+    return theirs
+
+
+def imports(results, site) -> int:
+    """Import every subpackage; each must come from `site` (the installed copy), not the checkout."""
+    import importlib
+    bad = 0
+    for name in PACKAGES:
+        try:
+            path = importlib.import_module(name).__file__
+        except Exception as exc:  # noqa: BLE001 - every package is tried and reported
+            results.write("import", package=name, ok=False, error=repr(exc)[:300])
+            bad += 1
+            continue
+        ok = not path.startswith(REPO + os.sep) and (site is None or path.startswith(os.path.realpath(site) + os.sep)
+                                                     or path.startswith(site + os.sep))
+        results.write("import", package=name, ok=ok, file=path)
+        bad += not ok
+    results.write("versions", **versions())
+    return 1 if bad else 0
+
+
+def compare_cache_identity(results, path) -> None:
+    """Whether the shipped Triton cache was made with the key inputs this machine has."""
+    from check_io import triton_cache_identity
+    with open(path) as f:
+        shipped = json.load(f)
+    try:
+        here = triton_cache_identity()
+    except Exception as exc:  # noqa: BLE001 - e.g. another Triton's internals
+        results.write("triton_identity", match=False, error=repr(exc)[:300], shipped=shipped)
+        return
+    results.write("triton_identity", match=here == shipped, here=here, shipped=shipped)
+
+
+def versions() -> dict:
+    import platform
+
+    import torch
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    for module in ("triton", "deepspeed"):
+        try:
+            info[module] = __import__(module).__version__
+        except Exception as exc:  # noqa: BLE001
+            info[module] = f"not importable: {exc!r:.100}"
+    return info
+
+
+# ----------------------------------------------------------------------------- summary
+
+def summary(out: str) -> str:
+    """The tables of <out>/results.jsonl: what each section measured, as far as it got."""
+    records = read_results(out)
+    by_kind = {}
+    for r in records:
+        by_kind.setdefault(r["kind"], []).append(r)
+    lines = ["", "== GPU check summary (" + os.path.join(out, "results.jsonl") + ")"]
+    for r in by_kind.get("versions", []):
+        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("section", "kind", "t")))
+    for r in by_kind.get("section", []):
+        state = r.get("skipped") and f"skipped ({r['skipped']})" or \
+            ("TIMED OUT" if r.get("timed_out") else ("ok" if r["rc"] == 0 else f"FAILED (exit {r['rc']})"))
+        lines.append(f"section {r['name']:16s} {state:24s} {r.get('seconds', '')} s")
+    bad_imports = [r["package"] for r in by_kind.get("import", []) if not r["ok"]]
+    if by_kind.get("import"):
+        lines.append(f"imports: {len(by_kind['import']) - len(bad_imports)}/{len(by_kind['import'])} from the "
+                     f"installed copy" + (f"; wrong or failing: {', '.join(bad_imports)}" if bad_imports else ""))
+    for r in by_kind.get("smoke_run", []):
+        lines.append(f"nccl smoke {r['run']:8s} exit {r['rc']} in {r['seconds']} s, steps {r['steps']}")
+    for r in by_kind.get("resume", []):
+        lines.append(f"resume: {'ok' if r['ok'] else 'FAILED'} " + json.dumps({k: v for k, v in r.items()
+                                                                              if k not in ("section", "kind", "t", "ok")}))
+    lines += error_table(by_kind.get("error", []) + by_kind.get("error_failed", []))
+    lines += timing_table(by_kind.get("timing", []) + by_kind.get("timing_failed", []))
+    lines += throughput_table(by_kind.get("throughput", []))
+    for r in by_kind.get("parity", []) + by_kind.get("parity_failed", []):
+        lines.append(f"parity after {r['steps']} bf16 steps: ours {r['ours']:.4f}, mamba_ssm {r['theirs']:.4f}, "
+                     f"relative difference {100 * r['rel_diff']:.2f}%" if "rel_diff" in r else f"parity: {r['error']}")
+    for r in by_kind.get("triton_identity", []):
+        lines.append(f"triton cache key inputs (triton_key, ptxas, env) as shipped: {r['match']}"
+                     + ("" if r["match"] else f" (here {r.get('here', r.get('error'))}, shipped {r['shipped']})"))
+    lines += cache_lines(out, by_kind.get("triton_cache", []))
+    return "\n".join(lines)
+
+
+def error_table(rows) -> list:
+    if not rows:
+        return []
+    lines = ["", "error vs float64 (relative norm)  ours / theirs = ratio (<= 2 wanted)",
+             f"{'op':15s} {'dtype':9s} {'quantity':12s} {'ours':>9s} {'theirs':>9s} {'ratio':>6s}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['op']:15s} {r['dtype']:9s} FAILED: {r['error'][:120]}")
+            continue
+        theirs = f"{r['theirs']:9.2e}" if r["theirs"] is not None else "        -"
+        ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else "     -"
+        lines.append(f"{r['op']:15s} {r['dtype']:9s} {r['quantity']:12s} {r['ours']:9.2e} {theirs} {ratio}")
+    impls = sorted({(r["op"], r["theirs_impl"]) for r in rows if "theirs_impl" in r})
+    lines += [f"  theirs for {op}: {impl}" for op, impl in impls]
+    return lines
+
+
+def timing_table(rows) -> list:
+    if not rows:
+        return []
+    lines = ["", f"{'op':15s} {'layer':14s} {'impl':44s} {'fwd ms':>9s} {'f+b ms':>9s}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['op']:15s} {r['layer']:14s} {r['impl'][:44]:44s} FAILED: {r['error'][:80]}")
+        else:
+            lines.append(f"{r['op']:15s} {r['layer']:14s} {r['impl'][:44]:44s} {r['fwd_ms']:9.3f} {r['fwd_bwd_ms']:9.3f}")
+    return lines
+
+
+def throughput_table(rows) -> list:
+    if not rows:
+        return []
+    lines = ["", "| size | engine | tokens/s | TFLOP/s | MFU | peak mem (GiB) |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['engine']} | failed: {r['error'][-160:]!r} | | | |")
+            continue
+        mem = "" if r.get("mem_peak_gb") is None else f"{r['mem_peak_gb']:.1f}"
+        mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"| {r['size']} | {r['engine']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | "
+                     f"{mfu} | {mem} |")
+    return lines
+
+
+def cache_lines(out: str, rows) -> list:
+    """Triton's on-disk cache: entries shipped, entries compiled anew, and the hits and misses the
+    sections' own processes saw (launch/train.py's processes are not counted there)."""
+    lines = []
+    path = os.path.join(out, COMPILES)
+    if os.path.exists(path):
+        with open(path) as f:
+            events = [json.loads(line) for line in f if line.endswith("\n")]
+        hits = sum(e["cache_hit"] for e in events)
+        lines.append(f"triton compilations in the sections' processes: {hits} from the cache, "
+                     f"{len(events) - hits} compiled anew")
+        missed = sorted({e["kernel"] for e in events if not e["cache_hit"]})
+        if missed:
+            lines.append("  compiled anew: " + ", ".join(missed)[:400])
+    for r in rows:
+        lines.append(f"triton cache {r['dir']}: {r['shipped']} entries shipped, {r['compiled_anew']} new entries "
+                     f"(all processes); check took {r['total_s']} s")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The GPU check (benchmarks/gpu_check.sh) run end to end on the CPU in its dry mode: it installs the
+package, runs every section from outside the checkout and each section writes its JSONL records,
+so a GPU session is never the driver's first run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = ("130m", "370m", "1.3b")
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_sections_records(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--dry-run"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    kinds = {}
+    for r in records:
+        kinds.setdefault((r["section"], r["kind"]), []).append(r)
+    sections = {r["name"]: r for r in kinds[("check", "section")]}
+    assert list(sections) == ["imports", "nccl_smoke", "errors", "timings", *(f"throughput:{s}" for s in SIZES),
+                              "parity"]
+    assert all(r["rc"] == 0 and not r["timed_out"] for r in sections.values()), sections
+    imports = kinds[("imports", "import")]
+    assert len(imports) == 9 and all(r["ok"] and r["file"].startswith(str(work / "site")) for r in imports), imports
+    assert [r["run"] for r in kinds[("nccl_smoke", "smoke_run")]] == ["first", "resumed"]
+    resume = kinds[("nccl_smoke", "resume")][0]
+    assert resume["ok"] and resume["first_step"] == 3 and resume["max_rel_loss_diff"] == 0.0, resume
+    errors = kinds[("errors", "error")]
+    assert {(r["op"], r["dtype"]) for r in errors} == {(op, dt) for op in ("ssd_chunk_scan", "selective_scan",
+                                                                           "causal_conv1d", "rmsnorm_gated")
+                                                      for dt in ("float32", "bfloat16")}
+    assert all(r["ours"] < 1e-2 and r["theirs"] is not None for r in errors)
+    timings = kinds[("timings", "timing")]
+    assert [r["impl"].split(":")[0] for r in timings] == ["ours", "mamba_ssm"] * 3 + ["ours"]
+    for size in SIZES:
+        engines = [r["engine"] for r in kinds[(f"throughput:{size}", "throughput")]]
+        assert len(engines) == 2 and engines[0].startswith("ours") and engines[1].startswith("mamba_ssm"), engines
+        assert all("error" not in r for r in kinds[(f"throughput:{size}", "throughput")])
+    assert len(kinds[("parity", "parity_step")]) == 3 and kinds[("parity", "parity")][0]["rel_diff"] == 0.0
+    assert kinds[("check", "triton_cache")]
+    for name in ("imports", "errors", "nccl_smoke_first", "nccl_smoke_resumed", "throughput_130m_ours", "parity"):
+        assert (out / f"{name}.log").stat().st_size > 0, name
+    assert "== GPU check summary" in proc.stdout and "relative difference 0.00%" in proc.stdout
+    assert not (out / "site").exists() and (work / "nccl_smoke" / "ckpt").is_dir()  # bulk stays out of OUT
