@@ -41,7 +41,7 @@ def _launch(u, A, B, C):
     block_n = common.block(dstate, lo=2)
     block_d = min(BLOCK_D, common.block(dim // groups, lo=1))
     grid = (batch, groups, triton.cdiv(dim // groups, block_d))
-    meta = dict(CHUNK=CHUNK, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=max(1, min(4, block_d * block_n // 32)), num_stages=1)
+    meta = dict(CHUNK=CHUNK, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=max(1, min(4, block_d * block_n // 32)))
     shared = (dim, dim // groups, dstate, seqlen, triton.cdiv(seqlen, CHUNK))
     return grid, meta, shared
 

@@ -104,10 +104,9 @@ def _scan_fwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
     else:
         h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     steps = tl.arange(0, CHUNK)
-    zero = b * 0  # int64: time offsets are computed in 64 bits
     for k in range(0, n_chunks):
         tl.store(ckpt_ptr + (b * n_chunks + k) * dim * dstate + state_offs, h, mask=dn_mask)
-        t = zero + k * CHUNK + steps
+        t = (k * CHUNK + steps).to(tl.int64)
         t_mask = t < seqlen
         td_mask = t_mask[:, None] & d_mask[None, :]
         u = tl.load(u_ptr + b * sub + d[None, :] * sud + t[:, None] * sul, mask=td_mask, other=0.0).to(tl.float32)
@@ -171,13 +170,13 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
     dd_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     # (batch, groups, blocks, dstate, seqlen) offsets of this program's per-step dB / dC partials
-    bc_offs = ((b * tl.num_programs(1) + g) * tl.num_programs(2) + pid_j) * dstate * seqlen + n[None, :] * seqlen
+    bc_base = ((b * tl.num_programs(1) + g) * tl.num_programs(2) + pid_j) * dstate * seqlen
+    bc_offs = n[None, :] * seqlen
     steps = tl.arange(0, CHUNK)
-    zero = b * 0  # int64: time offsets are computed in 64 bits
     for i in range(0, n_chunks):
         k = n_chunks - 1 - i
         h0 = tl.load(ckpt_ptr + (b * n_chunks + k) * dim * dstate + state_offs, mask=dn_mask, other=0.0)
-        t = zero + k * CHUNK + steps
+        t = (k * CHUNK + steps).to(tl.int64)
         t_mask = t < seqlen
         td_mask = t_mask[:, None] & d_mask[None, :]
         tn_mask = t_mask[:, None] & n_mask[None, :]
@@ -197,13 +196,13 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
             y = tl.sum(hs * ct, axis=2)
             if HAS_D:
                 y += dd[None, :] * u
-            tl.store(dz_ptr + (b * dim + d[None, :]) * seqlen + t[:, None],
+            tl.store(dz_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None],
                      (grad * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=td_mask)
             grad = grad * z * sig
         if C_CONST:
             dc_acc += tl.sum(grad[:, :, None] * hs, axis=0)
         else:
-            tl.store(dc_ptr + bc_offs + t[:, None], tl.sum(grad[:, :, None] * hs, axis=1), mask=tn_mask)
+            tl.store(dc_ptr + bc_base + bc_offs + t[:, None], tl.sum(grad[:, :, None] * hs, axis=1), mask=tn_mask)
         carried = hs - inp  # a_t h_{t-1}
         decay_first = _row(decay, steps, 0)
         # a_{t+1}, and 1 at the chunk's last step, where w brings the rest
@@ -218,19 +217,19 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         if HAS_D:
             du += dd[None, :] * grad
             dd_acc += tl.sum(grad * u, axis=0)
-        tl.store(du_ptr + (b * dim + d[None, :]) * seqlen + t[:, None], du.to(du_ptr.dtype.element_ty), mask=td_mask)
+        tl.store(du_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None], du.to(du_ptr.dtype.element_ty), mask=td_mask)
         dbu = dh * (dl * u)[:, :, None]
         if B_CONST:
             db_acc += tl.sum(dbu, axis=0)
         else:
-            tl.store(db_ptr + bc_offs + t[:, None], tl.sum(dbu, axis=1), mask=tn_mask)
+            tl.store(db_ptr + bc_base + bc_offs + t[:, None], tl.sum(dbu, axis=1), mask=tn_mask)
         dexp = dh * carried
         da_acc += tl.sum(dexp * dl[:, :, None], axis=0)
         ddl = dh_b * u + tl.sum(dexp * a[None, :, :], axis=2)
         if SOFTPLUS:
             ddl = ddl * tl.sigmoid(raw)
         ddl = tl.where(td_mask, ddl, 0.0)
-        tl.store(ddelta_ptr + (b * dim + d[None, :]) * seqlen + t[:, None], ddl.to(ddelta_ptr.dtype.element_ty),
+        tl.store(ddelta_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None], ddl.to(ddelta_ptr.dtype.element_ty),
                  mask=td_mask)
         dbias_acc += tl.sum(ddl, axis=0)
     tl.store(da_ptr + b * dim * dstate + state_offs, da_acc, mask=dn_mask)
