@@ -3,7 +3,9 @@
 Without a GPU, Triton kernels run under its interpreter; the variable is read when
 `@triton.jit` runs, so it is set here, before any test module imports a kernel. Each
 virtual environment gets its own torch-extension cache (DeepSpeed JIT-builds an op on
-`init_distributed`), so two environments never rebuild it for each other.
+`init_distributed`), so two environments never rebuild it for each other. Every Python process
+a test starts runs in strict-collectives mode (tests/strict_collectives.py) through
+tests/strict_site/sitecustomize.py.
 """
 import os
 import sys
@@ -16,6 +18,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ["MEGAMAMBA_STRICT_COLLECTIVES"] = "1"
+_STRICT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "strict_site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_STRICT_SITE, os.environ.get("PYTHONPATH")) if p)
 
 _SHM = "/dev/shm"
 _SHM_PREFIX = "deepspeed_allreduce_buffer_"

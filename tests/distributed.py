@@ -10,6 +10,8 @@ importable module (a test module is); its picklable return values come back in r
 The first rank's exception to arrive is re-raised in the caller with that rank's traceback
 attached (the other ranks, often blocked in a collective, are then stopped); a run that
 does not finish within `timeout` seconds is killed and fails, naming the ranks still running.
+Ranks run in strict mode (tests/strict_collectives.py: host tensors in collectives and large
+object collectives fail as they would under NCCL) unless `strict=False`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
+
+import strict_collectives
 
 
 class RemoteTraceback(Exception):
@@ -42,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, results):
+def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, strict, results):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
         CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -52,6 +56,8 @@ def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, re
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if strict:
+            strict_collectives.install()
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         try:
@@ -82,18 +88,28 @@ def run_ranks(
     *,
     timeout: float = 120.0,
     init_process_group: bool = True,
+    strict: bool = True,
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` ranks; return their results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, tuple(args), r, world_size, port, init_process_group, timeout, results),
+        ctx.Process(target=_rank_main, args=(fn, tuple(args), r, world_size, port, init_process_group, timeout, strict,
+                                                  results),
                     name=f"rank{r}")
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    previous = os.environ.get(strict_collectives.ENV)
+    os.environ[strict_collectives.ENV] = "1" if strict else "0"  # read by tests/strict_site at start-up
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if previous is None:
+            del os.environ[strict_collectives.ENV]
+        else:
+            os.environ[strict_collectives.ENV] = previous
     outcome: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
     try:

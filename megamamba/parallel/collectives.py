@@ -25,9 +25,15 @@ import torch.distributed as dist
 from megamamba.parallel.comm_counter import comm_counter
 from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel
 
-# torch 2.13 renamed the single-tensor collectives; the GPU machine has torch 2.11.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_single(*args, **kwargs):
+    """torch 2.13's all_gather_single, else all_gather_into_tensor (torch 2.11), found per call."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    """torch 2.13's reduce_scatter_single, else reduce_scatter_tensor (torch 2.11), found per call."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class Pending:
