@@ -20,7 +20,6 @@ import time
 import warnings
 from typing import NamedTuple, Optional
 
-import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
@@ -33,12 +32,14 @@ from megamamba.metrics import MetricsLogger
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines import checkpointing
+from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
 from megamamba.pipelines.faults import (
     NonFiniteGuard,
     NonFiniteSteps,
     StopRequest,
     Watchdog,
+    agree_step,
     check_max_skipped_steps,
     check_step_timeout,
 )
@@ -164,10 +165,8 @@ def tensorboard_dir(args, ds_config: dict) -> Optional[str]:
 
 
 def peak_memory_gb() -> float:
-    """Largest peak of device memory (host RSS on CPU) over all ranks, GiB."""
-    peak = torch.tensor([get_accelerator().max_memory_allocated() / 2**30], dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return peak.item()
+    """Largest peak of device memory (host RSS on CPU) over all ranks, GiB (collective)."""
+    return agree([get_accelerator().max_memory_allocated() / 2**30], op="max")[0]
 
 
 def optimizer_state_line(rank: int, layout, state_bytes: int, stage_params: int) -> str:
@@ -237,14 +236,15 @@ def main(argv=None) -> dict:
     steps_timed, seconds = 0, 0.0
     for step in range(first_step, args.train_iters):
         start = time.perf_counter()
-        loss = trainer.train_step(micro_batches(train, step))
+        outcome = agree_step(trainer.train_step(micro_batches(train, step)), guard.nonfinite(), stop.received)
+        trainer.finish_step(outcome.applied)
         seconds += time.perf_counter() - start
         steps_timed += 1
         if step == 0:  # torch's AdamW allocates its moments in the first step
             summary["optimizer_state_bytes"] = optimizer_state_bytes(trainer.optimizer, trainer.module)
             print_line(optimizer_state_line(rank, layout, summary["optimizer_state_bytes"], stage_params))
         try:
-            guard.after_step(step, loss)
+            guard.after_step(step, outcome)
         except NonFiniteSteps as e:
             fail(e, status=1)
         evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == args.train_iters - 1)
@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
             tflops = flops_per_step / seconds_per_step / layout.world_size / 1e12
             record = {
                 "step": step,
-                "loss": loss,
+                "loss": outcome.loss,
                 "lr": schedule(step),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens_per_s": tokens_per_step / seconds_per_step,
@@ -269,7 +269,7 @@ def main(argv=None) -> dict:
             }
             logger.log(record)
             summary["records"].append({k: v for k, v in record.items() if v is not None})
-        stopping = stop.agreed()
+        stopping = outcome.stop
         if args.save and checkpointing.save_due(step + 1, args.train_iters, args.save_interval, stopping):
             with watchdog.paused():
                 checkpointing.save(trainer, model_config, args.save, step + 1, scheduler=trainer.lr_scheduler,

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
 
+from megamamba.pipelines.agreement import device
+
 
 def counted_here(param: torch.nn.Parameter, tp_rank: int) -> bool:
     """Whether this rank's copy of `param` enters the global norm."""
@@ -27,8 +29,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
                      model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """sqrt of the sum of squared gradients over every parameter of the model, each counted once."""
     params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else device())
     for p in params:
         if counted_here(p, tp_rank):
             total += p.grad.detach().double().pow(2).sum()
@@ -39,20 +40,20 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
 
 def clip_(params: Iterable[torch.nn.Parameter], max_norm: float, tp_rank: int,
           model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Scale every gradient by min(1, max_norm / norm); returns the norm before clipping."""
+    """Scale every gradient by min(1, max_norm / norm) on the device; returns the norm before clipping."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, tp_rank, model_parallel_group)
-    coefficient = min(1.0, max_norm / (norm.item() + 1e-6))
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in params:
-        p.grad.mul_(coefficient)
+        p.grad.mul_(coefficient.to(p.grad.dtype))
     return norm
 
 
 def install(engine, tp_rank: int, model_parallel_group: Optional[dist.ProcessGroup]) -> None:
-    """Make a ZeRO-0 engine clip (and record) the correct global norm."""
+    """Make a ZeRO-0 engine clip (and record, as a device tensor read at log steps) the correct global norm."""
 
     def clip_and_record():
         engine._global_grad_norm = clip_(engine.module.parameters(), engine.gradient_clipping(), tp_rank,
-                                         model_parallel_group).item()
+                                         model_parallel_group)
 
     engine.clip_fp32_gradients = clip_and_record

@@ -11,10 +11,14 @@ of it by mamba_ssm name (its TP slice under tensor parallelism), exactly as it w
 checkpoint. (This costs one float32 copy of the model in host memory per rank while starting.)
 
 Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
-pipeline stages and tied weights). The optimizer is torch's AdamW over
-`megamamba.optim.param_groups` (fused on CUDA), handed to
-DeepSpeed as a client optimizer: no JIT-compiled FusedAdam. The learning rate follows an
-`LRSchedule`, stepped by the engine after each optimizer step.
+pipeline stages and tied weights). The optimizer is torch's fused AdamW over
+`megamamba.optim.param_groups`, handed to DeepSpeed as a client optimizer: no JIT-compiled
+FusedAdam. The learning rate follows an `LRSchedule`, stepped by the trainer (`finish_step`)
+once the ranks have agreed that the optimizer step was applied.
+
+A step makes no host synchronization: `train_step` returns the loss as a device tensor, batches
+travel to the device from pinned memory, and the caller agrees on the loss and the step's flags
+in one reduction (`megamamba.pipelines.faults.agree_step`).
 
 Micro-batches are (inputs, labels, seq_idx) as `megamamba.data.batches` makes them: seq_idx
 (document ids, or None) goes to the model beside the ids, so every block resets its state at
@@ -35,6 +39,7 @@ from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines import clipping
+from megamamba.pipelines.agreement import agree, to_device
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
 from megamamba.pipelines.names import load_full_state, load_mamba_state_dict
@@ -55,12 +60,25 @@ def initial_state(config: MambaConfig, seed: int) -> dict:
 
 
 def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
-    fused = get_accelerator().device_name() == "cuda"
+    """Fused AdamW: one kernel per step, and it skips a non-finite step on the device (`found_inf`)."""
     return torch.optim.AdamW(param_groups(module, settings.weight_decay), lr=settings.schedule.peak,
-                             betas=settings.betas, fused=fused)
+                             betas=settings.betas, fused=True)
 
 
-class PipelineTrainer:
+class _Trainer:
+    """What both trainers share: the LR schedule they step and the evaluation loss they agree on."""
+
+    def finish_step(self, applied: bool) -> None:
+        """Advance the LR schedule after an optimizer step the ranks agree was applied."""
+        if applied:
+            self.lr_scheduler.step()
+
+    def eval_loss(self, micro_batches: list) -> float:
+        """The validation loss of one global batch (collective; one host synchronization)."""
+        return agree([self._eval_loss(micro_batches) / dist.get_world_size()])[0]
+
+
+class PipelineTrainer(_Trainer):
     """Layouts with pp > 1."""
 
     def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], config: MambaConfig,
@@ -68,9 +86,10 @@ class PipelineTrainer:
                  checkpoint_interval: int):
         module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp)
         load_mamba_state_dict(module, initial_state(config, seed), config, tp)
-        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-            model=module, optimizer=_optimizer(module, settings), lr_scheduler=settings.schedule.scheduler,
-            config=engine_config)
+        optimizer = _optimizer(module, settings)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                                                 config=engine_config)
+        self.lr_scheduler = settings.schedule.scheduler(optimizer)
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
         self.module = module
         self.groups, self.tp = groups, tp
@@ -78,22 +97,22 @@ class PipelineTrainer:
             clipping.install(self.engine, self.engine.grid.get_slice_parallel_rank(),
                              self.engine.grid.get_model_parallel_group())
 
-    def train_step(self, micro_batches: list) -> float:
-        """One optimizer step over this rank's micro-batches; the loss averaged over the global batch."""
-        return self.engine.train_batch(_pipeline_batches(micro_batches)).item()
+    def train_step(self, micro_batches: list) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; the global batch's mean loss (device, every rank)."""
+        return self.engine.train_batch(_pipeline_batches(micro_batches))
 
-    def eval_loss(self, micro_batches: list) -> float:
-        loss = self.engine.eval_batch(_pipeline_batches(micro_batches), num_micro_batches=len(micro_batches))
-        return loss.item()
+    def _eval_loss(self, micro_batches: list) -> torch.Tensor:
+        return self.engine.eval_batch(_pipeline_batches(micro_batches), num_micro_batches=len(micro_batches))
 
 
 def _pipeline_batches(micro_batches: list):
-    """(inputs, labels, seq_idx) -> DeepSpeed's (first-stage input, last-stage labels): ids or (ids, seq_idx)."""
-    return iter([(inputs if seq_idx is None else (inputs, seq_idx), labels)
-                 for inputs, labels, seq_idx in micro_batches])
+    """(inputs, labels, seq_idx) -> DeepSpeed's (first-stage input, last-stage labels): ids or (ids, seq_idx),
+    already on the device (the engine's own copies would wait for it)."""
+    return iter([(to_device(inputs) if seq_idx is None else (to_device(inputs), to_device(seq_idx)),
+                  to_device(labels)) for inputs, labels, seq_idx in micro_batches])
 
 
-class PlainTrainer:
+class PlainTrainer(_Trainer):
     """Layouts with pp = 1."""
 
     def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], config: MambaConfig,
@@ -101,40 +120,36 @@ class PlainTrainer:
         module = PlainLM(MambaLM(config, tp=tp), checkpoint_interval)
         load_full_state(module, initial_state(config, seed), tp)
         module = module.to(get_accelerator().current_device_name())
-        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-            model=module, optimizer=_optimizer(module, settings), lr_scheduler=settings.schedule.scheduler,
-            mpu=groups.mpu() if tp is not None else None, config=engine_config)
+        optimizer = _optimizer(module, settings)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, mpu=groups.mpu() if tp is not None else None, config=engine_config)
+        self.lr_scheduler = settings.schedule.scheduler(optimizer)
         self.groups, self.tp = groups, tp
         self.dp_rank = groups.data_rank
         self.module = module
-        self.device = self.engine.device
         if not self.engine.zero_optimization():
             clipping.install(self.engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
 
-    def _to_device(self, seq_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if seq_idx is None else seq_idx.to(self.device)
+    def _forward(self, inputs, labels, seq_idx) -> torch.Tensor:
+        return self.engine(to_device(inputs), to_device(labels), None if seq_idx is None else to_device(seq_idx))
 
-    def _mean_over_data_parallel(self, losses: list) -> float:
-        loss = torch.stack(losses).mean()
-        dist.all_reduce(loss, group=self.groups.data_group)
-        return (loss / self.groups.data_parallel_size).item()
-
-    def train_step(self, micro_batches: list) -> float:
+    def train_step(self, micro_batches: list) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; their mean loss (device; averaged over data
+        parallel ranks by the caller's agreement)."""
         losses = []
-        for inputs, labels, seq_idx in micro_batches:
-            loss = self.engine(inputs.to(self.device), labels.to(self.device), self._to_device(seq_idx))
+        for batch in micro_batches:
+            loss = self._forward(*batch)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
-        return self._mean_over_data_parallel(losses)
+        return torch.stack(losses).mean()
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: list) -> float:
+    def _eval_loss(self, micro_batches: list) -> torch.Tensor:
         self.engine.eval()
-        losses = [self.engine(x.to(self.device), y.to(self.device), self._to_device(s)).float()
-                  for x, y, s in micro_batches]
+        losses = [self._forward(*batch).float() for batch in micro_batches]
         self.engine.train()
-        return self._mean_over_data_parallel(losses)
+        return torch.stack(losses).mean()
 
 
 def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,

@@ -1,15 +1,19 @@
 """What a training run does when something goes wrong: SIGTERM, non-finite steps, a stalled rank.
 
+Every step ends with one agreement (`agree_step`, the step's only host synchronization): the
+global batch's mean loss, whether the optimizer step was applied, and whether any rank received
+SIGTERM, all in one all-reduce on the device.
+
 SIGTERM (what a scheduler, or the deepspeed launcher forwarding one, sends before a kill):
-`StopRequest` only sets a flag; at every step boundary the ranks all-reduce it, so they all stop
-after the same step, write a checkpoint and exit 0.
+`StopRequest` only sets a flag; the step agreement carries it, so all ranks stop after the same
+step, write a checkpoint and exit 0.
 
 Non-finite steps: a step whose gradients hold a NaN/inf is not applied (no parameter or Adam
 update, the LR schedule does not advance; the batch is consumed). DeepSpeed's ZeRO-1/2 optimizer
 already does this when the global gradient norm it computes for clipping is not finite; without
-ZeRO, `NonFiniteGuard` wraps torch's AdamW step: every rank checks its gradients and the ranks
-agree through an all-reduce. Either way the engine counts the step in `skipped_steps`, which the
-guard reads to warn and to abort after `max_in_a_row` consecutive skips.
+ZeRO, `NonFiniteGuard` wraps the fused AdamW step: the ranks agree on a device-side flag, and
+the fused kernel skips its update where the flag is set (its `found_inf`), so nothing waits for
+the host. The guard warns, and aborts after `max_in_a_row` consecutive skips.
 
 Stalls: `Watchdog` ends the process (exit 1) when no step boundary is reached within `timeout`
 seconds, so a rank stuck in a collective with a vanished peer cannot hang the job; it is armed
@@ -26,9 +30,12 @@ import signal
 import sys
 import threading
 import time
+from typing import NamedTuple, Union
 
 import torch
 import torch.distributed as dist
+
+from megamamba.pipelines.agreement import agree
 
 NAN_HOOK = "MEGAMAMBA_TEST_NAN_STEPS"
 
@@ -44,7 +51,7 @@ def check_step_timeout(timeout: float) -> None:
 
 
 class StopRequest:
-    """SIGTERM -> a flag all ranks agree on at the next step boundary."""
+    """SIGTERM -> a flag, agreed at the end of the step (`agree_step`)."""
 
     def __init__(self):
         self.received = False
@@ -53,11 +60,23 @@ class StopRequest:
     def _handle(self, signum, frame):
         self.received = True
 
-    def agreed(self) -> bool:
-        """True on every rank when any rank has received SIGTERM (collective)."""
-        flag = torch.tensor([1.0 if self.received else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+
+class StepOutcome(NamedTuple):
+    loss: float  # mean over the global batch
+    applied: bool  # the optimizer updated the parameters (the LR schedule advances)
+    stop: bool  # some rank received SIGTERM
+
+
+def agree_step(loss: torch.Tensor, nonfinite: Union[bool, torch.Tensor], stop: bool) -> StepOutcome:
+    """What every rank needs to know after a step, in one all-reduce and one host synchronization.
+
+    `loss`: this rank's share of the global batch's mean loss (a device tensor), the same on every
+    rank of a data-parallel replica; `nonfinite`: `NonFiniteGuard.nonfinite()`; `stop`: this rank's
+    SIGTERM flag. Collective.
+    """
+    world = dist.get_world_size()
+    loss_sum, nonfinite_sum, stops = agree([loss / world, nonfinite, stop])
+    return StepOutcome(loss_sum, nonfinite_sum == 0, stops > 0)
 
 
 class NonFiniteSteps(RuntimeError):
@@ -71,25 +90,36 @@ class NonFiniteGuard:
         check_max_skipped_steps(max_in_a_row)
         self.engine, self.max_in_a_row, self.in_a_row = engine, max_in_a_row, 0
         self._skipped_before = engine.skipped_steps
+        self._found_inf = None
         if isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization():
             self._wrap_step(engine.optimizer)
         self._install_nan_hook(module)
 
-    @staticmethod
-    def _wrap_step(optimizer: torch.optim.Optimizer) -> None:
+    def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not optimizer.defaults.get("fused"):
+            raise ValueError(f"skipping non-finite steps without ZeRO needs a fused optimizer (found_inf), got "
+                             f"{type(optimizer).__name__} with fused={optimizer.defaults.get('fused')}")
         original = optimizer.step
+        params = [p for g in optimizer.param_groups for p in g["params"]]
 
         def step(*args, **kwargs):
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            bad = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0])
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            optimizer.overflow = bool(bad.item())  # the engine then skips the LR step and counts skipped_steps
-            if not optimizer.overflow:
-                return original(*args, **kwargs)
-            optimizer.zero_grad(set_to_none=True)
-            return None
+            grads = [p.grad for p in params if p.grad is not None]
+            norms = torch.stack(torch._foreach_norm(grads)) if grads else torch.zeros(1, device=params[0].device)
+            found_inf = norms.isfinite().all().logical_not().float()
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+            optimizer.found_inf = self._found_inf = found_inf
+            return original(*args, **kwargs)
 
         optimizer.step = step
+
+    def nonfinite(self) -> Union[bool, torch.Tensor]:
+        """Whether this step was skipped: ZeRO's count (host), else the flag the fused step used (device)."""
+        if self._found_inf is not None:
+            found_inf, self._found_inf = self._found_inf, None
+            return found_inf
+        skipped = self.engine.skipped_steps > self._skipped_before
+        self._skipped_before = self.engine.skipped_steps
+        return skipped
 
     def _install_nan_hook(self, module: torch.nn.Module) -> None:
         spec = os.environ.get(NAN_HOOK)
@@ -99,13 +129,12 @@ class NonFiniteGuard:
         first = next(p for p in module.parameters() if p.requires_grad)
         first.register_hook(lambda g: torch.full_like(g, math.nan) if self.engine.global_steps in steps else g)
 
-    def after_step(self, step: int, loss: float) -> bool:
+    def after_step(self, step: int, outcome: StepOutcome) -> bool:
         """Whether `step` was skipped; warns on rank 0; NonFiniteSteps after max_in_a_row in a row."""
-        skipped = self.engine.skipped_steps > self._skipped_before or not math.isfinite(loss)
-        self._skipped_before = self.engine.skipped_steps
+        skipped = not outcome.applied or not math.isfinite(outcome.loss)
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if skipped and dist.get_rank() == 0:
-            print(f"train.py: warning: step {step}: non-finite loss or gradients (loss {loss}); step skipped, "
+            print(f"train.py: warning: step {step}: non-finite loss or gradients (loss {outcome.loss}); step skipped, "
                   f"{self.in_a_row} in a row (limit --max-skipped-steps {self.max_in_a_row})", flush=True)
         if self.in_a_row >= self.max_in_a_row:
             raise NonFiniteSteps(f"{self.in_a_row} steps in a row up to step {step} had non-finite loss or "
