@@ -7,11 +7,12 @@ row-parallel out_proj:
 
     out_proj(norm(u)) = sum_g  rsqrt(mean_g(u^2) + eps) * sum_{ranks r of g} W_r (w_r * u_r)
 
-Each rank sends its partial product together with its share of the group's mean square in the
-out_proj reduction that happens anyway (one extra column per group): the exact single-device
-result with no extra collective, forward or backward (the backward of an all-reduce is the
-identity; of a sequence reduce-scatter, the all-gather out_proj needs anyway). For ngroups > 1
-each rank fills only its group's slot, so the reduction carries ngroups partial products.
+Each rank reduces its partial products (in the activations' dtype, as out_proj's reduction
+would) and, beside them, its share of each group's mean square in float32: one scalar per token
+and group, so the statistics cost a small second reduction (none backward without sequence
+parallelism; with it, a small all-gather) and keep the norm's scale exact under bf16 autocast,
+where rounding them to bf16 before the sum was off by about 0.4%. For ngroups > 1 each rank fills
+only its group's slot, so the reductions carry ngroups partial results.
 """
 from __future__ import annotations
 
@@ -44,15 +45,15 @@ def gated_rmsnorm_row_parallel(
     if norm_before_gate:
         scaled = scaled * gate
     partial = F.linear(scaled.to(y.dtype), out_proj.weight)
-    mean_square = u.pow(2).sum(-1, keepdim=True) / group_size  # this rank's share of its group's
-    slot = torch.cat([partial, mean_square.to(partial.dtype)], dim=-1)
-    slots = torch.stack([slot if g == group else torch.zeros_like(slot) for g in range(ngroups)], dim=-2)
-    if tp.sequence_parallel:
-        total = reduce_scatter_to_sequence_region(slots.flatten(-2), tp).unflatten(-1, slots.shape[-2:])
-    else:
-        total = reduce_from_tp_region(slots.flatten(-2), tp).unflatten(-1, slots.shape[-2:])
-    products, mean_squares = total[..., :-1], total[..., -1:]
-    out = (products * torch.rsqrt(mean_squares.to(ct) + eps).to(products.dtype)).sum(-2)
+    mean_square = u.pow(2).sum(-1, keepdim=True) / group_size  # this rank's share of its group's, float32
+    reduce = reduce_scatter_to_sequence_region if tp.sequence_parallel else reduce_from_tp_region
+
+    def summed_over_ranks(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (..., ngroups, n), group slots summed
+        slots = torch.stack([t if g == group else torch.zeros_like(t) for g in range(ngroups)], dim=-2)
+        return reduce(slots.flatten(-2), tp).unflatten(-1, slots.shape[-2:])
+
+    products, mean_squares = summed_over_ranks(partial), summed_over_ranks(mean_square)
+    out = (products * torch.rsqrt(mean_squares + eps).to(products.dtype)).sum(-2)
     if out_proj.bias is None:
         return out
     return out + (copy_to_tp_region(out_proj.bias, tp) if tp.sequence_parallel else out_proj.bias)
