@@ -154,9 +154,16 @@ def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], s
 
     The "tensorboard" block is taken out (our metrics logger writes the event files, with our names);
     with sequence parallelism the boundary tensor differs per TP rank, so the pipeline must not
-    partition it across the TP group (pipe_partitioned / grad_partitioned off).
+    partition it across the TP group (pipe_partitioned / grad_partitioned off). Unless the JSON
+    says otherwise: DeepSpeed's throughput timer is off (it synchronizes the device at every
+    forward and step), and under torch_autocast gradients are reduced in float32 at every layout
+    (DeepSpeed would reduce those of exact nn.Linear modules in bf16: the single-device model's,
+    not the tensor-parallel ones').
     """
     config = {k: v for k, v in ds_config.items() if k != "tensorboard"}
+    config.setdefault("timers", {"throughput": {"enabled": False}})
+    if config.get("torch_autocast", {}).get("enabled", False):
+        config["torch_autocast"] = {"lower_precision_safe_modules": [], **config["torch_autocast"]}
     config["train_batch_size"] = layout.global_batch_size
     config["train_micro_batch_size_per_gpu"] = layout.micro_batch_size
     config["gradient_accumulation_steps"] = layout.grad_accum

@@ -93,6 +93,23 @@ def test_engine_config_fills_the_batch_keys_sets_clipping_and_keeps_tensorboard_
     assert sp["pipe_partitioned"] is False and sp["grad_partitioned"] is False
 
 
+def test_engine_config_turns_off_the_synchronizing_throughput_timer_unless_the_json_sets_it():
+    layout = resolve_layout(1, 1, 1, BATCH)
+    assert engine_config(BATCH, layout, None, False)["timers"] == {"throughput": {"enabled": False}}
+    mine = {"throughput": {"enabled": True, "synchronized": False}}
+    assert engine_config({**BATCH, "timers": mine}, layout, None, False)["timers"] == mine
+
+
+def test_engine_config_reduces_autocast_gradients_in_float32_unless_the_json_names_modules():
+    layout = resolve_layout(1, 1, 1, BATCH)
+    autocast = {"enabled": True, "dtype": "bfloat16"}
+    config = engine_config({**BATCH, "torch_autocast": autocast}, layout, None, False)
+    assert config["torch_autocast"] == {**autocast, "lower_precision_safe_modules": []}
+    mine = {**autocast, "lower_precision_safe_modules": ["torch.nn.Linear"]}
+    assert engine_config({**BATCH, "torch_autocast": mine}, layout, None, False)["torch_autocast"] == mine
+    assert "torch_autocast" not in engine_config(BATCH, layout, None, False)
+
+
 def _prepare(tmp_path, world=1, ds=None, model=None, flags=()):
     ds_path, model_path = tmp_path / "ds.json", tmp_path / "model.json"
     ds_path.write_text(json.dumps(BATCH if ds is None else ds))
