@@ -10,6 +10,10 @@ Initialisation is mamba_ssm's `_init_weights`: PyTorch's defaults for Linear and
 the mixers' SSM init, then every Linear bias zeroed (except dt_proj.bias), the embedding
 drawn from N(0, 0.02^2), and each mixer's out_proj re-drawn and scaled by
 1/sqrt(n_layer) (GPT-2's rescale of the residual branches; one residual per layer, no MLP).
+Each piece of the model (embedding, block i, final norm, head; `PIECES`) draws from its own
+random stream, seeded from one number taken from the global generator, so any piece can be
+drawn alone (`initial_piece`) with exactly the values it has in the whole model: a pipeline
+stage initialises its layers without building the others.
 
 Tensor parallelism: `MambaLM(config, tp=TensorParallel(...))` (from
 `megamamba.parallel.groups.ParallelGroups.tensor_parallel`) splits every mixer across the TP
@@ -23,7 +27,9 @@ at any TP size: every full tensor is drawn as above, then sliced (`megamamba.par
 The pieces a pipeline stage needs are here too: `make_embedding`, `Block`, `make_norm`,
 `make_head` / `head_logits` (tied), `lm_loss`.
 """
+import contextlib
 import math
+import re
 from typing import Optional
 
 import torch
@@ -46,6 +52,7 @@ from megamamba.parallel.from_full import sharded
 from megamamba.parallel.model_layout import check_model_layout, check_sequence_length
 
 EMBEDDING_INIT_STD = 0.02
+EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"
 
 
 def _split(tp: Optional[TensorParallel]) -> Optional[TensorParallel]:
@@ -90,14 +97,110 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     return vocab_parallel_cross_entropy(logits, labels, tp, vocab_size=vocab_size)
 
 
+def draw_seed(device=None) -> int:
+    """The one number a model's initialisation takes from the global random stream; none for a model
+    built on the meta device (shapes only), so reading a config's shapes leaves the stream alone."""
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    if target.type == "meta":
+        return 0
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
+
+
+@contextlib.contextmanager
+def _piece_stream(seed: int, piece: int, device):
+    """The random stream of one piece: the CPU's (and the build device's, on CUDA) generator, seeded from
+    (seed, piece); the global streams are left as they were."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        piece_seed = (seed * 1_000_003 + piece) % 2**63
+        torch.random.default_generator.manual_seed(piece_seed)
+        if cuda:
+            torch.cuda.manual_seed(piece_seed)
+        yield
+
+
+def _redraw(param: nn.Parameter, full_shape: tuple, draw, tp: Optional[TensorParallel]) -> None:
+    """Re-initialise `param` with `draw`, applied under TP to the full tensor, then sliced."""
+    if tp is None:
+        draw(param)
+        return
+    full = draw(torch.empty(full_shape, device=param.device, dtype=param.dtype))
+    param.copy_(local_shard(full, param.tp_shard, tp.size, tp.rank))
+
+
+@torch.no_grad()
+def _zero_biases(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
+            for bias in (m.bias, getattr(m, "bias_replicated", None)):
+                if bias is not None and not getattr(bias, "_no_reinit", False):
+                    nn.init.zeros_(bias)
+
+
+@torch.no_grad()
+def build_piece(config: MambaConfig, piece: int, seed: int, device=None, dtype=None,
+                tp: Optional[TensorParallel] = None) -> nn.Module:
+    """Piece `piece` of the model initialised from `seed`: 0 the embedding, i + 1 block i, n_layer + 1 the
+    final norm, n_layer + 2 the untied head (under `tp` this rank's shards of the same values)."""
+    n = config.n_layer
+    tp = _split(tp)
+    with _piece_stream(seed, piece, device):
+        if piece == 0:
+            module = make_embedding(config, device=device, dtype=dtype, tp=tp)
+            _redraw(module.weight, (config.padded_vocab_size, config.d_model),
+                    lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
+        elif piece <= n:
+            module = Block(config, device=device, dtype=dtype, tp=tp)
+            _zero_biases(module)
+            _redraw(module.mixer.out_proj.weight, (config.d_model, config.d_inner),
+                    lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(n)), tp)
+        elif piece == n + 1:
+            module = make_norm(config, device=device, dtype=dtype, tp=tp)
+        elif piece == n + 2 and not config.tie_embeddings:
+            module = make_head(config, device=device, dtype=dtype, tp=tp)
+        else:
+            raise ValueError(f"piece {piece}: a {n}-layer model (tie_embeddings={config.tie_embeddings}) has pieces "
+                             f"0 .. {n + 1 if config.tie_embeddings else n + 2}")
+    return module
+
+
+def piece_of(name: str, config: MambaConfig) -> int:
+    """The piece (`build_piece`) holding the mamba_ssm-named parameter `name`."""
+    if name == EMBEDDING or (name == HEAD and config.tie_embeddings):
+        return 0
+    if name == HEAD:
+        return config.n_layer + 2
+    if name.startswith(NORM_F + "."):
+        return config.n_layer + 1
+    m = re.fullmatch(r"backbone\.layers\.(\d+)\..+", name)
+    if m is None or int(m.group(1)) >= config.n_layer:
+        raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
+    return int(m.group(1)) + 1
+
+
+def initial_piece(config: MambaConfig, piece: int, seed: int) -> dict:
+    """The full single-device tensors of one piece, under mamba_ssm's names, as `MambaLM` built from
+    `seed` holds them."""
+    module = build_piece(config, piece, seed)
+    n = config.n_layer
+    prefix = {0: "backbone.embedding.", n + 1: NORM_F + ".", n + 2: "lm_head."}.get(piece, f"backbone.layers.{piece - 1}.")
+    state = {prefix + k: v for k, v in module.state_dict().items()}
+    if piece == 0 and config.tie_embeddings:
+        state[HEAD] = state[EMBEDDING]
+    return state
+
+
 class MambaBackbone(nn.Module):
     """Token ids -> final-normed hidden states (batch, seqlen, d_model)."""
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None):
+    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
+                 seed: Optional[int] = None):
         super().__init__()
-        self.embedding = make_embedding(config, device=device, dtype=dtype, tp=tp)
-        self.layers = nn.ModuleList(Block(config, device=device, dtype=dtype, tp=tp) for _ in range(config.n_layer))
-        self.norm_f = make_norm(config, device=device, dtype=dtype, tp=tp)
+        seed = draw_seed(device) if seed is None else seed
+        self.embedding = build_piece(config, 0, seed, device, dtype, tp)
+        self.layers = nn.ModuleList(build_piece(config, i + 1, seed, device, dtype, tp) for i in range(config.n_layer))
+        self.norm_f = build_piece(config, config.n_layer + 1, seed, device, dtype, tp)
 
     def _final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         residual = hidden_states + residual
@@ -131,33 +234,14 @@ class MambaLM(nn.Module):
         if self.tp is not None:
             check_model_layout(config, self.tp.size)
         self.config = config
-        self.backbone = MambaBackbone(config, device=device, dtype=dtype, tp=self.tp)
-        self.lm_head = make_head(config, device=device, dtype=dtype, tp=self.tp)
-        self._init_weights()
+        seed = draw_seed(device)
+        self.backbone = MambaBackbone(config, device=device, dtype=dtype, tp=self.tp, seed=seed)
         if config.tie_embeddings:
+            with _piece_stream(seed, config.n_layer + 2, device):  # its draw is replaced by the embedding
+                self.lm_head = make_head(config, device=device, dtype=dtype, tp=self.tp)
             self.lm_head.weight = self.backbone.embedding.weight
-
-    @torch.no_grad()
-    def _init_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
-                for bias in (module.bias, getattr(module, "bias_replicated", None)):
-                    if bias is not None and not getattr(bias, "_no_reinit", False):
-                        nn.init.zeros_(bias)
-            elif isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
-                self._redraw(module.weight, (self.config.padded_vocab_size, self.config.d_model),
-                             lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD))
-        for layer in self.backbone.layers:
-            self._redraw(layer.mixer.out_proj.weight, (self.config.d_model, self.config.d_inner),
-                         lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(self.config.n_layer)))
-
-    def _redraw(self, param: nn.Parameter, full_shape: tuple, draw) -> None:
-        """Re-initialise `param` with `draw`, applied under TP to the full tensor, then sliced."""
-        if self.tp is None:
-            draw(param)
-            return
-        full = draw(torch.empty(full_shape, device=param.device, dtype=param.dtype))
-        param.copy_(local_shard(full, param.tp_shard, self.tp.size, self.tp.rank))
+        else:
+            self.lm_head = build_piece(config, config.n_layer + 2, seed, device, dtype, self.tp)
 
     def forward(self, input_ids: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
                 inference_cache: Optional[list] = None) -> torch.Tensor:

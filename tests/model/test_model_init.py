@@ -103,3 +103,39 @@ def test_parameter_dtypes_follow_mamba_ssm(tiny_config, layer, fp32):
     assert got == fp32
     logits = model(torch.randint(0, 37, (2, 9)))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("layer,tied", [("Mamba1", True), ("Mamba2", False)])
+def test_each_piece_drawn_alone_equals_the_whole_model_bit_for_bit(tiny_config, layer, tied):
+    from megamamba.lm import draw_seed, initial_piece
+
+    cfg = tiny_config(layer, {}, n_layer=3, tie_embeddings=tied)
+    torch.manual_seed(5)
+    whole = MambaLM(cfg).state_dict()
+    torch.manual_seed(5)
+    seed = draw_seed()
+    pieces = {}
+    for piece in reversed(range(cfg.n_layer + (2 if cfg.tie_embeddings else 3))):  # any order
+        pieces.update(initial_piece(cfg, piece, seed))
+    assert sorted(pieces) == sorted(whole)
+    assert [n for n in whole if not torch.equal(pieces[n], whole[n])] == []
+
+
+def test_building_a_model_takes_one_draw_from_the_global_stream(tiny_config):
+    cfg = tiny_config("Mamba2", {}, n_layer=2)
+    torch.manual_seed(9)
+    MambaLM(cfg)
+    after_model = torch.rand(3)
+    torch.manual_seed(9)
+    torch.randint(0, 2**62, (), dtype=torch.int64)
+    assert torch.equal(torch.rand(3), after_model)
+
+
+def test_a_model_built_on_the_meta_device_leaves_the_global_stream_alone(tiny_config):
+    torch.manual_seed(9)
+    with torch.device("meta"):
+        MambaLM(tiny_config("Mamba2", {}, n_layer=2))
+    MambaLM(tiny_config("Mamba1", {}), device="meta")
+    after = torch.rand(3)
+    torch.manual_seed(9)
+    assert torch.equal(torch.rand(3), after)
