@@ -5,10 +5,11 @@ pp = 1: the plain DeepSpeedEngine over `PlainLM` (any ZeRO stage), with our `mpu
 Process groups come from `megamamba.parallel.groups.ParallelGroups`, laid out by the same
 DeepSpeed topology the pipeline engine builds its grid from, so both agree on every rank.
 
-Initial weights do not depend on the layout: every rank builds the full single-device
-`MambaLM(config)` on the CPU under `torch.manual_seed(seed)` and copies its own parameters out
-of it by mamba_ssm name (its TP slice under tensor parallelism), exactly as it would load a
-checkpoint. (This costs one float32 copy of the model in host memory per rank while starting.)
+Initial weights do not depend on the layout: they are those of `MambaLM(config)` built under
+`torch.manual_seed(seed)`, whose pieces (embedding, each block, final norm, head) draw from their
+own seeded streams. The plain engine builds its `MambaLM` (its TP shards) that way; a pipeline
+stage copies its parameters out of `InitialState`, which draws one full piece at a time, so no
+rank ever holds more than its own stage and one full layer.
 
 Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
 pipeline stages and tied weights). The optimizer is torch's fused AdamW over
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.config import MambaConfig
-from megamamba.lm import MambaLM
+from megamamba.lm import MambaLM, draw_seed, initial_piece, piece_of
 from megamamba.lr_schedule import LRSchedule
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
@@ -42,7 +43,7 @@ from megamamba.pipelines import clipping
 from megamamba.pipelines.agreement import agree, to_device
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
-from megamamba.pipelines.names import load_full_state, load_mamba_state_dict
+from megamamba.pipelines.names import load_mamba_state_dict
 from megamamba.pipelines.plain import PlainLM
 
 
@@ -53,10 +54,28 @@ class OptimizerSettings:
     betas: tuple
 
 
-def initial_state(config: MambaConfig, seed: int) -> dict:
-    """The full model's initial parameters under mamba_ssm's names (same on every rank and layout)."""
-    torch.manual_seed(seed)
-    return MambaLM(config).state_dict()
+class InitialState:
+    """`MambaLM(config)`'s initial full tensors built under `torch.manual_seed(seed)`, by mamba_ssm name,
+    drawn one piece at a time when first asked for (ask in model order: one piece is kept)."""
+
+    def __init__(self, config: MambaConfig, seed: int):
+        torch.manual_seed(seed)
+        self.config, self.seed = config, draw_seed()
+        self._piece, self._tensors = None, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        piece = piece_of(name, self.config)
+        if piece != self._piece:
+            self._piece, self._tensors = None, {}  # the previous piece goes before the next is drawn
+            self._tensors, self._piece = initial_piece(self.config, piece, self.seed), piece
+        return self._tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        try:
+            piece_of(name, self.config)
+        except KeyError:
+            return False
+        return True
 
 
 def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
@@ -85,7 +104,7 @@ class PipelineTrainer(_Trainer):
                  engine_config: dict, settings: OptimizerSettings, seed: int, partition_method: str,
                  checkpoint_interval: int):
         module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp)
-        load_mamba_state_dict(module, initial_state(config, seed), config, tp)
+        load_mamba_state_dict(module, InitialState(config, seed), config, tp)
         optimizer = _optimizer(module, settings)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                                                  config=engine_config)
@@ -117,8 +136,8 @@ class PlainTrainer(_Trainer):
 
     def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], config: MambaConfig,
                  engine_config: dict, settings: OptimizerSettings, seed: int, checkpoint_interval: int):
+        torch.manual_seed(seed)
         module = PlainLM(MambaLM(config, tp=tp), checkpoint_interval)
-        load_full_state(module, initial_state(config, seed), tp)
         module = module.to(get_accelerator().current_device_name())
         optimizer = _optimizer(module, settings)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
