@@ -236,6 +236,7 @@ def main(argv=None) -> dict:
     steps_timed, seconds = 0, 0.0
     for step in range(first_step, args.train_iters):
         start = time.perf_counter()
+        lr = trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
         outcome = agree_step(trainer.train_step(micro_batches(train, step)), guard.nonfinite(), stop.received)
         trainer.finish_step(outcome.applied)
         seconds += time.perf_counter() - start
@@ -259,7 +260,7 @@ def main(argv=None) -> dict:
             record = {
                 "step": step,
                 "loss": outcome.loss,
-                "lr": schedule(step),
+                "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens_per_s": tokens_per_step / seconds_per_step,
                 "tflops_per_device": tflops,
