@@ -6,7 +6,10 @@
 Data-parallel size = world size / (tensor x pipeline parallel size). Every consistency check runs
 before any process group exists (`megamamba.pipelines.layout`); a failure prints one line and
 exits with status 2. The optimizer and learning-rate schedule come from the flags below, never
-from the JSON. Metrics (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb,
+from the JSON. Megatron's names are accepted for the same settings (--tensor-model-parallel-size,
+--pipeline-model-parallel-size, --micro-batch-size, --global-batch-size, --train-samples,
+--lr-decay-iters, --lr-warmup-fraction, --data-path), the DeepSpeed config is read as hjson as
+DeepSpeed reads it, and flags are never abbreviated. Metrics (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb,
 val_loss, mfu) go to the console of global rank 0, to TensorBoard (--log-dir, else the JSON's
 "tensorboard" block) and to --metrics-jsonl. Data (`megamamba.data.training_data`): --tokenizer,
 --data / --valid-data blends of preprocessed datasets (default: the built-in corpus tokenized in
@@ -20,6 +23,7 @@ import time
 import warnings
 from typing import NamedTuple, Optional
 
+import hjson
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
@@ -53,20 +57,30 @@ warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="DeepSpeed JSON config")
+    """Our flags, DeepSpeed's (--deepspeed, --deepspeed_config) and Megatron's names for the same settings
+    (--tensor-model-parallel-size, --micro-batch-size, --data-path, ...); no abbreviations."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--deepspeed", action="store_true", help="accepted as DeepSpeed scripts take it; DeepSpeed is always on")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
+                   help="DeepSpeed config (JSON, or hjson as DeepSpeed reads it)")
     p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "--tp", "--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "--pp", "--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="train_micro_batch_size_per_gpu (a JSON giving another value is refused)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="train_batch_size (a JSON giving another value is refused)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split activations along the sequence over TP ranks")
     p.add_argument("--partition-method", default="type:Block", help="uniform | parameters | type:<regex>")
     p.add_argument("--checkpoint-activations-interval", type=int, default=0,
                    help="recompute runs of this many consecutive layers in the backward (0: off)")
-    p.add_argument("--train-iters", type=int, required=True)
+    p.add_argument("--train-iters", type=int, default=None, help="optimizer steps (or --train-samples)")
+    p.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train on: train iters = samples / global batch size")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", nargs="*", default=[],
+    p.add_argument("--data", "--data-path", nargs="*", default=[],
                    help="preprocessed dataset prefix, or pairs 'weight prefix' to blend (default: the built-in "
                         "corpus tokenized in memory)")
     p.add_argument("--valid-data", nargs="*", default=[], help="validation dataset prefix or blend (with --data)")
@@ -77,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-5)
     p.add_argument("--lr-warmup-iters", type=int, default=0)
+    p.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of the decay iters (instead of --lr-warmup-iters)")
+    p.add_argument("--lr-decay-iters", type=int, default=None, help="steps until the LR reaches --min-lr "
+                   "(default: the train iters)")
     p.add_argument("--lr-decay-style", default="cosine", choices=DECAY_STYLES)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--adam-beta1", type=float, default=0.9)
@@ -110,7 +128,53 @@ def _read_json(path: str, what: str) -> dict:
         raise LayoutError(f"{what} {path!r}: {e}") from None
 
 
+def _read_deepspeed_config(path: str) -> dict:
+    """The DeepSpeed config as DeepSpeed reads it: hjson (JSON plus comments, unquoted keys, ...)."""
+    try:
+        with open(path) as f:
+            return hjson.load(f, object_pairs_hook=dict)
+    except (OSError, hjson.HjsonDecodeError) as e:
+        raise LayoutError(f"--deepspeed_config {path!r}: {e}") from None
+
+
+def _with_batch_flags(ds_config: dict, args) -> dict:
+    """The JSON's batch keys with --micro-batch-size / --global-batch-size applied; a disagreement is refused."""
+    config = dict(ds_config)
+    for flag, key, value in (("--micro-batch-size", "train_micro_batch_size_per_gpu", args.micro_batch_size),
+                             ("--global-batch-size", "train_batch_size", args.global_batch_size)):
+        if value is None:
+            continue
+        if config.get(key) is not None and config[key] != value:
+            raise LayoutError(f"{flag} {value} disagrees with the DeepSpeed config's {key}={config[key]}; keep one")
+        config[key] = value
+    return config
+
+
+def _train_iters(args, global_batch_size: int) -> int:
+    """--train-iters, or --train-samples / global batch size (Megatron's sample-based length); exactly one."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise LayoutError("give exactly one of --train-iters and --train-samples")
+    if args.train_iters is not None:
+        return args.train_iters
+    if args.train_samples < global_batch_size:
+        raise LayoutError(f"--train-samples {args.train_samples} is less than one global batch ({global_batch_size})")
+    return args.train_samples // global_batch_size
+
+
+def _warmup_iters(args, decay_iters: int) -> int:
+    """--lr-warmup-iters, or --lr-warmup-fraction of the decay iters (Megatron's); not both."""
+    if args.lr_warmup_fraction is None:
+        return args.lr_warmup_iters
+    if args.lr_warmup_iters:
+        raise LayoutError(f"--lr-warmup-iters {args.lr_warmup_iters} and --lr-warmup-fraction "
+                          f"{args.lr_warmup_fraction} both set the warm-up; keep one")
+    if not 0 <= args.lr_warmup_fraction <= 1:
+        raise LayoutError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must lie in [0, 1]")
+    return int(args.lr_warmup_fraction * decay_iters)
+
+
 class RunPlan(NamedTuple):
+    train_iters: int
     layout: Layout
     model: MambaConfig
     engine_config: dict
@@ -121,7 +185,7 @@ class RunPlan(NamedTuple):
 
 def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     """Every check that needs no process group; raises LayoutError with one message."""
-    ds_config = _read_json(args.deepspeed_config, "--deepspeed_config")
+    ds_config = _with_batch_flags(_read_deepspeed_config(args.deepspeed_config), args)
     try:
         model = MambaConfig.from_dict(_read_json(args.model_config, "--model-config"))
     except ConfigError as e:
@@ -132,7 +196,10 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
     try:
         check_partition_method(args.partition_method)
-        schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
+        train_iters = _train_iters(args, layout.global_batch_size)
+        decay_iters = train_iters if args.lr_decay_iters is None else args.lr_decay_iters
+        schedule = LRSchedule(args.lr, args.min_lr, _warmup_iters(args, decay_iters), decay_iters,
+                              args.lr_decay_style)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     try:
@@ -150,7 +217,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         check_step_timeout(args.step_timeout)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    return RunPlan(layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule,
+    return RunPlan(train_iters, layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule,
                    tensorboard_dir(args, ds_config), data)
 
 
@@ -234,7 +301,8 @@ def main(argv=None) -> dict:
     summary = {"records": [], "stage_parameters": stage_params,
                "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
     steps_timed, seconds = 0, 0.0
-    for step in range(first_step, args.train_iters):
+    train_iters = plan.train_iters
+    for step in range(first_step, train_iters):
         start = time.perf_counter()
         lr = trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
         outcome = agree_step(trainer.train_step(micro_batches(train, step)), guard.nonfinite(), stop.received)
@@ -248,11 +316,11 @@ def main(argv=None) -> dict:
             guard.after_step(step, outcome)
         except NonFiniteSteps as e:
             fail(e, status=1)
-        evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == args.train_iters - 1)
+        evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == train_iters - 1)
         val_loss = None
         if evaluate:
             val_loss = sum(trainer.eval_loss(micro_batches(valid, i)) for i in range(args.eval_iters)) / args.eval_iters
-        if step % args.log_interval == 0 or step == args.train_iters - 1 or evaluate:
+        if step % args.log_interval == 0 or step == train_iters - 1 or evaluate:
             seconds_per_step = seconds / steps_timed
             steps_timed, seconds = 0, 0.0
             grad_norm = trainer.engine.get_global_grad_norm()
@@ -271,7 +339,7 @@ def main(argv=None) -> dict:
             logger.log(record)
             summary["records"].append({k: v for k, v in record.items() if v is not None})
         stopping = outcome.stop
-        if args.save and checkpointing.save_due(step + 1, args.train_iters, args.save_interval, stopping):
+        if args.save and checkpointing.save_due(step + 1, train_iters, args.save_interval, stopping):
             with watchdog.paused():
                 checkpointing.save(trainer, model_config, args.save, step + 1, scheduler=trainer.lr_scheduler,
                                    extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},

@@ -32,7 +32,7 @@ class LRSchedule:
         if not 0 <= self.minimum <= self.peak:
             raise ValueError(f"min lr {self.minimum}: must lie in [0, peak lr {self.peak}]")
         if not 0 <= self.warmup_iters <= self.total_iters:
-            raise ValueError(f"lr warm-up iters {self.warmup_iters}: must lie in [0, train iters {self.total_iters}]")
+            raise ValueError(f"lr warm-up iters {self.warmup_iters}: must lie in [0, decay iters {self.total_iters}]")
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_iters:

@@ -175,3 +175,71 @@ def test_the_plan_takes_tensorboard_from_the_json_when_no_log_dir(tmp_path):
     assert plan.tensorboard_dir == "tb/j" and plan.layout.grad_accum == 4
     plan = _prepare(tmp_path, ds={**BATCH, "tensorboard": {"enabled": True}}, flags=["--log-dir", "mine"])
     assert plan.tensorboard_dir == "mine"
+
+
+def _plan(tmp_path, flags, ds=None, name="ds.json"):
+    ds_path, model_path = tmp_path / name, tmp_path / "model.json"
+    ds_path.write_text(ds if isinstance(ds, str) else json.dumps(BATCH if ds is None else ds))
+    model_path.write_text(json.dumps(TINY.to_dict()))
+    script = load_train_script()
+    return script.prepare(script.parse_args(["--deepspeed_config", str(ds_path), "--model-config", str(model_path),
+                                             *flags]), 4)
+
+
+def _schedule(plan, steps=12):
+    return [plan.schedule(s) for s in range(steps)]
+
+
+@pytest.mark.parametrize("megatron, ours", [
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+     ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]),
+    (["--data-path"], ["--data"]),
+    (["--train-samples", "80"], ["--train-iters", "10"]),
+    (["--train-iters", "10", "--lr-decay-iters", "8", "--lr-warmup-fraction", "0.25"],
+     ["--train-iters", "10", "--lr-decay-iters", "8", "--lr-warmup-iters", "2"]),
+])
+def test_megatron_flag_names_give_the_plan_of_ours(tmp_path, megatron, ours):
+    base = [] if any(f.startswith("--train-") for f in megatron) else ["--train-iters", "10"]
+    theirs, mine = _plan(tmp_path, base + megatron), _plan(tmp_path, base + ours)
+    assert theirs.layout == mine.layout and theirs.train_iters == mine.train_iters
+    assert _schedule(theirs) == _schedule(mine)
+
+
+def test_lr_decay_iters_ends_the_decay_before_the_last_step(tmp_path):
+    plan = _plan(tmp_path, ["--train-iters", "10", "--lr-decay-iters", "6", "--min-lr", "1e-5"])
+    assert plan.train_iters == 10 and plan.schedule(6) == plan.schedule(9) == pytest.approx(1e-5)
+
+
+def test_batch_flags_set_the_json_keys_and_a_disagreeing_json_is_refused(tmp_path):
+    plan = _plan(tmp_path, ["--train-iters", "3", "--micro-batch-size", "1", "--global-batch-size", "16"],
+                 ds={"zero_optimization": {"stage": 1}})
+    assert (plan.layout.micro_batch_size, plan.layout.grad_accum, plan.layout.global_batch_size) == (1, 4, 16)
+    with pytest.raises(LayoutError, match=r"--global-batch-size 16 disagrees with the DeepSpeed config's "
+                                          r"train_batch_size=8; keep one"):
+        _plan(tmp_path, ["--train-iters", "3", "--global-batch-size", "16"])
+
+
+@pytest.mark.parametrize("flags, words", [
+    ([], "give exactly one of --train-iters and --train-samples"),
+    (["--train-iters", "3", "--train-samples", "24"], "give exactly one of --train-iters and --train-samples"),
+    (["--train-samples", "7"], "--train-samples 7 is less than one global batch (8)"),
+    (["--train-iters", "9", "--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "both set the warm-up"),
+    (["--train-iters", "9", "--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction 1.5: must lie in [0, 1]"),
+])
+def test_conflicting_or_missing_length_and_warmup_flags_are_refused(tmp_path, flags, words):
+    with pytest.raises(LayoutError, match=re.escape(words)):
+        _plan(tmp_path, flags)
+
+
+def test_flag_abbreviations_are_refused_and_deepspeeds_own_flag_is_accepted(capsys):
+    script = load_train_script()
+    base = ["--deepspeed_config", "ds.json", "--model-config", "m.json", "--train-iters", "3"]
+    assert script.parse_args(["--deepspeed", *base]).deepspeed
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args([*base, "--lr-warmup", "5"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --lr-warmup 5" in capsys.readouterr().err
+
+
+def test_a_deepspeed_config_with_comments_is_read_as_deepspeed_reads_it(tmp_path):
+    hjson_text = '{\n  // DeepSpeed reads hjson\n  "train_batch_size": 8,\n  train_micro_batch_size_per_gpu: 2\n}\n'
+    assert _plan(tmp_path, ["--train-iters", "3"], ds=hjson_text).layout.grad_accum == 1
