@@ -49,6 +49,7 @@ from megamamba.checkpoint import (
     write_stage,
 )
 from megamamba.checkpoint import files
+from megamamba.checkpoint.store import checkpoint_tags
 from megamamba.config import MambaConfig
 from megamamba.parallel import full_key, full_tensors, local_shard
 from megamamba.pipelines.names import EMBEDDING, load_full_state, to_mamba
@@ -212,7 +213,8 @@ def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConf
 
     Global rank 0 resolves `load` and verifies every checksum; every rank then opens the same path.
     `--load auto` with no checkpoint under --save yet starts afresh (a first start and a requeue use
-    the same command). CheckpointError (same message on every rank) for anything unusable.
+    the same command), and so does `--load D --save D` with no checkpoint in D yet (Megatron's habit),
+    with a warning. CheckpointError (same message on every rank) for anything unusable.
     """
     if not load:
         return None
@@ -221,13 +223,16 @@ def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConf
         try:
             answer = ("ok", ("path", resolve_load(load, save_dir)))
         except NoCheckpointError as e:
-            answer = ("ok", ("none", str(e))) if load == "auto" else ("error", str(e))
+            answer = ("ok", ("none", f"--load auto: nothing to resume ({e})")) if load == "auto" else ("error", str(e))
         except CheckpointError as e:
             answer = ("error", str(e))
+            if save_dir and os.path.realpath(load) == os.path.realpath(save_dir) and not checkpoint_tags(save_dir):
+                answer = ("ok", ("none", f"warning: --load {load} is the --save directory and holds no checkpoint "
+                                         "yet"))
     kind, value = _shared(answer)
     if kind == "none":
         if dist.get_rank() == 0:
-            print(f"train.py: --load auto: nothing to resume ({value}); starting from step 0", flush=True)
+            print(f"train.py: {value}; starting from step 0", flush=True)
         return None
     checkpoint = Checkpoint(value, hashes=False)
     checkpoint.check_config(config)

@@ -35,3 +35,17 @@ def test_keep_last_keeps_only_the_newest_checkpoints(runs):
                                                     "--keep-last", "2"]), out=out)
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert sorted(p.name for p in save.iterdir()) == ["latest", "step_000003", "step_000004"]
+
+
+def test_save_and_load_on_the_same_empty_directory_start_afresh_then_resume(runs, reference):
+    out = runs.new_dir()
+    save = out / "ckpt"
+    flags = ["--save", str(save), "--load", str(save), "--save-interval", str(SAVE_AT)]
+    first = runs.direct(runs.argv(out, zero=0, flags=[*flags, "--train-iters", str(SAVE_AT),
+                                                           "--lr-decay-iters", str(STEPS)]), out=out)
+    assert first["returncode"] == 0, first["stderr"][-3000:]
+    assert (f"train.py: warning: --load {save} is the --save directory and holds no checkpoint yet; starting from "
+            "step 0") in first["stdout"]
+    again = runs.direct(runs.argv(out, zero=0, flags=flags), out=out)
+    assert again["returncode"] == 0, again["stderr"][-3000:]
+    assert losses(again["records"]) == losses(reference["records"]), "the curve of an uninterrupted run"
