@@ -138,26 +138,29 @@ def test_a_model_whose_vocabulary_cannot_hold_the_tokenizers_is_refused(tmp_path
         _prepare(tmp_path, model={**TINY.to_dict(), "vocab_size": 200})
 
 
-GPU_SIZES = [("130m", 0.13), ("370m", 0.37), ("1.3b", 1.34), ("2.7b", 2.70)]
+# Every published mamba_ssm size (its config.json values) and a 7B-class Mamba-2; parameters in billions.
+GPU_SIZES = [("mamba1-130m", 0.129), ("mamba1-370m", 0.372), ("mamba1-790m", 0.793), ("mamba1-1.4b", 1.372),
+             ("mamba1-2.8b", 2.768), ("mamba2-130m", 0.129), ("mamba2-370m", 0.368), ("mamba2-780m", 0.780),
+             ("mamba2-1.3b", 1.344), ("mamba2-2.7b", 2.703), ("mamba2-7b", 7.223)]
 
 
-@pytest.mark.parametrize("size", [s for s, _ in GPU_SIZES])
+@pytest.mark.parametrize("name", [s for s, _ in GPU_SIZES])
 @pytest.mark.parametrize("world, tp, pp", [(1, 1, 1), (8, 1, 2), (16, 1, 4), (8, 2, 2), (8, 8, 1)])
-def test_gpu_configs_pass_every_check_with_zero1_and_bf16_autocast(size, world, tp, pp):
+def test_gpu_configs_pass_every_check_with_zero1_and_bf16_autocast(name, world, tp, pp):
     script = load_train_script()
-    args = script.parse_args(["--deepspeed_config", str(ROOT / f"launch/configs/mamba2-{size}.json"),
-                              "--model-config", str(ROOT / f"launch/models/mamba2-{size}.json"), "--train-iters", "100",
+    args = script.parse_args(["--deepspeed_config", str(ROOT / f"launch/configs/{name}.json"),
+                              "--model-config", str(ROOT / f"launch/models/{name}.json"), "--train-iters", "100",
                               "--seq-length", "2048", "--tp", str(tp), "--pp", str(pp)])
     plan = script.prepare(args, world)
     assert plan.engine_config["torch_autocast"]["enabled"] and plan.engine_config["zero_optimization"]["stage"] == 1
-    assert plan.tensorboard_dir == f"runs/mamba2-{size}"
+    assert plan.tensorboard_dir == f"runs/{name}"
 
 
-@pytest.mark.parametrize("size, billions", GPU_SIZES)
-def test_gpu_model_configs_have_their_published_size(size, billions):
-    config = MambaConfig.from_json(ROOT / f"launch/models/mamba2-{size}.json")
+@pytest.mark.parametrize("name, billions", GPU_SIZES)
+def test_gpu_model_configs_have_their_published_size(name, billions):
+    config = MambaConfig.from_json(ROOT / f"launch/models/{name}.json")
     params = sum(p.numel() for p in MambaLM(config, device="meta").parameters())
-    assert abs(params / 1e9 - billions) < 0.01, params
+    assert abs(params / 1e9 - billions) < 0.001, params
 
 
 def test_a_malformed_json_config_is_refused_by_path(tmp_path):
