@@ -127,6 +127,28 @@ def count_triton_compiles(out: str, section: str) -> None:
     knobs.compilation.listener = listener
 
 
+def unpack_triton_cache(archive: str, dest: str) -> int:
+    """Unpack a Triton cache archive (benchmarks/triton_cache.py) into `dest` and point each kernel's
+    group file at its new place: Triton 3.6 records a group's files by absolute path
+    (FileCacheManager.put_group) and treats a group whose files it cannot find there as a miss, so a
+    cache moved to another folder is never hit until they are rewritten. Returns the entry count."""
+    import tarfile
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    entries = os.listdir(dest)
+    for entry in entries:
+        folder = os.path.join(dest, entry)
+        for name in os.listdir(folder):
+            if name.startswith("__grp__"):
+                with open(os.path.join(folder, name)) as f:
+                    group = json.load(f)
+                group["child_paths"] = {child: os.path.join(folder, os.path.basename(path))
+                                        for child, path in group["child_paths"].items()}
+                with open(os.path.join(folder, name), "w") as f:
+                    json.dump(group, f)
+    return len(entries)
+
+
 def triton_cache_identity() -> dict:
     """What Triton's cache keys depend on beyond the kernel and its options: sha256 of triton_key()
     (its version, compiler sources and libtriton), the `ptxas --version` of the ptxas it uses for

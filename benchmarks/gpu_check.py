@@ -1,7 +1,8 @@
 """The GPU check's driver: every section in its own child process with a timeout, in this order,
 within one time budget, each measurement appended to <out>/results.jsonl as it is made.
 
-    python benchmarks/gpu_check.py --out DIR [--work DIR] [--site DIR] [--mamba-ssm-src DIR] [--budget 450] [--dry-run]
+    python benchmarks/gpu_check.py --out DIR [--work DIR] [--site DIR] [--mamba-ssm-src DIR]
+        [--triton-cache ARCHIVE] [--budget 450] [--dry-run]
         [--only imports errors ...]        (run by benchmarks/gpu_check.sh, which installs the package)
     python benchmarks/gpu_check.py --out DIR --summary     (the tables of what a run wrote so far)
 
@@ -25,7 +26,7 @@ import tempfile
 import time
 
 from check_io import (COMPILES, Results, count_triton_compiles, load_mamba_ssm, read_results, run_logged,
-                      stop_children_on_sigterm)
+                      stop_children_on_sigterm, unpack_triton_cache)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -45,8 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output folder: results.jsonl, one log per section")
     p.add_argument("--work", default=None, help="scratch folder for checkpoints (default: a new temporary one)")
     p.add_argument("--site", default=None, help="where the package was installed (the imports section checks it)")
-    p.add_argument("--cache-identity", default=None,
-                   help="the shipped Triton cache's key inputs (triton_cache.py's .json), compared with this machine's")
+    p.add_argument("--triton-cache", default=None,
+                   help="Triton cache archive (benchmarks/triton_cache.py) to unpack under --work and use")
+    p.add_argument("--cache-identity", default=None, help=argparse.SUPPRESS)  # the archive's key inputs
     p.add_argument("--mamba-ssm-src", default=None, help="unpacked mamba_ssm source release (holding mamba_ssm/)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds for all sections together")
     p.add_argument("--dry-run", action="store_true", help="CPU, reference kernels, tiny shapes, no mamba_ssm")
@@ -73,6 +75,11 @@ def main(argv=None) -> int:
     args.work = args.work or tempfile.mkdtemp(prefix="gpu_check_")
     results = Results(args.out, "check")
     start = time.time()
+    if args.triton_cache:
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(args.work, "triton-cache")
+        unpack_triton_cache(args.triton_cache, os.environ["TRITON_CACHE_DIR"])
+        identity = args.triton_cache[: -len(".tar.gz")] + ".json"
+        args.cache_identity = identity if os.path.exists(identity) else None
     cache = os.environ.get("TRITON_CACHE_DIR")
     shipped = cache_entries(cache)
     results.write("start", dry_run=args.dry_run, budget_s=args.budget, triton_cache_dir=cache,

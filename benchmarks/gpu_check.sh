@@ -7,8 +7,8 @@
 # 1. installs the wheels of .whl/ and then the package itself (from a fresh copy of its sources)
 #    into $WORK/site (WORK: a new temporary folder unless set) with pip --no-deps --no-index: the check imports megamamba from there, never
 #    from the checkout (megamamba.kernels and .pipelines exist only once installed);
-# 2. unpacks Triton's cache shipped in .whl/ (benchmarks/triton_cache.py) and points
-#    TRITON_CACHE_DIR at it;
+# 2. hands the driver Triton's cache shipped in .whl/ (benchmarks/triton_cache.py), which it unpacks
+#    under $WORK and points TRITON_CACHE_DIR at;
 # 3. runs benchmarks/gpu_check.py from outside the checkout: import smoke, NCCL smoke with save and
 #    resume, op errors against float64, op timings, training throughput, 20-step loss parity with
 #    mamba_ssm; each section in its own process with a timeout.
@@ -42,17 +42,14 @@ pip_install=("$PYTHON" -m pip install -q --no-deps --no-index --no-compile --no-
 } > "$OUT/install.log" 2>&1
 echo "gpu_check.sh: install exit $? in $((SECONDS - start)) s (log: $OUT/install.log)"
 export PYTHONPATH=$site PATH=$site/bin:$(dirname "$(command -v "$PYTHON")"):$PATH
-identity=()
 cache=$repo/.whl/triton-cache-$("$PYTHON" -c 'import triton; print(triton.__version__)' 2>/dev/null).tar.gz
+triton_cache=()
 if [ "$dry" != 1 ] && [ -f "$cache" ]; then
-  rm -rf "$WORK/triton-cache" && mkdir -p "$WORK/triton-cache"
-  tar xzf "$cache" -C "$WORK/triton-cache" && export TRITON_CACHE_DIR=$WORK/triton-cache
-  echo "gpu_check.sh: Triton cache $(basename "$cache"): $(ls "$WORK/triton-cache" | wc -l) entries"
-  identity=(--cache-identity "${cache%.tar.gz}.json")
+  triton_cache=(--triton-cache "$cache")
 elif [ "$dry" != 1 ]; then
   echo "gpu_check.sh: no $cache (benchmarks/gpu_prepare.sh makes it): every kernel compiles cold"
 fi
-flags=(--out "$OUT" --work "$WORK" --site "$site" --mamba-ssm-src "$repo/.whl/mamba_ssm-src" ${identity[@]+"${identity[@]}"}
+flags=(--out "$OUT" --work "$WORK" --site "$site" --mamba-ssm-src "$repo/.whl/mamba_ssm-src" ${triton_cache[@]+"${triton_cache[@]}"}
        --budget "${BUDGET:-$((480 - (SECONDS - start)))}")
 [ "$dry" = 1 ] && flags+=(--dry-run --budget "${BUDGET:-2400}")
 cd "$OUT" && exec "$PYTHON" "$repo/benchmarks/gpu_check.py" "${flags[@]}" ${args[@]+"${args[@]}"}

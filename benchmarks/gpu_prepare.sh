@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Prepare what a GPU session carries to the lent machine (one H200: torch 2.11, Triton 3.6, no
+# Prepare what the GPU check carries to the GPU machine (an H200 with torch 2.11, Triton 3.6, no
 # DeepSpeed, no network), on this machine, into .whl/ (ignored by git, never committed):
 #   - DeepSpeed 0.19.8 and the packages it lacks there, as wheels (shared/device/prepare.sh);
 #   - what launch/train.py and mamba_ssm import beyond torch and DeepSpeed: safetensors, tokenizers,
 #     sentencepiece, einops (wheels for its Python 3.12; whatever it has is shadowed by them);
+#   - setuptools (this venv's version): gpu_check.sh builds the package there offline with it;
 #   - the Python files of mamba_ssm 2.3.2.post1's source release (.whl/mamba_ssm-src/), which the
-#     benchmarks compare against (its CUDA extension is never built: the benchmarks stub it).
+#     benchmarks compare against (its CUDA extension is never built: the benchmarks stub it);
+#   - Triton's cache, pre-filled for sm_90 with Triton 3.6 (.venv/triton-3.6) for every kernel the
+#     check launches (benchmarks/triton_cache.py; rebuilt each time: it follows the kernel sources).
 # Then one device call carrying .whl runs every check: `bash benchmarks/gpu_check.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -13,7 +16,8 @@ cd "$(git rev-parse --show-toplevel)"
 bash ../shared/device/prepare.sh
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d .whl "safetensors==0.8.0" "tokenizers==0.23.3" "sentencepiece==0.2.3" "einops==0.8.2"
+  -d .whl "safetensors==0.8.0" "tokenizers==0.23.3" "sentencepiece==0.2.3" "einops==0.8.2" \
+  "setuptools==$(python -c 'import setuptools; print(setuptools.__version__)')"
 if [ ! -d .whl/mamba_ssm-src/mamba_ssm ]; then
   tmp=$(mktemp -d)
   MAMBA_SKIP_CUDA_BUILD=TRUE python -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
@@ -23,4 +27,6 @@ if [ ! -d .whl/mamba_ssm-src/mamba_ssm ]; then
   cp -r "$tmp/mamba_ssm-2.3.2.post1/mamba_ssm" .whl/mamba_ssm-src/
   rm -rf "$tmp"
 fi
+rm -f .whl/triton-cache-*.tar.gz
+env -u TRITON_INTERPRET PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py --out .whl/triton-cache-3.6.0.tar.gz
 du -sh .whl

@@ -51,3 +51,24 @@ def test_a_stopped_section_stops_the_groups_it_started(tmp_path):
     inner = int((tmp_path / "inner").read_text())
     time.sleep(0.2)
     assert not os.path.exists(f"/proc/{inner}") or "Z" in Path(f"/proc/{inner}/stat").read_text().split()[2]
+
+
+def test_an_unpacked_triton_cache_is_found_in_its_new_folder(tmp_path, monkeypatch):
+    """Triton names a kernel's files in its group file by absolute path: a cache moved elsewhere
+    misses every kernel unless unpack_triton_cache points the groups at their new place."""
+    import shutil
+    import tarfile
+
+    from triton.runtime.cache import FileCacheManager
+
+    from check_io import unpack_triton_cache
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "made"))
+    made = FileCacheManager("KERNELKEY")
+    made.put_group("k.json", {"k.json": made.put("{}", "k.json"), "k.cubin": made.put(b"\0", "k.cubin", binary=True)})
+    with tarfile.open(tmp_path / "cache.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "made" / "KERNELKEY", arcname="KERNELKEY")
+    shutil.rmtree(tmp_path / "made")
+    assert unpack_triton_cache(str(tmp_path / "cache.tar.gz"), str(tmp_path / "moved")) == 1
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "moved"))
+    group = FileCacheManager("KERNELKEY").get_group("k.json")
+    assert group == {name: str(tmp_path / "moved" / "KERNELKEY" / name) for name in ("k.json", "k.cubin")}
