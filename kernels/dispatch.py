@@ -2,9 +2,10 @@
 
 MEGAMAMBA_KERNELS chooses: "triton" forces Triton (on CPU tensors it needs
 TRITON_INTERPRET=1), "reference" forces PyTorch, unset / "" / "auto" uses Triton for CUDA
-tensors and the reference otherwise. The variable is read at every call, so tests can set it.
-Triton ops live in `megamamba.kernels.triton` under the same name and signature; that module
-is imported only when first chosen. The single-step ops always use the reference.
+tensors and the reference otherwise. Each call costs one lookup of the variable (so tests and
+users can switch it at run time); its parsing is cached per value. Triton ops live in
+`megamamba.kernels.triton` under the same name and signature; that module is imported once,
+when first chosen. The single-step ops always use the reference.
 """
 import importlib
 import os
@@ -19,21 +20,34 @@ BACKENDS = ("auto", "reference", "triton")
 ENV = "MEGAMAMBA_KERNELS"
 
 
+_CHOICES = {}    # raw value of ENV -> parsed choice
+_TRITON = None   # megamamba.kernels.triton, once imported
+
+
+def _choice(raw) -> str:
+    choice = (raw or "").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{ENV}={raw!r} is not one of {', '.join(BACKENDS)}")
+    _CHOICES[raw] = choice
+    return choice
+
+
 def backend(device_tensor) -> str:
     """"triton" or "reference" for an op whose main input is `device_tensor`, as the env asks."""
-    choice = os.environ.get(ENV, "").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(BACKENDS)}")
+    raw = os.environ.get(ENV)
+    choice = _CHOICES.get(raw) or _choice(raw)
     if choice == "auto":
         return "triton" if device_tensor.is_cuda else "reference"
     return choice
 
 
 def _pick(name, reference_fn, device_tensor):
+    global _TRITON
     if backend(device_tensor) == "reference":
         return reference_fn
-    module = importlib.import_module("megamamba.kernels.triton")
-    fn = getattr(module, name, None)
+    if _TRITON is None:
+        _TRITON = importlib.import_module("megamamba.kernels.triton")
+    fn = getattr(_TRITON, name, None)
     if fn is None:
         raise NotImplementedError(f"megamamba.kernels.triton has no {name}; set {ENV}=reference to use PyTorch")
     return fn

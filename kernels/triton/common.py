@@ -1,4 +1,6 @@
 """Helpers shared by the Triton ops: output allocation, document counters, launch sizes."""
+import weakref
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -13,20 +15,33 @@ def empty(shape, *, device, dtype) -> torch.Tensor:
     return torch.empty(shape, device=device, dtype=dtype)
 
 
+_last_counters = (None, -1, None)  # (weakref to a seq_idx, its version, its counters)
+
+
 def document_counters(seq_idx, batch: int, seqlen: int):
     """int32 (batch, seqlen) counters that grow by one wherever seq_idx changes, or None.
 
     Kernels compare counters for equality; counting changes (instead of comparing raw ids)
-    keeps a reused id (documents A, B, A) from joining two separate documents.
+    keeps a reused id (documents A, B, A) from joining two separate documents. The counters of
+    the last seq_idx are kept while that tensor lives unmodified, so the layers of one forward,
+    which all receive the same seq_idx, compute them once.
     """
+    global _last_counters
     if seq_idx is None:
         return None
     if tuple(seq_idx.shape) != (batch, seqlen):
         raise ValueError(f"seq_idx must have shape (batch, seqlen) = {(batch, seqlen)}, got {tuple(seq_idx.shape)}")
     if seq_idx.is_floating_point() or seq_idx.is_complex():
         raise ValueError(f"seq_idx must hold integer document ids, got dtype {seq_idx.dtype}")
+    ref, version, counters = _last_counters
+    current = None if seq_idx.is_inference() else seq_idx._version  # inference tensors have no version
+    if current is not None and ref is not None and ref() is seq_idx and version == current:
+        return counters
     changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
-    return F.pad(changes.cumsum(1, dtype=torch.int32), (1, 0)).contiguous()
+    counters = F.pad(changes.cumsum(1, dtype=torch.int32), (1, 0)).contiguous()
+    if current is not None:
+        _last_counters = (weakref.ref(seq_idx), current, counters)
+    return counters
 
 
 def block(n: int, lo: int = 16, hi: int = 1 << 30) -> int:

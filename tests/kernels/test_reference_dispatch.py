@@ -1,4 +1,4 @@
-"""The public ops pick the backend from MEGAMAMBA_KERNELS (read at each call) and the device."""
+"""The public ops pick the backend from MEGAMAMBA_KERNELS and the device; helpers they share."""
 import inspect
 from types import SimpleNamespace
 
@@ -115,3 +115,15 @@ def test_reference_through_the_public_api_computes(monkeypatch):
     monkeypatch.setenv("MEGAMAMBA_KERNELS", "reference")
     x = torch.tensor([[[1.0, 2.0, 3.0]]])
     assert kernels.causal_conv1d(x, torch.tensor([[1.0, 1.0]])).tolist() == [[[1.0, 3.0, 5.0]]]
+
+
+def test_document_counters_are_computed_once_per_seq_idx_and_redone_after_a_change():
+    from megamamba.kernels.triton import common
+    seq_idx = torch.tensor([[0, 0, 1, 1, 0]], dtype=torch.int32)
+    first = common.document_counters(seq_idx, 1, 5)
+    assert first.tolist() == [[0, 0, 1, 1, 2]]
+    assert common.document_counters(seq_idx, 1, 5) is first
+    seq_idx[0, 1] = 3
+    assert common.document_counters(seq_idx, 1, 5).tolist() == [[0, 1, 2, 2, 3]]
+    other = seq_idx.clone()
+    assert common.document_counters(other, 1, 5) is not common.document_counters(seq_idx, 1, 5)
