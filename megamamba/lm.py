@@ -38,6 +38,7 @@ from torch import nn
 
 from megamamba.block import Block, make_norm
 from megamamba.config import MambaConfig
+from megamamba.cross_entropy import chunked_cross_entropy
 from megamamba.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -91,9 +92,10 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
             tp: Optional[TensorParallel] = None) -> torch.Tensor:
     """Mean cross-entropy over the tokens whose label is not -100, on the real vocabulary (padded
     columns excluded). Under TP `logits` is this rank's vocab block and the full logits are never
-    gathered (`vocab_parallel_cross_entropy`); every rank gets the loss."""
+    gathered (`vocab_parallel_cross_entropy`); every rank gets the loss. On one device the float32
+    logits are never materialized whole (`chunked_cross_entropy`)."""
     if _split(tp) is None:
-        return F.cross_entropy(logits[..., :vocab_size].flatten(0, -2).float(), labels.flatten())
+        return chunked_cross_entropy(logits, labels, vocab_size)
     return vocab_parallel_cross_entropy(logits, labels, tp, vocab_size=vocab_size)
 
 
