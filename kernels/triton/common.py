@@ -1,4 +1,5 @@
 """Helpers shared by the Triton ops: output allocation, document counters, launch sizes."""
+import functools
 import weakref
 
 import torch
@@ -42,6 +43,18 @@ def document_counters(seq_idx, batch: int, seqlen: int):
     if current is not None:
         _last_counters = (weakref.ref(seq_idx), current, counters)
     return counters
+
+
+def multiprocessors(device) -> int:
+    """Streaming multiprocessors of a CUDA device (a few for the interpreter on the CPU)."""
+    if device.type != "cuda":
+        return 2
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def block(n: int, lo: int = 16, hi: int = 1 << 30) -> int:

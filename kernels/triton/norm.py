@@ -2,8 +2,10 @@
 
 Each group of group_size channels: v * rsqrt(mean(v^2) + eps) * weight (+ bias), where
 v = x, or x * silu(z) when the gate comes before the norm; with the gate after the norm the
-result is multiplied by silu(z). Each program owns BLOCK_M rows of one group; the backward
-recomputes the statistics instead of storing them.
+result is multiplied by silu(z). x, z and the output gradient are read through their row
+strides (a column slice of a wider tensor is not copied). A forward program owns BLOCK_M rows of
+one group; a backward program walks a range of row blocks, recomputing the statistics, and sums
+the weight gradient over them in registers: one float32 partial per program, not per row block.
 """
 import torch
 import triton
@@ -13,13 +15,30 @@ from . import common
 
 
 def _launch(group_size):
-    """(BLOCK_M, BLOCK_G, num_warps): at most 4096 elements per program (16 rows of small groups)."""
+    """(BLOCK_M, BLOCK_G, num_warps): tiles of at least 2048 elements (whole rows of one group),
+    about 8 per thread, so a program's live tiles stay within 128 registers (16 warps per SM)."""
     block_g = common.block(group_size, lo=1)
-    return max(1, min(16, 4096 // block_g)), block_g, 8 if block_g >= 2048 else 4
+    block_m = max(1, 2048 // block_g)
+    return block_m, block_g, max(4, min(16, block_m * block_g // 256))
+
+
+def _programs(rows, block_m, ngroups, device):
+    """(programs along the rows, row blocks each): enough programs to fill the GPU a few times,
+    so the weight-gradient partials are (programs, n), not (rows / BLOCK_M, n)."""
+    blocks = triton.cdiv(rows, block_m)
+    target = max(1, 4 * common.multiprocessors(device) // ngroups)
+    per = triton.cdiv(blocks, min(blocks, target))
+    return triton.cdiv(blocks, per), per
+
+
+def _rows(t, n):
+    """t as (rows, n) with unit stride along n: a view when t's layout allows (e.g. a column slice)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 @triton.jit
-def _norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rows, n, group_size, eps,
+def _norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rows, group_size, eps, sxr, szr, sor,
                      HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -27,10 +46,9 @@ def _norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rows, n, group_size, e
     c = tl.program_id(1) * group_size + j
     c_mask = j < group_size
     mask = (r < rows)[:, None] & c_mask[None, :]
-    offs = r[:, None] * n + c[None, :]
-    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(x_ptr + r[:, None] * sxr + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_Z:
-        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + r[:, None] * szr + c[None, :], mask=mask, other=0.0).to(tl.float32)
         gate = z * tl.sigmoid(z)
         if not NORM_BEFORE_GATE:
             v = v * gate
@@ -41,54 +59,58 @@ def _norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rows, n, group_size, e
     if HAS_Z:
         if NORM_BEFORE_GATE:
             y = y * gate
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + r[:, None] * sor + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _norm_bwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, db_ptr,
-                     rows, n, group_size, eps,
+                     rows, n, group_size, eps, blocks_per_program, sxr, szr, sdyr, sdxr, sdzr,
                      HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
-    """dx, dz, and this program's partial sums of dweight / dbias (row pid0 of (blocks, n))."""
+    """dx, dz for blocks_per_program consecutive row blocks, and this program's sums of dweight /
+    dbias over them (row pid0 of (programs, n)), accumulated in registers."""
     pid_m = tl.program_id(0)
-    r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, BLOCK_G)
     c = tl.program_id(1) * group_size + j
     c_mask = j < group_size
-    mask = (r < rows)[:, None] & c_mask[None, :]
-    offs = r[:, None] * n + c[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    v = x
-    if HAS_Z:
-        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(z)
-        gate = z * sig
-        dgate = sig * (1.0 + z * (1.0 - sig))
-        if not NORM_BEFORE_GATE:
-            v = x * gate
-    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / group_size + eps)
-    vhat = v * rstd[:, None]
-    dyn = dy
-    if HAS_Z:
-        if NORM_BEFORE_GATE:
-            yn = vhat * w[None, :]
-            if HAS_BIAS:
-                yn += tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(dz_ptr + offs, (dy * yn * dgate).to(dz_ptr.dtype.element_ty), mask=mask)
-            dyn = dy * gate
-    tl.store(dw_ptr + pid_m * n + c, tl.sum(dyn * vhat, axis=0), mask=c_mask)
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_G), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_G), dtype=tl.float32)
+    for i in range(blocks_per_program):
+        r = (pid_m.to(tl.int64) * blocks_per_program + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (r < rows)[:, None] & c_mask[None, :]
+        x = tl.load(x_ptr + r[:, None] * sxr + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = x
+        dy = tl.load(dy_ptr + r[:, None] * sdyr + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + r[:, None] * szr + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(z)
+            if not NORM_BEFORE_GATE:
+                v = x * z * sig
+        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / group_size + eps)
+        vhat = v * rstd[:, None]
+        if HAS_Z:
+            if NORM_BEFORE_GATE:
+                yn = vhat * w[None, :]
+                if HAS_BIAS:
+                    yn += tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+                dz = dy * yn * sig * (1.0 + z * (1.0 - sig))
+                tl.store(dz_ptr + r[:, None] * sdzr + c[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+                dy = dy * z * sig
+        dw_acc += dy * vhat
+        if HAS_BIAS:
+            db_acc += dy
+        dvhat = dy * w[None, :]
+        dv = rstd[:, None] * (dvhat - vhat * (tl.sum(dvhat * vhat, axis=1) / group_size)[:, None])
+        if HAS_Z:
+            if not NORM_BEFORE_GATE:
+                dz = dv * x * sig * (1.0 + z * (1.0 - sig))
+                tl.store(dz_ptr + r[:, None] * sdzr + c[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+                dv = dv * z * sig
+        tl.store(dx_ptr + r[:, None] * sdxr + c[None, :], dv.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + pid_m * n + c, tl.sum(dw_acc, axis=0), mask=c_mask)
     if HAS_BIAS:
-        tl.store(db_ptr + pid_m * n + c, tl.sum(dyn, axis=0), mask=c_mask)
-    dvhat = dyn * w[None, :]
-    dv = rstd[:, None] * (dvhat - vhat * (tl.sum(dvhat * vhat, axis=1) / group_size)[:, None])
-    dx = dv
-    if HAS_Z:
-        if not NORM_BEFORE_GATE:
-            dx = dv * gate
-            tl.store(dz_ptr + offs, (dv * x * dgate).to(dz_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + pid_m * n + c, tl.sum(db_acc, axis=0), mask=c_mask)
 
 
 class _RMSNormGated(torch.autograd.Function):
@@ -96,13 +118,14 @@ class _RMSNormGated(torch.autograd.Function):
     def forward(ctx, x, weight, bias, z, eps, group_size, norm_before_gate):
         shape = x.shape
         n = shape[-1]
-        x2 = x.reshape(-1, n).contiguous()
-        z2 = z.reshape(-1, n).contiguous() if z is not None else None
+        x2 = _rows(x, n)
+        z2 = _rows(z, n) if z is not None else None
         rows = x2.shape[0]
         out = common.empty(x2.shape, device=x.device, dtype=x.dtype)
         block_m, block_g, warps = _launch(group_size)
         grid = (triton.cdiv(rows, block_m), n // group_size)
-        _norm_fwd_kernel[grid](x2, z2, weight, bias, out, rows, n, group_size, eps,
+        _norm_fwd_kernel[grid](x2, z2, weight, bias, out, rows, group_size, eps, x2.stride(0),
+                               z2.stride(0) if z2 is not None else 0, out.stride(0),
                                HAS_Z=z is not None, HAS_BIAS=bias is not None,
                                NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g,
                                num_warps=warps)
@@ -115,17 +138,18 @@ class _RMSNormGated(torch.autograd.Function):
         x2, z2, weight, bias = ctx.saved_tensors
         shape, eps, group_size, norm_before_gate = ctx.meta
         rows, n = x2.shape
-        dy = dout.reshape(rows, n).contiguous()
+        dy = _rows(dout, n)
         block_m, block_g, warps = _launch(group_size)
-        grid = (triton.cdiv(rows, block_m), n // group_size)
+        programs, per = _programs(rows, block_m, n // group_size, x2.device)
         dx = common.empty(x2.shape, device=x2.device, dtype=x2.dtype)
         dz = common.empty(x2.shape, device=x2.device, dtype=z2.dtype) if z2 is not None else None
-        dw_part = common.empty((grid[0], n), device=x2.device, dtype=torch.float32)
-        db_part = common.empty((grid[0], n), device=x2.device, dtype=torch.float32) if bias is not None else None
-        _norm_bwd_kernel[grid](x2, z2, weight, bias, dy, dx, dz, dw_part, db_part, rows, n,
-                               group_size, eps, HAS_Z=z2 is not None, HAS_BIAS=bias is not None,
-                               NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g,
-                               num_warps=warps)
+        dw_part = common.empty((programs, n), device=x2.device, dtype=torch.float32)
+        db_part = common.empty((programs, n), device=x2.device, dtype=torch.float32) if bias is not None else None
+        _norm_bwd_kernel[(programs, n // group_size)](
+            x2, z2, weight, bias, dy, dx, dz, dw_part, db_part, rows, n, group_size, eps, per,
+            x2.stride(0), z2.stride(0) if z2 is not None else 0, dy.stride(0), dx.stride(0),
+            dz.stride(0) if dz is not None else 0, HAS_Z=z2 is not None, HAS_BIAS=bias is not None,
+            NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g, num_warps=warps)
         dweight = dw_part.sum(0).to(weight.dtype)
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
         dz = dz.reshape(shape) if dz is not None else None

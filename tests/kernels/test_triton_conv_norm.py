@@ -67,12 +67,42 @@ def test_rmsnorm_gated_matches_oracle(gate, group_size, with_bias):
 
 
 def test_rmsnorm_gated_wide_rows_use_few_rows_per_program():
-    """4096-wide rows: one row per program (BLOCK_M = 1), rows not a multiple of anything."""
+    """4096-wide rows: one row per block (BLOCK_M = 1), rows not a multiple of anything."""
     seed = 1100
     gen = torch.Generator().manual_seed(seed)
     tensors = dict(x=torch.randn(3, 4096, generator=gen), weight=torch.randn(4096, generator=gen),
                    z=torch.randn(3, 4096, generator=gen))
     check_against_oracle(rmsnorm_gated, naive_ops.rmsnorm_gated, tensors, seed, norm_before_gate=False)
+
+
+@pytest.mark.parametrize("group_size", [12, 36])
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_rmsnorm_gated_backward_programs_walk_several_row_blocks(group_size, norm_before_gate):
+    """301 rows: each backward program sums the weight gradient over several row blocks, the
+    last of them partly or wholly past the end."""
+    seed = 1200 + group_size + norm_before_gate
+    gen = torch.Generator().manual_seed(seed)
+    tensors = dict(x=torch.randn(7, 43, 36, generator=gen), weight=1 + 0.1 * torch.randn(36, generator=gen),
+                   bias=torch.randn(36, generator=gen), z=torch.randn(7, 43, 36, generator=gen))
+    check_against_oracle(rmsnorm_gated, naive_ops.rmsnorm_gated, tensors, seed, group_size=group_size,
+                         norm_before_gate=norm_before_gate, eps=1e-5)
+
+
+def test_rmsnorm_gated_reads_column_slices_and_strided_gradients():
+    """x and z as column slices of one wider tensor (as Mamba-2's z is of in_proj's output), and an
+    output gradient that is a transposed view: read through their strides, results as the oracle."""
+    gen = torch.Generator().manual_seed(1300)
+    packed = torch.randn(2, 9, 80, generator=gen, dtype=torch.float64)
+    weight = 1 + 0.1 * torch.randn(24, generator=gen, dtype=torch.float64)
+    grad = torch.randn(2, 24, 9, generator=gen, dtype=torch.float64).transpose(1, 2)
+    results = []
+    for dtype, fn in ((torch.float32, rmsnorm_gated), (torch.float64, naive_ops.rmsnorm_gated)):
+        p, w = packed.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        out = fn(p[..., 10:34], w, z=p[..., 50:74], group_size=12, norm_before_gate=False)
+        out.backward(grad.to(dtype))
+        results.append((out, p.grad, w.grad))
+    for name, got, ref in zip(("out", "grad of packed", "grad of weight"), *results):
+        assert torch.isfinite(got).all() and rel_err(got, ref) <= TOL, name
 
 
 def test_rmsnorm_gated_rejects_group_size_not_dividing_dim():
