@@ -40,14 +40,41 @@ def test_causal_conv1d_without_bias_matches_oracle():
     check_against_oracle(causal_conv1d, naive_ops.causal_conv1d, tensors, seed, activation="swish")
 
 
-def test_causal_conv1d_reads_strided_input():
-    """A (batch, seqlen, dim) tensor transposed to (batch, dim, seqlen) is read through its strides."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 70, 6, generator=gen).transpose(1, 2)
-    weight = torch.randn(6, 3, generator=gen)
-    out = causal_conv1d(x, weight)
-    ref = naive_ops.causal_conv1d(x.double(), weight.double())
-    assert rel_err(out, ref) <= TOL, "seed 3"
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("with_seq_idx", [False, True])
+def test_causal_conv1d_channel_last_matches_oracle(width, with_seq_idx):
+    """x a transposed (batch, seqlen, dim) slice, as Mamba-2 passes it, and a gradient in yet
+    another layout: read through strides, the output and dx keep x's layout; 300 steps make each
+    backward program walk several time blocks, the last partly past the end."""
+    seed = 400 + 10 * width + with_seq_idx
+    gen = torch.Generator().manual_seed(seed)
+    batch, dim, seqlen = 2, 21, 300
+    packed = torch.randn(batch, seqlen, dim + 9, generator=gen, dtype=torch.float64)
+    weight = torch.randn(dim, width, generator=gen, dtype=torch.float64)
+    bias = torch.randn(dim, generator=gen, dtype=torch.float64)
+    grad = torch.randn(dim, batch, seqlen, generator=gen, dtype=torch.float64).permute(1, 0, 2)
+    seq_idx = documents(batch, seqlen, gen) if with_seq_idx else None
+    results = []
+    for dtype, fn in ((torch.float32, causal_conv1d), (torch.float64, naive_ops.causal_conv1d)):
+        p, w, b = (t.to(dtype).requires_grad_() for t in (packed, weight, bias))
+        out = fn(p[..., 4:4 + dim].transpose(1, 2), w, b, seq_idx=seq_idx, activation="silu")
+        out.backward(grad.to(dtype))
+        results.append((out, p.grad, w.grad, b.grad))
+    assert results[0][0].stride(1) == 1, "the output is not channel-last like x"
+    for name, got, ref in zip(("out", "grad of x", "grad of weight", "grad of bias"), *results):
+        assert torch.isfinite(got).all(), f"seed {seed}: non-finite {name}"
+        assert rel_err(got, ref) <= TOL, f"seed {seed}: {name} rel err {rel_err(got, ref):.2e}"
+
+
+def test_causal_conv1d_64_bit_offsets_match_oracle(monkeypatch):
+    """The INT64 specialization (sequences past 2^31 elements of offset) computes the same."""
+    from megamamba.kernels.triton import conv
+    monkeypatch.setattr(conv, "_needs_int64", lambda *tensors: True)
+    seed = 500
+    gen = torch.Generator().manual_seed(seed)
+    tensors = dict(x=torch.randn(2, 19, 77, generator=gen), weight=torch.randn(19, 3, generator=gen),
+                   bias=torch.randn(19, generator=gen), seq_idx=documents(2, 77, gen))
+    check_against_oracle(causal_conv1d, naive_ops.causal_conv1d, tensors, seed, activation="silu")
 
 
 @pytest.mark.parametrize("gate", ["none", "before_norm", "after_norm"])
