@@ -49,7 +49,8 @@ from megamamba.checkpoint import (
     write_stage,
 )
 from megamamba.checkpoint import files
-from megamamba.checkpoint.store import checkpoint_tags
+from megamamba.checkpoint.lock import SaveDirLock, describe
+from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags
 from megamamba.config import MambaConfig
 from megamamba.parallel import full_key, full_tensors, local_shard
 from megamamba.pipelines.names import EMBEDDING, load_full_state, to_mamba
@@ -171,8 +172,10 @@ def _shared(outcome: tuple):
 
 
 def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, extra: dict, tokenizer=None,
-         keep_last: Optional[int] = None) -> Optional[str]:
+         keep_last: Optional[int] = None, protect: Optional[str] = None) -> Optional[str]:
     """Write the checkpoint after `step` optimizer steps (collective); its path on global rank 0, else None.
+
+    protect: the tag of a checkpoint that `keep_last` retention must keep (the last good one).
 
     CheckpointError on every rank, with the same message, when any rank failed to write its part.
     """
@@ -203,9 +206,23 @@ def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, e
         more = f" (and {len(errors) - 1} more ranks failed)" if len(errors) > 1 else ""
         outcome = ("error", errors[0] + more) if errors else _outcome(lambda: finish(
             save_dir, staging, step, config, records, scheduler=scheduler_state(scheduler), extra=extra,
-            tokenizer=tokenizer if hasattr(tokenizer, "save") else None, keep_last=keep_last))
+            tokenizer=tokenizer if hasattr(tokenizer, "save") else None, keep_last=keep_last, protect=protect))
     path = _shared(outcome)
     return path if rank == 0 else None
+
+
+def lock_save_dir(save_dir: str) -> Optional[SaveDirLock]:
+    """Global rank 0 takes the save directory's lock for the job's life (collective); the lock on rank 0.
+
+    CheckpointError on every rank, naming the holder, when another job holds it. Call before
+    anything reads or writes the directory; release it (rank 0) when the job ends.
+    """
+    lock = SaveDirLock(save_dir, JOB_TOKEN) if dist.get_rank() == 0 else None
+    previous = _shared(_outcome(lock.acquire) if lock else None)
+    if previous and dist.get_rank() == 0:
+        print(f"train.py: note: took over the lock of {save_dir} from a job that did not release it: "
+              f"{describe(previous)}", flush=True)
+    return lock
 
 
 def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConfig) -> Optional[Checkpoint]:

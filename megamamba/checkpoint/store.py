@@ -3,34 +3,41 @@
     <save>/step_000123/     one complete checkpoint (its manifest.json written last)
     <save>/latest           the tag of the checkpoint to resume from ("step_000123")
 
-A save writes into `<save>/.tmp-<tag>-<pid>` (its writers, one process or several, fsync every
-file they write), then the process that created it writes the manifest, renames
+A save writes into `<save>/.tmp-<tag>-<job>` (`<job>`: the JOB_TOKEN of the process that created
+it; its writers, one process or several, fsync every file they write), then that process writes
+the manifest, renames
 the directory to `<save>/<tag>` (a checkpoint of the same tag, left by an abandoned run, is moved
 aside first and deleted after), then replaces `latest` atomically (latest.tmp, fsync, rename,
-fsync the directory), and only then deletes checkpoints beyond `keep_last` and leftovers of
-interrupted saves. Whenever a crash strikes, the previous checkpoints are intact and `latest`
+fsync the directory), and only then deletes checkpoints beyond `keep_last` (never a `protect`ed
+one) and this job's own leftovers of interrupted saves (another job's staging folders are
+never touched). Whenever a crash strikes, the previous checkpoints are intact and `latest`
 names a complete checkpoint, with one exception: when a tag is saved again (a run resumed from an
 older checkpoint reaches it), a crash between moving the old one aside and renaming the new one
 in leaves `latest` naming a missing directory, and `find_latest` warns and takes the newest
-complete one. One job writes a save directory at a time.
+complete one. One job writes a save directory at a time (lock.py).
 
 `find_latest` (what `--load auto` means) takes the checkpoint `latest` names when it is
 complete; when `latest` is missing, malformed or names a damaged checkpoint, it warns and takes
-the newest complete one. `resolve_load` turns a `--load` value into a verified checkpoint path.
+the newest complete one. `resolve_load` turns a `--load` value into a verified checkpoint path,
+`resolve_model_folder` a model-folder argument (generation, conversion) into a folder that is
+verified whenever it is a checkpoint.
 """
 import os
 import re
+import secrets
 import warnings
 from typing import Optional
 
 from megamamba.checkpoint import files
 from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.manifest import MANIFEST, verify, write_manifest
+from megamamba.model_folder import CONFIG_FILE
 
 LATEST = "latest"
 STAGING_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".old-"
 _TAG = re.compile(r"step_(\d+)")
+JOB_TOKEN = f"{os.getpid()}-{secrets.token_hex(3)}"  # names this job's staging folders (lock.py records it)
 
 
 class NoCheckpointError(CheckpointError):
@@ -77,7 +84,7 @@ def check_save_dir(save_dir: str) -> None:
 
 def stage(save_dir: str, tag: str) -> str:
     """A new, empty staging directory for the checkpoint `tag` (beside its final place)."""
-    staging = os.path.join(save_dir, f"{STAGING_PREFIX}{tag}-{os.getpid()}")
+    staging = os.path.join(save_dir, f"{STAGING_PREFIX}{tag}-{JOB_TOKEN}")
     if os.path.exists(staging):
         files.remove_tree(staging)
     os.mkdir(staging)
@@ -113,14 +120,14 @@ def checkpoint_tags(save_dir: str) -> list:
 
 
 def commit(save_dir: str, staging: str, tag: str, step: int, keep_last: Optional[int],
-           known: Optional[dict] = None) -> str:
+           known: Optional[dict] = None, protect: Optional[str] = None) -> str:
     """Finish a save staged in `staging`: manifest (`known`: files hashed by their writers), rename to
-    `<save_dir>/<tag>`, `latest`, retention."""
+    `<save_dir>/<tag>`, `latest`, retention (`protect`: a tag retention keeps)."""
     write_manifest(staging, tag, step, known)
     final = os.path.join(save_dir, tag)
     aside = None
     if os.path.exists(final):
-        aside = os.path.join(save_dir, ASIDE_PREFIX + tag)
+        aside = os.path.join(save_dir, f"{ASIDE_PREFIX}{tag}-{JOB_TOKEN}")
         if os.path.exists(aside):
             files.remove_tree(aside)
         files.rename(final, aside)
@@ -128,7 +135,7 @@ def commit(save_dir: str, staging: str, tag: str, step: int, keep_last: Optional
     set_latest(save_dir, tag)
     if aside is not None:
         files.remove_tree(aside)
-    prune(save_dir, keep_last, tag)
+    prune(save_dir, keep_last, tag, protect)
     return final
 
 
@@ -146,20 +153,22 @@ def _complete(path: str) -> bool:
         return False
 
 
-def prune(save_dir: str, keep_last: Optional[int], current: str) -> None:
-    """Keep `current` and the keep_last - 1 newest complete checkpoints before it; delete older complete
-    ones and the leftovers of interrupted saves. Checkpoints after `current` (left by an abandoned
-    run) and damaged ones are not touched. keep_last None keeps every checkpoint."""
+def prune(save_dir: str, keep_last: Optional[int], current: str, protect: Optional[str] = None) -> None:
+    """Keep `current`, `protect` and the keep_last - 1 newest complete checkpoints before `current`;
+    delete older complete ones and this job's leftovers of interrupted saves. Checkpoints after
+    `current` (left by an abandoned run), damaged ones and other jobs' staging folders are not
+    touched. keep_last None keeps every checkpoint."""
     check_keep_last(keep_last)
     for name in os.listdir(save_dir):
-        if name.startswith((STAGING_PREFIX, ASIDE_PREFIX)):
+        if name.startswith((STAGING_PREFIX, ASIDE_PREFIX)) and name.endswith(f"-{JOB_TOKEN}"):
             files.remove_tree(os.path.join(save_dir, name))
     if keep_last is None:
         return
     older = [t for t in checkpoint_tags(save_dir) if step_of(t) < step_of(current)]
     complete = [t for t in older if _complete(os.path.join(save_dir, t))]
     for tag in complete[keep_last - 1:]:
-        files.remove_tree(os.path.join(save_dir, tag))
+        if tag != protect:
+            files.remove_tree(os.path.join(save_dir, tag))
 
 
 def find_latest(save_dir: str, hashes: bool = True) -> str:
@@ -227,3 +236,13 @@ def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True,
         raise CheckpointError(f"{flag} {load}: '{LATEST}' names {latest}: {e}; --load auto takes the newest complete "
                               "checkpoint instead") from None
     return path
+
+
+def resolve_model_folder(path: str, flag: str = "--checkpoint") -> tuple:
+    """(folder, verified): a checkpoint (it holds manifest.json or is named step_N) or a save directory
+    (its `latest`) gives the checkpoint, every size and sha256 verified; a folder holding config.json
+    without a manifest is a plain model folder, returned unverified."""
+    plain = os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isfile(os.path.join(path, MANIFEST))
+    if plain and step_of(os.path.basename(os.path.normpath(path))) is None:
+        return path, False
+    return resolve_load(path, flag=flag), True

@@ -137,11 +137,12 @@ def merge_groups(stage_groups: list) -> list:
 
 def finish(save_dir: str, staging: str, step: int, config: MambaConfig, records: dict, *,
            scheduler: Optional[dict] = None, extra: Optional[dict] = None, tokenizer=None,
-           keep_last: Optional[int] = None) -> str:
+           keep_last: Optional[int] = None, protect: Optional[str] = None) -> str:
     """Complete the staged checkpoint from every writer's `records` and commit it; returns its path.
 
     scheduler: `state.scheduler_state`. extra: JSON the trainer wants back (args, layout, data
-    position). tokenizer: anything with `save(directory)`. keep_last: checkpoints to keep (None: all).
+    position). tokenizer: anything with `save(directory)`. keep_last: checkpoints to keep (None: all);
+    protect: the tag of a checkpoint that retention must keep whatever keep_last says.
     """
     _, shapes, _ = _index(staging, MODEL, _shards(MODEL, records))
     check_model_shapes(shapes, config, f"save of step {step}")
@@ -157,13 +158,13 @@ def finish(save_dir: str, staging: str, step: int, config: MambaConfig, records:
     files.write_json(os.path.join(staging, STATE_FILE), state)
     if tokenizer is not None:
         tokenizer.save(staging)
-    return commit(save_dir, staging, tag_for(step), step, keep_last, known=records)
+    return commit(save_dir, staging, tag_for(step), step, keep_last, known=records, protect=protect)
 
 
 def save_checkpoint(save_dir: str, step: int, config: MambaConfig, model: Mapping[str, torch.Tensor], *,
                     optimizer: Optional[Mapping[str, torch.Tensor]] = None, optimizer_groups: Optional[list] = None,
                     scheduler: Optional[dict] = None, rng: Optional[list] = None, extra: Optional[dict] = None,
-                    tokenizer=None, keep_last: Optional[int] = None) -> str:
+                    tokenizer=None, keep_last: Optional[int] = None, protect: Optional[str] = None) -> str:
     """Write the checkpoint of `step` under `save_dir` atomically from one process; returns its path.
 
     model: full tensors by mamba_ssm name (`state.model_tensors`). optimizer / optimizer_groups:
@@ -176,4 +177,4 @@ def save_checkpoint(save_dir: str, step: int, config: MambaConfig, model: Mappin
     for rank, state in enumerate(rng if rng is not None else [rng_files.capture_rng()]):
         records.update(write_rng(staging, rank, state))
     return finish(save_dir, staging, step, config, records, scheduler=scheduler, extra=extra, tokenizer=tokenizer,
-                  keep_last=keep_last)
+                  keep_last=keep_last, protect=protect)
