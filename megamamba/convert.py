@@ -4,7 +4,8 @@
     python -m megamamba.convert import --from hf|mamba_ssm --input DIR --output MODEL_DIR
 
 export: DIR is a checkpoint (step_N), a save directory (its `latest`, or --tag) or a model
-folder; HF_DIR gets transformers' config.json + model.safetensors (+ the tokenizer files the
+folder; a checkpoint's sizes and checksums are verified first, a model folder without a manifest
+is read as such (with a note); HF_DIR gets transformers' config.json + model.safetensors (+ the tokenizer files the
 source holds), loadable by `MambaForCausalLM` / `Mamba2ForCausalLM` (`megamamba.hf` maps the
 names and fields and refuses, by name, what transformers cannot represent).
 
@@ -14,7 +15,8 @@ MODEL_DIR becomes our model folder (config.json + model.safetensors + tokenizer 
 which training, generation and export start. pytorch_model.bin is read with weights_only=True.
 
 Nothing is read by unpickling code, and nothing is overwritten: the output must not exist (or be
-an empty directory); it is written beside it, fsynced, and renamed into place.
+an empty directory); it is written beside it, fsynced, and renamed into place. Refusals are one
+line, exit status 2.
 """
 import argparse
 import os
@@ -35,8 +37,7 @@ from megamamba.checkpoint.files import (
     write_json,
     write_tensors,
 )
-from megamamba.checkpoint.manifest import MANIFEST
-from megamamba.checkpoint.store import resolve_load
+from megamamba.checkpoint.store import resolve_model_folder
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.hf import HFFormatError, config_from_hf, decode_special_floats, hf_config, hf_state, state_from_hf
 from megamamba.lm import MambaLM
@@ -54,17 +55,18 @@ class ConvertError(Exception):
 
 def _source(directory: str, tag: str = None) -> tuple:
     """(config, full tensors by our names, their directory) of a checkpoint, save directory or model folder."""
-    is_folder = not tag and all(os.path.isfile(os.path.join(directory, n)) for n in (CONFIG_FILE, WEIGHTS_FILE)) \
-        and not os.path.isfile(os.path.join(directory, MANIFEST))
-    if is_folder:
-        config = _our_config(os.path.join(directory, CONFIG_FILE))
-        weights = os.path.join(directory, WEIGHTS_FILE)
-        return config, check_model_tensors(read_tensors(weights), config, weights), directory
     if tag:
         ckpt = Checkpoint(os.path.join(directory, tag))
-    else:
-        ckpt = Checkpoint(resolve_load(directory, flag="--checkpoint"), hashes=False)
-    return ckpt.config, ckpt.model_tensors(), ckpt.path
+        return ckpt.config, ckpt.model_tensors(), ckpt.path
+    folder, verified = resolve_model_folder(directory)
+    if verified:
+        ckpt = Checkpoint(folder, hashes=False)
+        return ckpt.config, ckpt.model_tensors(), ckpt.path
+    print(f"convert: note: {folder} has no manifest.json: reading it as a plain model folder, without checksums",
+          file=sys.stderr, flush=True)
+    config = _our_config(os.path.join(directory, CONFIG_FILE))
+    weights = os.path.join(directory, WEIGHTS_FILE)
+    return config, check_model_tensors(read_tensors(weights), config, weights), directory
 
 
 def _our_config(path: str) -> MambaConfig:
@@ -185,7 +187,8 @@ def main(argv=None) -> None:
         else:
             out = import_weights(args.source_format, args.input, args.output)
     except (ConvertError, CheckpointError, HFFormatError, SafetensorError, TokenizerError) as e:
-        sys.exit(f"convert {args.command}: error: {e}")
+        print(f"convert {args.command}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     print(f"convert {args.command}: wrote {out}")
 
 

@@ -5,18 +5,19 @@
 The prompt is encoded after the tokenizer's end-of-document token — the token every training
 document's segment begins with (see megamamba/data/packing.py) — and run through the model
 in parallel once (prefill), which leaves each layer's conv and SSM state in the inference
-cache; each new token then costs one `model.step`. DIR is a model folder (model_folder.py).
+cache; each new token then costs one `model.step`. DIR is a checkpoint (its manifest's sizes and
+checksums verified first), a save directory (the checkpoint its `latest` names) or a plain model
+folder (model_folder.py; loaded unverified, with a note). Refusals are one line, exit status 2.
 """
 import argparse
-import os
 import sys
 from typing import Optional
 
 import torch
 
-from megamamba.checkpoint import CheckpointError, resolve_load
+from megamamba.checkpoint import CheckpointError, resolve_model_folder
 from megamamba.lm import MambaLM
-from megamamba.model_folder import CONFIG_FILE, load_model_folder
+from megamamba.model_folder import load_model_folder
 from megamamba.tokenizer import Tokenizer, check_vocab, find_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,29 +116,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_folder_of(path: str) -> str:
-    """`path` when it is a model folder, else the checkpoint that the save directory's `latest` names."""
-    if os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        return path
-    return resolve_load(path, flag="--checkpoint")
+def check_device(name: str) -> torch.device:
+    """The torch device `name` names; ValueError when it is malformed or absent from this machine."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name}: {e}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            built = "torch built without CUDA" if torch.version.cuda is None else "no CUDA device visible"
+            raise ValueError(f"--device {name}: CUDA is not available on this machine ({built}); use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return device
+
+
+def refuse(message) -> None:
+    """One line on stderr, exit status 2."""
+    print(f"generate: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        folder = model_folder_of(args.checkpoint)
-    except CheckpointError as e:
-        sys.exit(f"generate: {e}")
+        device = check_device(args.device)
+        folder, verified = resolve_model_folder(args.checkpoint)
+    except (CheckpointError, ValueError) as e:
+        refuse(e)
+    if not verified:
+        print(f"generate: note: {folder} has no manifest.json: loading it as a plain model folder, without "
+              "checksums", file=sys.stderr, flush=True)
     spec = args.tokenizer or find_tokenizer(folder)
     if spec is None:
-        sys.exit(f"generate: {folder} holds no tokenizer files; pass --tokenizer (e.g. bytes or a .model)")
+        refuse(f"{folder} holds no tokenizer files; pass --tokenizer (e.g. bytes or a .model)")
     try:
         tokenizer = load_tokenizer(spec)
-        model = load_model_folder(folder, device=args.device, dtype=DTYPES[args.dtype])
+        model = load_model_folder(folder, device=device, dtype=DTYPES[args.dtype])
         text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                         args.top_p, args.greedy, args.seed)
     except (OSError, ValueError) as e:
-        sys.exit(f"generate: {e}")
+        refuse(e)
     print(args.prompt + text)
 
 

@@ -6,6 +6,7 @@ whose size or hash differs from its entry is truncated or corrupt. Hashing reads
 (about 1-2 GB/s), so `verify(..., hashes=False)` checks only presence and sizes.
 """
 import hashlib
+import json
 import os
 from typing import Optional
 
@@ -52,6 +53,12 @@ def write_manifest(directory: str, tag: str, step: int, known: Optional[dict] = 
     return manifest
 
 
+def _valid_entry(name, entry) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool)
+            and entry["size"] >= 0 and isinstance(entry.get("sha256"), str) and os.path.basename(name) == name
+            and name not in ("", ".", ".."))
+
+
 def verify(directory: str, hashes: bool = True) -> dict:
     """The manifest of a complete checkpoint; CheckpointError naming the first problem otherwise."""
     path = os.path.join(directory, MANIFEST)
@@ -64,6 +71,9 @@ def verify(directory: str, hashes: bool = True) -> dict:
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: format version {manifest.get('version')!r}, this code reads version {VERSION}")
     for name, entry in manifest["files"].items():
+        if not _valid_entry(name, entry):
+            raise CheckpointError(f"{path}: the entry of {name!r} is {json.dumps(entry)[:80]}; each entry is "
+                                  '{"size": bytes, "sha256": hex digest} of a file in the checkpoint directory')
         file = os.path.join(directory, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: missing (listed in {MANIFEST}); the checkpoint is damaged")

@@ -1,4 +1,5 @@
 """Bad input gives one clear CheckpointError (what is wrong, how to go on) and changes nothing on disk."""
+import json
 import os
 
 import pytest
@@ -122,3 +123,13 @@ def test_malformed_json_config_file(tmp_path):
     (tmp_path / "model.json").write_text('{"d_model": 16,}')
     with pytest.raises(CheckpointError, match=r"model config .*model.json: malformed JSON at line 1 column 16"):
         read_json(str(tmp_path / "model.json"), "model config")
+
+
+@pytest.mark.parametrize("entry", [{"sha256": "00"}, {"size": "12", "sha256": "00"}, {"size": 12}, None])
+def test_a_malformed_manifest_entry_is_one_error_naming_the_file(save_dir, entry):
+    path = save_dir / "step_000002" / "manifest.json"
+    manifest = read_json(str(path))
+    manifest["files"]["config.json"] = entry
+    path.write_text(json.dumps(manifest))
+    unchanged_after(save_dir, lambda: resolve_load(str(save_dir / "step_000002")), CheckpointError,
+                    r"manifest.json: the entry of 'config.json' is .*; each entry is \{\"size\"")

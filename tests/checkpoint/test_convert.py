@@ -5,6 +5,8 @@ transformers tests (slow: importing it takes seconds) load the exported folder w
 `MambaForCausalLM` / `Mamba2ForCausalLM` on the CPU (their PyTorch paths, no CUDA kernels) and
 compare the logits with ours.
 """
+import contextlib
+import io
 import json
 import os
 import re
@@ -41,11 +43,14 @@ def convert(*argv) -> None:
 
 
 def refused(argv, match: str) -> str:
-    with pytest.raises(SystemExit) as e:
+    """The one stderr line of a refusal with exit status 2."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
         convert(*argv)
-    assert e.value.code not in (0, None)
-    message = str(e.value.code)
-    assert message.startswith("convert ") and "\n" not in message
+    assert e.value.code == 2
+    lines = [line for line in err.getvalue().splitlines() if not line.startswith("convert: note:")]
+    assert len(lines) == 1 and lines[0].startswith("convert "), lines
+    message = lines[0]
     assert re.search(match, message), message
     return message
 

@@ -1,5 +1,6 @@
 """Model folders (config.json + model.safetensors + tokenizer) load without unpickling; the CLI generates from one."""
 import json
+import re
 
 import pytest
 import torch
@@ -69,19 +70,28 @@ def test_command_line_prints_prompt_and_continuation(folder, capsys):
     assert out.startswith("Hi") and len(out.rstrip("\n")) >= 2
 
 
-def test_command_line_without_a_tokenizer_says_what_to_pass(folder, tmp_path):
+def refused(capsys, argv, match: str) -> str:
+    """The one stderr line (after any note) of a refusal with exit status 2."""
+    with pytest.raises(SystemExit) as e:
+        generate_main(argv)
+    assert e.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("generate: note:")]
+    assert len(lines) == 1 and lines[0].startswith("generate: error: ") and re.search(match, lines[0]), lines
+    return lines[0]
+
+
+def test_command_line_without_a_tokenizer_says_what_to_pass(folder, tmp_path, capsys):
     _, path = folder
     (tmp_path / "m" / "tokenizer_config.json").unlink()
-    with pytest.raises(SystemExit, match="holds no tokenizer files; pass --tokenizer"):
-        generate_main(["--checkpoint", path, "--prompt", "x", "--device", "cpu"])
+    refused(capsys, ["--checkpoint", path, "--prompt", "x", "--device", "cpu"],
+            "holds no tokenizer files; pass --tokenizer")
 
 
-def test_command_line_refuses_a_tokenizer_larger_than_the_model(tmp_path):
+def test_command_line_refuses_a_tokenizer_larger_than_the_model(tmp_path, capsys):
     model = MambaLM(MambaConfig(d_model=18, n_layer=1, vocab_size=100, ssm_cfg=SSM))
     save_model_folder(model, str(tmp_path / "m"))
-    message = r"generate: tokenizer Bytes\(\) has 257 ids but the model config's vocab_size is 100"
-    with pytest.raises(SystemExit, match=message):
-        generate_main(["--checkpoint", str(tmp_path / "m"), "--tokenizer", "bytes", "--device", "cpu"])
+    message = r"generate: error: tokenizer Bytes\(\) has 257 ids but the model config's vocab_size is 100"
+    refused(capsys, ["--checkpoint", str(tmp_path / "m"), "--tokenizer", "bytes", "--device", "cpu"], message)
 
 
 def test_command_line_follows_a_save_directorys_latest_checkpoint(folder, tmp_path, capsys):
@@ -94,7 +104,7 @@ def test_command_line_follows_a_save_directorys_latest_checkpoint(folder, tmp_pa
     assert capsys.readouterr().out == from_folder
 
 
-def test_command_line_on_a_folder_that_is_neither_says_what_it_needs(tmp_path):
+def test_command_line_on_a_folder_that_is_neither_says_what_it_needs(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="--checkpoint .*empty: no 'latest' file"):
-        generate_main(["--checkpoint", str(tmp_path / "empty"), "--prompt", "x", "--device", "cpu"])
+    refused(capsys, ["--checkpoint", str(tmp_path / "empty"), "--prompt", "x", "--device", "cpu"],
+            "--checkpoint .*empty: no 'latest' file")
