@@ -9,7 +9,10 @@ results in input order, so the files depend only on the input, the tokenizer and
 never on the number of workers. With a validation fraction f, document number i (counting the documents
 kept) goes to the validation set when frac(i * 0.618...) < f — a low-discrepancy rule that
 spreads the held-out documents evenly over the input — and the output is `<prefix>_train` and
-`<prefix>_valid`; without it, `<prefix>`. Progress (rate and ETA) goes to stderr.
+`<prefix>_valid`; without it, `<prefix>`. Beside each `.idx`, `<prefix>.meta.json` records the
+tokenizer (dataset_meta.py), which training checks. Invalid UTF-8 in the input is refused with
+its file and line or byte offset, or replaced with U+FFFD under --replace-invalid-utf8
+(documents.py). Progress (rate and ETA) goes to stderr.
 """
 import argparse
 import multiprocessing
@@ -19,6 +22,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from megamamba.data.dataset_meta import write_meta
 from megamamba.data.documents import input_files, iter_documents, total_bytes
 from megamamba.data.indexed import DatasetError, IndexedDatasetWriter, token_dtype
 from megamamba.data.progress import Progress
@@ -83,12 +87,14 @@ def _encoded(items: Iterable, spec: str, workers: int) -> Iterator:
             yield from pending.popleft().get()
 
 
-def _write(files, spec, workers, json_key, valid_fraction, writers, progress_stream) -> tuple[int, int]:
+def _write(files, spec, workers, json_key, valid_fraction, writers, progress_stream,
+           replace_invalid_utf8) -> tuple[int, int]:
     """Tokenize every document into the train (and validation) writer; returns (kept, skipped) counts."""
     dtype = writers[0].dtype
     progress = Progress(total_bytes(files), "preprocess", stream=progress_stream)
     kept = skipped = done = 0
-    for blob, nbytes in _encoded(iter_documents(files, json_key), spec, workers):
+    documents = iter_documents(files, json_key, replace_invalid_utf8)
+    for blob, nbytes in _encoded(documents, spec, workers):
         done += nbytes
         if blob is None:
             skipped += 1
@@ -102,19 +108,22 @@ def _write(files, spec, workers, json_key, valid_fraction, writers, progress_str
 
 
 def preprocess(inputs: list[str], tokenizer_spec: str, output_prefix: str, workers: int = 1,
-               json_key: str = "text", valid_fraction: float = 0.0, progress_stream=sys.stderr) -> list[str]:
-    """Write the dataset(s); returns their prefixes (train first)."""
+               json_key: str = "text", valid_fraction: float = 0.0, progress_stream=sys.stderr,
+               replace_invalid_utf8: bool = False) -> list[str]:
+    """Write the dataset(s) and their tokenizer records; returns their prefixes (train first)."""
     if workers < 1:
         raise ValueError(f"--workers {workers}: must be at least 1")
     if not 0 <= valid_fraction < 1:
         raise ValueError(f"--valid-fraction {valid_fraction}: must lie in [0, 1)")
     files = input_files(inputs)
-    dtype = token_dtype(load_tokenizer(tokenizer_spec).vocab_size)
+    tokenizer = load_tokenizer(tokenizer_spec)
+    dtype = token_dtype(tokenizer.vocab_size)
     split = valid_fraction > 0
     prefixes = [output_prefix + "_train", output_prefix + "_valid"] if split else [output_prefix]
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
     try:
-        kept, skipped = _write(files, tokenizer_spec, workers, json_key, valid_fraction, writers, progress_stream)
+        kept, skipped = _write(files, tokenizer_spec, workers, json_key, valid_fraction, writers, progress_stream,
+                               replace_invalid_utf8)
         for prefix, writer in zip(prefixes, writers):
             if not writer.lengths:
                 hint = "lower --valid-fraction or " if split else ""
@@ -124,7 +133,8 @@ def preprocess(inputs: list[str], tokenizer_spec: str, output_prefix: str, worke
         for writer in writers:
             writer.abort()
         raise
-    for writer in writers:
+    for prefix, writer in zip(prefixes, writers):
+        write_meta(prefix, tokenizer, tokenizer_spec)
         writer.finalize()
     return prefixes
 
@@ -138,6 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--valid-fraction", type=float, default=0.0,
                    help="hold out about this fraction of the documents as <prefix>_valid")
+    p.add_argument("--replace-invalid-utf8", action="store_true",
+                   help="replace invalid UTF-8 with U+FFFD, saying where, instead of refusing the input")
     return p.parse_args(argv)
 
 
@@ -145,9 +157,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         prefixes = preprocess(args.input, args.tokenizer, args.output_prefix, args.workers, args.json_key,
-                              args.valid_fraction)
+                              args.valid_fraction, replace_invalid_utf8=args.replace_invalid_utf8)
     except (OSError, ValueError) as e:
-        sys.exit(f"preprocess: {e}")
+        print(f"preprocess: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     for prefix in prefixes:
         print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
 

@@ -9,11 +9,13 @@
 Validation batches are the same blend machinery under seed + 1; an evaluation reads the
 validation global batches 0..eval_iters-1, so successive evaluations measure the same tokens.
 Everything here runs before any process group exists and fails with one message naming the
-offending value: an unreadable tokenizer, a dataset made with another tokenizer (an id beyond
-the tokenizer's vocabulary), a model vocabulary smaller than the tokenizer's, data too short
-for one sample.
+offending value: an unreadable tokenizer, a dataset made with another tokenizer (its recorded
+tokenizer differs, dataset_meta.py, unless allowed; or an id beyond the tokenizer's vocabulary),
+a model vocabulary smaller than the tokenizer's, data too short for one sample. What is accepted
+with reservations (datasets without a tokenizer record, an allowed mismatch) is listed in
+`TrainingData.warnings` for the trainer to print once.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -21,6 +23,8 @@ import numpy as np
 from megamamba.config import MambaConfig
 from megamamba.corpus import default_corpus
 from megamamba.data.batches import PackedGlobalBatches, open_blend
+from megamamba.data.blend import parse_blend
+from megamamba.data.dataset_meta import check_tokenizer
 from megamamba.data.preprocess import is_validation
 from megamamba.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
@@ -59,16 +63,19 @@ class TrainingData:
     tokenizer: Tokenizer
     train: PackedGlobalBatches
     valid: Optional[PackedGlobalBatches]
+    warnings: list = field(default_factory=list)
 
 
 def training_data(model: MambaConfig, tokenizer_spec: str, data: Sequence[str], valid_data: Sequence[str],
                   seq_length: int, global_batch_size: int, seed: int, reset_at_documents: bool = True,
-                  needs_validation: bool = False) -> TrainingData:
+                  needs_validation: bool = False, allow_tokenizer_mismatch: bool = False) -> TrainingData:
     """The run's data (see the module docstring); ValueError/OSError with one message when unusable."""
     tokenizer = load_tokenizer(tokenizer_spec)
     check_vocab(model, tokenizer)
     if not data and valid_data:
         raise ValueError("--valid-data without --data: the built-in corpus brings its own validation split")
+    prefixes = dict.fromkeys(p for blend in (data, valid_data) if blend for _, p in parse_blend(blend))
+    notes = [check_tokenizer(p, tokenizer, tokenizer_spec, allow_tokenizer_mismatch) for p in prefixes]
     if data:
         train_sets, train_weights = open_blend(data, tokenizer.vocab_size)
         valid = open_blend(valid_data, tokenizer.vocab_size) if valid_data else None
@@ -81,4 +88,4 @@ def training_data(model: MambaConfig, tokenizer_spec: str, data: Sequence[str], 
     train = PackedGlobalBatches(train_sets, train_weights, seq_length, global_batch_size, seed, reset_at_documents)
     if valid is not None:
         valid = PackedGlobalBatches(*valid, seq_length, global_batch_size, seed + 1, reset_at_documents)
-    return TrainingData(tokenizer, train, valid)
+    return TrainingData(tokenizer, train, valid, [n for n in notes if n])

@@ -1,7 +1,9 @@
 """What every tokenizer offers, and the byte tokenizer in that form.
 
 A tokenizer has `vocab_size` (ids are 0..vocab_size-1), `eod` (the end-of-document id that
-preprocessing appends to every document and generation starts from), `encode(text) -> list[int]`,
+preprocessing appends to every document and generation starts from), `identity` (a string equal
+for the same tokenizer wherever its files live: "bytes", or "sha256:<hex>" of its definition;
+datasets record it), `encode(text) -> list[int]`,
 `decode(ids) -> str`, and `save(directory)`, which writes the files `load_tokenizer(directory)`
 reads back (so a model folder carries its tokenizer).
 """
@@ -18,6 +20,7 @@ BYTES_MARKER = {"megamamba_tokenizer": "bytes"}
 class Tokenizer(Protocol):
     vocab_size: int
     eod: int
+    identity: str
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -32,6 +35,8 @@ class TokenizerError(ValueError):
 
 class Bytes(ByteTokenizer):
     """UTF-8 bytes 0..255 and the end-of-document id 256; spec "bytes"."""
+
+    identity = "bytes"
 
     def save(self, directory: str) -> None:
         with open(os.path.join(directory, CONFIG_FILE), "w") as f:

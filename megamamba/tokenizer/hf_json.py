@@ -3,6 +3,7 @@
 The end-of-document token is the `eos_token` of a `tokenizer_config.json` beside the file when
 there is one, else the first of the usual end-of-text names the vocabulary holds.
 """
+import hashlib
 import json
 import os
 
@@ -41,6 +42,9 @@ class HFTokenizer:
             raise TokenizerError(f"{path}: no end-of-document token; looked for {list(names)} in its vocabulary")
         self.eod_token = found[0]
         self.eod = vocab[self.eod_token]
+        # of the parsed definition, not the file's bytes: save() rewrites the file in its own formatting
+        definition = self._tok.to_str() + "\n" + self.eod_token
+        self.identity = "sha256:" + hashlib.sha256(definition.encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

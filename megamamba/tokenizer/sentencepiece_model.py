@@ -7,6 +7,7 @@ is 0; there is no BOS or padding piece. The result depends only on the documents
 the seed and the thread count (SentencePiece splits work by thread), never on the machine's
 core count, so the same input gives a byte-identical `.model`.
 """
+import hashlib
 import io
 import os
 import shutil
@@ -34,6 +35,8 @@ class SentencePieceTokenizer:
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"{path}: not a readable SentencePiece model ({e})") from None
         self.vocab_size = self._sp.get_piece_size()
+        with open(path, "rb") as f:  # save() copies the file, so the copy has the same identity
+            self.identity = "sha256:" + hashlib.sha256(f.read()).hexdigest()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
             raise TokenizerError(f"{path}: the SentencePiece model has no end-of-sentence piece (eos_id=-1); "

@@ -1,6 +1,7 @@
 """Preprocessing: deterministic Megatron-layout files, the split, inputs, progress and clear failures."""
 import io
 import json
+import re
 import struct
 
 import numpy as np
@@ -128,9 +129,11 @@ def test_command_line_writes_both_splits(corpus_jsonl, tmp_path, capsys):
     assert IndexedDataset(str(tmp_path / "c_valid")).num_documents >= 1
 
 
-def test_command_line_failure_is_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="preprocess: .*no such file or folder"):
+def test_command_line_failure_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
         prep.main(["--input", str(tmp_path / "x"), "--tokenizer", "bytes", "--output-prefix", str(tmp_path / "c")])
+    assert e.value.code == 2
+    assert re.fullmatch(r"preprocess: error: .*no such file or folder\n", capsys.readouterr().err)
 
 
 def test_sentencepiece_dataset_round_trips(tmp_path):
