@@ -1,5 +1,6 @@
 """Scan, conv and norm ops: Triton on CUDA, the PyTorch reference elsewhere (see dispatch)."""
 from .dispatch import (
+    add_rmsnorm,
     causal_conv1d,
     causal_conv1d_update,
     rmsnorm_gated,
@@ -9,6 +10,7 @@ from .dispatch import (
 )
 
 __all__ = [
+    "add_rmsnorm",
     "causal_conv1d",
     "causal_conv1d_update",
     "rmsnorm_gated",

@@ -11,6 +11,7 @@ import importlib
 import os
 
 from .reference import step
+from .reference.add_norm import add_rmsnorm as reference_add_rmsnorm
 from .reference.conv import causal_conv1d as reference_causal_conv1d
 from .reference.norm import rmsnorm_gated as reference_rmsnorm_gated
 from .reference.selective_scan import selective_scan as reference_selective_scan
@@ -98,6 +99,14 @@ def rmsnorm_gated(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_
     """Gated RMSNorm over groups of group_size channels of the last dim, as mamba_ssm's rmsnorm_fn."""
     fn = _pick("rmsnorm_gated", reference_rmsnorm_gated, x)
     return fn(x, weight, bias=bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+
+
+def add_rmsnorm(x, residual, weight, eps=1e-6, residual_dtype=None):
+    """Pre-norm of a block: r = x + residual (x when residual is None); returns (rmsnorm(r) * weight in
+    weight's dtype, computed on r cast to it; r in residual_dtype, default its own), as mamba_ssm's
+    fused add + RMSNorm."""
+    fn = _pick("add_rmsnorm", reference_add_rmsnorm, x)
+    return fn(x, residual, weight, eps=eps, residual_dtype=residual_dtype)
 
 
 selective_state_update = step.selective_state_update

@@ -50,11 +50,13 @@ class Block(nn.Module):
         self.mixer = make_mixer(config, device=device, dtype=dtype, tp=tp)
 
     def _add_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
-        residual = hidden_states if residual is None else hidden_states + residual
-        normed = self.norm(residual.to(dtype=self.norm.weight.dtype))
+        dtype = hidden_states.dtype if residual is None else torch.promote_types(hidden_states.dtype, residual.dtype)
         if self.residual_in_fp32:  # float32 at least: a float64 model keeps float64
-            residual = residual.to(torch.promote_types(residual.dtype, torch.float32))
-        return normed, residual
+            dtype = torch.promote_types(dtype, torch.float32)
+        if isinstance(self.norm, RMSNorm):  # one fused pass on the Triton kernels
+            return self.norm.add_forward(hidden_states, residual, dtype)
+        residual = hidden_states if residual is None else hidden_states + residual
+        return self.norm(residual.to(dtype=self.norm.weight.dtype)), residual.to(dtype)
 
     def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None,
                 seq_idx: Optional[torch.Tensor] = None, inference_state: Optional[tuple] = None):

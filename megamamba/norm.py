@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamamba.kernels import rmsnorm_gated
+from megamamba.kernels import add_rmsnorm, rmsnorm_gated
 from megamamba.parallel import Shard, TensorParallel, copy_to_tp_region, mark
 
 
@@ -45,6 +45,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm_gated(x, _summed_over(self.weight, self.sequence_tp), eps=self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], residual_dtype: torch.dtype):
+        """(self(r.to(weight dtype)), r.to(residual_dtype)) for r = x + residual (x when None), in one
+        pass on the Triton kernels (the pre-norm of a block)."""
+        return add_rmsnorm(x, residual, _summed_over(self.weight, self.sequence_tp), eps=self.eps,
+                           residual_dtype=residual_dtype)
 
 
 class LayerNorm(nn.LayerNorm):

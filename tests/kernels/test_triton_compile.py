@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "compile_kernels.py")
 TRITON_36 = os.path.join(ROOT, ".venv", "triton-3.6")
-TRITON_MODULES = ("ssd", "selective_scan", "conv", "norm")
+TRITON_MODULES = ("ssd", "selective_scan", "conv", "norm", "add_norm")
 
 
 def compiler_env(triton_version):

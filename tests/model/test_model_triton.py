@@ -25,9 +25,10 @@ def logits_and_grads(model, ids, seq_idx):
 @pytest.mark.slow
 @pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])
 def test_triton_kernels_match_reference_in_the_model(tiny_config, layer, monkeypatch):
+    """Two blocks: the second's fused pre-norm adds the float32 residual."""
     seed = 51
     torch.manual_seed(seed)
-    cfg = tiny_config(layer, n_layer=1)
+    cfg = tiny_config(layer, n_layer=2)
     model = MambaLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 13))
     seq_idx = torch.zeros(2, 13, dtype=torch.int32)
