@@ -13,7 +13,11 @@ DeepSpeed reads it, and flags are never abbreviated. Metrics (step, loss, lr, gr
 val_loss, mfu) go to the console of global rank 0, to TensorBoard (--log-dir, else the JSON's
 "tensorboard" block) and to --metrics-jsonl. Data (`megamamba.data.training_data`): --tokenizer,
 --data / --valid-data blends of preprocessed datasets (default: the built-in corpus tokenized in
-memory), packed with document ids (seq_idx) unless --no-reset-at-documents.
+memory), packed with document ids (seq_idx) unless --no-reset-at-documents; data made with another
+tokenizer is refused unless --allow-tokenizer-mismatch. With --save, global rank 0 holds the save
+directory's lock for the job's life (a second job is refused at start-up), no checkpoint is written
+and none pruned while steps are being skipped (non-finite, or a --loss-spike-factor spike), and
+--keep-last never removes the newest checkpoint from before the first skipped step.
 """
 import argparse
 import json
@@ -27,7 +31,7 @@ import hjson
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from megamamba.checkpoint import CheckpointError
+from megamamba.checkpoint import CheckpointError, tag_for
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.data.training_data import TrainingData, training_data
 from megamamba.flops import training_flops_per_token
@@ -44,6 +48,7 @@ from megamamba.pipelines.faults import (
     StopRequest,
     Watchdog,
     agree_step,
+    check_loss_spike_factor,
     check_max_skipped_steps,
     check_step_timeout,
 )
@@ -86,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--valid-data", nargs="*", default=[], help="validation dataset prefix or blend (with --data)")
     p.add_argument("--tokenizer", default="bytes",
                    help="bytes | a SentencePiece .model | a tokenizer.json | a folder holding one")
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help="train on --data made with another tokenizer than --tokenizer (refused otherwise)")
     p.add_argument("--no-reset-at-documents", action="store_true",
                    help="let the state run across packed documents (no seq_idx)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
@@ -113,7 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=0, help="checkpoint every this many steps (0: at the end)")
     p.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep (default: all)")
     p.add_argument("--max-skipped-steps", type=int, default=5,
-                   help="abort after this many steps in a row skipped for non-finite loss or gradients")
+                   help="abort after this many steps in a row skipped for non-finite loss or gradients (or spikes)")
+    p.add_argument("--loss-spike-factor", type=float, default=None,
+                   help="a loss above this many times the running median of recent losses counts as a skipped "
+                        "step: no checkpoint, counted toward --max-skipped-steps (its update is applied)")
     p.add_argument("--step-timeout", type=float, default=600,
                    help="exit when no step finishes for this many seconds after the first (0: off)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
@@ -128,13 +138,25 @@ def _read_json(path: str, what: str) -> dict:
         raise LayoutError(f"{what} {path!r}: {e}") from None
 
 
+# Blocks of the DeepSpeed config that are read as objects (here, in pipelines.layout or by DeepSpeed).
+OBJECT_BLOCKS = ("zero_optimization", "bf16", "fp16", "torch_autocast", "pipeline", "tensorboard", "timers",
+                 "optimizer", "scheduler", "activation_checkpointing")
+
+
 def _read_deepspeed_config(path: str) -> dict:
     """The DeepSpeed config as DeepSpeed reads it: hjson (JSON plus comments, unquoted keys, ...)."""
     try:
         with open(path) as f:
-            return hjson.load(f, object_pairs_hook=dict)
+            config = hjson.load(f, object_pairs_hook=dict)
     except (OSError, hjson.HjsonDecodeError) as e:
         raise LayoutError(f"--deepspeed_config {path!r}: {e}") from None
+    if not isinstance(config, dict):
+        raise LayoutError(f"--deepspeed_config {path!r}: holds {type(config).__name__}, not an object of settings")
+    for key in OBJECT_BLOCKS:
+        if key in config and not isinstance(config[key], dict):
+            raise LayoutError(f"--deepspeed_config {path!r}: \"{key}\" is {json.dumps(config[key])}; it must be an "
+                              f"object (e.g. {{\"stage\": 1}} for zero_optimization), or leave the key out")
+    return config
 
 
 def _with_batch_flags(ds_config: dict, args) -> dict:
@@ -205,7 +227,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     try:
         data = training_data(model, args.tokenizer, args.data, args.valid_data, args.seq_length,
                              layout.global_batch_size, args.seed, not args.no_reset_at_documents,
-                             needs_validation=args.eval_interval > 0)
+                             needs_validation=args.eval_interval > 0,
+                             allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     except (OSError, ValueError) as e:
         raise LayoutError(str(e)) from None
     try:
@@ -214,6 +237,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         raise LayoutError(str(e)) from None
     try:
         check_max_skipped_steps(args.max_skipped_steps)
+        check_loss_spike_factor(args.loss_spike_factor)
         check_step_timeout(args.step_timeout)
     except ValueError as e:
         raise LayoutError(str(e)) from None
@@ -272,11 +296,25 @@ def main(argv=None) -> dict:
     init_distributed()
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank = dist.get_rank()
-    layout, model_config, schedule = plan.layout, plan.model, plan.schedule
+    layout = plan.layout
     try:
         check_placement(topology(layout.tp, layout.pp, layout.dp))
-    except PlacementError as e:
+        lock = checkpointing.lock_save_dir(args.save) if args.save else None
+    except (PlacementError, CheckpointError) as e:
         fail(e)
+    if rank == 0:
+        for note in plan.data.warnings:
+            print(f"train.py: warning: {note}", flush=True)
+    try:
+        return run_training(args, plan, rank)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
+    """The training loop of `main`, after start-up; returns this rank's summary."""
+    layout, model_config, schedule = plan.layout, plan.model, plan.schedule
     settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
     try:
         resume = checkpointing.open_for_run(args.load, args.save, model_config)
@@ -287,7 +325,10 @@ def main(argv=None) -> dict:
         first_step = checkpointing.load(trainer, resume, model_config) if resume else 0
     except CheckpointError as e:
         fail(e)
-    stop, guard = StopRequest(), NonFiniteGuard(trainer.engine, trainer.module, args.max_skipped_steps)
+    stop = StopRequest()
+    guard = NonFiniteGuard(trainer.engine, trainer.module, args.max_skipped_steps, args.loss_spike_factor)
+    newest = resume.path if resume else None  # the newest checkpoint of this run
+    last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
     watchdog = Watchdog(args.step_timeout)
     train, valid = plan.data.train, plan.data.valid
     logger = MetricsLogger(rank == 0, args.metrics_jsonl, plan.tensorboard_dir)
@@ -313,9 +354,10 @@ def main(argv=None) -> dict:
             summary["optimizer_state_bytes"] = optimizer_state_bytes(trainer.optimizer, trainer.module)
             print_line(optimizer_state_line(rank, layout, summary["optimizer_state_bytes"], stage_params))
         try:
-            guard.after_step(step, outcome)
+            if guard.after_step(step, outcome) and last_good is None:
+                last_good = newest
         except NonFiniteSteps as e:
-            fail(e, status=1)
+            fail(f"{e} from {last_good or 'step 0 (no checkpoint was written before the trouble)'}", status=1)
         evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == train_iters - 1)
         val_loss = None
         if evaluate:
@@ -340,14 +382,23 @@ def main(argv=None) -> dict:
             summary["records"].append({k: v for k, v in record.items() if v is not None})
         stopping = outcome.stop
         if args.save and checkpointing.save_due(step + 1, train_iters, args.save_interval, stopping):
-            with watchdog.paused():
-                checkpointing.save(trainer, model_config, args.save, step + 1, scheduler=trainer.lr_scheduler,
-                                   extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},
-                                   tokenizer=plan.data.tokenizer, keep_last=args.keep_last)
+            if guard.in_a_row:
+                if rank == 0:
+                    print(f"train.py: warning: step {step}: no checkpoint written and none pruned while steps are "
+                          f"being skipped ({guard.in_a_row} in a row); the newest stays "
+                          f"{newest or 'none'}", flush=True)
+            else:
+                with watchdog.paused():
+                    checkpointing.save(trainer, model_config, args.save, step + 1, scheduler=trainer.lr_scheduler,
+                                       extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},
+                                       tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
+                                       protect=last_good and os.path.basename(last_good))
+                newest = os.path.join(args.save, tag_for(step + 1))
         if stopping:
             if rank == 0:
-                print(f"train.py: SIGTERM: stopped after step {step} ({step + 1} steps done)"
-                      + (f", checkpoint in {args.save}" if args.save else ", no --save: nothing saved"), flush=True)
+                where = (", no --save: nothing saved" if not args.save else f", checkpoint in {args.save}"
+                         if not guard.in_a_row else ", no checkpoint written (steps being skipped)")
+                print(f"train.py: SIGTERM: stopped after step {step} ({step + 1} steps done){where}", flush=True)
             break
         watchdog.beat()
     logger.close()

@@ -15,6 +15,13 @@ ZeRO, `NonFiniteGuard` wraps the fused AdamW step: the ranks agree on a device-s
 the fused kernel skips its update where the flag is set (its `found_inf`), so nothing waits for
 the host. The guard warns, and aborts after `max_in_a_row` consecutive skips.
 
+Loss spikes (`--loss-spike-factor K`): a step whose finite loss exceeds K x the median of the
+last SPIKE_WINDOW losses counts as a skipped step for saving (train.py writes no checkpoint
+and prunes nothing while any step in a row was skipped) and toward `max_in_a_row`. Its update
+has been applied: the loss is known on the host only at the step's agreement, after the
+optimizer ran, and deciding before the update would cost a second host synchronization per
+step (or a device-side median inside DeepSpeed's ZeRO step, which has no hook for it).
+
 Stalls: `Watchdog` ends the process (exit 1) when no step boundary is reached within `timeout`
 seconds, so a rank stuck in a collective with a vanished peer cannot hang the job; it is armed
 after the first step (first-time op builds happen before) and paused around saves (an evaluation
@@ -25,12 +32,14 @@ rank 0 to NaN in those (0-based) steps.
 """
 import contextlib
 import math
+import statistics
 import os
 import signal
 import sys
 import threading
 import time
-from typing import NamedTuple, Union
+from collections import deque
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,11 +47,18 @@ import torch.distributed as dist
 from megamamba.pipelines.agreement import agree
 
 NAN_HOOK = "MEGAMAMBA_TEST_NAN_STEPS"
+SPIKE_WINDOW, SPIKE_MIN_HISTORY = 32, 8  # losses the median runs over; none is judged before this many
 
 
 def check_max_skipped_steps(max_in_a_row: int) -> None:
     if max_in_a_row < 1:
         raise ValueError(f"--max-skipped-steps {max_in_a_row}: must be >= 1")
+
+
+def check_loss_spike_factor(factor: Optional[float]) -> None:
+    if factor is not None and not factor > 1:
+        raise ValueError(f"--loss-spike-factor {factor}: must be > 1 (a loss above factor x the running median is a "
+                         "spike)")
 
 
 def check_step_timeout(timeout: float) -> None:
@@ -80,15 +96,37 @@ def agree_step(loss: torch.Tensor, nonfinite: Union[bool, torch.Tensor], stop: b
 
 
 class NonFiniteSteps(RuntimeError):
-    """Too many consecutive steps were skipped for non-finite gradients or loss."""
+    """Too many consecutive steps were skipped for non-finite gradients or loss, or loss spikes."""
+
+
+class LossSpikes:
+    """Whether a loss exceeds `factor` x the median of the recent losses it was given (None: never)."""
+
+    def __init__(self, factor: Optional[float]):
+        check_loss_spike_factor(factor)
+        self.factor, self.recent = factor, deque(maxlen=SPIKE_WINDOW)
+
+    def threshold(self) -> Optional[float]:
+        if self.factor is None or len(self.recent) < SPIKE_MIN_HISTORY:
+            return None
+        return self.factor * statistics.median(self.recent)
+
+    def is_spike(self, loss: float) -> bool:
+        """Judge `loss`; a loss that is no spike joins the history."""
+        limit = self.threshold()
+        if limit is not None and loss > limit:
+            return True
+        self.recent.append(loss)
+        return False
 
 
 class NonFiniteGuard:
-    """Skips non-finite steps (see module docstring) and counts them in a row."""
+    """Skips non-finite steps, flags loss spikes (see module docstring) and counts both in a row."""
 
-    def __init__(self, engine, module: torch.nn.Module, max_in_a_row: int):
+    def __init__(self, engine, module: torch.nn.Module, max_in_a_row: int, spike_factor: Optional[float] = None):
         check_max_skipped_steps(max_in_a_row)
         self.engine, self.max_in_a_row, self.in_a_row = engine, max_in_a_row, 0
+        self.spikes = LossSpikes(spike_factor)
         self._skipped_before = engine.skipped_steps
         self._found_inf = None
         if isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization():
@@ -130,15 +168,22 @@ class NonFiniteGuard:
         first.register_hook(lambda g: torch.full_like(g, math.nan) if self.engine.global_steps in steps else g)
 
     def after_step(self, step: int, outcome: StepOutcome) -> bool:
-        """Whether `step` was skipped; warns on rank 0; NonFiniteSteps after max_in_a_row in a row."""
-        skipped = not outcome.applied or not math.isfinite(outcome.loss)
+        """Whether `step` counts as skipped (non-finite, or a loss spike); warns on rank 0;
+        NonFiniteSteps after max_in_a_row in a row."""
+        nonfinite = not outcome.applied or not math.isfinite(outcome.loss)
+        limit = self.spikes.threshold()
+        spike = not nonfinite and self.spikes.is_spike(outcome.loss)
+        skipped = nonfinite or spike
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if skipped and dist.get_rank() == 0:
-            print(f"train.py: warning: step {step}: non-finite loss or gradients (loss {outcome.loss}); step skipped, "
-                  f"{self.in_a_row} in a row (limit --max-skipped-steps {self.max_in_a_row})", flush=True)
+            what = (f"non-finite loss or gradients (loss {outcome.loss}); step skipped" if nonfinite else
+                    f"loss spike: {outcome.loss:.4g} > {limit:.4g} (--loss-spike-factor x the running median); "
+                    "counted as skipped")
+            print(f"train.py: warning: step {step}: {what}, {self.in_a_row} in a row (limit --max-skipped-steps "
+                  f"{self.max_in_a_row})", flush=True)
         if self.in_a_row >= self.max_in_a_row:
             raise NonFiniteSteps(f"{self.in_a_row} steps in a row up to step {step} had non-finite loss or "
-                                 "gradients; lower the learning rate or resume from an earlier checkpoint")
+                                 "gradients or a loss spike; lower the learning rate and resume")
         return skipped
 
 

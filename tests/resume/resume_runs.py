@@ -79,15 +79,24 @@ class Runs:
     def env(self, **extra) -> dict:
         return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": self.extensions_dir, **extra}
 
+    def direct_env(self, env=None) -> dict:
+        """The environment of `python launch/train.py` as rank 0 of 1."""
+        rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port())}
+        return self.env(**rank_env, **(env or {}))
+
     def direct(self, argv, env=None, out=None) -> dict:
         """`python launch/train.py ARGV` as rank 0 of 1: exit code, output, JSONL records."""
         out = out or self.new_dir()
-        rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port())}
         proc = subprocess.run([sys.executable, str(TRAIN_PY), *argv], cwd=out, capture_output=True, text=True,
-                              timeout=300, env=self.env(**rank_env, **(env or {})))
+                              timeout=300, env=self.direct_env(env))
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
                 "records": read_metrics(out / "metrics.jsonl"), "dir": out}
+
+    def direct_background(self, argv, out: Path) -> subprocess.Popen:
+        """`direct` in the background, its output in out/stdout.txt and out/stderr.txt."""
+        return subprocess.Popen([sys.executable, str(TRAIN_PY), *argv], cwd=out, env=self.direct_env(),
+                                stdout=open(out / "stdout.txt", "w"), stderr=open(out / "stderr.txt", "w"))
 
     def launch(self, world: int, argv, out: Path) -> subprocess.Popen:
         """The real launcher in the background (its own session, so signals reach it alone)."""

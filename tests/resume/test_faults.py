@@ -107,11 +107,11 @@ def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(runs, 
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert "train.py: warning: step 2: non-finite loss or gradients" in run["stdout"], run["stdout"][-2000:]
     assert all(r["loss"] == r["loss"] for r in run["records"])
-    weights = [load_file(str(save / f"step_{s:06d}" / "model.safetensors")) for s in (2, 3, 4)]
-    moments = [load_file(str(save / f"step_{s:06d}" / "optimizer.safetensors")) for s in (2, 3)]
-    assert all((weights[0][k] == weights[1][k]).all() for k in weights[0]), "the skipped step changed weights"
-    assert all((moments[0][k] == moments[1][k]).all() for k in moments[0]), "the skipped step changed Adam state"
-    assert any((weights[1][k] != weights[2][k]).any() for k in weights[1]), "the step after did not train"
+    assert sorted(os.listdir(save)) == ["latest", "step_000001", "step_000002", "step_000004"]  # none while skipping
+    weights = [load_file(str(save / f"step_{s:06d}" / "model.safetensors")) for s in (2, 4)]
+    moments = load_file(str(save / "step_000004" / "optimizer.safetensors"))
+    assert {t.item() for k, t in moments.items() if k.endswith("/step")} == {3.0}, "the skipped step updated Adam"
+    assert any((weights[0][k] != weights[1][k]).any() for k in weights[0]), "the step after did not train"
 
 
 def test_too_many_non_finite_steps_in_a_row_abort_with_one_message(runs):
@@ -120,4 +120,5 @@ def test_too_many_non_finite_steps_in_a_row_abort_with_one_message(runs):
                       env={"MEGAMAMBA_TEST_NAN_STEPS": "1,2"}, out=out)
     assert run["returncode"] == 1
     assert errors(run["stderr"]) == ["train.py: error: 2 steps in a row up to step 2 had non-finite loss or "
-                                     "gradients; lower the learning rate or resume from an earlier checkpoint"]
+                                     "gradients or a loss spike; lower the learning rate and resume from step 0 "
+                                     "(no checkpoint was written before the trouble)"]
