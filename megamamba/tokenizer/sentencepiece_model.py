@@ -76,9 +76,17 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
                              "(256 byte pieces + <unk>, </s> and newline)")
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
+    failures = []
+
+    def sentences():  # an error of the documents (e.g. invalid UTF-8) is raised as it is, after SentencePiece
+        try:          # returns: raised inside, it becomes SentencePiece's RuntimeError with a traceback text
+            yield from _lines(documents)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            failures.append(e)
+
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(_lines(documents)), model_writer=model,
+            sentence_iterator=sentences(), model_writer=model,
             vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
             normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
             allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True, user_defined_symbols=["\n"],
@@ -86,7 +94,11 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
             input_sentence_size=max_sentences, shuffle_input_sentence=max_sentences > 0, minloglevel=2,
         )
     except RuntimeError as e:
+        if failures:
+            raise failures[0] from None
         raise TokenizerError(f"SentencePiece training failed: {e}") from None
+    if failures:
+        raise failures[0]
     path = output_prefix + ".model"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:

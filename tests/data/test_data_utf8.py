@@ -51,3 +51,13 @@ def test_invalid_utf8_is_replaced_under_the_flag_which_says_so(tmp_path, inputs,
     tok = load_tokenizer("bytes")
     decoded = [tok.decode(dataset.document(d)[:-1]) for d in range(dataset.num_documents)]
     assert decoded == [t for t in texts if t]
+
+
+def test_tokenizer_training_refuses_invalid_utf8_in_one_line_without_writing_a_model(tmp_path, inputs, capsys):
+    from megamamba.tokenizer import train as train_cli
+    path, where = inputs["jsonl"]
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(["--input", str(path), "--vocab-size", "300", "--output-prefix", str(tmp_path / "spm")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith(f"tokenizer.train: error: {where} (invalid continuation byte); ")
+    assert not (tmp_path / "spm.model").exists()
