@@ -32,7 +32,8 @@ def read_holder(path: str) -> Optional[dict]:
     return record if isinstance(record, dict) else None
 
 
-def _alive(pid) -> bool:
+def pid_alive(pid) -> bool:
+    """Whether a process `pid` exists on this host (True when that cannot be told)."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -89,7 +90,7 @@ class SaveDirLock:
         holder = read_holder(self.path)
         held = (f"--save {self.save_dir} is in use by another job: {describe(holder)} holds {self.path}; one job "
                 "writes a save directory at a time: wait for it to end or choose another --save")
-        if holder and holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+        if holder and holder.get("host") == socket.gethostname() and not pid_alive(holder.get("pid")):
             return (f"--save {self.save_dir}: stale lock {self.path}: its holder {describe(holder)} is gone but the "
                     f"lock is still held (by a process it started, or kept by the filesystem); end that job's "
                     f"leftover processes (fuser -v {self.path}), or remove {self.path} if none remain")

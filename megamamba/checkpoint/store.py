@@ -9,8 +9,9 @@ the manifest, renames
 the directory to `<save>/<tag>` (a checkpoint of the same tag, left by an abandoned run, is moved
 aside first and deleted after), then replaces `latest` atomically (latest.tmp, fsync, rename,
 fsync the directory), and only then deletes checkpoints beyond `keep_last` (never a `protect`ed
-one) and this job's own leftovers of interrupted saves (another job's staging folders are
-never touched). Whenever a crash strikes, the previous checkpoints are intact and `latest`
+one) and the leftovers of interrupted saves of this job or of dead jobs on this host (the
+job token names the pid and host; a live job's staging folder, or another host's, is never
+touched). Whenever a crash strikes, the previous checkpoints are intact and `latest`
 names a complete checkpoint, with one exception: when a tag is saved again (a run resumed from an
 older checkpoint reaches it), a crash between moving the old one aside and renaming the new one
 in leaves `latest` naming a missing directory, and `find_latest` warns and takes the newest
@@ -25,11 +26,13 @@ verified whenever it is a checkpoint.
 import os
 import re
 import secrets
+import socket
 import warnings
 from typing import Optional
 
 from megamamba.checkpoint import files
 from megamamba.checkpoint.files import CheckpointError
+from megamamba.checkpoint.lock import pid_alive
 from megamamba.checkpoint.manifest import MANIFEST, verify, write_manifest
 from megamamba.model_folder import CONFIG_FILE
 
@@ -37,7 +40,8 @@ LATEST = "latest"
 STAGING_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".old-"
 _TAG = re.compile(r"step_(\d+)")
-JOB_TOKEN = f"{os.getpid()}-{secrets.token_hex(3)}"  # names this job's staging folders (lock.py records it)
+# names this job's staging folders ("<pid>-<random>-<host>"; lock.py records it)
+JOB_TOKEN = f"{os.getpid()}-{secrets.token_hex(3)}-{socket.gethostname()}"
 
 
 class NoCheckpointError(CheckpointError):
@@ -145,6 +149,16 @@ def check_keep_last(keep_last: Optional[int]) -> None:
         raise ValueError(f"keep_last={keep_last!r}: must be a positive integer or None (keep every checkpoint)")
 
 
+def _leftover(name: str) -> bool:
+    """Whether a staging or aside folder `name` belongs to this job or to a dead job on this host."""
+    if name.endswith(f"-{JOB_TOKEN}"):
+        return True
+    parts = name.split("-", 4)  # ".tmp", "<tag>", "<pid>", "<random>", "<host>"
+    if len(parts) != 5 or not parts[2].isdigit():
+        return False
+    return parts[4] == socket.gethostname() and not pid_alive(int(parts[2]))
+
+
 def _complete(path: str) -> bool:
     try:
         verify(path, hashes=False)
@@ -155,12 +169,12 @@ def _complete(path: str) -> bool:
 
 def prune(save_dir: str, keep_last: Optional[int], current: str, protect: Optional[str] = None) -> None:
     """Keep `current`, `protect` and the keep_last - 1 newest complete checkpoints before `current`;
-    delete older complete ones and this job's leftovers of interrupted saves. Checkpoints after
-    `current` (left by an abandoned run), damaged ones and other jobs' staging folders are not
-    touched. keep_last None keeps every checkpoint."""
+    delete older complete ones and the leftovers of interrupted saves of this job or of dead jobs
+    on this host. Checkpoints after `current` (left by an abandoned run), damaged ones and live or
+    other hosts' jobs' staging folders are not touched. keep_last None keeps every checkpoint."""
     check_keep_last(keep_last)
     for name in os.listdir(save_dir):
-        if name.startswith((STAGING_PREFIX, ASIDE_PREFIX)) and name.endswith(f"-{JOB_TOKEN}"):
+        if name.startswith((STAGING_PREFIX, ASIDE_PREFIX)) and _leftover(name):
             files.remove_tree(os.path.join(save_dir, name))
     if keep_last is None:
         return

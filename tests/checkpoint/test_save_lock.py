@@ -69,16 +69,20 @@ def save(directory, step, **kwargs):
     return save_checkpoint(str(directory), step, model.config, model_tensors(model), **kwargs)
 
 
-def test_pruning_removes_only_this_jobs_leftover_staging_folders(tmp_path):
-    other = tmp_path / ".tmp-step_000002-4242-abcdef"
+def test_pruning_removes_only_this_jobs_and_dead_jobs_leftovers(tmp_path):
+    host = os.uname().nodename
+    live = tmp_path / f".tmp-step_000002-{os.getppid()}-abcdef-{host}"  # a live job on this host
+    elsewhere = tmp_path / f".old-step_000001-{dead_pid()}-abcdef-other-host"  # its pid means nothing here
+    unknown = tmp_path / ".tmp-step_000002-4242"  # not a job token
     mine = tmp_path / f".tmp-step_000002-{JOB_TOKEN}"
-    other_aside = tmp_path / ".old-step_000001-4242-abcdef"
-    for folder in (other, mine, other_aside):
+    dead = tmp_path / f".tmp-step_000002-{dead_pid()}-abcdef-{host}"
+    for folder in (live, elsewhere, unknown, mine, dead):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"partial")
     save(tmp_path, 1, keep_last=1)
-    assert other.is_dir() and (other / "model.safetensors").read_bytes() == b"partial" and other_aside.is_dir()
-    assert not mine.exists()
+    for kept in (live, elsewhere, unknown):
+        assert (kept / "model.safetensors").read_bytes() == b"partial"
+    assert not mine.exists() and not dead.exists()
 
 
 def test_keep_last_keeps_the_protected_checkpoint(tmp_path):
