@@ -6,7 +6,7 @@ TRITON_CACHE_DIR at it).
 
 The check's work runs on CPU tensors with Triton's launcher replaced by compile_kernels.py's recorder
 (each launch specialized as the GPU's launcher would): the ops at the error and timing shapes
-(benchmarks/check_ops.py), and a training step, bf16 autocast, of a one-layer model of each size at
+(benchmarks/check_ops.py), and a training step, bf16 autocast, of a two-layer model of each size at
 its micro-batch and 2048 tokens, with documents (launch/train.py) and without (the parity section).
 The same for mamba_ssm's Triton kernels (SSD, gated norm, its model's fused add+norm), autotuning
 capped to one configuration as the check caps it. Each specialization is compiled for sm_90 into a
@@ -69,7 +69,7 @@ def timed_calls(fn, tensors, kwargs):
 
 
 def model_work(theirs=None):
-    """(case, thunk) for a bf16-autocast training step of one layer of each size at its micro-batch
+    """(case, thunk) for a bf16-autocast training step of two layers of each size at its micro-batch
     (and the NCCL smoke's and the parity's): ours with and without documents, or mamba_ssm's."""
     from megamamba import MambaConfig, MambaLM
     work = []
@@ -77,7 +77,7 @@ def model_work(theirs=None):
         with open(os.path.join(REPO, f"launch/configs/mamba2-{size}.json")) as f:
             micro = json.load(f)["train_micro_batch_size_per_gpu"]
         config = MambaConfig.from_json(os.path.join(REPO, f"launch/models/mamba2-{size}.json"))
-        fields = {**config.to_dict(), "n_layer": 1, "vocab_size": 512}
+        fields = {**config.to_dict(), "n_layer": 2, "vocab_size": 512}  # block 2: residual in the pre-norm
         if theirs is None:
             model, batches, documents = MambaLM(MambaConfig.from_dict(fields)), {micro, 2, 4}, (True, False)
         else:
