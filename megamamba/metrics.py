@@ -1,6 +1,6 @@
 """Training metrics: one record per logged step to the console, TensorBoard and a JSON-lines file.
 
-Names (DESIGN.md): step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb and,
+Names (docs/architecture.md): step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb and,
 when known, val_loss and mfu. The same names are the TensorBoard tags (global step = `step`) and
 the JSONL keys. Only the rank that creates the logger `enabled` writes; the others make it a no-op,
 so callers need not branch on rank.

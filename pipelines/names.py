@@ -10,7 +10,7 @@ DeepSpeed names a pipeline layer's parameters `<global layer index>.<name>` and 
     {n+2}.weight               (untied) <-> lm_head.weight
 
 Indices are global, so the names do not depend on the number of stages; a stage holds a subset.
-Anything saved uses mamba_ssm's names (DESIGN.md), whatever the engine. Under tensor parallelism a
+Anything saved uses mamba_ssm's names (docs/architecture.md), whatever the engine. Under tensor parallelism a
 parameter may be a slice of its full tensor or a part of it under another local name
 (`in_proj.weight_replicated`); `megamamba.parallel.full_key` gives the full tensor's name, which
 these functions then map.

@@ -3,7 +3,7 @@
 One run of the script (4 minutes on 2 shared cores here; it needs the set-up .venv) serves every
 test here. Requirements checked: the loss falls (final validation loss at least 2 nats below the
 step-0 training loss; measured 7.65 -> 4.53), TensorBoard event files hold the metric names of
-DESIGN.md, the checkpoint is a model folder with its tokenizer, and the printed samples are text.
+docs/architecture.md, the checkpoint is a model folder with its tokenizer, and the printed samples are text.
 """
 import json
 import os

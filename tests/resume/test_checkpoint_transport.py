@@ -18,7 +18,7 @@ from train_entry import run_train
 
 pytestmark = pytest.mark.slow
 
-CAP = 4096  # bytes per payload; the rule is "small metadata", DESIGN.md's bound is 64 KiB
+CAP = 4096  # bytes per payload; the rule is "small metadata", docs/architecture.md asks for a few KB
 LAYOUT = (2, 1, 2)
 OBJECT_COLLECTIVES = {
     "gather_object": lambda obj, *a, **k: [obj],

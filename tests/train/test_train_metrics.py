@@ -1,4 +1,4 @@
-"""The metrics logger: DESIGN.md's names to the console, JSON lines and TensorBoard, on the enabled rank only."""
+"""The metrics logger: docs/architecture.md's names to the console, JSON lines and TensorBoard, on the enabled rank only."""
 import json
 
 import pytest
