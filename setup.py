@@ -27,7 +27,7 @@ setup(
     packages=list(PACKAGE_DIRS),
     package_dir=PACKAGE_DIRS,
     install_requires=[
-        # Lower bounds are what the lent GPU machine has (torch 2.11, triton 3.6); an
+        # Lower bounds are what our H200 benchmark machine has (torch 2.11, triton 3.6); an
         # installed torch that satisfies them is kept, so a GPU user keeps their CUDA build.
         "torch>=2.11",
         "triton>=3.6",

@@ -21,7 +21,7 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q ninja
 python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 python -m pip install -q --no-build-isolation -e ".[dev]"
-# Triton 3.6, the lent GPU machine's, beside the venv's own: the kernels are compiled with it for
+# Triton 3.6, our H200 benchmark machine's, beside the venv's own: the kernels are compiled with it for
 # sm_90 on this machine (tests/kernels/test_triton_compile.py); only its compiler is used.
 [ -d .venv/triton-3.6/triton ] || python -m pip install -q --no-deps --target .venv/triton-3.6 "triton==3.6.0"
 python -c "import torch, triton, deepspeed, megamamba; print('megamamba ready: torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep -v 'Setting accelerator'
