@@ -9,6 +9,9 @@ Object collectives carry only the path, each rank's file records (size, sha256) 
 rank 0 writes the rest and the manifest, commits atomically, and every rank returns or raises with
 it. Rank 0 holds no more than its own stage's state.
 
+Locking (collective, at start-up): `lock_save_dir` has global rank 0 take --save's lock for the
+job's life; a second job fails on every rank with the holder's name.
+
 Loading (collective): global rank 0 resolves `--load` and verifies the checksums, every rank opens
 the same checkpoint, checks the model config, reads only its stage's tensors and cuts its TP slice
 and ZeRO partition out of them; optimizer state lands where torch's AdamW keeps it (the

@@ -4,8 +4,10 @@ Format (checkpoint.py): mamba_ssm parameter names and full shapes, per-parameter
 under the same names, scheduler and RNG states, the model config and whatever JSON the trainer
 adds, in safetensors and JSON files, with a manifest written last. Writing (writer.py): each
 process writes its own files (a pipeline stage its shards, a rank its RNG state), one commits.
-Storage (store.py): staged in a temporary directory, fsynced, renamed into place, `latest`
-switched atomically, old ones pruned.
+Storage (store.py): staged in a temporary directory named by the job, fsynced, renamed into
+place, `latest` switched atomically, old ones pruned (never a protected one, never another live
+job's staging). One job writes a save directory at a time: lock.py's SaveDirLock, held for the
+job's life. Every load path verifies the manifest's sizes and checksums first.
 
 Single process (tests, the plain trainer):
 
