@@ -26,7 +26,7 @@ Micro-batches are (inputs, labels, seq_idx) as `megamamba.data.batches` makes th
 document boundaries; the pipeline engine receives it as the first stage's input pair.
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import deepspeed
 import torch
@@ -35,7 +35,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megamamba.config import MambaConfig
 from megamamba.lm import MambaLM, draw_seed, initial_piece, piece_of
-from megamamba.lr_schedule import LRSchedule
+from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.groups import ParallelGroups
@@ -49,9 +49,10 @@ from megamamba.pipelines.plain import PlainLM
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    schedule: LRSchedule
+    schedule: Union[LRSchedule, DeepSpeedSchedule]
     weight_decay: float
     betas: tuple
+    eps: float = 1e-8
 
 
 class InitialState:
@@ -81,7 +82,7 @@ class InitialState:
 def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
     """Fused AdamW: one kernel per step, and it skips a non-finite step on the device (`found_inf`)."""
     return torch.optim.AdamW(param_groups(module, settings.weight_decay), lr=settings.schedule.peak,
-                             betas=settings.betas, fused=True)
+                             betas=settings.betas, eps=settings.eps, fused=True)
 
 
 class _Trainer:
