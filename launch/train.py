@@ -5,8 +5,11 @@
 
 Data-parallel size = world size / (tensor x pipeline parallel size). Every consistency check runs
 before any process group exists (`megamamba.pipelines.layout`); a failure prints one line and
-exits with status 2. The optimizer and learning-rate schedule come from the flags below, never
-from the JSON. Megatron's names are accepted for the same settings (--tensor-model-parallel-size,
+exits with status 2. The optimizer and learning-rate schedule come from the flags below or from
+the JSON's "optimizer" (Adam/AdamW) and "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR)
+blocks, and "bf16" enabled means torch_autocast bf16 with float32 parameters
+(`megamamba.pipelines.ds_translate`; a JSON value and a flag that disagree are refused; rank 0
+prints one line saying what was translated). Megatron's names are accepted for the same settings (--tensor-model-parallel-size,
 --pipeline-model-parallel-size, --micro-batch-size, --global-batch-size, --train-samples,
 --lr-decay-iters, --lr-warmup-fraction, --data-path), the DeepSpeed config is read as hjson as
 DeepSpeed reads it, and flags are never abbreviated. Metrics (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb,
@@ -25,7 +28,7 @@ import os
 import sys
 import time
 import warnings
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import hjson
 import torch.distributed as dist
@@ -35,12 +38,13 @@ from megamamba.checkpoint import CheckpointError, tag_for
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.data.training_data import TrainingData, training_data
 from megamamba.flops import training_flops_per_token
-from megamamba.lr_schedule import DECAY_STYLES, LRSchedule
+from megamamba.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 from megamamba.metrics import MetricsLogger
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines import checkpointing
 from megamamba.pipelines.agreement import agree
+from megamamba.pipelines.ds_translate import optimizer_settings
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
 from megamamba.pipelines.faults import (
     NonFiniteGuard,
@@ -95,17 +99,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train on --data made with another tokenizer than --tokenizer (refused otherwise)")
     p.add_argument("--no-reset-at-documents", action="store_true",
                    help="let the state run across packed documents (no seq_idx)")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    p.add_argument("--min-lr", type=float, default=3e-5)
-    p.add_argument("--lr-warmup-iters", type=int, default=0)
+    # None: not given; pipelines.ds_translate resolves the JSON's value, the flag's, or the default (in brackets)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate [3e-4]")
+    p.add_argument("--min-lr", type=float, default=None, help="[3e-5]")
+    p.add_argument("--lr-warmup-iters", type=int, default=None, help="[0]")
     p.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warm-up as a fraction of the decay iters (instead of --lr-warmup-iters)")
     p.add_argument("--lr-decay-iters", type=int, default=None, help="steps until the LR reaches --min-lr "
                    "(default: the train iters)")
-    p.add_argument("--lr-decay-style", default="cosine", choices=DECAY_STYLES)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--adam-beta1", type=float, default=0.9)
-    p.add_argument("--adam-beta2", type=float, default=0.95)
+    p.add_argument("--lr-decay-style", default=None, choices=DECAY_STYLES, help="[cosine]")
+    p.add_argument("--weight-decay", type=float, default=None, help="[0.1]")
+    p.add_argument("--adam-beta1", type=float, default=None, help="[0.9]")
+    p.add_argument("--adam-beta2", type=float, default=None, help="[0.95]")
+    p.add_argument("--adam-eps", type=float, default=None, help="[1e-8]")
     p.add_argument("--clip-grad", type=float, default=None, help="max global gradient norm (default 1.0)")
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--eval-interval", type=int, default=0, help="validation every this many steps (0: never)")
@@ -183,26 +189,16 @@ def _train_iters(args, global_batch_size: int) -> int:
     return args.train_samples // global_batch_size
 
 
-def _warmup_iters(args, decay_iters: int) -> int:
-    """--lr-warmup-iters, or --lr-warmup-fraction of the decay iters (Megatron's); not both."""
-    if args.lr_warmup_fraction is None:
-        return args.lr_warmup_iters
-    if args.lr_warmup_iters:
-        raise LayoutError(f"--lr-warmup-iters {args.lr_warmup_iters} and --lr-warmup-fraction "
-                          f"{args.lr_warmup_fraction} both set the warm-up; keep one")
-    if not 0 <= args.lr_warmup_fraction <= 1:
-        raise LayoutError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must lie in [0, 1]")
-    return int(args.lr_warmup_fraction * decay_iters)
-
-
 class RunPlan(NamedTuple):
     train_iters: int
     layout: Layout
     model: MambaConfig
     engine_config: dict
-    schedule: LRSchedule
+    schedule: Union[LRSchedule, DeepSpeedSchedule]
     tensorboard_dir: Optional[str]
     data: TrainingData
+    optimizer: OptimizerSettings
+    deepspeed_line: Optional[str]  # what the JSON's optimizer/scheduler/bf16 blocks became; None without them
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
@@ -219,11 +215,9 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     try:
         check_partition_method(args.partition_method)
         train_iters = _train_iters(args, layout.global_batch_size)
-        decay_iters = train_iters if args.lr_decay_iters is None else args.lr_decay_iters
-        schedule = LRSchedule(args.lr, args.min_lr, _warmup_iters(args, decay_iters), decay_iters,
-                              args.lr_decay_style)
     except ValueError as e:
         raise LayoutError(str(e)) from None
+    settings = optimizer_settings(ds_config, args, train_iters)
     try:
         data = training_data(model, args.tokenizer, args.data, args.valid_data, args.seq_length,
                              layout.global_batch_size, args.seed, not args.no_reset_at_documents,
@@ -241,8 +235,9 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         check_step_timeout(args.step_timeout)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    return RunPlan(train_iters, layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel), schedule,
-                   tensorboard_dir(args, ds_config), data)
+    return RunPlan(train_iters, layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel),
+                   settings.optimizer.schedule, tensorboard_dir(args, ds_config), data, settings.optimizer,
+                   settings.line)
 
 
 def tensorboard_dir(args, ds_config: dict) -> Optional[str]:
@@ -303,6 +298,8 @@ def main(argv=None) -> dict:
     except (PlacementError, CheckpointError) as e:
         fail(e)
     if rank == 0:
+        if plan.deepspeed_line:
+            print(plan.deepspeed_line, flush=True)
         for note in plan.data.warnings:
             print(f"train.py: warning: {note}", flush=True)
     try:
@@ -315,7 +312,7 @@ def main(argv=None) -> dict:
 def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
     """The training loop of `main`, after start-up; returns this rank's summary."""
     layout, model_config, schedule = plan.layout, plan.model, plan.schedule
-    settings = OptimizerSettings(schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
+    settings = plan.optimizer
     try:
         resume = checkpointing.open_for_run(args.load, args.save, model_config)
         trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,

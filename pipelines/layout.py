@@ -8,14 +8,16 @@ Rules that settle how our flags and the JSON interact (README, "Training with De
   - Batch: DeepSpeed's own keys. train_batch_size = train_micro_batch_size_per_gpu x
     gradient_accumulation_steps x dp, where dp = world / (tp x pp); any two of the three fix the
     third, all three must agree.
-  - Optimizer and learning-rate schedule come from our flags only (--lr, --min-lr,
-    --lr-warmup-iters, --lr-decay-style, --weight-decay, --adam-beta1/2): a JSON "optimizer" or
-    "scheduler" block is refused, so no setting has two sources.
+  - Optimizer and learning-rate schedule: the JSON's "optimizer" (Adam/AdamW) and "scheduler"
+    (WarmupLR, WarmupDecayLR, WarmupCosineLR) blocks or our flags, translated to torch's fused
+    AdamW and our schedule (`pipelines.ds_translate`); DeepSpeed never sees the blocks.
   - Gradient clipping: the JSON's "gradient_clipping" or --clip-grad, not both; 1.0 if neither.
-  - Precision: float32, or bf16 through DeepSpeed's "torch_autocast" block (float32 parameters
-    and master weights, bf16 matmuls). DeepSpeed's "bf16"/"fp16" modes cast every parameter,
-    the SSM's A_log, D and dt_bias included, to 16 bits, and are refused.
+  - Precision: float32, or bf16 through "torch_autocast" (float32 parameters and master weights,
+    bf16 matmuls). DeepSpeed's own bf16 mode would cast every parameter, the SSM's A_log, D and
+    dt_bias included, to bf16: "bf16": {"enabled": true} is translated to torch_autocast bf16
+    instead. "fp16" is refused (it needs loss scaling).
 """
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +27,7 @@ from megamamba.parallel.model_layout import check_model_layout
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 DEFAULT_CLIP_GRAD = 1.0
+TRANSLATED_BLOCKS = ("tensorboard", "optimizer", "scheduler", "bf16", "fp16")  # never handed to DeepSpeed
 
 
 class LayoutError(ValueError):
@@ -123,36 +126,38 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
             f"--seq-length {seq_length} is not divisible by tensor parallel size {layout.tp}, "
             "which sequence parallelism requires"
         )
-    for block in ("optimizer", "scheduler"):
-        if block in ds_config:
-            raise LayoutError(
-                f'"{block}" block in the DeepSpeed config: the optimizer and learning-rate schedule come from '
-                "--lr, --min-lr, --lr-warmup-iters, --lr-decay-style, --weight-decay, --adam-beta1/2; remove the block"
-            )
     if clip_grad is not None and "gradient_clipping" in ds_config:
         raise LayoutError(
             f"gradient clipping set twice: --clip-grad {clip_grad} and the DeepSpeed config's "
             f"gradient_clipping={ds_config['gradient_clipping']}; keep one"
         )
-    for mode in ("bf16", "fp16"):
-        if ds_config.get(mode, {}).get("enabled", False):
-            raise LayoutError(
-                f'"{mode}": {{"enabled": true}} casts every parameter, the SSM\'s A_log, D and dt_bias included, to '
-                '16 bits; use "torch_autocast": {"enabled": true, "dtype": "bfloat16"} '
-                "(float32 parameters, bf16 matmuls)"
-            )
+    if ds_config.get("fp16", {}).get("enabled", False):
+        raise LayoutError(
+            '"fp16": {"enabled": true}: float16 needs loss scaling, which we do not run; use "bf16": '
+            '{"enabled": true} (translated to torch_autocast bf16, float32 parameters)'
+        )
+    bf16 = ds_config.get("bf16", {})
+    if set(bf16) - {"enabled"} or bf16.get("enabled", False) not in (True, False):
+        raise LayoutError(
+            f'"bf16": {json.dumps(bf16)}: only "enabled": true/false is translated (to torch_autocast bf16); '
+            "the other keys configure DeepSpeed's bf16 optimizer, which we do not use"
+        )
     autocast = ds_config.get("torch_autocast", {})
     bf16_names = ("bfloat16", "bf16", "torch.bfloat16")
     if autocast.get("enabled", False) and autocast.get("dtype", "bfloat16") not in bf16_names:
         raise LayoutError(
             f"torch_autocast.dtype={autocast['dtype']!r}: only bfloat16 is supported (float16 needs loss scaling)"
         )
+    if bf16.get("enabled", False) and autocast.get("enabled", True) is False:
+        raise LayoutError('"bf16": {"enabled": true} and "torch_autocast": {"enabled": false} disagree; keep one')
 
 
 def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], sequence_parallel: bool) -> dict:
     """The dict handed to deepspeed.initialize: batch keys resolved, clipping set, TensorBoard left to us.
 
-    The "tensorboard" block is taken out (our metrics logger writes the event files, with our names);
+    The "tensorboard" block is taken out (our metrics logger writes the event files, with our names),
+    so are "optimizer" and "scheduler" (translated by `pipelines.ds_translate`: DeepSpeed gets a
+    client optimizer) and "bf16"/"fp16" ("bf16" enabled becomes torch_autocast bf16);
     with sequence parallelism the boundary tensor differs per TP rank, so the pipeline must not
     partition it across the TP group (pipe_partitioned / grad_partitioned off). Unless the JSON
     says otherwise: DeepSpeed's throughput timer is off (it synchronizes the device at every
@@ -160,8 +165,10 @@ def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], s
     (DeepSpeed would reduce those of exact nn.Linear modules in bf16: the single-device model's,
     not the tensor-parallel ones').
     """
-    config = {k: v for k, v in ds_config.items() if k != "tensorboard"}
+    config = {k: v for k, v in ds_config.items() if k not in TRANSLATED_BLOCKS}
     config.setdefault("timers", {"throughput": {"enabled": False}})
+    if ds_config.get("bf16", {}).get("enabled", False):
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", **config.get("torch_autocast", {})}
     if config.get("torch_autocast", {}).get("enabled", False):
         config["torch_autocast"] = {"lower_precision_safe_modules": [], **config["torch_autocast"]}
     config["train_batch_size"] = layout.global_batch_size

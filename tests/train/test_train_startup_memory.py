@@ -33,8 +33,7 @@ def _build(model, flags, extensions_dir):
     started = time.monotonic()
     plan = script.prepare(args, int(os.environ["WORLD_SIZE"]))
     init_distributed()
-    settings = script.OptimizerSettings(plan.schedule, args.weight_decay, (args.adam_beta1, args.adam_beta2))
-    script.build_trainer(plan.layout, plan.model, plan.engine_config, settings, args.seed, args.partition_method,
+    script.build_trainer(plan.layout, plan.model, plan.engine_config, plan.optimizer, args.seed, args.partition_method,
                          args.checkpoint_activations_interval)
     seconds = time.monotonic() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
