@@ -1,26 +1,40 @@
 """Training metrics: one record per logged step to the console, TensorBoard and a JSON-lines file.
 
 Names (docs/architecture.md): step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb and,
-when known, val_loss and mfu. The same names are the TensorBoard tags (global step = `step`) and
-the JSONL keys. Only the rank that creates the logger `enabled` writes; the others make it a no-op,
+when known, val_loss and mfu, then elapsed_s (since the job started) and eta_s (of the remaining
+steps). The same names are the TensorBoard tags (global step = `step`) and the JSONL keys; the
+console shows `step N/TOTAL` (N counts from 0, as `step` does) and the times as h:mm:ss. Only the rank that creates the logger `enabled` writes; the others make it a no-op,
 so callers need not branch on rank.
 """
 import json
 import os
 from typing import Optional
 
+from megamamba.data.progress import clock
+
 METRIC_NAMES = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_peak_gb",
-                "val_loss", "mfu")
+                "val_loss", "mfu", "elapsed_s", "eta_s")
+_TIMES = {"elapsed_s": "elapsed", "eta_s": "ETA"}
 
 
-def format_record(record: dict) -> str:
-    """`step 3 | loss 5.123 | ...` with 4 significant digits for floats."""
-    return " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+def _field(name: str, value, total_steps: Optional[int]) -> str:
+    if name == "step" and total_steps is not None:
+        return f"step {value}/{total_steps}"
+    if name in _TIMES:
+        return f"{_TIMES[name]} {clock(value)}"
+    return f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}"
+
+
+def format_record(record: dict, total_steps: Optional[int] = None) -> str:
+    """`step 3/100 | loss 5.123 | ... | elapsed 0:01:02 | ETA 0:20:40`, 4 significant digits for floats."""
+    return " | ".join(_field(k, v, total_steps) for k, v in record.items())
 
 
 class MetricsLogger:
-    def __init__(self, enabled: bool, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None):
+    def __init__(self, enabled: bool, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                 total_steps: Optional[int] = None):
         self.enabled = enabled
+        self.total_steps = total_steps
         self._jsonl = None
         self._tensorboard = None
         if not enabled:
@@ -41,7 +55,7 @@ class MetricsLogger:
         if unknown:
             raise KeyError(f"unknown metric name(s) {sorted(unknown)}; known: {METRIC_NAMES}")
         record = {k: v for k, v in record.items() if v is not None}
-        print(format_record(record), flush=True)
+        print(format_record(record, self.total_steps), flush=True)
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
