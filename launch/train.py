@@ -59,6 +59,7 @@ from megamamba.pipelines.faults import (
 from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
+from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
 
 # DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
 # available (gloo); autograd then warns once per rank about a node it never differentiates.
@@ -255,10 +256,13 @@ def peak_memory_gb() -> float:
     return agree([get_accelerator().max_memory_allocated() / 2**30], op="max")[0]
 
 
-def optimizer_state_line(rank: int, layout, state_bytes: int, stage_params: int) -> str:
-    return (f"rank {rank}: dp={layout.dp} tp={layout.tp} pp={layout.pp} micro={layout.micro_batch_size} "
-            f"accum={layout.grad_accum} | stage parameters {stage_params} | optimizer state bytes {state_bytes} "
-            f"= {state_bytes * layout.dp / stage_params:.3f} x stage parameters / dp")
+def per_rank_values(values: list) -> list:
+    """Every rank's `values` (small integers), in rank order, in one collective; a tuple per rank."""
+    world, rank, width = dist.get_world_size(), dist.get_rank(), len(values)
+    slots = [0] * (world * width)
+    slots[rank * width:(rank + 1) * width] = values
+    reduced = agree(slots)
+    return [tuple(int(v) for v in reduced[r * width:(r + 1) * width]) for r in range(world)]
 
 
 def fail(error, status: int = 2):
@@ -282,6 +286,7 @@ def print_line(text: str) -> None:
 
 def main(argv=None) -> dict:
     """Train; returns this rank's summary: logged records, optimizer-state bytes, stage parameter count."""
+    job_start = time.perf_counter()
     args = parse_args(argv)
     try:
         plan = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))
@@ -303,13 +308,13 @@ def main(argv=None) -> dict:
         for note in plan.data.warnings:
             print(f"train.py: warning: {note}", flush=True)
     try:
-        return run_training(args, plan, rank)
+        return run_training(args, plan, rank, job_start)
     finally:
         if lock is not None:
             lock.release()
 
 
-def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
+def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: float) -> dict:
     """The training loop of `main`, after start-up; returns this rank's summary."""
     layout, model_config, schedule = plan.layout, plan.model, plan.schedule
     settings = plan.optimizer
@@ -328,10 +333,20 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
     last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
     watchdog = Watchdog(args.step_timeout)
     train, valid = plan.data.train, plan.data.valid
-    logger = MetricsLogger(rank == 0, args.metrics_jsonl, plan.tensorboard_dir)
+    logger = MetricsLogger(rank == 0, args.metrics_jsonl, plan.tensorboard_dir, total_steps=plan.train_iters)
     tokens_per_step = layout.global_batch_size * args.seq_length
     flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
     stage_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.module.parameters())  # ZeRO-3: full size
+    low, high = agree([-stage_params, stage_params], op="max")
+    if rank == 0:
+        print_line("\n".join(startup_summary(
+            model=model_config, layout=layout, seq_length=args.seq_length, train_iters=plan.train_iters,
+            schedule=schedule, engine_config=plan.engine_config, data=plan.data,
+            total_params=count_parameters(model_config), stage_params=(int(-low), int(high)), save=args.save,
+            load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
+        if resume:
+            print_line(f"train.py: resumed from {resume.path}: next step {first_step} of {plan.train_iters}, "
+                       f"next sample {first_step * layout.global_batch_size}")
 
     def micro_batches(data, step):
         return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size)
@@ -340,6 +355,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
                "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
     steps_timed, seconds = 0, 0.0
     train_iters = plan.train_iters
+    clock = StepClock(job_start, time.perf_counter(), train_iters)
     for step in range(first_step, train_iters):
         start = time.perf_counter()
         lr = trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
@@ -347,9 +363,12 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
         trainer.finish_step(outcome.applied)
         seconds += time.perf_counter() - start
         steps_timed += 1
+        elapsed_s, eta_s = clock.step_done(step)
         if step == 0:  # torch's AdamW allocates its moments in the first step
             summary["optimizer_state_bytes"] = optimizer_state_bytes(trainer.optimizer, trainer.module)
-            print_line(optimizer_state_line(rank, layout, summary["optimizer_state_bytes"], stage_params))
+            every_rank = per_rank_values([stage_params, summary["optimizer_state_bytes"]])
+            if rank == 0:
+                print_line("\n".join(optimizer_state_lines(layout, every_rank)))
         try:
             if guard.after_step(step, outcome) and last_good is None:
                 last_good = newest
@@ -374,6 +393,8 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
                 "mem_peak_gb": peak_memory_gb(),
                 "val_loss": val_loss,
                 "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
+                "elapsed_s": elapsed_s,
+                "eta_s": eta_s,
             }
             logger.log(record)
             summary["records"].append({k: v for k, v in record.items() if v is not None})
@@ -385,12 +406,17 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int) -> dict:
                           f"being skipped ({guard.in_a_row} in a row); the newest stays "
                           f"{newest or 'none'}", flush=True)
             else:
+                save_start = time.perf_counter()
                 with watchdog.paused():
-                    checkpointing.save(trainer, model_config, args.save, step + 1, scheduler=trainer.lr_scheduler,
-                                       extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},
-                                       tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
-                                       protect=last_good and os.path.basename(last_good))
+                    saved = checkpointing.save(trainer, model_config, args.save, step + 1,
+                                               scheduler=trainer.lr_scheduler,
+                                               extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},
+                                               tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
+                                               protect=last_good and os.path.basename(last_good))
                 newest = os.path.join(args.save, tag_for(step + 1))
+                if rank == 0:
+                    print_line(f"train.py: saved {saved} after step {step} ({step + 1} steps done) in "
+                               f"{time.perf_counter() - save_start:.2f} s")
         if stopping:
             if rank == 0:
                 where = (", no --save: nothing saved" if not args.save else f", checkpoint in {args.save}"
