@@ -106,3 +106,12 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2) -> flo
         time.sleep(interval)
     return time.monotonic() - start
 
+
+
+def placement_rows(output: str, world: int) -> list:
+    """(node rank, global rank) of each row of the start-up placement table in a launcher's `output`
+    (global rank 0 prints it from what every rank reported of itself; a pdsh host prefix is ignored)."""
+    lines = output.splitlines()
+    first = next(i for i, line in enumerate(lines) if f"placement: {world} ranks on" in line)
+    rows = [line.split()[-6:] for line in lines[first + 2:first + 2 + world]]  # node, rank, local, dp, tp, pp
+    return [(int(node), int(rank)) for node, rank, *_ in rows]
