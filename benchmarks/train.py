@@ -24,7 +24,6 @@ import socket
 import sys
 import tempfile
 import time
-import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # check_io beside it, never the checkout
@@ -116,23 +115,12 @@ def train_ours(ds_config, model_config, steps, warmup, seq_length, peak_tflops, 
 
 
 def load_mamba_ssm(src):
-    """mamba_ssm's (MambaLMHeadModel, MambaConfig) from its source release, or (None, why not)."""
-    if not src or not os.path.isdir(os.path.join(src, "mamba_ssm")):
-        return None, f"no mamba_ssm/ under --mamba-ssm-src={src!r}"
-    sys.path.insert(0, src)
-    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
-    from check_io import names_only_module
-    try:
-        import transformers.generation  # noqa: F401  (mamba_ssm's generation and hub helpers import it)
-    except ImportError:
-        sys.modules.update({name: names_only_module(name) for name in
-                            ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub")})
-    try:
-        from mamba_ssm.models.config_mamba import MambaConfig
-        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-    except Exception as exc:  # noqa: BLE001 - reported in the table
-        return None, f"import failed: {exc!r:.300}"
-    return (MambaLMHeadModel, MambaConfig), "imported"
+    """mamba_ssm's (MambaLMHeadModel, MambaConfig) through the check's loader (extension stubbed, autotuning
+    capped to one config per kernel), or (None, why not)."""
+    from check_io import load_mamba_ssm as load
+
+    theirs, how = load(src)
+    return (None if theirs is None else (theirs.MambaLMHeadModel, theirs.MambaConfig)), how
 
 
 def run_mamba_ssm(size, args, classes):
