@@ -22,8 +22,9 @@ import torch
 
 from megamamba.block import NORM_EPS
 from megamamba.config import Mamba1Options, MambaConfig
+from megamamba.lm import EMBEDDING, HEAD
 
-EMBEDDING, HF_EMBEDDING, HEAD = "backbone.embedding.weight", "backbone.embeddings.weight", "lm_head.weight"
+HF_EMBEDDING = "backbone.embeddings.weight"
 
 # transformers' defaults for the fields read here (configuration_mamba.py / configuration_mamba2.py).
 HF_DEFAULTS = {

@@ -10,7 +10,7 @@ Initialisation is mamba_ssm's `_init_weights`: PyTorch's defaults for Linear and
 the mixers' SSM init, then every Linear bias zeroed (except dt_proj.bias), the embedding
 drawn from N(0, 0.02^2), and each mixer's out_proj re-drawn and scaled by
 1/sqrt(n_layer) (GPT-2's rescale of the residual branches; one residual per layer, no MLP).
-Each piece of the model (embedding, block i, final norm, head; `PIECES`) draws from its own
+Each piece of the model (embedding, block i, final norm, head; `build_piece`) draws from its own
 random stream, seeded from one number taken from the global generator, so any piece can be
 drawn alone (`initial_piece`) with exactly the values it has in the whole model: a pipeline
 stage initialises its layers without building the others.
@@ -53,7 +53,7 @@ from megamamba.parallel.from_full import sharded
 from megamamba.parallel.model_layout import check_model_layout, check_sequence_length
 
 EMBEDDING_INIT_STD = 0.02
-EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"
+EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"  # mamba_ssm's keys
 
 
 def _split(tp: Optional[TensorParallel]) -> Optional[TensorParallel]:

@@ -19,12 +19,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from megamamba.config import MambaConfig
-from megamamba.lm import MambaLM
+from megamamba.lm import EMBEDDING, HEAD, MambaLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_STEM = "model"
 WEIGHTS_FILE = f"{WEIGHTS_STEM}.safetensors"
-HEAD_KEY, EMBEDDING_KEY = "lm_head.weight", "backbone.embedding.weight"
 
 
 class ModelFolderError(ValueError):
@@ -37,7 +36,7 @@ def save_model_folder(model: MambaLM, directory: str, tokenizer=None) -> None:
     model.config.to_json(os.path.join(directory, CONFIG_FILE))
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
-        del state[HEAD_KEY]
+        del state[HEAD]
     save_file(state, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(directory)
@@ -107,11 +106,11 @@ def read_folder_tensors(directory: str, stem: str = WEIGHTS_STEM, names=None) ->
 
 def _check_keys(path: str, state: dict, model: MambaLM) -> None:
     expected = model.state_dict()
-    if model.config.tie_embeddings and HEAD_KEY in state:
-        if EMBEDDING_KEY in state and not torch.equal(state[HEAD_KEY], state[EMBEDDING_KEY]):
-            raise ModelFolderError(f"{path}: tie_embeddings is true but {HEAD_KEY} differs from {EMBEDDING_KEY}")
-        state.pop(HEAD_KEY)
-    missing = sorted(set(expected) - set(state) - ({HEAD_KEY} if model.config.tie_embeddings else set()))
+    if model.config.tie_embeddings and HEAD in state:
+        if EMBEDDING in state and not torch.equal(state[HEAD], state[EMBEDDING]):
+            raise ModelFolderError(f"{path}: tie_embeddings is true but {HEAD} differs from {EMBEDDING}")
+        state.pop(HEAD)
+    missing = sorted(set(expected) - set(state) - ({HEAD} if model.config.tie_embeddings else set()))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ModelFolderError(f"{path}: tensors do not match the config: missing {missing}, unexpected {unexpected}")

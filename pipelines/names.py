@@ -22,13 +22,10 @@ import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
+from megamamba.lm import EMBEDDING, HEAD
 from megamamba.parallel import TensorParallel, full_key, full_tensors, local_shard
 
 TIED_KEY = "embed"
-EMBEDDING = "backbone.embedding.weight"
-HEAD = "lm_head.weight"
-
-
 EMBEDDING_LAYER = 0
 
 

@@ -37,10 +37,9 @@ from megamamba import model_folder
 from megamamba.checkpoint import rng as rng_files
 from megamamba.checkpoint.files import CheckpointError, read_json
 from megamamba.checkpoint.manifest import verify
-from megamamba.checkpoint.state import EMBEDDING, HEAD
 from megamamba.checkpoint.store import resolve_load
 from megamamba.config import ConfigError, MambaConfig
-from megamamba.lm import MambaLM
+from megamamba.lm import EMBEDDING, HEAD, MambaLM
 from megamamba.model_folder import ModelFolderError
 
 CONFIG_FILE = model_folder.CONFIG_FILE
