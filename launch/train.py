@@ -9,11 +9,12 @@ exits with status 2. The optimizer and learning-rate schedule come from the flag
 the JSON's "optimizer" (Adam/AdamW) and "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR)
 blocks, and "bf16" enabled means torch_autocast bf16 with float32 parameters
 (`megamamba.pipelines.ds_translate`; a JSON value and a flag that disagree are refused; rank 0
-prints one line saying what was translated). Megatron's names are accepted for the same settings (--tensor-model-parallel-size,
---pipeline-model-parallel-size, --micro-batch-size, --global-batch-size, --train-samples,
---lr-decay-iters, --lr-warmup-fraction, --data-path), the DeepSpeed config is read as hjson as
-DeepSpeed reads it, and flags are never abbreviated. Metrics (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb,
-val_loss, mfu) go to the console of global rank 0, to TensorBoard (--log-dir, else the JSON's
+prints one line saying what was translated). Megatron's names are accepted for the same
+settings (--tensor-model-parallel-size, --pipeline-model-parallel-size, --micro-batch-size,
+--global-batch-size, --train-samples, --lr-decay-iters, --lr-warmup-fraction, --data-path), the
+DeepSpeed config is read as hjson as DeepSpeed reads it, and flags are never abbreviated. Metrics
+(step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb, val_loss, mfu) go to
+the console of global rank 0, to TensorBoard (--log-dir, else the JSON's
 "tensorboard" block) and to --metrics-jsonl. Data (`megamamba.data.training_data`): --tokenizer,
 --data / --valid-data blends of preprocessed datasets (default: the built-in corpus tokenized in
 memory), packed with document ids (seq_idx) unless --no-reset-at-documents; data made with another
