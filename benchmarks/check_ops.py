@@ -6,7 +6,9 @@ errors   ssd_chunk_scan, selective_scan, causal_conv1d, rmsnorm_gated at a Mamba
          error of the output and of each input's gradient (one fixed output gradient) against our
          PyTorch reference in float64 on the same rounded inputs, for ours and for theirs.
 timings  forward and forward+backward milliseconds at the Mamba-2 130M/370M/1.3B and Mamba-1 layer
-         shapes (16K tokens, bf16), ours then theirs for each shape.
+         shapes (16K tokens, bf16), ours then theirs for each shape, with the bytes and FLOPs each
+         call must move at least and the fraction of the roofline its forward and backward reach,
+         against the copy bandwidth and bf16 matmul rate measured first in the same section.
 
 Theirs: mamba_ssm's mamba_chunk_scan_combined and rmsnorm_fn (Triton); its selective scan is a CUDA
 extension that is not built, so its PyTorch selective_scan_ref stands in for the error and nothing
@@ -141,7 +143,7 @@ def cpu_time(fn):
 
 
 def timing_cases(bench, dry):
-    """(op, layer, inputs(device, gen)) at the layer shapes, ssd/conv/norm per Mamba-2 size, then the scan."""
+    """(op, layer, inputs(device, gen)) at the layer shapes, ssd/conv/norm/add+norm per Mamba-2 size, then the scan."""
     tokens, seqlen = (128, 64) if dry else (bench.TOKENS, 2048)
     sizes2 = {"tiny": 64} if dry else bench.MAMBA2_D_MODEL
     sizes1 = {"tiny": 32} if dry else bench.MAMBA1_D_MODEL
@@ -154,7 +156,9 @@ def timing_cases(bench, dry):
                   ("causal_conv1d", f"mamba2-{name}", lambda dev, g, b=batch, d=d_inner + 2 * shape["dstate"]:
                    bench.conv_inputs(b, d, seqlen, bf16, dev, g)),
                   ("rmsnorm_gated", f"mamba2-{name}", lambda dev, g, d=d_inner:
-                   bench.norm_inputs(tokens, d, d, bf16, dev, g))]
+                   bench.norm_inputs(tokens, d, d, bf16, dev, g)),
+                  ("add_rmsnorm", f"mamba2-{name}", lambda dev, g, d=d_model:
+                   bench.add_norm_inputs(tokens, d, bf16, dev, g))]
     for name, d_model in sizes1.items():
         shape = bench.mamba1_shape(d_model, tokens=tokens, seqlen=seqlen)
         cases.append(("selective_scan", f"mamba1-{name}", lambda dev, g, s=shape: bench.scan_inputs(s, bf16, dev, g)))
@@ -162,11 +166,15 @@ def timing_cases(bench, dry):
 
 
 def timings(results, device, theirs, dry):
-    """One record per (op, layer, implementation): forward and forward+backward ms, ours then theirs."""
+    """The measured roofline, then one record per (op, layer, implementation): forward and
+    forward+backward ms, least bytes and FLOPs, and the roofline fractions, ours then theirs."""
     import megamamba.kernels as ours
     bench = load_kernel_benchmark()
     if dry:
         bench.cuda_time = cpu_time
+    ceiling = bench.ceilings(device, bench.cuda_time, *((2**20, 128) if dry else
+                                                        (bench.CEILING_COPY_BYTES, bench.CEILING_MATMUL_N)))
+    results.write("ceilings", **ceiling)
     table = theirs_table(theirs) if theirs else {}
     gen = torch.Generator(device=device).manual_seed(2)
     for op, layer, make in timing_cases(bench, dry):
@@ -178,8 +186,10 @@ def timings(results, device, theirs, dry):
         for who, fn in runs:
             try:
                 fwd, fwd_bwd = bench.time_op(fn, tensors, kwargs)
+                with torch.no_grad():
+                    work = bench.least_work(op, tensors, kwargs, fn(**tensors, **kwargs))
             except Exception as exc:  # noqa: BLE001
                 results.write("timing_failed", op=op, layer=layer, impl=who, error=repr(exc)[:500])
                 continue
-            results.write("timing", op=op, layer=layer, impl=who, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd,
-                          tokens=tensors[next(iter(tensors))].numel() and None or None)
+            results.write("timing", op=op, layer=layer, impl=who, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, **work,
+                          **bench.roofline_fractions(work, fwd, fwd_bwd, ceiling))

@@ -10,7 +10,8 @@ imports      every megamamba subpackage, from --site (the installed copy) and no
              versions of python, torch, Triton, DeepSpeed, CUDA and the GPU
 nccl_smoke   `deepspeed --num_gpus 1 launch/train.py` with a save and a resume (check_train.py)
 errors       each op's fp32 and bf16 error against float64, ours next to mamba_ssm's (check_ops.py)
-timings      op timings, ours and mamba_ssm's interleaved per shape (check_ops.py)
+timings      op timings against the roofline measured in the same run, ours and mamba_ssm's
+             interleaved per shape (check_ops.py)
 throughput:* training tokens/s at 130m, 370m, 1.3b, ours then mamba_ssm's (check_train.py)
 parity       losses of ours and mamba_ssm over 20 bf16 steps from the same weights and batches
 A section past its timeout is stopped (SIGTERM, then SIGKILL) and the next one runs; a section
@@ -241,7 +242,7 @@ def summary(out: str) -> str:
         lines.append(f"resume: {'ok' if r['ok'] else 'FAILED'} " + json.dumps({k: v for k, v in r.items()
                                                                               if k not in ("section", "kind", "t", "ok")}))
     lines += error_table(by_kind.get("error", []) + by_kind.get("error_failed", []))
-    lines += timing_table(by_kind.get("timing", []) + by_kind.get("timing_failed", []))
+    lines += timing_table(by_kind.get("timing", []) + by_kind.get("timing_failed", []), by_kind.get("ceilings", []))
     lines += throughput_table(by_kind.get("throughput", []))
     for r in by_kind.get("parity", []) + by_kind.get("parity_failed", []):
         lines.append(f"parity after {r['steps']} bf16 steps: ours {r['ours']:.4f}, mamba_ssm {r['theirs']:.4f}, "
@@ -270,15 +271,20 @@ def error_table(rows) -> list:
     return lines
 
 
-def timing_table(rows) -> list:
+def timing_table(rows, ceilings) -> list:
     if not rows:
         return []
-    lines = ["", f"{'op':15s} {'layer':14s} {'impl':44s} {'fwd ms':>9s} {'f+b ms':>9s}"]
+    lines = [""]
+    if ceilings:
+        lines.append(f"roofline measured here: copy {ceilings[0]['copy_gbps']:.0f} GB/s, "
+                     f"bf16 matmul {ceilings[0]['matmul_tflops']:.0f} TFLOP/s; roof% = roofline time / time")
+    lines.append(f"{'op':15s} {'layer':14s} {'impl':44s} {'fwd ms':>9s} {'roof%':>6s} {'bwd ms':>9s} {'roof%':>6s}")
     for r in rows:
         if "error" in r:
             lines.append(f"{r['op']:15s} {r['layer']:14s} {r['impl'][:44]:44s} FAILED: {r['error'][:80]}")
         else:
-            lines.append(f"{r['op']:15s} {r['layer']:14s} {r['impl'][:44]:44s} {r['fwd_ms']:9.3f} {r['fwd_bwd_ms']:9.3f}")
+            lines.append(f"{r['op']:15s} {r['layer']:14s} {r['impl'][:44]:44s} {r['fwd_ms']:9.3f} "
+                         f"{100 * r['fwd_roof']:6.1f} {r['bwd_ms']:9.3f} {100 * r['bwd_roof']:6.1f}")
     return lines
 
 

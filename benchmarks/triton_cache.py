@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SIZES = ("130m", "370m", "1.3b")
 H200_SMS = 132
+OUR_OPS = ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated", "add_rmsnorm")  # timed by the check
 
 
 def op_work(table):
@@ -168,7 +169,7 @@ def verify(tarball, mamba_ssm_src, target) -> int:
     import triton
     from check_io import load_mamba_ssm, unpack_triton_cache
     from triton.compiler import ASTSource
-    table = {op: getattr(ours, op) for op in ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated")}
+    table = {op: getattr(ours, op) for op in OUR_OPS}
     with tempfile.TemporaryDirectory() as cache:
         unpack_triton_cache(tarball, cache)
         os.environ["TRITON_CACHE_DIR"] = cache
@@ -216,7 +217,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         import megamamba.kernels as ours
-        table = {op: getattr(ours, op) for op in ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated")}
+        table = {op: getattr(ours, op) for op in OUR_OPS}
         with compile_kernels.LaunchRecorder(target) as recorder:
             for case, thunk in op_work(table) + model_work():
                 recorder.case = case

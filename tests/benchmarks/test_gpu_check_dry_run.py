@@ -39,7 +39,9 @@ def test_dry_run_writes_every_sections_records(tmp_path):
                                                       for dt in ("float32", "bfloat16")}
     assert all(r["ours"] < 1e-2 and r["theirs"] is not None for r in errors)
     timings = kinds[("timings", "timing")]
-    assert [r["impl"].split(":")[0] for r in timings] == ["ours", "mamba_ssm"] * 3 + ["ours"]
+    assert [r["impl"].split(":")[0] for r in timings] == ["ours", "mamba_ssm"] * 3 + ["ours", "ours"]
+    assert all(0 < r["fwd_roof"] and 0 < r["bwd_roof"] and r["fwd_bytes"] > 0 for r in timings)
+    assert kinds[("timings", "ceilings")][0]["copy_gbps"] > 0
     for size in SIZES:
         engines = [r["engine"] for r in kinds[(f"throughput:{size}", "throughput")]]
         assert len(engines) == 2 and engines[0].startswith("ours") and engines[1].startswith("mamba_ssm"), engines

@@ -81,24 +81,46 @@ def small_benchmark(bench, monkeypatch):
     mamba2_shape, mamba1_shape = bench.mamba2_shape, bench.mamba1_shape
     monkeypatch.setattr(bench, "ops", lambda: reference)
     monkeypatch.setattr(bench, "load_mamba_ssm", lambda src: (ssd_chunk_scan, "the reference standing in"))
-    monkeypatch.setattr(bench, "cuda_time", lambda fn: fn() or 1.0)
+    monkeypatch.setattr(bench, "cuda_time", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "mamba2_shape", lambda d: mamba2_shape(d, tokens=96, seqlen=48))
     monkeypatch.setattr(bench, "mamba1_shape", lambda d: mamba1_shape(d, tokens=96, seqlen=48))
     monkeypatch.setattr(bench, "MAMBA2_D_MODEL", {"tiny": 64})
     monkeypatch.setattr(bench, "MAMBA1_D_MODEL", {"tiny": 32})
     monkeypatch.setattr(bench, "TOKENS", 96)
     monkeypatch.setattr(bench, "LONG_SEQLEN", 300)
+    monkeypatch.setattr(bench, "CEILING_COPY_BYTES", 2**16)
+    monkeypatch.setattr(bench, "CEILING_MATMUL_N", 64)
     return bench
 
 
 def test_timing_measures_every_op_and_compares_ssd_with_mamba_ssm(small_benchmark):
-    rows, how = small_benchmark.timing("cpu", "unused")
+    rows, how, ceiling = small_benchmark.timing("cpu", "unused")
     assert how == "the reference standing in"
     assert [(r["op"], r["layer"]) for r in rows] == [("ssd_chunk_scan", "mamba2-tiny"), ("causal_conv1d", "mamba2-tiny"),
-                                                     ("rmsnorm_gated", "mamba2-tiny"), ("selective_scan", "mamba1-tiny")]
+                                                     ("rmsnorm_gated", "mamba2-tiny"), ("add_rmsnorm", "mamba2-tiny"),
+                                                     ("selective_scan", "mamba1-tiny")]
     assert rows[0]["vs_mamba_ssm_fwd_bwd"] == 1.0 and rows[0]["vs_reference_fwd_bwd"] == 1.0
-    table = small_benchmark.summary([], rows)
+    table = small_benchmark.summary([], rows, ceiling)
     assert "ssd_chunk_scan  mamba2-tiny" in table and "1.00" in table
+
+
+def test_least_work_counts_each_input_output_and_gradient_once(bench):
+    gen = torch.Generator().manual_seed(0)
+    tensors, kwargs = bench.norm_inputs(10, 6, 6, torch.bfloat16, "cpu", gen)
+    out = torch.empty(10, 6, dtype=torch.bfloat16)
+    work = bench.least_work("rmsnorm_gated", tensors, kwargs, out)
+    x_bytes, w_bytes = 10 * 6 * 2, 6 * 4
+    assert work["fwd_bytes"] == 3 * x_bytes + w_bytes  # x, z, weight in; out
+    assert work["bwd_bytes"] == 5 * x_bytes + 2 * w_bytes  # x, z, weight, dout in; dx, dz, dweight out
+    assert work["fwd_flops"] == work["bwd_flops"] == 0
+
+
+def test_roofline_fraction_is_the_longer_of_bytes_and_flops_over_the_time(bench):
+    ceiling = {"copy_gbps": 1.0, "matmul_tflops": 1.0}  # 1e6 bytes per ms, 1e9 FLOPs per ms
+    work = {"fwd_bytes": 2e6, "fwd_flops": 1e9, "bwd_bytes": 1e6, "bwd_flops": 4e9}
+    fractions = bench.roofline_fractions(work, fwd_ms=4.0, fwd_bwd_ms=12.0, ceiling=ceiling)
+    assert fractions["bwd_ms"] == 8.0
+    assert fractions["fwd_roof"] == pytest.approx(2.0 / 4.0) and fractions["bwd_roof"] == pytest.approx(4.0 / 8.0)
 
 
 @pytest.mark.slow
