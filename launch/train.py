@@ -14,8 +14,9 @@ settings (--tensor-model-parallel-size, --pipeline-model-parallel-size, --micro-
 --global-batch-size, --train-samples, --lr-decay-iters, --lr-warmup-fraction, --data-path), the
 DeepSpeed config is read as hjson as DeepSpeed reads it, and flags are never abbreviated. Metrics
 (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb, val_loss, mfu) go to
-the console of global rank 0, to TensorBoard (--log-dir, else the JSON's
-"tensorboard" block) and to --metrics-jsonl. Data (`megamamba.data.training_data`): --tokenizer,
+the console of global rank 0, to --metrics-jsonl, to TensorBoard (--log-dir, else the JSON's
+"tensorboard" block) and to CSV files and wandb (the JSON's "csv_monitor" and "wandb" blocks;
+`megamamba.monitor_config`). Data (`megamamba.data.training_data`): --tokenizer,
 --data / --valid-data blends of preprocessed datasets (default: the built-in corpus tokenized in
 memory), packed with document ids (seq_idx) unless --no-reset-at-documents; data made with another
 tokenizer is refused unless --allow-tokenizer-mismatch. With --save, global rank 0 holds the save
@@ -41,6 +42,7 @@ from megamamba.data.training_data import TrainingData, training_data
 from megamamba.flops import training_flops_per_token
 from megamamba.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 from megamamba.metrics import MetricsLogger
+from megamamba.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines import checkpointing
@@ -197,7 +199,7 @@ class RunPlan(NamedTuple):
     model: MambaConfig
     engine_config: dict
     schedule: Union[LRSchedule, DeepSpeedSchedule]
-    tensorboard_dir: Optional[str]
+    monitors: Monitors
     data: TrainingData
     optimizer: OptimizerSettings
     deepspeed_line: Optional[str]  # what the JSON's optimizer/scheduler/bf16 blocks became; None without them
@@ -235,21 +237,13 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         check_max_skipped_steps(args.max_skipped_steps)
         check_loss_spike_factor(args.loss_spike_factor)
         check_step_timeout(args.step_timeout)
+        monitors = monitors_from_config(ds_config, args.log_dir)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    return RunPlan(train_iters, layout, model, engine_config(ds_config, layout, args.clip_grad, args.sequence_parallel),
-                   settings.optimizer.schedule, tensorboard_dir(args, ds_config), data, settings.optimizer,
-                   settings.line)
-
-
-def tensorboard_dir(args, ds_config: dict) -> Optional[str]:
-    """--log-dir, else the JSON's tensorboard block (output_path/job_name) when enabled."""
-    if args.log_dir:
-        return args.log_dir
-    block = ds_config.get("tensorboard", {})
-    if block.get("enabled", False):
-        return os.path.join(block.get("output_path", "runs"), block.get("job_name", "DeepSpeedJobName"))
-    return None
+    without_monitors = {k: v for k, v in ds_config.items() if k not in MONITOR_BLOCKS}  # our logger writes them
+    return RunPlan(train_iters, layout, model,
+                   engine_config(without_monitors, layout, args.clip_grad, args.sequence_parallel),
+                   settings.optimizer.schedule, monitors, data, settings.optimizer, settings.line)
 
 
 def peak_memory_gb() -> float:
@@ -334,7 +328,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
     watchdog = Watchdog(args.step_timeout)
     train, valid = plan.data.train, plan.data.valid
-    logger = MetricsLogger(rank == 0, args.metrics_jsonl, plan.tensorboard_dir, total_steps=plan.train_iters)
+    logger = MetricsLogger(rank == 0, args.metrics_jsonl, total_steps=plan.train_iters, **plan.monitors._asdict())
     tokens_per_step = layout.global_batch_size * args.seq_length
     flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
     stage_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.module.parameters())  # ZeRO-3: full size

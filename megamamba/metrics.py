@@ -1,16 +1,17 @@
-"""Training metrics: one record per logged step to the console, TensorBoard and a JSON-lines file.
+"""Training metrics: one record per logged step to the console, a JSON-lines file, TensorBoard, CSV files
+and wandb (the writers of `megamamba.monitors`; which ones a run uses: `megamamba.monitor_config`).
 
 Names (docs/architecture.md): step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb and,
 when known, val_loss and mfu, then elapsed_s (since the job started) and eta_s (of the remaining
-steps). The same names are the TensorBoard tags (global step = `step`) and the JSONL keys; the
-console shows `step N/TOTAL` (N counts from 0, as `step` does) and the times as h:mm:ss. Only the rank that creates the logger `enabled` writes; the others make it a no-op,
-so callers need not branch on rank.
+steps). The same names are the JSONL keys, the TensorBoard tags (global step = `step`), the CSV
+files and the wandb keys; the console shows `step N/TOTAL` (N counts from 0, as `step` does) and
+the times as h:mm:ss. Only the rank that creates the logger `enabled` writes; the others make it
+a no-op, so callers need not branch on rank.
 """
-import json
-import os
 from typing import Optional
 
 from megamamba.data.progress import clock
+from megamamba.monitors import CsvMonitor, JsonlMonitor, TensorBoardMonitor, WandbMonitor
 
 METRIC_NAMES = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_peak_gb",
                 "val_loss", "mfu", "elapsed_s", "eta_s")
@@ -32,20 +33,17 @@ def format_record(record: dict, total_steps: Optional[int] = None) -> str:
 
 class MetricsLogger:
     def __init__(self, enabled: bool, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
-                 total_steps: Optional[int] = None):
+                 total_steps: Optional[int] = None, csv_dir: Optional[str] = None, wandb: Optional[dict] = None):
+        """`wandb`: the keyword arguments of wandb.init, None for no wandb run."""
         self.enabled = enabled
         self.total_steps = total_steps
-        self._jsonl = None
-        self._tensorboard = None
+        self._monitors = []
         if not enabled:
             return
-        if jsonl_path:
-            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self._jsonl = open(jsonl_path, "a")
-        if tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+        for value, monitor in ((jsonl_path, JsonlMonitor), (tensorboard_dir, TensorBoardMonitor),
+                               (csv_dir, CsvMonitor), (wandb, WandbMonitor)):
+            if value is not None:
+                self._monitors.append(monitor(value))
 
     def log(self, record: dict) -> None:
         """Write one step's record; keys must be METRIC_NAMES, `step` first; None values are left out."""
@@ -56,17 +54,9 @@ class MetricsLogger:
             raise KeyError(f"unknown metric name(s) {sorted(unknown)}; known: {METRIC_NAMES}")
         record = {k: v for k, v in record.items() if v is not None}
         print(format_record(record, self.total_steps), flush=True)
-        if self._jsonl:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-        if self._tensorboard:
-            for name, value in record.items():
-                if name != "step":
-                    self._tensorboard.add_scalar(name, value, global_step=record["step"])
-            self._tensorboard.flush()
+        for monitor in self._monitors:
+            monitor.write(record)
 
     def close(self) -> None:
-        if self._jsonl:
-            self._jsonl.close()
-        if self._tensorboard:
-            self._tensorboard.close()
+        for monitor in self._monitors:
+            monitor.close()

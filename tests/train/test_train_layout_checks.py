@@ -152,7 +152,7 @@ def test_gpu_configs_pass_every_check_with_zero1_and_bf16_autocast(name, world, 
                               "--seq-length", "2048", "--tp", str(tp), "--pp", str(pp)])
     plan = script.prepare(args, world)
     assert plan.engine_config["torch_autocast"]["enabled"] and plan.engine_config["zero_optimization"]["stage"] == 1
-    assert plan.tensorboard_dir == f"runs/{name}"
+    assert plan.monitors.tensorboard_dir == f"runs/{name}"
 
 
 @pytest.mark.parametrize("name, billions", GPU_SIZES)
@@ -174,9 +174,9 @@ def test_a_malformed_json_config_is_refused_by_path(tmp_path):
 
 def test_the_plan_takes_tensorboard_from_the_json_when_no_log_dir(tmp_path):
     plan = _prepare(tmp_path, ds={**BATCH, "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"}})
-    assert plan.tensorboard_dir == "tb/j" and plan.layout.grad_accum == 4
+    assert plan.monitors.tensorboard_dir == "tb/j" and plan.layout.grad_accum == 4
     plan = _prepare(tmp_path, ds={**BATCH, "tensorboard": {"enabled": True}}, flags=["--log-dir", "mine"])
-    assert plan.tensorboard_dir == "mine"
+    assert plan.monitors.tensorboard_dir == "mine"
 
 
 def _plan(tmp_path, flags, ds=None, name="ds.json"):
