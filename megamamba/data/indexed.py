@@ -15,7 +15,9 @@
 We write one sequence per document (Megatron's `preprocess_data.py` without sentence
 splitting), so datasets made here load in Megatron and Megatron's text datasets load here.
 Reading validates everything it relies on and names the file and the rule a corrupt, truncated
-or empty dataset breaks.
+or empty dataset breaks. Both files are memory-mapped: a rank reads the tokens of the documents
+it packs and, from the index, what the document offsets need (8 bytes a document of its own
+memory); ranks of a node share one page-cache copy of each file.
 """
 import os
 import struct
@@ -30,6 +32,7 @@ _HEADER = struct.Struct("<9sQBQQ")
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
                8: np.uint16}
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+_CHECK_SEQUENCES = 1 << 20  # index entries per chunk when checking an index
 _SCAN_TOKENS = 1 << 24  # tokens per chunk when scanning for the largest id
 
 
@@ -103,19 +106,16 @@ class IndexedDataset:
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 raise DatasetError(f"{path}: no such file (a dataset is the pair {prefix}.bin and {prefix}.idx)")
-        self.dtype, lengths, documents = self._read_index(idx_path)
-        self.num_tokens = int(lengths.sum(dtype=np.int64))
-        if documents.size < 2 or self.num_tokens == 0:
-            raise DatasetError(f"{prefix}: empty dataset ({documents.size - 1} documents, {self.num_tokens} tokens)")
+        self.dtype, self.offsets = self._read_index(idx_path)
+        self.num_tokens = int(self.offsets[-1])
+        if self.offsets.size < 2 or self.num_tokens == 0:
+            raise DatasetError(f"{prefix}: empty dataset ({self.offsets.size - 1} documents, {self.num_tokens} tokens)")
         expected = self.num_tokens * self.dtype.itemsize
         actual = os.path.getsize(bin_path)
         if actual != expected:
             what = "truncated" if actual < expected else "longer than its index says"
             raise DatasetError(f"{bin_path}: {what}: {actual} bytes, the index describes {expected} "
                                f"({self.num_tokens} tokens of {self.dtype})")
-        sequence_starts = np.zeros(lengths.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=sequence_starts[1:])
-        self.offsets = sequence_starts[documents]
         self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
         if vocab_size is not None:
             self.check_vocab(vocab_size)
@@ -127,50 +127,71 @@ class IndexedDataset:
     def document(self, d: int) -> np.ndarray:
         return self.tokens[self.offsets[d]:self.offsets[d + 1]]
 
-    def _read_index(self, path: str):
+    def _read_index(self, path: str) -> tuple[np.dtype, np.ndarray]:
+        """(token dtype, token offset of every document and the total) from the memory-mapped index."""
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(_HEADER.size)
-            if len(head) < _HEADER.size:
-                if MAGIC.startswith(head[: len(MAGIC)]):
-                    raise DatasetError(f"{path}: truncated: {size} bytes, shorter than the {_HEADER.size}-byte header")
-                raise DatasetError(f"{path}: not an indexed-dataset index (no {MAGIC!r} header)")
-            magic, version, code, count, doc_count = _HEADER.unpack(head)
-            if magic != MAGIC:
-                raise DatasetError(f"{path}: not an indexed-dataset index: starts with {magic!r}, expected {MAGIC!r}")
-            if version != VERSION:
-                raise DatasetError(f"{path}: index version {version}; only version {VERSION} is known")
-            if code not in DTYPE_CODES:
-                raise DatasetError(f"{path}: unknown token dtype code {code}; known: {sorted(DTYPE_CODES)}")
-            dtype = np.dtype(DTYPE_CODES[code])
-            if dtype.kind not in "iu":
-                raise DatasetError(f"{path}: token dtype {dtype} is not an integer type")
-            body = _HEADER.size + 12 * count + 8 * doc_count
-            if size not in (body, body + count):  # + count: a multimodal index's sequence modes
-                what = "truncated" if size < body else "has trailing bytes"
-                raise DatasetError(f"{path}: {what}: {size} bytes, its header ({count} sequences, "
-                                   f"{doc_count} document-index entries) implies {body}")
-            lengths = np.frombuffer(f.read(4 * count), dtype=np.int32)
-            pointers = np.frombuffer(f.read(8 * count), dtype=np.int64)
-            documents = np.frombuffer(f.read(8 * doc_count), dtype=np.int64)
+        if len(head) < _HEADER.size:
+            if MAGIC.startswith(head[: len(MAGIC)]):
+                raise DatasetError(f"{path}: truncated: {size} bytes, shorter than the {_HEADER.size}-byte header")
+            raise DatasetError(f"{path}: not an indexed-dataset index (no {MAGIC!r} header)")
+        magic, version, code, count, doc_count = _HEADER.unpack(head)
+        if magic != MAGIC:
+            raise DatasetError(f"{path}: not an indexed-dataset index: starts with {magic!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise DatasetError(f"{path}: index version {version}; only version {VERSION} is known")
+        if code not in DTYPE_CODES:
+            raise DatasetError(f"{path}: unknown token dtype code {code}; known: {sorted(DTYPE_CODES)}")
+        dtype = np.dtype(DTYPE_CODES[code])
+        if dtype.kind not in "iu":
+            raise DatasetError(f"{path}: token dtype {dtype} is not an integer type")
+        body = _HEADER.size + 12 * count + 8 * doc_count
+        if size not in (body, body + count):  # + count: a multimodal index's sequence modes
+            what = "truncated" if size < body else "has trailing bytes"
+            raise DatasetError(f"{path}: {what}: {size} bytes, its header ({count} sequences, "
+                               f"{doc_count} document-index entries) implies {body}")
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        lengths = np.ndarray((count,), np.int32, raw, _HEADER.size)
+        pointers = np.ndarray((count,), np.int64, raw, _HEADER.size + 4 * count)
+        documents = np.ndarray((doc_count,), np.int64, raw, _HEADER.size + 12 * count)
         self._check_index(path, dtype, lengths, pointers, documents)
-        return dtype, lengths.astype(np.int64), documents
+        total = int(pointers[-1]) // dtype.itemsize + int(lengths[-1]) if count else 0
+        offsets = np.empty(doc_count, dtype=np.int64)  # token offset of each document's first sequence
+        for first in range(0, doc_count, _CHECK_SEQUENCES):
+            sequences = documents[first:first + _CHECK_SEQUENCES]
+            chunk = offsets[first:first + sequences.size]
+            inside = sequences < count
+            chunk[inside] = pointers[sequences[inside]] // dtype.itemsize
+            chunk[~inside] = total
+        return dtype, offsets
 
     @staticmethod
     def _check_index(path, dtype, lengths, pointers, documents) -> None:
-        if (lengths < 0).any():
-            raise DatasetError(f"{path}: corrupt: negative sequence length at sequence {int(np.argmax(lengths < 0))}")
-        starts = np.zeros(lengths.size, dtype=np.int64)
-        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=starts[1:])
-        bad = np.flatnonzero(pointers != starts)
-        if bad.size:
-            raise DatasetError(f"{path}: corrupt: sequence {bad[0]} points to byte {pointers[bad[0]]}, "
-                               f"but the sequences before it end at byte {starts[bad[0]]}")
+        """Lengths non-negative, pointers where the sequences before end, documents from 0 up to the sequence
+        count; checked in chunks, so the check's own memory stays small on any index."""
+        end = 0  # byte where the sequences checked so far end
+        for first in range(0, lengths.size, _CHECK_SEQUENCES):
+            chunk = lengths[first:first + _CHECK_SEQUENCES].astype(np.int64)
+            if (chunk < 0).any():
+                raise DatasetError(f"{path}: corrupt: negative sequence length at sequence "
+                                   f"{first + int(np.argmax(chunk < 0))}")
+            starts = np.empty(chunk.size, dtype=np.int64)
+            starts[0] = end
+            np.cumsum(chunk[:-1] * dtype.itemsize, out=starts[1:])
+            starts[1:] += end
+            bad = np.flatnonzero(pointers[first:first + chunk.size] != starts)
+            if bad.size:
+                s = first + int(bad[0])
+                raise DatasetError(f"{path}: corrupt: sequence {s} points to byte {pointers[s]}, "
+                                   f"but the sequences before it end at byte {starts[bad[0]]}")
+            end = int(starts[-1]) + int(chunk[-1]) * dtype.itemsize
         if documents.size == 0 or documents[0] != 0 or documents[-1] != lengths.size:
             raise DatasetError(f"{path}: corrupt: the document index must run from 0 to the {lengths.size} sequences, "
                                f"got {documents[:1].tolist()} ... {documents[-1:].tolist()}")
-        if (np.diff(documents) < 0).any():
-            raise DatasetError(f"{path}: corrupt: the document index decreases")
+        for first in range(0, documents.size, _CHECK_SEQUENCES):
+            if (np.diff(documents[first:first + _CHECK_SEQUENCES + 1]) < 0).any():
+                raise DatasetError(f"{path}: corrupt: the document index decreases")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id in [0, vocab_size): else the data was made with another tokenizer."""
