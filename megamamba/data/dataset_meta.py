@@ -1,22 +1,31 @@
-"""The tokenizer a dataset was made with, recorded beside its `.idx` and checked before training.
+"""What a dataset was made with and what it holds, recorded beside its `.idx` and checked before training.
 
     <prefix>.meta.json   {"format": "megamamba-dataset", "version": 1,
                           "tokenizer": {"name": spec given to preprocess, "identity": tokenizer.identity,
-                                        "vocab_size": ...}}
+                                        "vocab_size": ...},
+                          "tokens": {"bin_bytes": ..., "bin_mtime_ns": ..., "min_id": ..., "max_id": ...}}
 
 Token ids mean nothing without their tokenizer, and data made with another one trains without
 any error as long as its ids fit the vocabulary. Preprocessing writes this record; training
 refuses a dataset whose tokenizer differs from the run's (unless told to allow it), and accepts
 datasets made before records existed (or by Megatron) with a warning.
+
+"tokens" holds the smallest and largest id of `<prefix>.bin`, valid only for a .bin of exactly
+that size and modification time (vocab_check.py). Preprocessing records it as it writes the
+tokens; for a dataset without it, the first training start-up scans the .bin once and adds it,
+so a Megatron dataset gets a record holding "tokens" alone. Records are written under a
+temporary name and renamed, so a reader sees a whole record or the previous one.
 """
 import json
 import os
+import tempfile
 from typing import Optional
 
-from megamamba.data.indexed import DatasetError
+from megamamba.data.errors import DatasetError
 
 META_SUFFIX = ".meta.json"
 FORMAT, VERSION = "megamamba-dataset", 1
+_TOKEN_KEYS = ("bin_bytes", "bin_mtime_ns", "min_id", "max_id")
 
 
 def meta_path(prefix: str) -> str:
@@ -27,18 +36,24 @@ def tokenizer_record(tokenizer, spec: str) -> dict:
     return {"name": spec, "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size}
 
 
-def write_meta(prefix: str, tokenizer, spec: str) -> None:
-    """Write `<prefix>.meta.json` (under a temporary name first, so it is whole or absent)."""
-    record = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_record(tokenizer, spec)}
-    tmp = meta_path(prefix) + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+def token_range_record(bin_stat: os.stat_result, low: int, high: int) -> dict:
+    """The "tokens" part: ids in [low, high], for the .bin whose os.stat is `bin_stat`."""
+    return {"bin_bytes": bin_stat.st_size, "bin_mtime_ns": bin_stat.st_mtime_ns, "min_id": int(low),
+            "max_id": int(high)}
+
+
+def _write(prefix: str, record: dict) -> None:
+    """Write the record whole under a temporary name of its own, then rename it into place."""
+    path = meta_path(prefix)
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(os.path.abspath(path)),
+                                     prefix=os.path.basename(path) + ".", suffix=".tmp", delete=False) as f:
         json.dump(record, f, indent=2, sort_keys=True)
         f.write("\n")
-    os.replace(tmp, meta_path(prefix))
+    os.replace(f.name, path)
 
 
-def read_tokenizer_record(prefix: str) -> Optional[dict]:
-    """The recorded tokenizer of a dataset, None when it has no record; DatasetError when malformed."""
+def _read(prefix: str) -> Optional[dict]:
+    """The whole record, None when there is none; DatasetError when it is not a readable record."""
     path = meta_path(prefix)
     if not os.path.isfile(path):
         return None
@@ -47,10 +62,44 @@ def read_tokenizer_record(prefix: str) -> Optional[dict]:
             record = json.load(f)
     except (OSError, ValueError) as e:
         raise DatasetError(f"{path}: not a readable dataset record ({e})") from None
-    tokenizer = record.get("tokenizer") if isinstance(record, dict) else None
-    if record.get("format") != FORMAT or not isinstance(tokenizer, dict) or \
-            not {"name", "identity", "vocab_size"} <= set(tokenizer):
-        raise DatasetError(f"{path}: not a {FORMAT} record with tokenizer name, identity and vocab_size")
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise DatasetError(f"{path}: not a {FORMAT} record")
+    return record
+
+
+def write_meta(prefix: str, tokenizer, spec: str, tokens: Optional[dict] = None) -> None:
+    """Write `<prefix>.meta.json`: the tokenizer, and the token range when given."""
+    record = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_record(tokenizer, spec)}
+    if tokens is not None:
+        record["tokens"] = tokens
+    _write(prefix, record)
+
+
+def record_token_range(prefix: str, tokens: dict) -> None:
+    """Set the "tokens" part of the record (creating the record if there is none), keeping the rest."""
+    record = _read(prefix) or {"format": FORMAT, "version": VERSION}
+    _write(prefix, {**record, "tokens": tokens})
+
+
+def recorded_token_range(prefix: str, bin_stat: os.stat_result) -> Optional[tuple[int, int]]:
+    """(min id, max id) recorded for the .bin as `bin_stat` describes it; None when absent or for another .bin."""
+    record = _read(prefix)
+    tokens = record.get("tokens") if record else None
+    if not isinstance(tokens, dict) or not all(isinstance(tokens.get(k), int) for k in _TOKEN_KEYS):
+        return None
+    if (tokens["bin_bytes"], tokens["bin_mtime_ns"]) != (bin_stat.st_size, bin_stat.st_mtime_ns):
+        return None
+    return tokens["min_id"], tokens["max_id"]
+
+
+def read_tokenizer_record(prefix: str) -> Optional[dict]:
+    """The recorded tokenizer of a dataset, None when it has no record; DatasetError when malformed."""
+    record = _read(prefix)
+    if record is None or "tokenizer" not in record:
+        return None
+    tokenizer = record["tokenizer"]
+    if not isinstance(tokenizer, dict) or not {"name", "identity", "vocab_size"} <= set(tokenizer):
+        raise DatasetError(f"{meta_path(prefix)}: not a {FORMAT} record with tokenizer name, identity and vocab_size")
     return tokenizer
 
 

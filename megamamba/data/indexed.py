@@ -19,12 +19,16 @@ or empty dataset breaks. Both files are memory-mapped: a rank reads the tokens o
 it packs and, from the index, what the document offsets need (8 bytes a document of its own
 memory); ranks of a node share one page-cache copy of each file.
 """
+import math
 import os
 import struct
 from array import array
 from typing import Optional
 
 import numpy as np
+
+from megamamba.data.errors import DatasetError
+from megamamba.data.vocab_check import check_vocab
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -33,11 +37,6 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6
                8: np.uint16}
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _CHECK_SEQUENCES = 1 << 20  # index entries per chunk when checking an index
-_SCAN_TOKENS = 1 << 24  # tokens per chunk when scanning for the largest id
-
-
-class DatasetError(ValueError):
-    """A .bin/.idx pair that cannot be used as it is; the message names the file and the problem."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -49,7 +48,10 @@ class IndexedDatasetWriter:
     """Append documents to `<prefix>.bin`, then `finalize()` writes `<prefix>.idx`.
 
     Both files are written under temporary names and renamed at the end, so an interrupted
-    run never leaves a pair that looks complete.
+    run never leaves a pair that looks complete. `finalize()` is `close()` (both files complete
+    under their temporary names) then `commit()` (renamed into place); between the two, a record
+    of the finished .bin can be written beside it first (preprocess.py). `low` and `high` are the
+    smallest and largest id added (inf and -inf before any).
     """
 
     def __init__(self, prefix: str, dtype: np.dtype):
@@ -60,6 +62,7 @@ class IndexedDatasetWriter:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(prefix + ".bin.tmp", "wb")
         self.lengths = array("q")
+        self.low, self.high = math.inf, -math.inf
 
     def abort(self) -> None:
         """Close and remove the temporary files; nothing under the final names is touched."""
@@ -76,8 +79,15 @@ class IndexedDatasetWriter:
             raise ValueError(f"a document of {tokens.size} tokens: the index stores lengths as int32")
         self._bin.write(tokens.tobytes(order="C"))
         self.lengths.append(tokens.size)
+        if tokens.size:
+            self.low, self.high = min(self.low, int(tokens.min())), max(self.high, int(tokens.max()))
 
     def finalize(self) -> None:
+        self.close()
+        self.commit()
+
+    def close(self) -> os.stat_result:
+        """Finish both files under their temporary names; returns the .bin's os.stat (the rename keeps it)."""
         self._bin.close()
         count = len(self.lengths)
         lengths = np.array(self.lengths, dtype=np.int32)
@@ -89,6 +99,9 @@ class IndexedDatasetWriter:
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(documents.tobytes())
+        return os.stat(self.prefix + ".bin.tmp")
+
+    def commit(self) -> None:
         os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
         os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
 
@@ -97,7 +110,8 @@ class IndexedDataset:
     """A read-only, memory-mapped dataset of documents.
 
     `tokens` is the whole .bin as one array; document d is tokens[offsets[d]:offsets[d+1]].
-    With `vocab_size`, every token is checked to lie in [0, vocab_size) (one pass over .bin).
+    With `vocab_size`, every token is checked to lie in [0, vocab_size): from the dataset's
+    record, or by one scan of the .bin that is then recorded (vocab_check.py).
     """
 
     def __init__(self, prefix: str, vocab_size: Optional[int] = None):
@@ -118,7 +132,7 @@ class IndexedDataset:
                                f"({self.num_tokens} tokens of {self.dtype})")
         self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
         if vocab_size is not None:
-            self.check_vocab(vocab_size)
+            check_vocab(self, vocab_size)
 
     @property
     def num_documents(self) -> int:
@@ -192,14 +206,3 @@ class IndexedDataset:
         for first in range(0, documents.size, _CHECK_SEQUENCES):
             if (np.diff(documents[first:first + _CHECK_SEQUENCES + 1]) < 0).any():
                 raise DatasetError(f"{path}: corrupt: the document index decreases")
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Every token id in [0, vocab_size): else the data was made with another tokenizer."""
-        low, high = 0, -1
-        for start in range(0, self.tokens.size, _SCAN_TOKENS):
-            chunk = self.tokens[start:start + _SCAN_TOKENS]
-            low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
-        if high >= vocab_size or low < 0:
-            bad = high if high >= vocab_size else low
-            raise DatasetError(f"{self.prefix}.bin: token id {bad} is outside the vocabulary of {vocab_size} ids: "
-                               "the data was preprocessed with another tokenizer than the model's (or is corrupt)")

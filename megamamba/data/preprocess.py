@@ -10,7 +10,8 @@ never on the number of workers. With a validation fraction f, document number i 
 kept) goes to the validation set when frac(i * 0.618...) < f — a low-discrepancy rule that
 spreads the held-out documents evenly over the input — and the output is `<prefix>_train` and
 `<prefix>_valid`; without it, `<prefix>`. Beside each `.idx`, `<prefix>.meta.json` records the
-tokenizer (dataset_meta.py), which training checks. Invalid UTF-8 in the input is refused with
+tokenizer and the smallest and largest token id (dataset_meta.py), which training checks — the
+ids without reading the tokens again (vocab_check.py). Invalid UTF-8 in the input is refused with
 its file and line or byte offset, or replaced with U+FFFD under --replace-invalid-utf8
 (documents.py). Progress (rate and ETA) goes to stderr.
 """
@@ -22,7 +23,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from megamamba.data.dataset_meta import write_meta
+from megamamba.data.dataset_meta import token_range_record, write_meta
 from megamamba.data.documents import input_files, iter_documents, total_bytes
 from megamamba.data.indexed import DatasetError, IndexedDatasetWriter, token_dtype
 from megamamba.data.progress import Progress
@@ -134,8 +135,9 @@ def preprocess(inputs: list[str], tokenizer_spec: str, output_prefix: str, worke
             writer.abort()
         raise
     for prefix, writer in zip(prefixes, writers):
-        write_meta(prefix, tokenizer, tokenizer_spec)
-        writer.finalize()
+        bin_stat = writer.close()
+        write_meta(prefix, tokenizer, tokenizer_spec, token_range_record(bin_stat, writer.low, writer.high))
+        writer.commit()
     return prefixes
 
 

@@ -1,0 +1,88 @@
+"""The dataset vocabulary check, done once per dataset and remembered beside its index.
+
+Every id of a dataset must lie in [0, vocab_size): an id beyond it means data made with another
+tokenizer. Finding the smallest and largest id reads the whole `.bin`, which for terabytes of
+data on hundreds of ranks must not happen at every start-up. So the range is kept in the
+dataset's record (`<prefix>.meta.json`, dataset_meta.py) with the .bin's size and modification
+time: preprocessing records it as it writes the tokens, and a dataset without it (made by
+Megatron, or before the record existed) is scanned once by the first start-up, which records it.
+A start-up then checks the vocabulary against the record without reading any token. A record
+whose size or mtime differ from the .bin's describes another file: it is ignored and the .bin
+scanned again.
+
+Who scans: the process that gets an exclusive `flock` on the .bin first. The others wait on
+the lock and then find the record it wrote (renamed into place whole). No process group is
+needed, so this runs in train.py's checks before any exists: ranks sharing a filesystem scan a
+dataset once in all — once per node where each node has its own copy. Where the filesystem
+refuses the lock, every rank scans and writes the same record. Where the dataset's directory is
+not writable, nothing can be recorded and every start-up scans (its progress line says so).
+Scans of large files show progress (progress.py: plain lines when stderr is not a terminal).
+"""
+import fcntl
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+
+from megamamba.data.dataset_meta import record_token_range, recorded_token_range, token_range_record
+from megamamba.data.errors import DatasetError
+from megamamba.data.progress import Progress
+
+SCAN_TOKENS = 1 << 24  # tokens per chunk of a scan
+PROGRESS_BYTES = 1 << 28  # scans of .bin files at least this large show progress
+
+
+def scan_token_range(dataset, label: str, stream=sys.stderr) -> tuple[int, int]:
+    """(smallest, largest) id of `dataset.tokens`, read chunk by chunk, with progress on large files."""
+    tokens = dataset.tokens
+    progress = Progress(tokens.nbytes, label, stream=stream) if tokens.nbytes >= PROGRESS_BYTES else None
+    low, high = int(tokens[0]), int(tokens[0])
+    for start in range(0, tokens.size, SCAN_TOKENS):
+        chunk = tokens[start:start + SCAN_TOKENS]
+        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+        if progress is not None:
+            done = start + chunk.size
+            progress.update(done * tokens.itemsize, int(np.searchsorted(dataset.offsets, done, side="right")) - 1)
+    if progress is not None:
+        progress.close()
+    return low, high
+
+
+def _lock(f) -> None:
+    """Hold an exclusive flock on `f` until it is closed; where the filesystem refuses it, go on without."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    except OSError:
+        pass
+
+
+def token_range(dataset, stream=sys.stderr) -> tuple[int, int]:
+    """(smallest, largest) id of the dataset at `dataset.prefix`: recorded, or scanned once and recorded."""
+    bin_path = dataset.prefix + ".bin"
+    recorded = recorded_token_range(dataset.prefix, os.stat(bin_path))
+    if recorded is not None:
+        return recorded
+    folder = os.path.dirname(os.path.abspath(bin_path))
+    if not os.access(folder, os.W_OK):
+        return scan_token_range(dataset, f"vocabulary check of {bin_path} (not recorded: {folder} is not writable)",
+                                stream)
+    with open(bin_path, "rb") as f:
+        _lock(f)
+        stat = os.fstat(f.fileno())  # before the scan: a change during it leaves the record stale
+        recorded = recorded_token_range(dataset.prefix, stat)  # written while this process waited for the lock
+        if recorded is not None:
+            return recorded
+        low, high = scan_token_range(dataset, f"vocabulary check of {bin_path} (once: the result is recorded)",
+                                     stream)
+        record_token_range(dataset.prefix, token_range_record(stat, low, high))
+    return low, high
+
+
+def check_vocab(dataset, vocab_size: int, stream=sys.stderr) -> None:
+    """Every token id in [0, vocab_size): else the data was made with another tokenizer (DatasetError)."""
+    low, high = token_range(dataset, stream)
+    if high >= vocab_size or low < 0:
+        bad = high if high >= vocab_size else low
+        raise DatasetError(f"{dataset.prefix}.bin: token id {bad} is outside the vocabulary of {vocab_size} ids: "
+                           "the data was preprocessed with another tokenizer than the model's (or is corrupt)")

@@ -1,0 +1,142 @@
+"""The vocabulary check reads a dataset's tokens once: later start-ups trust its record while the .bin is unchanged."""
+import io
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from data_fixtures import write_dataset
+
+from megamamba.data import vocab_check
+from megamamba.data.dataset_meta import META_SUFFIX, read_tokenizer_record
+from megamamba.data.indexed import DatasetError, IndexedDataset
+from megamamba.data.preprocess import preprocess
+
+DOCS = [[1, 2, 3, 0], [4, 5, 0], [6, 7, 8, 9, 0]]
+
+
+@pytest.fixture
+def scans(monkeypatch):
+    """The number of scans of .bin files made so far (every scan is counted, then done as usual)."""
+    count = [0]
+    real = vocab_check.scan_token_range
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(vocab_check, "scan_token_range", counted)
+    return count
+
+
+def tokens_record(prefix):
+    with open(prefix + META_SUFFIX) as f:
+        return json.load(f)["tokens"]
+
+
+def test_preprocess_records_the_token_range_of_what_it_wrote(corpus_jsonl, tmp_path):
+    (prefix,) = preprocess([corpus_jsonl], "bytes", str(tmp_path / "c"), progress_stream=io.StringIO())
+    tokens = np.fromfile(prefix + ".bin", np.uint16)
+    record = tokens_record(prefix)
+    assert (record["min_id"], record["max_id"]) == (int(tokens.min()), int(tokens.max()))
+    assert (record["bin_bytes"], record["bin_mtime_ns"]) == (os.path.getsize(prefix + ".bin"),
+                                                             os.stat(prefix + ".bin").st_mtime_ns)
+
+
+def test_a_preprocessed_dataset_is_checked_without_reading_a_token(corpus_jsonl, tmp_path, scans):
+    (prefix,) = preprocess([corpus_jsonl], "bytes", str(tmp_path / "c"), progress_stream=io.StringIO())
+    IndexedDataset(prefix, vocab_size=257)
+    assert scans[0] == 0
+
+
+def test_a_dataset_without_a_record_is_scanned_once_then_trusted(tmp_path, scans):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    IndexedDataset(prefix, vocab_size=10)
+    assert scans[0] == 1 and tokens_record(prefix)["max_id"] == 9
+    dataset = IndexedDataset(prefix)
+    dataset.tokens = None  # a second start-up's check must not touch the tokens
+    vocab_check.check_vocab(dataset, 10)
+    assert scans[0] == 1
+
+
+def test_a_dataset_made_by_another_tool_keeps_its_missing_tokenizer_record(tmp_path):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    IndexedDataset(prefix, vocab_size=10)
+    assert read_tokenizer_record(prefix) is None and os.path.exists(prefix + META_SUFFIX)
+
+
+def test_a_rewritten_dataset_is_scanned_again_and_its_new_ids_refused(tmp_path, scans):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    IndexedDataset(prefix, vocab_size=10)
+    write_dataset(prefix, DOCS + [[12, 0]])  # another .bin (and size) under the old record
+    with pytest.raises(DatasetError, match=r"d.bin: token id 12 is outside the vocabulary of 10 ids"):
+        IndexedDataset(prefix, vocab_size=10)
+    assert scans[0] == 2 and tokens_record(prefix)["max_id"] == 12
+
+
+def test_a_bin_changed_in_place_is_scanned_again(tmp_path, scans):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    IndexedDataset(prefix, vocab_size=10)
+    with open(prefix + ".bin", "r+b") as f:
+        f.write(np.array([300], np.uint16).tobytes())  # same size, another first id
+    stat = os.stat(prefix + ".bin")
+    os.utime(prefix + ".bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    with pytest.raises(DatasetError, match=r"token id 300 is outside the vocabulary of 10 ids: the data was "
+                                           r"preprocessed with another tokenizer"):
+        IndexedDataset(prefix, vocab_size=10)
+    assert scans[0] == 2
+
+
+def test_an_id_beyond_the_vocabulary_is_refused_from_the_record_too(tmp_path, scans):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    for _ in range(2):
+        with pytest.raises(DatasetError, match=r"d.bin: token id 9 is outside the vocabulary of 9 ids"):
+            IndexedDataset(prefix, vocab_size=9)
+    assert scans[0] == 1
+
+
+def test_ranks_starting_together_scan_a_dataset_once(tmp_path, monkeypatch):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    count = [0]
+    real = vocab_check.scan_token_range
+
+    def slow_scan(*args, **kwargs):
+        count[0] += 1
+        time.sleep(0.2)  # the others arrive while this one scans, and wait on its lock
+        return real(*args, **kwargs)
+    monkeypatch.setattr(vocab_check, "scan_token_range", slow_scan)
+    errors = []
+
+    def rank():
+        try:
+            IndexedDataset(prefix, vocab_size=10)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and count[0] == 1
+
+
+def test_a_large_scan_shows_progress_as_plain_lines_off_a_terminal(tmp_path, monkeypatch):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    monkeypatch.setattr(vocab_check, "PROGRESS_BYTES", 0)
+    monkeypatch.setattr(vocab_check, "SCAN_TOKENS", 4)
+    stream = io.StringIO()
+    assert vocab_check.token_range(IndexedDataset(prefix), stream) == (0, 9)
+    text = stream.getvalue()
+    assert "\r" not in text and text.splitlines()[-1].startswith(f"vocabulary check of {prefix}.bin (once: the "
+                                                                  "result is recorded): 100.0% | 3 docs |")
+
+
+def test_a_dataset_in_a_directory_it_cannot_write_is_scanned_and_says_why(tmp_path, monkeypatch):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    monkeypatch.setattr(vocab_check.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(vocab_check, "PROGRESS_BYTES", 0)
+    stream = io.StringIO()
+    assert vocab_check.token_range(IndexedDataset(prefix), stream) == (0, 9)
+    assert f"(not recorded: {tmp_path} is not writable)" in stream.getvalue()
+    assert not os.path.exists(prefix + META_SUFFIX)
