@@ -2,6 +2,8 @@
 
     --data 0.7 a 0.3 b  (or one prefix)   preprocessed datasets, blended (megamamba.data.blend)
     --valid-data PREFIX ...               the validation blend (e.g. the `_valid` sets of preprocess)
+    --split 969,30,1                      or Megatron's: validation carved from --data by document
+                                          ranges (megamamba.data.split; its test part is unused)
     no --data                             the built-in corpus (megamamba.corpus), tokenized in memory
                                           with --tokenizer; preprocess's held-out rule puts every
                                           ~20th document (BUILTIN_VALID_FRACTION) in validation
@@ -26,6 +28,7 @@ from megamamba.data.batches import PackedGlobalBatches, open_blend
 from megamamba.data.blend import parse_blend
 from megamamba.data.dataset_meta import check_tokenizer
 from megamamba.data.preprocess import is_validation
+from megamamba.data.split import split_blend
 from megamamba.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 BUILTIN_VALID_FRACTION = 0.05
@@ -68,23 +71,33 @@ class TrainingData:
 
 def training_data(model: MambaConfig, tokenizer_spec: str, data: Sequence[str], valid_data: Sequence[str],
                   seq_length: int, global_batch_size: int, seed: int, reset_at_documents: bool = True,
-                  needs_validation: bool = False, allow_tokenizer_mismatch: bool = False) -> TrainingData:
+                  needs_validation: bool = False, allow_tokenizer_mismatch: bool = False,
+                  split: Optional[str] = None) -> TrainingData:
     """The run's data (see the module docstring); ValueError/OSError with one message when unusable."""
     tokenizer = load_tokenizer(tokenizer_spec)
     check_vocab(model, tokenizer)
     if not data and valid_data:
         raise ValueError("--valid-data without --data: the built-in corpus brings its own validation split")
+    if split is not None and not data:
+        raise ValueError("--split without --data: the built-in corpus brings its own validation split")
+    if split is not None and valid_data:
+        raise ValueError("--split and --valid-data both give validation data: keep one (--split carves it from --data)")
     prefixes = dict.fromkeys(p for blend in (data, valid_data) if blend for _, p in parse_blend(blend))
     notes = [check_tokenizer(p, tokenizer, tokenizer_spec, allow_tokenizer_mismatch) for p in prefixes]
     if data:
         train_sets, train_weights = open_blend(data, tokenizer.vocab_size)
         valid = open_blend(valid_data, tokenizer.vocab_size) if valid_data else None
+        if split is not None:
+            parts = split_blend(train_sets, split)
+            train_sets = parts.train
+            valid = (parts.valid, train_weights) if parts.valid is not None else None
     else:
         train_set, valid_set = builtin_datasets(tokenizer)
         (train_sets, train_weights), valid = ([train_set], [1]), ([valid_set], [1])
     if needs_validation and valid is None:
         raise ValueError("--eval-interval > 0 with --data needs --valid-data (e.g. the <prefix>_valid "
-                         "datasets that preprocess --valid-fraction writes)")
+                         "datasets that preprocess --valid-fraction writes) or a --split with a validation part "
+                         "(e.g. --split 969,30,1)")
     train = PackedGlobalBatches(train_sets, train_weights, seq_length, global_batch_size, seed, reset_at_documents)
     if valid is not None:
         valid = PackedGlobalBatches(*valid, seq_length, global_batch_size, seed + 1, reset_at_documents)
