@@ -25,7 +25,6 @@ and none pruned while steps are being skipped (non-finite, or a --loss-spike-fac
 --keep-last never removes the newest checkpoint from before the first skipped step.
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -46,7 +45,7 @@ from megamamba.metrics import MetricsLogger
 from megamamba.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
-from megamamba.pipelines import checkpointing, init_from
+from megamamba.pipelines import checkpointing
 from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.ds_translate import optimizer_settings
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
@@ -62,7 +61,6 @@ from megamamba.pipelines.faults import (
 )
 from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from megamamba.pipelines.module import check_partition_method
-from megamamba.pipelines.resume import fresh, records, resume_line, resumed_run
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
 from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
 
@@ -132,24 +130,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", default=None,
                    help="resume from: auto (the newest complete checkpoint under --save; none yet: start afresh), "
                         "a save directory (its latest) or a checkpoint directory")
-    p.add_argument("--no-load-optim", action="store_true",
-                   help="with --load: the weights and the step count only; fresh optimizer state and LR schedule")
-    p.add_argument("--no-load-rng", action="store_true", help="with --load: do not restore the RNG states")
-    p.add_argument("--override-data-check", action="store_true",
-                   help="resume even though the data, tokenizer, --seq-length, --seed or document resets differ from "
-                        "the checkpoint's (refused otherwise): the sample stream continues at its count with the new "
-                        "settings")
-    p.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-                   help="resume even though the LR plan differs from the checkpoint's (refused otherwise): follow "
-                        "the flags' plan from the checkpoint's step")
-    p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from the weights of DIR (a checkpoint or save directory, a model folder, a mamba_ssm "
-                        "or transformers Mamba/Mamba2 folder; checksums verified when it has a manifest) at step 0 "
-                        "with a fresh optimizer, LR schedule and RNG; its config must equal --model-config. A "
-                        "checkpoint that --load finds wins: --init-from DIR --save D --load auto resumes on requeue")
-    p.add_argument("--finetune", action="store_true",
-                   help="Megatron's: only the weights of --load, at step 0 with a fresh optimizer, LR schedule and "
-                        "RNG (the same as --init-from, which a requeue-safe job uses with --load auto)")
     p.add_argument("--save-interval", type=int, default=0, help="checkpoint every this many steps (0: at the end)")
     p.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep (default: all)")
     p.add_argument("--max-skipped-steps", type=int, default=5,
@@ -226,7 +206,6 @@ class RunPlan(NamedTuple):
     data: TrainingData
     optimizer: OptimizerSettings
     deepspeed_line: Optional[str]  # what the JSON's optimizer/scheduler/bf16 blocks became; None without them
-    ds_config: dict  # the DeepSpeed config with the batch flags applied (a resume re-plans the LR from it)
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
@@ -254,10 +233,6 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     except (OSError, ValueError) as e:
         raise LayoutError(str(e)) from None
     try:
-        init_from.check_flags(args.init_from, args.finetune, args.load)
-    except ValueError as e:
-        raise LayoutError(str(e)) from None
-    try:
         checkpointing.check_flags(args.save, args.load, args.save_interval, args.keep_last)
     except CheckpointError as e:
         raise LayoutError(str(e)) from None
@@ -271,7 +246,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     without_monitors = {k: v for k, v in ds_config.items() if k not in MONITOR_BLOCKS}  # our logger writes them
     return RunPlan(train_iters, layout, model,
                    engine_config(without_monitors, layout, args.clip_grad, args.sequence_parallel),
-                   settings.optimizer.schedule, monitors, data, settings.optimizer, settings.line, ds_config)
+                   settings.optimizer.schedule, monitors, data, settings.optimizer, settings.line)
 
 
 def peak_memory_gb() -> float:
@@ -339,22 +314,15 @@ def main(argv=None) -> dict:
 
 def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: float) -> dict:
     """The training loop of `main`, after start-up; returns this rank's summary."""
-    layout, model_config = plan.layout, plan.model
-    load, initial = init_from.sources(args.init_from, args.finetune, args.load)
+    layout, model_config, schedule = plan.layout, plan.model, plan.schedule
+    settings = plan.optimizer
     try:
-        resume = checkpointing.open_for_run(load, args.save, model_config)
-        run = (resumed_run(resume, args, plan.data, layout.global_batch_size, plan.train_iters, plan.schedule,
-                           plan.ds_config) if resume else fresh(plan.train_iters, plan.schedule, layout.global_batch_size))
-        settings = dataclasses.replace(plan.optimizer, schedule=run.schedule)
-        start = init_from.open_source(*initial, model_config) if initial and not resume else None
+        resume = checkpointing.open_for_run(args.load, args.save, model_config)
         trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
                                 args.checkpoint_activations_interval, args.sequence_parallel)
-        if args.save or load:
+        if args.save or args.load:
             checkpointing.check_trainer(trainer)
-        if resume:
-            checkpointing.load(trainer, resume, model_config, not args.no_load_optim, not args.no_load_rng)
-        if start:
-            init_from.load_weights(trainer, start, model_config)
+        first_step = checkpointing.load(trainer, resume, model_config) if resume else 0
     except CheckpointError as e:
         fail(e)
     stop = StopRequest()
@@ -363,42 +331,33 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
     watchdog = Watchdog(args.step_timeout)
     train, valid = plan.data.train, plan.data.valid
-    first_step, train_iters = run.step, run.train_iters
-    logger = MetricsLogger(rank == 0, args.metrics_jsonl, total_steps=train_iters, **plan.monitors._asdict())
+    logger = MetricsLogger(rank == 0, args.metrics_jsonl, total_steps=plan.train_iters, **plan.monitors._asdict())
     tokens_per_step = layout.global_batch_size * args.seq_length
     flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
     stage_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.module.parameters())  # ZeRO-3: full size
     low, high = agree([-stage_params, stage_params], op="max")
     if rank == 0:
         print_line("\n".join(startup_summary(
-            model=model_config, layout=layout, seq_length=args.seq_length, train_iters=train_iters,
-            schedule=run.lr_plan, engine_config=plan.engine_config, data=plan.data,
+            model=model_config, layout=layout, seq_length=args.seq_length, train_iters=plan.train_iters,
+            schedule=schedule, engine_config=plan.engine_config, data=plan.data,
             total_params=count_parameters(model_config), stage_params=(int(-low), int(high)), save=args.save,
             load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
         if resume:
-            if run.warning:
-                print_line(f"train.py: warning: {run.warning}")
-            print_line(resume_line(resume.path, run))
-            if initial:
-                print_line(f"train.py: {initial[0]} not used: --load found {resume.path} to resume")
-        if start:
-            print_line(init_from.startup_line(start))
+            print_line(f"train.py: resumed from {resume.path}: next step {first_step} of {plan.train_iters}, "
+                       f"next sample {first_step * layout.global_batch_size}")
 
     def micro_batches(data, step):
         return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size)
 
-    def first_sample(step):  # the data stream is addressed by consumed samples, not by step
-        return run.consumed_samples + (step - first_step) * layout.global_batch_size
-
     summary = {"records": [], "stage_parameters": stage_params,
                "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
     steps_timed, seconds = 0, 0.0
+    train_iters = plan.train_iters
     clock = StepClock(job_start, time.perf_counter(), train_iters)
     for step in range(first_step, train_iters):
         start = time.perf_counter()
         lr = trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
-        batches = train.micro_batches_at(first_sample(step), trainer.dp_rank, layout.dp, layout.micro_batch_size)
-        outcome = agree_step(trainer.train_step(batches), guard.nonfinite(), stop.received)
+        outcome = agree_step(trainer.train_step(micro_batches(train, step)), guard.nonfinite(), stop.received)
         trainer.finish_step(outcome.applied)
         seconds += time.perf_counter() - start
         steps_timed += 1
@@ -449,9 +408,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
                 with watchdog.paused():
                     saved = checkpointing.save(trainer, model_config, args.save, step + 1,
                                                scheduler=trainer.lr_scheduler,
-                                               extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp],
-                                                      **records(run, plan.data, args.tokenizer, first_sample(step + 1),
-                                                                trainer.lr_scheduler.last_epoch)},
+                                               extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},
                                                tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
                                                protect=last_good and os.path.basename(last_good))
                 newest = os.path.join(args.save, tag_for(step + 1))
