@@ -18,7 +18,7 @@ temporary name and renamed, so a reader sees a whole record or the previous one.
 """
 import json
 import os
-import tempfile
+import uuid
 from typing import Optional
 
 from megamamba.data.errors import DatasetError
@@ -43,13 +43,14 @@ def token_range_record(bin_stat: os.stat_result, low: int, high: int) -> dict:
 
 
 def _write(prefix: str, record: dict) -> None:
-    """Write the record whole under a temporary name of its own, then rename it into place."""
+    """Write the record whole under a temporary name of its own (processes on several hosts may write at
+    once), then rename it into place; created as open() creates files, readable as the dataset is."""
     path = meta_path(prefix)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(os.path.abspath(path)),
-                                     prefix=os.path.basename(path) + ".", suffix=".tmp", delete=False) as f:
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "x", encoding="utf-8") as f:
         json.dump(record, f, indent=2, sort_keys=True)
         f.write("\n")
-    os.replace(f.name, path)
+    os.replace(tmp, path)
 
 
 def _read(prefix: str) -> Optional[dict]:

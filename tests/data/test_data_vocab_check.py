@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import stat
 import threading
 import time
 
@@ -140,3 +141,11 @@ def test_a_dataset_in_a_directory_it_cannot_write_is_scanned_and_says_why(tmp_pa
     assert vocab_check.token_range(IndexedDataset(prefix), stream) == (0, 9)
     assert f"(not recorded: {tmp_path} is not writable)" in stream.getvalue()
     assert not os.path.exists(prefix + META_SUFFIX)
+
+
+def test_the_record_is_as_readable_as_the_dataset_and_leaves_no_temporary_file(tmp_path):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    IndexedDataset(prefix, vocab_size=10)
+    mode = stat.S_IMODE(os.stat(prefix + META_SUFFIX).st_mode)
+    assert mode == stat.S_IMODE(os.stat(prefix + ".bin").st_mode), oct(mode)
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.meta.json"]
