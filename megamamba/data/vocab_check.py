@@ -21,7 +21,6 @@ Scans of large files show progress (progress.py: plain lines when stderr is not 
 import fcntl
 import os
 import sys
-from typing import Optional
 
 import numpy as np
 
