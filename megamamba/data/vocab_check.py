@@ -74,7 +74,10 @@ def token_range(dataset, stream=sys.stderr) -> tuple[int, int]:
             return recorded
         low, high = scan_token_range(dataset, f"vocabulary check of {bin_path} (once: the result is recorded)",
                                      stream)
-        record_token_range(dataset.prefix, token_range_record(stat, low, high))
+        try:
+            record_token_range(dataset.prefix, token_range_record(stat, low, high))
+        except OSError as e:  # a full disk, a quota: this run's check stands, the next start-up scans again
+            stream.write(f"vocabulary check of {bin_path}: not recorded ({e}); the next start-up scans again\n")
     return low, high
 
 

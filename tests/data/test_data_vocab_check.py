@@ -149,3 +149,15 @@ def test_the_record_is_as_readable_as_the_dataset_and_leaves_no_temporary_file(t
     mode = stat.S_IMODE(os.stat(prefix + META_SUFFIX).st_mode)
     assert mode == stat.S_IMODE(os.stat(prefix + ".bin").st_mode), oct(mode)
     assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.meta.json"]
+
+
+def test_a_record_that_cannot_be_written_leaves_the_check_standing_and_says_so(tmp_path, monkeypatch):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(vocab_check, "record_token_range", full_disk)
+    stream = io.StringIO()
+    assert vocab_check.token_range(IndexedDataset(prefix), stream) == (0, 9)
+    assert stream.getvalue() == (f"vocabulary check of {prefix}.bin: not recorded ([Errno 28] No space left on "
+                                 "device); the next start-up scans again\n")
