@@ -6,6 +6,12 @@ decode(encode(text)) == text for any text. `</s>` (id 1) is the end-of-document 
 is 0; there is no BOS or padding piece. The result depends only on the documents, the options,
 the seed and the thread count (SentencePiece splits work by thread), never on the machine's
 core count, so the same input gives a byte-identical `.model`.
+
+Unigram piece scores are rounded to multiples of 1/64: SentencePiece sums them in float32,
+transformers' tokenizers in float64, and segmentations of equal score (a run of 27 "*" as
+16 + 11 or 11 + 16) would otherwise be told apart by rounding error, differently by each. On the
+grid, sums are exact in both up to 2**18 in magnitude (some 20,000 tokens into one text), so
+ties break by the same rule and an export encodes as SentencePiece does.
 """
 import hashlib
 import io
@@ -14,6 +20,7 @@ import shutil
 from typing import Iterable
 
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 
 from megamamba.tokenizer.base import TokenizerError
 
@@ -22,6 +29,7 @@ MODEL_TYPES = ("bpe", "unigram")
 TRAIN_THREADS = 4
 # 256 byte pieces + <unk> + </s> + "\n": below this SentencePiece has no room for merges.
 MIN_VOCAB_SIZE = 260
+UNIGRAM_SCORE_STEP = 1 / 64
 
 
 class SentencePieceTokenizer:
@@ -102,5 +110,14 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
     path = output_prefix + ".model"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:
-        f.write(model.getvalue())
+        f.write(_on_score_grid(model.getvalue()) if model_type == "unigram" else model.getvalue())
     return path
+
+
+def _on_score_grid(model: bytes) -> bytes:
+    """The unigram model with every score rounded to a multiple of UNIGRAM_SCORE_STEP (module docstring)."""
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    for piece in proto.pieces:
+        piece.score = round(piece.score / UNIGRAM_SCORE_STEP) * UNIGRAM_SCORE_STEP
+    return proto.SerializeToString()
