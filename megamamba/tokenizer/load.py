@@ -3,8 +3,9 @@
     "bytes"                      the byte tokenizer (257 ids)
     path/to/name.model           a SentencePiece model
     path/to/tokenizer.json       a Hugging Face tokenizers file
-    path/to/folder               the tokenizer a `save` wrote there (tokenizer.model,
-                                 tokenizer.json, or tokenizer_config.json naming "bytes")
+    path/to/folder               the tokenizer a `save` wrote there: tokenizer_config.json naming
+                                 "bytes" (a transformers export of it also holds a tokenizer.json),
+                                 else tokenizer.model, else tokenizer.json
 """
 import json
 import os
@@ -18,14 +19,15 @@ BYTES_SPEC = "bytes"
 
 def find_tokenizer(directory: str):
     """The spec of the tokenizer saved in `directory`, or None when it holds none."""
-    for name in (MODEL_FILE, JSON_FILE):
-        if os.path.isfile(os.path.join(directory, name)):
-            return os.path.join(directory, name)
     config = os.path.join(directory, CONFIG_FILE)
     if os.path.isfile(config):
         with open(config) as f:
-            if json.load(f) == BYTES_MARKER:
-                return BYTES_SPEC
+            fields = json.load(f)
+        if isinstance(fields, dict) and BYTES_MARKER.items() <= fields.items():
+            return BYTES_SPEC
+    for name in (MODEL_FILE, JSON_FILE):
+        if os.path.isfile(os.path.join(directory, name)):
+            return os.path.join(directory, name)
     return None
 
 
