@@ -1,13 +1,18 @@
 """Convert between our checkpoints / model folders and Hugging Face or mamba_ssm weights.
 
     python -m megamamba.convert export --checkpoint DIR [--tag step_000100] --output HF_DIR
+                                      [--max-shard-size 5GB] [--no-tokenizer]
     python -m megamamba.convert import --from hf|mamba_ssm --input DIR --output MODEL_DIR
 
 export: DIR is a checkpoint (step_N), a save directory (its `latest`, or --tag) or a model
 folder; a checkpoint's sizes and checksums are verified first, a model folder without a manifest
-is read as such (with a note); HF_DIR gets transformers' config.json + model.safetensors (+ the tokenizer files the
-source holds), loadable by `MambaForCausalLM` / `Mamba2ForCausalLM` (`megamamba.hf` maps the
-names and fields and refuses, by name, what transformers cannot represent).
+is read as such (with a note); HF_DIR gets transformers' config.json and weights, loadable by
+`MambaForCausalLM` / `Mamba2ForCausalLM` (`megamamba.hf` maps the names and fields and refuses,
+by name, what transformers cannot represent). The weights stream tensor by tensor into
+model.safetensors, or above --max-shard-size into shards with model.safetensors.index.json
+(megamamba.safetensors_stream). The source's tokenizer becomes a tokenizer.json (+ config) that
+`AutoTokenizer` loads, checked to encode and decode sample text as ours does; when it cannot be
+(the refusal says why), --no-tokenizer exports without tokenizer files.
 
 import: DIR holds transformers' config.json + model.safetensors (or sharded, with
 model.safetensors.index.json), or mamba_ssm's config.json + pytorch_model.bin / model.safetensors;
@@ -19,6 +24,7 @@ an empty directory); it is written beside it, fsynced, and renamed into place. R
 line, exit status 2.
 """
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -26,7 +32,7 @@ import sys
 import torch
 from safetensors import SafetensorError
 
-from megamamba.checkpoint.checkpoint import Checkpoint, check_model_tensors
+from megamamba.checkpoint.checkpoint import Checkpoint, check_model_shapes, check_model_tensors, parameter_shapes
 from megamamba.checkpoint.files import (
     CheckpointError,
     fsync_file,
@@ -35,14 +41,15 @@ from megamamba.checkpoint.files import (
     rename,
     sync_dir,
     write_json,
-    write_tensors,
 )
 from megamamba.checkpoint.store import resolve_model_folder
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.hf import HFFormatError, config_from_hf, decode_special_floats, hf_config, hf_state, state_from_hf
-from megamamba.lm import MambaLM
-from megamamba.model_folder import CONFIG_FILE, WEIGHTS_FILE, save_model_folder
+from megamamba.lm import EMBEDDING, HEAD, MambaLM
+from megamamba.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
+from megamamba.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, DTYPES, TensorReader, parse_size, write_sharded
 from megamamba.tokenizer import TokenizerError, find_tokenizer, load_tokenizer
+from megamamba.tokenizer.transformers_export import write_transformers_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 SHARD_INDEX = "model.safetensors.index.json"
@@ -54,19 +61,30 @@ class ConvertError(Exception):
 
 
 def _source(directory: str, tag: str = None) -> tuple:
-    """(config, full tensors by our names, their directory) of a checkpoint, save directory or model folder."""
+    """(config, folder holding the weights) of a checkpoint (verified), save directory or model folder."""
     if tag:
         ckpt = Checkpoint(os.path.join(directory, tag))
-        return ckpt.config, ckpt.model_tensors(), ckpt.path
+        return ckpt.config, ckpt.path
     folder, verified = resolve_model_folder(directory)
     if verified:
-        ckpt = Checkpoint(folder, hashes=False)
-        return ckpt.config, ckpt.model_tensors(), ckpt.path
+        return Checkpoint(folder, hashes=False).config, folder
     print(f"convert: note: {folder} has no manifest.json: reading it as a plain model folder, without checksums",
           file=sys.stderr, flush=True)
-    config = _our_config(os.path.join(directory, CONFIG_FILE))
-    weights = os.path.join(directory, WEIGHTS_FILE)
-    return config, check_model_tensors(read_tensors(weights), config, weights), directory
+    return _our_config(os.path.join(directory, CONFIG_FILE)), directory
+
+
+def _export_names(reader: TensorReader, config: MambaConfig) -> dict:
+    """transformers' name -> ours of the tensors to export, in model order; names and shapes checked on headers.
+
+    A tied head the folder holds anyway must equal the embedding (the two are compared) and is left out.
+    """
+    names = set(reader.files)
+    if config.tie_embeddings and HEAD in names:
+        if EMBEDDING in names and not torch.equal(reader.load(HEAD), reader.load(EMBEDDING)):
+            raise ConvertError(f"{reader.directory}: tie_embeddings is true but {HEAD} differs from {EMBEDDING}")
+        names.discard(HEAD)
+    check_model_shapes({n: reader.spec(n).shape for n in names}, config, reader.directory)
+    return hf_state({n: n for n in parameter_shapes(config) if n in names}, config)
 
 
 def _our_config(path: str) -> MambaConfig:
@@ -93,26 +111,49 @@ def _staging(output: str) -> str:
     return staging
 
 
-def _finish(staging: str, output: str, tokenizer_source: str) -> None:
-    """Copy the tokenizer files, fsync everything and rename the staging directory to `output`."""
-    for name in _tokenizer_files(tokenizer_source):
-        shutil.copyfile(os.path.join(tokenizer_source, name), os.path.join(staging, name))
+def _finish(staging: str, output: str, tokenizer_source: str = None) -> None:
+    """Copy the tokenizer files (of `tokenizer_source`, if given), fsync everything and rename staging to `output`."""
+    if tokenizer_source is not None:
+        for name in _tokenizer_files(tokenizer_source):
+            shutil.copyfile(os.path.join(tokenizer_source, name), os.path.join(staging, name))
     for name in os.listdir(staging):
         fsync_file(os.path.join(staging, name))
     sync_dir(staging)
     rename(staging, output)
 
 
-def export_hf(directory: str, output: str, tag: str = None) -> str:
-    """Write transformers' folder for the checkpoint / model folder `directory`; returns `output`."""
-    config, state, source = _source(directory, tag)
-    tokenizer = find_tokenizer(source)
-    eos = load_tokenizer(tokenizer).eod if tokenizer is not None else None
-    hf = hf_config(config, state["backbone.embedding.weight"].dtype, eos)
-    staging = _staging(output)
-    write_json(os.path.join(staging, CONFIG_FILE), hf)
-    write_tensors(os.path.join(staging, WEIGHTS_FILE), hf_state(state, config), metadata={"format": "pt"})
-    _finish(staging, output, source)
+def export_hf(directory: str, output: str, tag: str = None, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+              tokenizer: bool = True) -> str:
+    """Write transformers' folder for the checkpoint / model folder `directory`; returns `output`.
+
+    Tensors stream one at a time (sharded above `max_shard_size`); tokenizer=False writes no tokenizer files.
+    """
+    try:
+        parse_size(max_shard_size)
+    except ValueError as e:
+        raise ConvertError(f"--max-shard-size {e}") from None
+    config, source = _source(directory, tag)
+    spec = find_tokenizer(source) if tokenizer else None
+    try:
+        ours = load_tokenizer(spec) if spec is not None else None
+        with TensorReader(source) as reader:
+            names = _export_names(reader, config)
+            specs = [dataclasses.replace(reader.spec(n), name=hf) for hf, n in names.items()]
+            hf = hf_config(config, DTYPES[reader.spec(EMBEDDING).dtype], ours.eod if ours is not None else None)
+            staging = _staging(output)
+            try:
+                write_json(os.path.join(staging, CONFIG_FILE), hf)
+                if ours is not None:
+                    write_transformers_tokenizer(ours, staging)
+                write_sharded(staging, specs, lambda name: reader.load(names[name]), max_shard_size)
+            except BaseException:
+                shutil.rmtree(staging)
+                raise
+    except ModelFolderError as e:
+        raise ConvertError(str(e)) from None
+    except TokenizerError as e:
+        raise ConvertError(f"{e}; not exported: --no-tokenizer exports the model without tokenizer files") from None
+    _finish(staging, output)
     return output
 
 
@@ -172,6 +213,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--checkpoint", required=True, help="checkpoint, save directory (uses latest) or model folder")
     e.add_argument("--tag", default=None, help="checkpoint in the save directory, e.g. step_000100")
     e.add_argument("--output", required=True)
+    e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                   help="largest weights file, e.g. 5GB (10**9 bytes), 4GiB or a byte count; above it the weights "
+                        "are sharded with an index, as transformers shards")
+    e.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                   help="write no tokenizer files (when the source's tokenizer cannot be exported: the "
+                        "refusal says why)")
     i = sub.add_parser("import", help="Hugging Face or mamba_ssm folder -> our model folder")
     i.add_argument("--from", dest="source_format", required=True, choices=["hf", "mamba_ssm"])
     i.add_argument("--input", required=True)
@@ -183,7 +230,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         if args.command == "export":
-            out = export_hf(args.checkpoint, args.output, args.tag)
+            out = export_hf(args.checkpoint, args.output, args.tag, args.max_shard_size, args.tokenizer)
         else:
             out = import_weights(args.source_format, args.input, args.output)
     except (ConvertError, CheckpointError, HFFormatError, SafetensorError, TokenizerError) as e:

@@ -1,0 +1,156 @@
+"""safetensors read and written one tensor at a time, sharded above a size limit as transformers shards.
+
+`TensorReader(folder)` describes every tensor of a folder's set (model.safetensors, or shards with
+an index) from the file headers alone and loads one tensor per call. `write_sharded(folder,
+specs, load, max_shard_size)` writes a set the same way: the shards are planned from the specs
+(name, dtype, shape), each file's header is written first, then each tensor's bytes as `load(name)`
+returns it, which is dropped before the next is loaded. So the writer holds one tensor, never a
+shard; transformers' own save holds a whole shard (its 5GB default).
+
+Shards fill in the order of the specs: a tensor that would take a shard past the limit starts
+the next one, and a tensor above the limit gets a shard of its own (transformers' rule). One
+shard is written as `model.safetensors`; more as `model-00001-of-0000N.safetensors`, ... listed
+by `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map": {name: file}}).
+In a file the widest dtypes come first, so every tensor starts at a multiple of its element size,
+and the header is padded with spaces to a multiple of 8 bytes, as the safetensors library does.
+The caller makes the files durable (fsync) and the folder's appearance atomic.
+"""
+import contextlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from megamamba.model_folder import WEIGHTS_STEM, ModelFolderError, index_file, shard_file, weight_map
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors' name: "F32", "BF16", ...
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for n in self.shape:
+            count *= n
+        return count * DTYPES[self.dtype].itemsize
+
+
+def parse_size(text) -> int:
+    """Bytes of a size as transformers writes it: 5GB (10**9), 4GiB (2**30), 500MB, or a plain byte count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+    if not match or match.group(2) not in _UNITS or float(match.group(1)) * _UNITS[match.group(2)] < 1:
+        raise ValueError(f"size {text!r}: expected a positive byte count or a number with a unit "
+                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 5GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+class TensorReader:
+    """The tensors of a folder's safetensors set `stem`: specs from the headers, `load(name)` one at a time."""
+
+    def __init__(self, directory: str, stem: str = WEIGHTS_STEM):
+        self.directory = directory
+        self.files = weight_map(directory, stem)
+        self._open = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _handle(self, name: str):
+        file = self.files[name]
+        if file not in self._open:
+            path = os.path.join(self.directory, file)
+            try:
+                self._open[file] = self._stack.enter_context(safe_open(path, framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise ModelFolderError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._open[file]
+
+    def spec(self, name: str) -> TensorSpec:
+        tensor = self._handle(name).get_slice(name)
+        if tensor.get_dtype() not in DTYPES:
+            raise ModelFolderError(f"{os.path.join(self.directory, self.files[name])}: {name} has dtype "
+                                   f"{tensor.get_dtype()}, not one of {sorted(DTYPES)}")
+        return TensorSpec(name, tensor.get_dtype(), tuple(tensor.get_shape()))
+
+    def load(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_bytes: int) -> list:
+    """The specs split into shards of at most `max_bytes` each (a larger tensor alone), in order."""
+    shards, size = [[]], 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def _header(specs: Sequence[TensorSpec], metadata: dict) -> bytes:
+    entries, offset = {"__metadata__": metadata}, 0
+    for spec in specs:
+        end = offset + spec.nbytes
+        entries[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _tensor_bytes(tensor: torch.Tensor, spec: TensorSpec) -> memoryview:
+    if DTYPE_NAMES.get(tensor.dtype) != spec.dtype or tuple(tensor.shape) != spec.shape:
+        raise ValueError(f"{spec.name}: loaded as {DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} "
+                         f"{tuple(tensor.shape)}, its spec says {spec.dtype} {spec.shape}")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_safetensors(path: str, specs: Sequence[TensorSpec], load: Callable[[str], torch.Tensor],
+                      metadata: dict) -> None:
+    """One safetensors file of the specs' tensors, loaded one at a time with `load(name)`."""
+    laid_out = sorted(specs, key=lambda s: -DTYPES[s.dtype].itemsize)
+    with open(path, "xb") as f:
+        f.write(_header(laid_out, metadata))
+        for spec in laid_out:
+            f.write(_tensor_bytes(load(spec.name), spec))
+
+
+def write_sharded(directory: str, specs: Sequence[TensorSpec], load: Callable[[str], torch.Tensor],
+                  max_shard_size, stem: str = WEIGHTS_STEM) -> list:
+    """Write the specs' tensors to `directory` (module docstring); returns the files written."""
+    shards = plan_shards(specs, parse_size(max_shard_size))
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        write_safetensors(os.path.join(directory, f"{stem}.safetensors"), specs, load, metadata)
+        return [f"{stem}.safetensors"]
+    files = [shard_file(stem, i, len(shards)) for i in range(len(shards))]
+    for file, shard in zip(files, shards):
+        write_safetensors(os.path.join(directory, file), shard, load, metadata)
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+             "weight_map": {s.name: file for file, shard in zip(files, shards) for s in shard}}
+    with open(os.path.join(directory, index_file(stem)), "x", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return files + [index_file(stem)]
