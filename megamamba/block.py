@@ -22,6 +22,7 @@ from megamamba.mamba1 import Mamba1
 from megamamba.mamba2 import Mamba2
 from megamamba.norm import LayerNorm, RMSNorm
 from megamamba.parallel import TensorParallel
+from megamamba.parallel.context_parallel import ContextParallel
 
 NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
 
@@ -33,21 +34,24 @@ def make_norm(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorP
     return cls(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
 
-def make_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None) -> nn.Module:
-    """The mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`)."""
+def make_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
+               cp: Optional[ContextParallel] = None) -> nn.Module:
+    """The mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`; on a
+    slice of the sequence in the context-parallel group `cp`)."""
     options = config.mixer_options
     cls = Mamba1 if isinstance(options, Mamba1Options) else Mamba2
-    return cls(config.d_model, options, device=device, dtype=dtype, tp=tp)
+    return cls(config.d_model, options, device=device, dtype=dtype, tp=tp, cp=cp)
 
 
 class Block(nn.Module):
     """residual += hidden; hidden = mixer(norm(residual)). Residual in float32 (or wider) when residual_in_fp32."""
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None):
+    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = make_norm(config, device=device, dtype=dtype, tp=tp)
-        self.mixer = make_mixer(config, device=device, dtype=dtype, tp=tp)
+        self.mixer = make_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp)
 
     def _add_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
         dtype = hidden_states.dtype if residual is None else torch.promote_types(hidden_states.dtype, residual.dtype)

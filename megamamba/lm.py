@@ -24,6 +24,10 @@ the logits, and `loss` the cross-entropy without ever gathering them. With
 `tp.sequence_parallel` the activations between blocks are split along the sequence (seqlen %
 TP == 0); the head gathers them. The same seed gives the single-device model's full weights
 at any TP size: every full tensor is drawn as above, then sliced (`megamamba.parallel.from_full`).
+Context parallelism: `MambaLM(config, cp=ContextParallel(...))` runs each rank's consecutive slice
+of every sequence (input ids, seq_idx and labels sliced alike: `sequence_slice`) and returns the
+slice's logits; `loss` is the mean over the whole sequences, and the gradients summed over the CP
+group are the single-device ones (`megamamba.parallel.context`).
 The pieces a pipeline stage needs are here too: `make_embedding`, `Block`, `make_norm`,
 `make_head` / `head_logits` (tied), `lm_loss`.
 """
@@ -49,6 +53,7 @@ from megamamba.parallel import (
     parallel_linear,
     vocab_parallel_cross_entropy,
 )
+from megamamba.parallel.context_parallel import ContextParallel, mean_over_context
 from megamamba.parallel.from_full import sharded
 from megamamba.parallel.model_layout import check_model_layout, check_sequence_length
 
@@ -89,14 +94,17 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: Optional[TensorP
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-            tp: Optional[TensorParallel] = None) -> torch.Tensor:
+            tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> torch.Tensor:
     """Mean cross-entropy over the tokens whose label is not -100, on the real vocabulary (padded
     columns excluded). Under TP `logits` is this rank's vocab block and the full logits are never
     gathered (`vocab_parallel_cross_entropy`); every rank gets the loss. On one device the float32
-    logits are never materialized whole (`chunked_cross_entropy`)."""
+    logits are never materialized whole (`chunked_cross_entropy`). Under CP `logits` and `labels`
+    are this rank's slice and the mean is over the whole sequences (`mean_over_context`)."""
     if _split(tp) is None:
-        return chunked_cross_entropy(logits, labels, vocab_size)
-    return vocab_parallel_cross_entropy(logits, labels, tp, vocab_size=vocab_size)
+        loss = chunked_cross_entropy(logits, labels, vocab_size)
+    else:
+        loss = vocab_parallel_cross_entropy(logits, labels, tp, vocab_size=vocab_size)
+    return loss if cp is None or cp.size == 1 else mean_over_context(loss, labels, cp)
 
 
 def draw_seed(device=None) -> int:
@@ -142,9 +150,10 @@ def _zero_biases(module: nn.Module) -> None:
 
 @torch.no_grad()
 def build_piece(config: MambaConfig, piece: int, seed: int, device=None, dtype=None,
-                tp: Optional[TensorParallel] = None) -> nn.Module:
+                tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> nn.Module:
     """Piece `piece` of the model initialised from `seed`: 0 the embedding, i + 1 block i, n_layer + 1 the
-    final norm, n_layer + 2 the untied head (under `tp` this rank's shards of the same values)."""
+    final norm, n_layer + 2 the untied head (under `tp` this rank's shards of the same values; a block
+    built with `cp` works on a slice of the sequence, with the same values)."""
     n = config.n_layer
     tp = _split(tp)
     with _piece_stream(seed, piece, device):
@@ -153,7 +162,7 @@ def build_piece(config: MambaConfig, piece: int, seed: int, device=None, dtype=N
             _redraw(module.weight, (config.padded_vocab_size, config.d_model),
                     lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
         elif piece <= n:
-            module = Block(config, device=device, dtype=dtype, tp=tp)
+            module = Block(config, device=device, dtype=dtype, tp=tp, cp=cp)
             _zero_biases(module)
             _redraw(module.mixer.out_proj.weight, (config.d_model, config.d_inner),
                     lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(n)), tp)
@@ -197,11 +206,12 @@ class MambaBackbone(nn.Module):
     """Token ids -> final-normed hidden states (batch, seqlen, d_model)."""
 
     def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, cp: Optional[ContextParallel] = None):
         super().__init__()
         seed = draw_seed(device) if seed is None else seed
         self.embedding = build_piece(config, 0, seed, device, dtype, tp)
-        self.layers = nn.ModuleList(build_piece(config, i + 1, seed, device, dtype, tp) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(build_piece(config, i + 1, seed, device, dtype, tp, cp)
+                                    for i in range(config.n_layer))
         self.norm_f = build_piece(config, config.n_layer + 1, seed, device, dtype, tp)
 
     def _final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -227,17 +237,20 @@ class MambaLM(nn.Module):
     """Mamba-1 / Mamba-2 language model: `MambaLM(config)(input_ids)` -> logits (batch, seqlen, padded vocab).
 
     With `tp` (size > 1) the model is split across its tensor-parallel group (module docstring).
+    With `cp` (size > 1) each rank of the context-parallel group runs a slice of every sequence.
     """
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None):
+    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         config.validate()
         self.tp = _split(tp)
+        self.cp = cp if cp is not None and cp.size > 1 else None
         if self.tp is not None:
             check_model_layout(config, self.tp.size)
         self.config = config
         seed = draw_seed(device)
-        self.backbone = MambaBackbone(config, device=device, dtype=dtype, tp=self.tp, seed=seed)
+        self.backbone = MambaBackbone(config, device=device, dtype=dtype, tp=self.tp, seed=seed, cp=self.cp)
         if config.tie_embeddings:
             with _piece_stream(seed, config.n_layer + 2, device):  # its draw is replaced by the embedding
                 self.lm_head = make_head(config, device=device, dtype=dtype, tp=self.tp)
@@ -253,6 +266,9 @@ class MambaLM(nn.Module):
         changes, so packed documents do not see each other. inference_cache (from
         allocate_inference_cache): filled with the states after the last position, so `step`
         continues the sequence (prefill); not combined with seq_idx.
+
+        Under CP: input_ids and seq_idx are this rank's slice (batch, seqlen / C), the ids of a document
+        the same on every rank; the logits are the slice's. No inference_cache.
 
         Under TP: input_ids and seq_idx whole and the same on every rank; the logits are LOCAL,
         this rank's vocab block (batch, seqlen, rows) of the TP-padded vocab, rank r holding
@@ -272,7 +288,7 @@ class MambaLM(nn.Module):
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean cross-entropy of `labels` (batch, seqlen; -100 = ignored) under the logits of `input_ids`,
         over the real vocabulary; under TP computed on the vocab-parallel logits, never gathered."""
-        return lm_loss(self(input_ids, seq_idx=seq_idx), labels, self.config.vocab_size, self.tp)
+        return lm_loss(self(input_ids, seq_idx=seq_idx), labels, self.config.vocab_size, self.tp, self.cp)
 
     def _check_recurrent_form(self) -> None:
         if self.tp is not None and self.tp.sequence_parallel:

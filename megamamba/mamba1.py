@@ -21,6 +21,10 @@ rank's channels, so its gradient is all-reduced on the way back; out_proj row-pa
 Communication per call: forward 2 all-reduces (x_proj, out_proj), backward 2 (x_proj output,
 in_proj input); with sequence parallelism in_proj all-gathers its input and out_proj
 reduce-scatters instead (x_proj's all-reduce stays: inside the mixer the sequence is whole).
+
+Context parallelism (`cp` of size > 1): the mixer runs on this rank's consecutive slice of the
+sequence, its conv and scan continuing the previous ranks' (`megamamba.parallel.context`: a conv
+halo and one all-gather of state summaries per call); composes with TP and sequence parallelism.
 """
 import math
 from typing import Optional
@@ -38,6 +42,8 @@ from megamamba.parallel import (
     TensorParallel,
     copy_to_tp_region,
 )
+from megamamba.parallel.context import ContextSlice, check_no_inference_state
+from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.parallel.conv import ParallelDepthwiseConv1d
 from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
 from megamamba.parallel.model_layout import check_mixer_layout
@@ -60,7 +66,7 @@ class Mamba1(nn.Module):
     """Mamba-1 mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
 
     def __init__(self, d_model: int, options: Mamba1Options = Mamba1Options(), device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None):
+                 tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None):
         super().__init__()
         if tp is not None:
             check_mixer_layout(d_model, options, tp.size)
@@ -96,6 +102,7 @@ class Mamba1(nn.Module):
         self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
         self.D._no_weight_decay = True
 
+        self.cp = cp if cp is not None and cp.size > 1 else None
         self.tp = None
         if tp is not None and tp.size > 1:
             self._shard(tp)
@@ -150,20 +157,37 @@ class Mamba1(nn.Module):
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids reset
         the conv and SSM state at document boundaries. With `inference_state` (conv_state, ssm_state)
         from `allocate_inference_cache`, the states after the last position are written into it."""
+        if self.cp is not None:
+            check_no_inference_state(inference_state)
+            return self._forward_context_parallel(hidden_states, ContextSlice(self.cp, seq_idx, self.d_conv))
         x, z = self.split_in_proj(self.in_proj(hidden_states))
         x, z = x.transpose(1, 2), z.transpose(1, 2)  # (batch, d_inner, seqlen)
         if inference_state is not None:
             inference_state[0].copy_(F.pad(x, (self.d_conv - x.shape[-1], 0)))
         x = causal_conv1d(x, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu")
 
-        dt, B, C = self.split_x_proj(self.project_x(x.transpose(1, 2)))
-        dt = (dt @ self.dt_proj.weight.t()).transpose(1, 2)  # (batch, d_inner, seqlen); bias added in the scan
-        B, C = B.transpose(1, 2), C.transpose(1, 2)  # (batch, d_state, seqlen)
+        dt, B, C = self.scan_inputs(x)
         y = selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z, delta_bias=fp32_or_wider(self.dt_proj.bias),
                            delta_softplus=True, return_last_state=inference_state is not None, seq_idx=seq_idx)
         if inference_state is not None:
             y, last_state = y
             inference_state[1].copy_(last_state)
+        return self.out_proj(y.transpose(1, 2))
+
+    def scan_inputs(self, x: torch.Tensor):
+        """The conv output x (batch, d_inner, seqlen) -> dt (batch, d_inner, seqlen) before its bias,
+        B, C (batch, d_state, seqlen)."""
+        dt, B, C = self.split_x_proj(self.project_x(x.transpose(1, 2)))
+        return (dt @ self.dt_proj.weight.t()).transpose(1, 2), B.transpose(1, 2), C.transpose(1, 2)
+
+    def _forward_context_parallel(self, hidden_states: torch.Tensor, cp_slice: ContextSlice) -> torch.Tensor:
+        """forward on this rank's slice of the sequence, its conv and scan continuing the previous ranks'."""
+        x, z = self.split_in_proj(self.in_proj(hidden_states))
+        x, z = x.transpose(1, 2), z.transpose(1, 2)
+        x = cp_slice.causal_conv1d(x, *self.conv_weight_and_bias(), activation="silu")
+        dt, B, C = self.scan_inputs(x)
+        y = cp_slice.selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
+                                    delta_bias=fp32_or_wider(self.dt_proj.bias), delta_softplus=True)
         return self.out_proj(y.transpose(1, 2))
 
     # ---- recurrent form (generation) -------------------------------------------------------

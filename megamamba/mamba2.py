@@ -28,6 +28,10 @@ Communication per call: forward 1 all-reduce (out_proj), backward 1 (in_proj inp
 replicated groups 1 all-reduce per replicated parameter gradient (in_proj weight [and bias],
 conv weight [and bias]); with sequence parallelism in_proj all-gathers its input and out_proj
 reduce-scatters instead.
+
+Context parallelism (`cp` of size > 1): the mixer runs on this rank's consecutive slice of the
+sequence, its conv and scan continuing the previous ranks' (`megamamba.parallel.context`: a conv
+halo and one all-gather of state summaries per call); composes with TP and sequence parallelism.
 """
 from typing import Optional
 
@@ -40,6 +44,8 @@ from megamamba.kernels import causal_conv1d, causal_conv1d_update, selective_sta
 from megamamba.mamba1 import fp32_or_wider, sample_dt_bias
 from megamamba.norm import RMSNormGated
 from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
+from megamamba.parallel.context import ContextSlice, check_no_inference_state
+from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.parallel.conv import ParallelDepthwiseConv1d
 from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
 from megamamba.parallel.model_layout import check_mixer_layout
@@ -50,7 +56,7 @@ class Mamba2(nn.Module):
     """Mamba-2 mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
 
     def __init__(self, d_model: int, options: Mamba2Options = Mamba2Options(), device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None):
+                 tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None):
         super().__init__()
         if tp is not None:
             check_mixer_layout(d_model, options, tp.size)
@@ -89,6 +95,7 @@ class Mamba2(nn.Module):
                                      norm_before_gate=options.norm_before_gate, **factory)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=options.bias, **factory)
 
+        self.cp = cp if cp is not None and cp.size > 1 else None
         self.tp = None
         self.own_group = None  # with B/C replicated over TP: the group this rank's heads read
         self.norm_groups_across_ranks = None  # with norm groups spanning ranks: ngroups
@@ -168,6 +175,9 @@ class Mamba2(nn.Module):
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids reset
         the conv and SSM state at document boundaries. With `inference_state` (conv_state, ssm_state)
         from `allocate_inference_cache`, the states after the last position are written into it."""
+        if self.cp is not None:
+            check_no_inference_state(inference_state)
+            return self._forward_context_parallel(hidden_states, ContextSlice(self.cp, seq_idx, self.d_conv))
         z, xBC, dt = self.split_in_proj(self.in_proj(hidden_states))
         batch, seqlen, _ = z.shape  # the whole sequence (sequence parallelism gathers it in in_proj)
         xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
@@ -182,6 +192,17 @@ class Mamba2(nn.Module):
         if inference_state is not None:
             y, final_state = y
             inference_state[1].copy_(final_state)
+        return self.gate_and_project(y.reshape(batch, seqlen, self.d_inner), z)
+
+    def _forward_context_parallel(self, hidden_states: torch.Tensor, cp_slice: ContextSlice) -> torch.Tensor:
+        """forward on this rank's slice of the sequence, its conv and scan continuing the previous ranks'."""
+        z, xBC, dt = self.split_in_proj(self.in_proj(hidden_states))
+        batch, seqlen, _ = z.shape
+        xBC = cp_slice.causal_conv1d(xBC.transpose(1, 2), *self.conv_weight_and_bias(), activation="silu")
+        x, B, C = self.split_xBC(xBC.transpose(1, 2))
+        y = cp_slice.ssd_chunk_scan(x, dt, self.A(), B, C, self.chunk_size, D=self.D_per_head(),
+                                    z=None if self.rmsnorm else z.reshape_as(x), dt_bias=self.dt_bias,
+                                    dt_softplus=True, dt_limit=self.dt_limit)
         return self.gate_and_project(y.reshape(batch, seqlen, self.d_inner), z)
 
     # ---- recurrent form (generation) -------------------------------------------------------

@@ -1,0 +1,127 @@
+"""Context parallelism by state passing: the conv and scan of one rank's slice of every sequence.
+
+A `ContextSlice` is built once per mixer call from the `ContextParallel` group and the slice's
+document ids; its `causal_conv1d`, `ssd_chunk_scan` (Mamba-2) and `selective_scan` (Mamba-1)
+take the kernels' arguments and return what the kernels would return for these positions of the
+whole sequence. Communication per call (independent of the sequence length):
+
+    forward:  the conv halo, batch x conv channels x (d_conv - 1), to the next rank (`halo`);
+              with packed documents the last d_conv - 1 ids too;
+              one all-gather of C float32 summaries (decay, zero-start final state) (`state_passing`)
+    backward: the halo's gradient to the previous rank; one reduce-scatter of the summaries' gradients
+
+Each rank scans its slice from a zero state (the kernels' final state gives the summary), learns
+its true initial state h0 from the gathered summaries, and adds h0's contribution instead of
+re-running the scan from h0. The contribution is linear in h0 and reaches only the positions
+before the slice's first document change:
+
+    Mamba-2: y_t += C_t . h0 * exp(sum_{s <= t} dt_s A), per head, in PyTorch: one einsum of
+             (batch, seqlen, heads, headdim) work, much cheaper than a second chunked scan.
+    Mamba-1: the decay is per (channel, state), so the contribution is the scan of a zero input
+             from h0, which the selective-scan kernel computes without materializing
+             (batch, channels, d_state, seqlen) decays; it costs a second scan.
+
+Both are exact (the tests hold them to float32 round-off of the single-device model), and autograd
+differentiates them: the gradient of h0 reaches the other ranks' summaries through the
+reduce-scatter. The gate silu(z) multiplies the contribution as it multiplies the scan.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from megamamba.kernels import selective_scan, ssd_chunk_scan
+from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.parallel.halo import causal_conv1d_with_halo, previous_ids
+from megamamba.parallel.state_passing import initial_state, masked_exp, reaches_from_start
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def check_no_inference_state(inference_state) -> None:
+    """Refuse the prefill cache under context parallelism: generation runs on one rank's whole sequence."""
+    if inference_state is not None:
+        raise ValueError("inference_state with context parallelism: the recurrent form (prefill, step) needs "
+                         "the whole sequence on one rank; build the model without a context-parallel group")
+
+
+class ContextSlice:
+    """This rank's slice in a `ContextParallel` group: the previous rank's document ids (exchanged
+    here when `seq_idx` is given) and the conv and scans across the rank edges."""
+
+    def __init__(self, cp: ContextParallel, seq_idx: torch.Tensor | None, conv_width: int):
+        self.cp, self.seq_idx, self.conv_width = cp, seq_idx, conv_width
+        self.halo_ids = None if seq_idx is None else previous_ids(seq_idx, max(conv_width - 1, 1), cp)
+
+    def _reaches(self, batch: int, seqlen: int, device) -> torch.Tensor:
+        """(batch, seqlen) bool: positions the entering state reaches."""
+        last = None if self.halo_ids is None else self.halo_ids[:, -1]
+        return reaches_from_start(self.seq_idx, last, batch, seqlen, device)
+
+    def causal_conv1d(self, x, weight, bias=None, activation=None):
+        """`megamamba.kernels.causal_conv1d` of the slice x (batch, dim, seqlen), with the halo."""
+        return causal_conv1d_with_halo(x, weight, bias, self.cp, seq_idx=self.seq_idx, halo_ids=self.halo_ids,
+                                       activation=activation)
+
+    def ssd_chunk_scan(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+                       dt_limit=(0.0, float("inf"))):
+        """`megamamba.kernels.ssd_chunk_scan` of the slice, started from the state the earlier slices leave."""
+        y, final = ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, seq_idx=self.seq_idx,
+                                  dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
+        reaches = self._reaches(x.shape[0], x.shape[1], x.device)
+        dt_args = (dt, dt_bias, A, reaches, dt_softplus, dt_limit)
+        h0 = initial_state(checkpoint(_ssd_decay, *dt_args, use_reentrant=False), final, self.cp)
+        contribution = checkpoint(_ssd_contribution, C, h0, z, *dt_args, use_reentrant=False)
+        return (y.to(contribution.dtype) + contribution).to(y.dtype)
+
+    def selective_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+        """`megamamba.kernels.selective_scan` of the slice, started from the state the earlier slices leave."""
+        y, final = selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                                  return_last_state=True, seq_idx=self.seq_idx)
+        reaches = self._reaches(u.shape[0], u.shape[2], u.device)
+        decay = checkpoint(_selective_decay, delta, delta_bias, A, reaches, delta_softplus, use_reentrant=False)
+        h0 = initial_state(decay, final, self.cp) * reaches[:, 0, None, None]
+        contribution = checkpoint(selective_scan, u.new_zeros(()).expand_as(u), delta, A, B, C, z=z,
+                                  delta_bias=delta_bias, delta_softplus=delta_softplus, seq_idx=self.seq_idx,
+                                  initial_state=h0, use_reentrant=False)
+        ct = _compute_dtype(u)
+        return (y.to(ct) + contribution.to(ct)).to(y.dtype)
+
+
+# The pieces below run under `checkpoint`: the backward keeps their inputs (which the scan keeps
+# anyway) and recomputes the rest, so the state passing adds no sequence-length-sized activations.
+
+def _ssd_log_decays(dt, dt_bias, A, dt_softplus, dt_limit):
+    """dt * A (batch, seqlen, nheads) as the SSD kernel computes it (bias, softplus, clamp)."""
+    ct = _compute_dtype(dt)
+    dt = dt.to(ct) if dt_bias is None else dt.to(ct) + dt_bias.to(ct)
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt * A.to(ct)
+
+
+def _ssd_decay(dt, dt_bias, A, reaches, dt_softplus, dt_limit):
+    """The slice's decay per head, (batch, nheads, 1, 1); 0 where a document starts in it."""
+    log_decays = _ssd_log_decays(dt, dt_bias, A, dt_softplus, dt_limit)
+    return masked_exp(log_decays.sum(1), reaches[:, -1:])[..., None, None]
+
+
+def _ssd_contribution(C, h0, z, dt, dt_bias, A, reaches, dt_softplus, dt_limit):
+    """h0's part of the SSD output, C_t . h0 * exp(sum_{s <= t} dt_s A) (* silu(z)), (batch, seqlen, nheads, headdim)."""
+    batch, seqlen, nheads = dt.shape
+    _, _, headdim, dstate = h0.shape
+    ngroups = C.shape[2]
+    from_start = masked_exp(_ssd_log_decays(dt, dt_bias, A, dt_softplus, dt_limit).cumsum(1), reaches[..., None])
+    read = torch.einsum("blgn,bgrpn->blgrp", C.to(h0.dtype), h0.reshape(batch, ngroups, -1, headdim, dstate))
+    out = read.reshape(batch, seqlen, nheads, headdim) * from_start[..., None]
+    return out if z is None else out * F.silu(z.to(out.dtype))
+
+
+def _selective_decay(delta, delta_bias, A, reaches, delta_softplus):
+    """The slice's decay per (channel, state), (batch, dim, dstate); 0 where a document starts in it."""
+    ct = _compute_dtype(delta)
+    delta = delta.to(ct) if delta_bias is None else delta.to(ct) + delta_bias.to(ct)[:, None]
+    delta = F.softplus(delta) if delta_softplus else delta
+    return masked_exp(delta.sum(-1)[..., None] * A.to(ct), reaches[:, -1, None, None])

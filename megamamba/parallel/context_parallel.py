@@ -1,0 +1,56 @@
+"""The context-parallel group a layer works in: ranks holding consecutive slices of every sequence.
+
+Rank r of a group of size C holds positions [r L/C, (r+1) L/C) of each sequence, of its input ids,
+document ids (seq_idx, with ids that mean the same document on every rank) and labels, through
+every layer. Layers receive a `ContextParallel` explicitly, as they receive a `TensorParallel`;
+the collectives of `megamamba.parallel.collectives` read only its `group` and `size`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megamamba.parallel.collectives import reduce_from_tp_region, start_all_reduce
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A rank's place in its context-parallel group; the default is one rank, no group."""
+
+    group: dist.ProcessGroup | None = None
+    size: int = 1
+    rank: int = 0
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError(f"context-parallel size must be >= 1, got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"context-parallel rank {self.rank} is outside [0, {self.size})")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"context-parallel size {self.size} > 1 needs a process group, got None")
+
+    def global_rank(self, group_rank: int) -> int:
+        """The default group's rank of this group's rank `group_rank` (for point-to-point sends)."""
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def sequence_slice(t: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
+    """This rank's consecutive slice of a whole sequence `t` along `dim` (seqlen divisible by C)."""
+    if t.shape[dim] % cp.size:
+        raise ValueError(f"context parallelism splits the sequence into {cp.size} equal slices: "
+                         f"seqlen = {t.shape[dim]} is not divisible by {cp.size}")
+    return t.chunk(cp.size, dim)[cp.rank]
+
+
+def mean_over_context(local_mean: torch.Tensor, labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The mean over every counted token of the whole sequences from each rank's mean over its slice.
+
+    `labels`: this rank's slice (-100 = not counted). Every rank gets the same value; the backward
+    keeps each rank's share (its slice's sum / the total count), so gradients summed over the
+    group are the gradients of the whole-sequence mean.
+    """
+    count = (labels != -100).sum().to(local_mean.dtype)
+    total = start_all_reduce(count.clone(), cp).wait()
+    return reduce_from_tp_region(local_mean * count, cp) / total

@@ -1,0 +1,261 @@
+"""Context parallelism (state passing) equals the single-process model, communicates as designed and
+divides activation memory by the context-parallel size C.
+
+Every rank builds the single-process model from a seed, perturbs its weights (so no bias, norm weight
+or D is a no-op), loads them into the context-parallel model (and across TP, as full tensors), and
+runs the whole sequence on it while the CP model runs this rank's slice. Logits (this rank's slice,
+gathered over the vocab under TP), the loss (the mean over the whole sequences) and every parameter
+gradient (summed over the CP group, as data-parallel reduction over dp x cp does) are compared in
+float32. Packed documents cross rank edges (one of two tokens, shorter than the conv halo), change
+exactly at rank edges, and reuse an id for a later document.
+
+Communication per block (captured around one Block, CP alone, packed documents), with
+ids = batch x (d_conv - 1) int32, halo = batch x conv channels x (d_conv - 1) float32 and
+summaries = C x batch x (decay + final state) float32:
+
+    forward:  send(ids), send(halo)  [every rank but the last]; all-gather(summaries)
+    backward: reduce-scatter(summaries); send(halo gradient)  [every rank but the first]
+
+None of it depends on the sequence length, asserted at two lengths.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megamamba import MambaConfig, MambaLM
+from megamamba.block import Block
+from megamamba.lm import lm_loss
+from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
+from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
+
+pytestmark = pytest.mark.slow
+
+SEED = 2031
+BATCH, SEQLEN, D_MODEL = 2, 24, 16  # slices of 12 (C = 2) and 6 (C = 4): not multiples of the chunk 4
+F32 = I32 = 4
+D_CONV = 4
+
+MAMBA1 = {"layer": "Mamba1", "d_state": 4, "dt_rank": 2}
+MAMBA2 = {"layer": "Mamba2", "d_state": 4, "headdim": 4, "chunk_size": 4}  # d_inner 32: 8 heads
+DOCUMENTS = [[0] * 5 + [1] * 10 + [2] * 2 + [3] * 7,  # changes at 5, 15, 17: documents cross every edge
+             [5] * 6 + [2] * 6 + [5] * 12]            # changes exactly at the edges 6 and 12; id 5 reused
+
+# name: (ssm_cfg, other config fields, packed documents)
+CP_CASES = {
+    "mamba1": (MAMBA1, {}, False),
+    "mamba1_documents": ({**MAMBA1, "bias": True}, {"tie_embeddings": False}, True),
+    "mamba2": ({**MAMBA2, "ngroups": 2}, {}, False),
+    "mamba2_documents": ({**MAMBA2, "ngroups": 2}, {}, True),
+    "mamba2_gate_in_scan_documents": ({**MAMBA2, "ngroups": 1, "rmsnorm": False, "D_has_hdim": True}, {}, True),
+}
+# name: (ssm_cfg, sequence parallel), all with packed documents, at CP 2 x TP 2
+CP_TP_CASES = {
+    "mamba2_ngroups_below_tp_sp": ({**MAMBA2, "ngroups": 1}, True),
+    "mamba2_ngroups_above_tp": ({**MAMBA2, "ngroups": 4}, False),
+    "mamba1_sp": (MAMBA1, True),
+    "mamba1": ({**MAMBA1, "bias": True}, False),
+}
+
+
+def config(ssm, **fields):
+    base = {"d_model": D_MODEL, "n_layer": 2, "vocab_size": 37, "pad_vocab_size_multiple": 1}
+    return MambaConfig(**{**base, **fields, "ssm_cfg": ssm})
+
+
+def _rel(out, ref):
+    out = out.detach()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _perturb(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def _inputs(cfg, documents):
+    gen = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
+    labels[0, :3] = -100
+    seq_idx = torch.tensor(DOCUMENTS, dtype=torch.int32) if documents else None
+    return ids, labels, seq_idx
+
+
+def compare(cfg, documents, cp, tp=None):
+    """Relative errors of the CP (x TP) model's logits, loss and gradients against the single-process model."""
+    torch.manual_seed(SEED)
+    plain = MambaLM(cfg)
+    _perturb(plain, SEED + 2)
+    torch.manual_seed(SEED)
+    model = MambaLM(cfg, tp=tp, cp=cp)
+    if tp is None:
+        model.load_state_dict(plain.state_dict())
+    else:
+        load_full_tensors(model, dict(plain.named_parameters()), tp)
+
+    ids, labels, seq_idx = _inputs(cfg, documents)
+    ref_logits = plain(ids, seq_idx=seq_idx)
+    ref_loss = lm_loss(ref_logits, labels, cfg.vocab_size)
+    ref_loss.backward()
+    local = [None if t is None else sequence_slice(t, cp) for t in (ids, labels, seq_idx)]
+    logits = model(local[0], seq_idx=local[2])
+    loss = lm_loss(logits, local[1], cfg.vocab_size, tp, cp)
+    loss.backward()
+
+    if tp is not None:
+        logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
+        grads = full_tensors(model, tp, lambda p: p.grad)
+    else:
+        grads = {k: p.grad for k, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=cp.group)
+    ref_grads = {k: p.grad for k, p in plain.named_parameters()}
+    return dict(logits=_rel(logits, sequence_slice(ref_logits, cp)), loss=_rel(loss, ref_loss),
+                grad_keys=sorted(grads) == sorted(ref_grads), grads={k: _rel(grads[k], g) for k, g in ref_grads.items()})
+
+
+def block_comm(cp, ssm, seqlen):
+    """(forward, backward) collectives of one Block on this rank's slice, as (kind, nbytes) in issue order."""
+    torch.manual_seed(SEED)
+    block = Block(config(ssm), cp=cp)
+    gen = torch.Generator().manual_seed(SEED + 3)
+    local = seqlen // cp.size
+    hidden, residual, up_h, up_r = (torch.randn(BATCH, local, D_MODEL, generator=gen) for _ in range(4))
+    hidden.requires_grad_()
+    seq_idx = sequence_slice(torch.arange(seqlen, dtype=torch.int32).div(5, rounding_mode="floor").expand(BATCH, -1), cp)
+    with comm_counter.capture() as fwd:
+        out, res = block(hidden, residual, seq_idx=seq_idx)
+    with comm_counter.capture() as bwd:
+        ((out * up_h).sum() + (res * up_r).sum()).backward()
+    return [(r.kind, r.nbytes) for r in fwd], [(r.kind, r.nbytes) for r in bwd]
+
+
+MEMORY_SEQLEN = 8192
+MEMORY_CASES = {
+    "mamba1": {"layer": "Mamba1", "d_state": 4, "dt_rank": 2},
+    "mamba2": {"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 64},
+}
+
+
+def saved_bytes(name, cp):
+    """Bytes autograd saves for backward in one forward of the loss on this rank's slice, parameters excluded."""
+    cfg = MambaConfig(d_model=8, n_layer=1, vocab_size=37, pad_vocab_size_multiple=1, ssm_cfg=MEMORY_CASES[name])
+    torch.manual_seed(SEED)
+    model = MambaLM(cfg, cp=cp)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    gen = torch.Generator().manual_seed(SEED + 4)
+    ids = sequence_slice(torch.randint(0, cfg.vocab_size, (1, MEMORY_SEQLEN), generator=gen), cp)
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(ids, ids, seq_idx=None)
+    return sum(storages.values())
+
+
+def _world(size):
+    return ContextParallel(dist.group.WORLD, size, dist.get_rank())
+
+
+def two_rank_checks():
+    cp = _world(2)
+    out = {"model": {name: compare(config(ssm, **fields), docs, cp) for name, (ssm, fields, docs) in CP_CASES.items()}}
+    out["comm"] = {(mixer, seqlen): block_comm(cp, ssm, seqlen)
+                   for mixer, ssm in (("mamba1", MAMBA1), ("mamba2", {**MAMBA2, "ngroups": 2}))
+                   for seqlen in (SEQLEN, 2 * SEQLEN)}
+    out["memory"] = {name: saved_bytes(name, cp) for name in MEMORY_CASES}
+    if cp.rank == 0:
+        out["memory_one_rank"] = {name: saved_bytes(name, ContextParallel()) for name in MEMORY_CASES}
+    return out
+
+
+def four_rank_checks():
+    rank = dist.get_rank()
+    out = {"model": {name: compare(config(ssm, **fields), docs, _world(4)) for name, (ssm, fields, docs) in CP_CASES.items()}}
+    out["memory"] = {name: saved_bytes(name, _world(4)) for name in MEMORY_CASES}
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # TP rank fastest, as the process grid lays it out
+    cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cp = ContextParallel(cp_groups[rank % 2], 2, rank // 2)
+    out["cp_tp"] = {}
+    for name, (ssm, sp) in CP_TP_CASES.items():
+        tp = TensorParallel(tp_groups[rank // 2], 2, rank % 2, sequence_parallel=sp)
+        out["cp_tp"][name] = compare(config(ssm), True, cp, tp)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(two_rank_checks, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(four_rank_checks, 4, timeout=600)
+
+
+def _assert_equal_to_single_process(results, case, what):
+    for rank, r in enumerate(results):
+        assert r["grad_keys"]
+        worst = max(r["grads"], key=r["grads"].get)
+        assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5, f"seed {SEED}, {what}, rank {rank}: {r['logits']=}, {r['loss']=}"
+        assert r["grads"][worst] <= 1e-5, (f"seed {SEED}, {what}, rank {rank}: gradient of {worst} off by "
+                                           f"{r['grads'][worst]:.2e}")
+
+
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_two_ranks_equal_the_single_process_model(two_ranks, name):
+    _assert_equal_to_single_process([r["model"][name] for r in two_ranks], name, f"CP 2, {name}")
+
+
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_four_ranks_equal_the_single_process_model(four_ranks, name):
+    _assert_equal_to_single_process([r["model"][name] for r in four_ranks], name, f"CP 4, {name}")
+
+
+@pytest.mark.parametrize("name", list(CP_TP_CASES))
+def test_context_by_tensor_parallel_equals_the_single_process_model(four_ranks, name):
+    _assert_equal_to_single_process([r["cp_tp"][name] for r in four_ranks], name, f"CP 2 x TP 2, {name}")
+
+
+def _expected_comm(mixer, rank, size):
+    conv = 2 * D_MODEL if mixer == "mamba1" else 2 * D_MODEL + 2 * 2 * MAMBA2["d_state"]  # d_inner (+ B, C)
+    if mixer == "mamba1":
+        summary = 2 * 2 * D_MODEL * MAMBA1["d_state"]  # decay and state per (channel, state)
+    else:
+        heads = 2 * D_MODEL // MAMBA2["headdim"]
+        summary = heads + heads * MAMBA2["headdim"] * MAMBA2["d_state"]  # decay per head, state
+    summaries = size * BATCH * summary * F32
+    halo = BATCH * conv * (D_CONV - 1) * F32
+    sends = [("send", BATCH * (D_CONV - 1) * I32), ("send", halo)] if rank < size - 1 else []
+    return sends + [("all_gather", summaries)], [("reduce_scatter", summaries)] + ([("send", halo)] if rank else [])
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+def test_each_block_communicates_a_halo_and_one_summary_gather_each_way(two_ranks, mixer):
+    for rank, r in enumerate(two_ranks):
+        assert r["comm"][(mixer, SEQLEN)] == _expected_comm(mixer, rank, 2), f"rank {rank}"
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+def test_communication_does_not_grow_with_the_sequence(two_ranks, mixer):
+    for rank, r in enumerate(two_ranks):
+        assert r["comm"][(mixer, 2 * SEQLEN)] == r["comm"][(mixer, SEQLEN)], f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", list(MEMORY_CASES))
+def test_activation_memory_per_rank_falls_as_one_over_c(two_ranks, four_ranks, name):
+    whole = two_ranks[0]["memory_one_rank"][name]
+    for size, results in ((2, two_ranks), (4, four_ranks)):
+        for rank, r in enumerate(results):
+            ratio = r["memory"][name] / (whole / size)
+            assert 0.9 <= ratio <= 1.1, f"{name}, C = {size}, rank {rank}: {r['memory'][name]} bytes vs {whole} at C = 1"
