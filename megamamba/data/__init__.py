@@ -7,5 +7,7 @@
 
 Modules: documents (input files), indexed (the Megatron .bin/.idx format), preprocess, blend
 (`--data 0.7 a 0.3 b` and the deterministic mixing schedule), packing (documents -> fixed-length
-samples with document ids), batches (`PackedGlobalBatches`, the training data path).
+samples with document ids) and epoch_index (a large dataset's packing arrays, built once and
+memory-mapped), batches (`PackedGlobalBatches`, the training data path), split (`--split`),
+vocab_check (the vocabulary check, done once per dataset).
 """

@@ -12,11 +12,13 @@ model's state resets there, so a document is predicted from that token alone, as
 BOS, and never sees the document packed before it.
 
 Permutations use NumPy's legacy RandomState, whose streams NumPy keeps fixed across versions.
+A large dataset's epoch arrays are built once and memory-mapped by every rank (epoch_index.py).
 """
 from collections import OrderedDict
 
 import numpy as np
 
+from megamamba.data.epoch_index import epoch_arrays, index_base
 from megamamba.data.indexed import IndexedDataset
 
 _EPOCHS_CACHED = 2
@@ -59,15 +61,21 @@ class DocumentPacker:
     def _epoch(self, epoch: int):
         """(document order, stream offset of each ordered document + the total, sample order) of an epoch."""
         if epoch not in self._epochs:
-            order = _permutation(self.dataset.num_documents, self.seed, self.key, epoch, _DOCUMENT_ORDER)
-            lengths = np.diff(self.dataset.offsets)[order]
-            starts = np.zeros(order.size + 1, dtype=np.int64)
-            np.cumsum(lengths, out=starts[1:])
-            samples = _permutation(self.samples_per_epoch, self.seed, self.key, epoch, _SAMPLE_ORDER)
-            self._epochs[epoch] = (order, starts, samples)
+            documents = self.dataset.num_documents
+            base = index_base(self.dataset, self.seed, self.key, self.seq_length, epoch)
+            sizes = (documents, documents + 1, self.samples_per_epoch)
+            self._epochs[epoch] = epoch_arrays(base, sizes, lambda: self._build_epoch(epoch))
             while len(self._epochs) > _EPOCHS_CACHED:
                 self._epochs.popitem(last=False)
         return self._epochs[epoch]
+
+    def _build_epoch(self, epoch: int):
+        order = _permutation(self.dataset.num_documents, self.seed, self.key, epoch, _DOCUMENT_ORDER)
+        lengths = np.diff(self.dataset.offsets)[order]
+        starts = np.zeros(order.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        samples = _permutation(self.samples_per_epoch, self.seed, self.key, epoch, _SAMPLE_ORDER)
+        return order, starts, samples
 
     def sample(self, q: int) -> tuple[np.ndarray, np.ndarray]:
         epoch, k = divmod(q, self.samples_per_epoch)

@@ -52,6 +52,7 @@ class DocumentRange:
     its offsets)."""
 
     def __init__(self, dataset, first: int, stop: int, part: str):
+        self.source, self.first, self.stop = dataset, first, stop
         self.prefix = f"{dataset.prefix} ({part} part of --split: documents {first}..{stop - 1})"
         self.tokens = dataset.tokens
         self.offsets = dataset.offsets[first:stop + 1]

@@ -1,0 +1,85 @@
+"""The packer's per-epoch arrays of a large dataset, built once and memory-mapped by every rank.
+
+An epoch of packing needs three arrays as long as the dataset: the shuffled document order, each
+ordered document's offset in the packed stream, and the shuffled sample order (packing.py). Held
+in every rank's memory they cost about 24 bytes per document per rank — gigabytes per rank at
+10^8 documents, times the ranks of a node. Megatron builds such indices once and memory-maps
+them; so do we, for datasets of at least INDEX_DOCUMENTS documents: the arrays are written as .npy
+files in `<prefix>.epochs/` beside the dataset, named by everything they depend on, and every
+rank maps them, sharing one page-cache copy per node.
+
+The first process to take an exclusive `flock` on the folder's lock file builds an epoch's files
+(renamed into place whole) while the others wait, then read them. A folder that cannot be written
+(read-only data) leaves the arrays in memory, as for small datasets and the built-in corpus.
+"""
+import fcntl
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+from megamamba.data.indexed import IndexedDataset
+from megamamba.data.split import DocumentRange
+
+INDEX_DOCUMENTS = 1 << 20  # datasets with fewer documents keep their epoch arrays in memory (< 25 MB)
+NAMES = ("order", "starts", "samples")
+
+EpochArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def index_base(dataset, seed: int, key: int, seq_length: int, epoch: int) -> Optional[str]:
+    """Path stem of the epoch's files (None: not kept on disk): the dataset's files, the documents
+    it covers and every input of the arrays."""
+    if dataset.num_documents < INDEX_DOCUMENTS:
+        return None
+    if isinstance(dataset, IndexedDataset):
+        prefix, documents = dataset.prefix, f"{dataset.num_documents}docs"
+    elif isinstance(dataset, DocumentRange) and isinstance(dataset.source, IndexedDataset):
+        prefix, documents = dataset.source.prefix, f"docs{dataset.first}-{dataset.stop}"
+    else:
+        return None
+    name = f"{documents}-{dataset.num_tokens}tokens-seq{seq_length}-seed{seed}-key{key}-epoch{epoch}"
+    return os.path.join(prefix + ".epochs", name)
+
+
+def _load(base: str, sizes: tuple[int, int, int]) -> Optional[EpochArrays]:
+    """The mapped files, or None where one is missing, unreadable or of another length."""
+    try:
+        arrays = tuple(np.load(f"{base}.{name}.npy", mmap_mode="r") for name in NAMES)
+    except (OSError, ValueError):
+        return None
+    return arrays if tuple(a.shape for a in arrays) == tuple((n,) for n in sizes) else None
+
+
+def _save(base: str, arrays: EpochArrays) -> None:
+    for name, array in zip(NAMES, arrays):
+        tmp = f"{base}.{name}.tmp.{os.getpid()}.npy"
+        np.save(tmp, array)
+        os.replace(tmp, f"{base}.{name}.npy")
+
+
+def epoch_arrays(base: Optional[str], sizes: tuple[int, int, int], build: Callable[[], EpochArrays]) -> EpochArrays:
+    """The epoch's arrays (of lengths `sizes`): built in memory (base None or not writable), or
+    mapped from `base`'s files, which the first process to get the folder's lock builds."""
+    if base is None:
+        return build()
+    folder = os.path.dirname(base)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, ".lock"), "a")
+    except OSError:
+        return build()
+    with lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        except OSError:
+            pass  # a filesystem without locks: every process builds the same files
+        found = _load(base, sizes)
+        if found is not None:
+            return found
+        arrays = build()
+        try:
+            _save(base, arrays)
+        except OSError:
+            return arrays
+    return _load(base, sizes) or arrays
