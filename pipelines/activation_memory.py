@@ -1,0 +1,133 @@
+"""An estimate of the activation memory of one pipeline stage's rank, from the shapes alone.
+
+What autograd keeps per token, on the accelerator's kernels (kernels/triton: each scan, conv and
+norm keeps its inputs and recomputes the rest; Mamba-1's scan also keeps a float32 state every 16
+steps), a = 2 bytes under bf16 autocast (4 without), r = 4 (the float32 residual stream), local
+widths under tensor parallelism (d_inner / TP, heads / TP, vocabulary / TP):
+  - a block: its input stream r*d (a shard of the sequence under sequence parallelism), the
+    normed input as in_proj reads it a*d, in_proj's output, the conv output, the scan's extra
+    state and output, the gated norm's output (Mamba-2);
+  - the final norm: its input r*d; the head: its input a*d; the loss: the logits (a*V), or under
+    TP its float32 softmax (4*V);
+  - a stage that sends forward keeps its output stream r*d until the backward.
+Under autocast each micro-batch in flight also keeps bf16 copies of the Linear weights it used.
+A stage keeps `in_flight` micro-batches (1F1B: pp - stage, at most the accumulation steps; one
+without a pipeline). With recomputation every k layers only each run's input stream is kept,
+and one run is rebuilt at a time in the backward. The backward adds the gradients of the largest
+layer's activations or the logits (and the loss's 128 MiB float32 chunk) for one micro-batch.
+"""
+import math
+from dataclasses import dataclass
+
+from megamamba.config import Mamba1Options, MambaConfig
+from megamamba.cross_entropy import CHUNK_ELEMENTS
+
+STREAM = 4  # the residual stream between blocks is float32 (float32 parameters)
+SCAN_CHECKPOINT_STEPS = 16  # Mamba-1's Triton scan keeps a float32 state every this many steps
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    model: MambaConfig
+    micro_batch_size: int
+    seq_length: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    autocast: bool = False
+    checkpoint_interval: int = 0
+    in_flight: int = 1
+
+    @property
+    def act(self) -> int:
+        """Bytes of an activation element: bf16 under autocast, float32 otherwise."""
+        return 2 if self.autocast else 4
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_length
+
+    @property
+    def stream_width(self) -> int:
+        """Per-token width of the stream a rank holds: d_model, or its sequence share under SP."""
+        return self.model.d_model // self.tp if self.sequence_parallel else self.model.d_model
+
+    @property
+    def local_vocab(self) -> int:
+        return math.ceil(self.model.padded_vocab_size / self.tp)
+
+
+def mixer_bytes_per_token(shape: ActivationShape) -> int:
+    """What a mixer keeps per token, its input excluded."""
+    model, a, tp = shape.model, shape.act, shape.tp
+    opts = model.mixer_options
+    d, d_inner = model.d_model, model.d_inner // tp
+    if isinstance(opts, Mamba1Options):
+        x_proj_out = model.dt_rank + 2 * opts.d_state
+        scan_states = STREAM * d_inner * opts.d_state // SCAN_CHECKPOINT_STEPS
+        # normed input, in_proj out (x, z), conv out, x_proj out, delta, scan states, scan out
+        return a * (d + 2 * d_inner + d_inner + x_proj_out + d_inner + d_inner) + scan_states
+    nheads = model.nheads // tp
+    groups = opts.ngroups * opts.d_state
+    bc = groups // tp if opts.ngroups % tp == 0 else groups
+    in_proj_out = 2 * d_inner + 2 * bc + nheads
+    conv_out = d_inner + 2 * bc
+    norm_out = d_inner if opts.rmsnorm else 0
+    return a * (d + in_proj_out + conv_out + d_inner + norm_out)
+
+
+def _linear_weights_per_block(model: MambaConfig, tp: int) -> int:
+    """Elements of the Linear weights a block multiplies with (their bf16 copies under autocast)."""
+    d, d_inner = model.d_model, model.d_inner // tp
+    opts = model.mixer_options
+    if isinstance(opts, Mamba1Options):
+        return d * 2 * d_inner + d_inner * (model.dt_rank + 2 * opts.d_state) + model.dt_rank * d_inner + d_inner * d
+    groups = opts.ngroups * opts.d_state
+    bc = groups // tp if opts.ngroups % tp == 0 else groups
+    return d * (2 * d_inner + 2 * bc + model.nheads // tp) + d_inner * d
+
+
+def _layer_bytes_per_token(shape: ActivationShape, layer: int, last_layer: int) -> int:
+    """Bytes kept per token by pipeline layer `layer` (0 embedding, blocks, final norm, last_layer head)."""
+    stream = STREAM * shape.stream_width
+    if layer == 0:
+        return 0  # its output is the next layer's input
+    if layer < last_layer - 1:
+        return stream + mixer_bytes_per_token(shape)
+    if layer == last_layer - 1:
+        return stream
+    return shape.act * shape.model.d_model
+
+
+def _loss_bytes_per_token(shape: ActivationShape) -> int:
+    """What the loss keeps per token: the logits (bf16 or float32), or under TP its float32 softmax."""
+    return (4 if shape.tp > 1 else shape.act) * shape.local_vocab
+
+
+def _weight_copies(shape: ActivationShape, layers: range, last_layer: int) -> int:
+    """Bytes of the bf16 weight copies autocast makes for `layers` in one forward (0 without autocast)."""
+    if not shape.autocast:
+        return 0
+    blocks = sum(1 for i in layers if 0 < i < last_layer - 1)
+    head = shape.local_vocab * shape.model.d_model if last_layer in layers else 0
+    return 2 * (blocks * _linear_weights_per_block(shape.model, shape.tp) + head)
+
+
+def stage_activation_bytes(shape: ActivationShape, first_layer: int, stop_layer: int, last_layer: int) -> int:
+    """The estimated activation bytes of a rank whose stage runs layers [first_layer, stop_layer)."""
+    layers = range(first_layer, stop_layer)
+    per_layer = [_layer_bytes_per_token(shape, i, last_layer) * shape.tokens for i in layers]
+    sends = stop_layer <= last_layer
+    stream = STREAM * shape.stream_width * shape.tokens
+    loss = 0 if sends else _loss_bytes_per_token(shape) * shape.tokens
+    output = stream if sends else 0  # kept for the backward until the next stage returns its gradient
+    k = shape.checkpoint_interval
+    if k:
+        runs = [range(s, min(s + k, stop_layer)) for s in range(first_layer, stop_layer, k)]
+        kept = sum(stream for run in runs if run[0] > 0) + loss + output
+        rebuilt = max(sum(per_layer[i - first_layer] for i in run) + _weight_copies(shape, run, last_layer)
+                      for run in runs)
+    else:
+        kept = sum(per_layer) + loss + output + _weight_copies(shape, layers, last_layer)
+        rebuilt = 0
+    backward = max(max(per_layer, default=0), loss) + (4 * CHUNK_ELEMENTS if loss and shape.tp == 1 else 0)
+    return shape.in_flight * kept + rebuilt + backward
