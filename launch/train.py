@@ -60,6 +60,8 @@ from megamamba.pipelines.faults import (
     check_step_timeout,
 )
 from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
+from megamamba.pipelines.memory_fit import MemoryPlanError, check_at_start
+from megamamba.pipelines.memory_plan import RunShape, plan_memory
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
 from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
@@ -139,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "step: no checkpoint, counted toward --max-skipped-steps (its update is applied)")
     p.add_argument("--step-timeout", type=float, default=600,
                    help="exit when no step finishes for this many seconds after the first (0: off)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="start even when the start-up memory plan says a rank does not fit its GPU")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -297,10 +301,14 @@ def main(argv=None) -> dict:
     layout = plan.layout
     try:
         check_placement(topology(layout.tp, layout.pp, layout.dp))
+        memory_lines = check_at_start(plan_memory(RunShape.of_run(
+            plan.model, layout, plan.engine_config, args.seq_length, args.partition_method,
+            args.checkpoint_activations_interval, args.sequence_parallel)), args.no_memory_check)
         lock = checkpointing.lock_save_dir(args.save) if args.save else None
-    except (PlacementError, CheckpointError) as e:
+    except (PlacementError, MemoryPlanError, CheckpointError) as e:
         fail(e)
     if rank == 0:
+        print_line("\n".join(memory_lines))
         if plan.deepspeed_line:
             print(plan.deepspeed_line, flush=True)
         for note in plan.data.warnings:

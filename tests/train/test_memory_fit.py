@@ -1,0 +1,104 @@
+"""A run whose memory plan does not fit its device is refused before anything is built, naming the
+single layout changes that fit (each computed by planning the changed run)."""
+import contextlib
+import io
+import os
+
+import pytest
+
+from distributed import run_ranks
+from train_entry import ROOT, load_train_script
+
+from megamamba.config import MambaConfig
+from megamamba.pipelines import memory_fit
+from megamamba.pipelines.layout import Layout
+from megamamba.pipelines.memory_fit import RESERVED, refusal
+from megamamba.pipelines.memory_plan import GiB, RunShape, plan_memory
+
+
+def _plan(**changes):
+    """mamba2-130m on 2 ranks (dp 2), micro batch 8 x seq 2048, bf16 autocast, ZeRO 0."""
+    shape = RunShape(model=MambaConfig.from_json(str(ROOT / "launch/models/mamba2-130m.json")),
+                     layout=Layout(world_size=2, dp=2, tp=1, pp=1, micro_batch_size=8, grad_accum=1),
+                     seq_length=2048, autocast=True)
+    return plan_memory(shape.changed(**changes))
+
+
+def test_a_plan_that_fits_its_device_is_not_refused():
+    plan = _plan()
+    assert refusal(plan, plan.worst.total + RESERVED) is None
+
+
+def test_a_plan_too_large_for_its_device_is_refused_with_the_changes_that_fit():
+    plan = _plan()
+    message = refusal(plan, plan.worst.total + RESERVED - 1)
+    assert message is not None and "\n" not in message
+    assert f"needs {plan.worst.total / GiB:.2f} GiB" in message
+    fits = message.split("fits with: ")[1].split("; --no-memory-check")[0]
+    # The largest smaller micro batch keeping the global batch of 16 on dp 2 is 4.
+    for change in ("--checkpoint-activations-interval 1", "micro batch 4", "--tensor-parallel-size 2",
+                   "--pipeline-parallel-size 2"):
+        assert change in fits, (change, message)
+    assert "zero_optimization" not in message  # ZeRO-1's 1.86 GiB gradient bucket outweighs what it saves here
+
+
+def test_a_change_that_does_not_fit_is_not_offered():
+    plan = _plan()
+    recompute = plan_memory(plan.shape.changed(checkpoint_interval=1)).worst.total
+    tp2 = plan_memory(plan.shape.changed(layout=Layout(2, 1, 2, 1, 8, 2))).worst.total
+    assert recompute < tp2
+    message = refusal(plan, recompute + RESERVED)
+    assert "fits with: --checkpoint-activations-interval 1" in message, message
+    assert "--tensor-parallel-size" not in message, message
+
+
+def test_when_no_single_change_fits_the_refusal_says_so_with_each_ones_figure():
+    message = refusal(_plan(), RESERVED + GiB // 2)
+    assert "no single change fits: " in message, message
+    assert "--checkpoint-activations-interval 1 (" in message and "micro batch 1 (" in message, message
+
+
+def _run_with_device(argv, extensions_dir, device_gib):
+    """Run train.py's main with a pretend device of `device_gib` GiB: (exit status, stderr, stdout)."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
+    memory_fit.device_memory = lambda: int(device_gib * GiB)
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            load_train_script().main(argv)
+            status = 0
+        except SystemExit as e:
+            status = e.code
+    return status, err.getvalue(), out.getvalue()
+
+
+def _argv(runs, *flags):
+    return ["--deepspeed_config", runs.ds_config(), "--model-config", str(ROOT / "launch/models/mamba2-130m.json"),
+            "--train-iters", "1", "--seq-length", "2048", *flags]
+
+
+def test_train_py_refuses_a_run_that_does_not_fit_in_one_line_with_status_2(runs):
+    (status, err, out), = run_ranks(_run_with_device, 1, args=(_argv(runs), os.environ["TORCH_EXTENSIONS_DIR"], 3),
+                                    init_process_group=False, timeout=300)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, (status, err)
+    assert lines[0].startswith("train.py: error: memory plan: a rank of pipeline stage 0 needs"), lines
+    assert "no single change fits" in lines[0] or "fits with" in lines[0], lines
+    assert "memory plan, GiB per rank" not in out  # refused before the plan is printed as accepted
+
+
+def test_on_the_cpu_the_plan_is_printed_and_the_fit_not_checked():
+    lines = memory_fit.check_at_start(_plan(), skip=False)
+    assert lines[0].startswith("memory plan, GiB per rank of stage 0 (the largest): parameters 0.48"), lines
+    assert lines[-1].startswith("  device: the CPU, whose memory is the host's") and "fit not checked" in lines[-1]
+
+
+@pytest.mark.slow
+def test_no_memory_check_starts_a_run_that_does_not_fit_and_says_so(runs):
+    argv = ["--deepspeed_config", runs.ds_config(), "--model-config", runs.model_config("mamba2"), "--train-iters", "1",
+            "--seq-length", "32", "--no-memory-check"]
+    (status, err, out), = run_ranks(_run_with_device, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"], 1),
+                                    init_process_group=False, timeout=300)
+    assert status == 0, (status, err[-2000:])
+    assert "memory plan, GiB per rank" in out, out[-2000:]
+    assert "DOES NOT FIT, starting anyway (--no-memory-check)" in out, out[-2000:]
