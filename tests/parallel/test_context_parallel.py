@@ -18,6 +18,8 @@ summaries = C x batch x (decay + final state) float32:
 
 None of it depends on the sequence length, asserted at two lengths.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -193,6 +195,14 @@ def four_rank_checks():
     return out
 
 
+TRITON_CASES = {"mamba1": MAMBA1, "mamba2": {**MAMBA2, "ngroups": 2}}
+
+
+def triton_checks(mixer):
+    os.environ["MEGAMAMBA_KERNELS"] = "triton"  # read per call; TRITON_INTERPRET comes from tests/conftest.py
+    return compare(config(TRITON_CASES[mixer], n_layer=1), True, _world(2))
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     return run_ranks(two_rank_checks, 2, timeout=600)
@@ -220,6 +230,14 @@ def test_two_ranks_equal_the_single_process_model(two_ranks, name):
 @pytest.mark.parametrize("name", list(CP_CASES))
 def test_four_ranks_equal_the_single_process_model(four_ranks, name):
     _assert_equal_to_single_process([r["model"][name] for r in four_ranks], name, f"CP 4, {name}")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter")
+@pytest.mark.parametrize("mixer", list(TRITON_CASES))
+def test_triton_kernels_states_give_the_single_process_model_too(mixer):
+    """The Triton kernels' zero-start final states, initial states and their gradients (the GPU path)."""
+    results = run_ranks(triton_checks, 2, args=(mixer,), timeout=600)
+    _assert_equal_to_single_process(results, mixer, f"CP 2, Triton, {mixer}")
 
 
 @pytest.mark.parametrize("name", list(CP_TP_CASES))
