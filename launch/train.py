@@ -45,7 +45,7 @@ from megamamba.metrics import MetricsLogger
 from megamamba.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
-from megamamba.pipelines import checkpointing
+from megamamba.pipelines import checkpointing, init_from
 from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.ds_translate import optimizer_settings
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
@@ -132,6 +132,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", default=None,
                    help="resume from: auto (the newest complete checkpoint under --save; none yet: start afresh), "
                         "a save directory (its latest) or a checkpoint directory")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from the weights of DIR (a checkpoint or save directory, a model folder, a mamba_ssm "
+                        "or transformers Mamba/Mamba2 folder; checksums verified when it has a manifest) at step 0 "
+                        "with a fresh optimizer, LR schedule and RNG; its config must equal --model-config. A "
+                        "checkpoint that --load finds wins: --init-from DIR --save D --load auto resumes on requeue")
+    p.add_argument("--finetune", action="store_true",
+                   help="Megatron's: only the weights of --load, at step 0 with a fresh optimizer, LR schedule and "
+                        "RNG (the same as --init-from, which a requeue-safe job uses with --load auto)")
     p.add_argument("--save-interval", type=int, default=0, help="checkpoint every this many steps (0: at the end)")
     p.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep (default: all)")
     p.add_argument("--max-skipped-steps", type=int, default=5,
@@ -237,6 +245,10 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     except (OSError, ValueError) as e:
         raise LayoutError(str(e)) from None
     try:
+        init_from.check_flags(args.init_from, args.finetune, args.load)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    try:
         checkpointing.check_flags(args.save, args.load, args.save_interval, args.keep_last)
     except CheckpointError as e:
         raise LayoutError(str(e)) from None
@@ -324,13 +336,17 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     """The training loop of `main`, after start-up; returns this rank's summary."""
     layout, model_config, schedule = plan.layout, plan.model, plan.schedule
     settings = plan.optimizer
+    load, initial = init_from.sources(args.init_from, args.finetune, args.load)
     try:
-        resume = checkpointing.open_for_run(args.load, args.save, model_config)
+        resume = checkpointing.open_for_run(load, args.save, model_config)
+        start = init_from.open_source(*initial, model_config) if initial and not resume else None
         trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
                                 args.checkpoint_activations_interval, args.sequence_parallel)
-        if args.save or args.load:
+        if args.save or load:
             checkpointing.check_trainer(trainer)
         first_step = checkpointing.load(trainer, resume, model_config) if resume else 0
+        if start:
+            init_from.load_weights(trainer, start, model_config)
     except CheckpointError as e:
         fail(e)
     stop = StopRequest()
@@ -353,6 +369,10 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
         if resume:
             print_line(f"train.py: resumed from {resume.path}: next step {first_step} of {plan.train_iters}, "
                        f"next sample {first_step * layout.global_batch_size}")
+            if initial:
+                print_line(f"train.py: {initial[0]} not used: --load found {resume.path} to resume")
+        if start:
+            print_line(init_from.startup_line(start))
 
     def micro_batches(data, step):
         return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size)

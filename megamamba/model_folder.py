@@ -9,6 +9,10 @@ The weights carry mamba_ssm's names and full shapes (`backbone.embedding.weight`
 is the embedding and `lm_head.weight` may be left out (safetensors stores no shared tensors);
 when present it must equal the embedding. Tokenizer files are whatever `tokenizer.save`
 writes (tokenizer.model, tokenizer.json, tokenizer_config.json); `load_tokenizer(folder)` reads them.
+
+`FolderWeights` reads any folder whose weights training may start from, one stage's tensors at a
+time: ours (a model folder or a checkpoint), mamba_ssm's (its config.json + pytorch_model.bin or
+safetensors) and transformers' Mamba / Mamba2 exports (config.json with a `model_type`).
 """
 import json
 import os
@@ -18,12 +22,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from megamamba.config import MambaConfig
+from megamamba.config import ConfigError, MambaConfig
+from megamamba.hf import ARCHITECTURES, HF_EMBEDDING, HFFormatError, config_from_hf, decode_special_floats
 from megamamba.lm import EMBEDDING, HEAD, MambaLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_STEM = "model"
 WEIGHTS_FILE = f"{WEIGHTS_STEM}.safetensors"
+TORCH_WEIGHTS = "pytorch_model.bin"
 
 
 class ModelFolderError(ValueError):
@@ -136,3 +142,81 @@ def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] 
     if config.tie_embeddings:
         model.lm_head.weight = model.backbone.embedding.weight
     return model.to(device=device, dtype=dtype).eval()
+
+
+class FolderWeights:
+    """The model config and full tensors, under our names, of a folder in any form training starts from.
+
+    `kind` says which form: "model folder" (our config + safetensors: ours, a checkpoint, or a
+    mamba_ssm export in safetensors), "mamba_ssm folder" (pytorch_model.bin, read with
+    weights_only=True and memory-mapped), or transformers' export (config.json with a `model_type`;
+    its `vocab_size` is the padded row count, `hf` is True). `tensors(names)` opens only the files
+    holding `names` (of a .bin, only the pages); with tie_embeddings the head is the embedding.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        config_path = os.path.join(directory, CONFIG_FILE)
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ModelFolderError(f"{config_path}: not a readable model config ({e})") from None
+        self.hf = isinstance(raw, dict) and "model_type" in raw
+        try:
+            self.config = config_from_hf(decode_special_floats(raw)) if self.hf else MambaConfig.from_dict(raw)
+        except (ConfigError, HFFormatError, TypeError) as e:
+            raise ModelFolderError(f"{config_path}: {e}") from None
+        self._torch_file = os.path.join(directory, TORCH_WEIGHTS)
+        has_safetensors = any(os.path.isfile(os.path.join(directory, n))
+                              for n in (WEIGHTS_FILE, index_file(WEIGHTS_STEM)))
+        self._bin = None if has_safetensors or not os.path.isfile(self._torch_file) else self._open_bin()
+        if self.hf:
+            self.kind = f"transformers {ARCHITECTURES[raw['model_type']]} folder"
+        else:
+            self.kind = "model folder" if self._bin is None else "mamba_ssm folder (pytorch_model.bin)"
+
+    def _open_bin(self) -> dict:
+        try:
+            return torch.load(self._torch_file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling refusal or damage: one message
+            raise ModelFolderError(f"{self._torch_file}: not loadable with weights_only=True and mmap, which refuse "
+                                   f"pickled code and the pre-1.6 format ({' '.join(str(e).split())})") from None
+
+    def _file_name(self, name: str) -> str:
+        return HF_EMBEDDING if self.hf and name == EMBEDDING else name
+
+    def _our_name(self, name: str) -> str:
+        return EMBEDDING if self.hf and name == HF_EMBEDDING else name
+
+    def shapes(self) -> dict:
+        """Our name -> shape of every tensor in the folder (only headers are read); a tied head left out."""
+        if self._bin is not None:
+            shapes = {self._our_name(n): tuple(t.shape) for n, t in self._bin.items()}
+        else:
+            mapping = weight_map(self.directory)
+            shapes = {}
+            for file in sorted(set(mapping.values())):
+                path = os.path.join(self.directory, file)
+                try:
+                    with safe_open(path, framework="pt") as f:
+                        shapes.update({self._our_name(n): tuple(f.get_slice(n).get_shape())
+                                       for n in f.keys() if mapping.get(n) == file})
+                except (SafetensorError, OSError) as e:
+                    raise ModelFolderError(f"{path}: not a readable safetensors file ({e})") from None
+        if self.config.tie_embeddings:
+            shapes.pop(HEAD, None)
+        return shapes
+
+    def tensors(self, names) -> dict:
+        """Full tensors by our name for `names`, on the CPU (the head is the embedding when tied)."""
+        source = {n: EMBEDDING if self.config.tie_embeddings and n == HEAD else n for n in names}
+        wanted = {self._file_name(n) for n in source.values()}
+        if self._bin is not None:
+            absent = sorted(wanted - set(self._bin))
+            if absent:
+                raise ModelFolderError(f"{self._torch_file}: has no tensors {absent[:5]}")
+            found = {n: self._bin[n] for n in wanted}
+        else:
+            found = read_folder_tensors(self.directory, names=wanted)
+        return {n: found[self._file_name(s)] for n, s in source.items()}

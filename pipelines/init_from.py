@@ -1,0 +1,169 @@
+"""Training that starts from existing weights: `--init-from DIR`, and Megatron's `--finetune`.
+
+DIR is one of our checkpoints (a step folder, or a save directory: its `latest`), a model folder
+(ours, or mamba_ssm's converted or original), or a transformers Mamba / Mamba2 export
+(`megamamba.model_folder.FolderWeights` reads them all). Global rank 0 resolves DIR and verifies a
+checkpoint's manifest (sizes and sha256 of every file); a folder without a manifest is read
+unverified, and the start-up line says so. The folder's model config must equal the run's (a
+transformers export stores only the padded vocabulary: its vocab_size counts as the run's when
+the padded sizes agree). Every rank reads only its pipeline stage's tensors and cuts its TP
+slice out of them (the extra vocab rows a TP size needs are zeros, as when resuming); under
+ZeRO the float32 masters are set too (under ZeRO-3 from this rank's parameter partitions). The
+trainer keeps its fresh optimizer, LR schedule and RNG, and starts at step 0.
+
+One mechanism, two spellings: `--finetune --load X` (Megatron: --load's weights only) is
+`--init-from X`. With `--init-from X` and `--load`, a checkpoint that --load finds wins, so a
+requeued fine-tuning job (`--init-from X --save D --load auto`) resumes its own progress.
+"""
+import dataclasses
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from megamamba.checkpoint import CheckpointError, config_differences, resolve_model_folder
+from megamamba.checkpoint.checkpoint import check_model_shapes
+from megamamba.checkpoint.manifest import verify
+from megamamba.config import MambaConfig
+from megamamba.model_folder import FolderWeights, ModelFolderError
+from megamamba.parallel import full_key, local_shard
+from megamamba.pipelines.names import to_mamba
+
+
+class InitSource(NamedTuple):
+    flag: str  # how the run named it: "--init-from DIR" or "--finetune --load DIR"
+    folder: str  # the folder read (a save directory resolves to its checkpoint)
+    note: str  # what it is and how it was verified
+    weights: FolderWeights
+
+
+def check_flags(init_from: Optional[str], finetune: bool, load: Optional[str]) -> None:
+    """Start-up checks (no process group): ValueError with one message."""
+    if finetune and not load:
+        raise ValueError("--finetune takes the weights of --load, but --load is not set")
+    if finetune and init_from:
+        raise ValueError(f"--finetune (the weights of --load {load}) and --init-from {init_from} both name the "
+                         "initial weights; keep --init-from (with --load auto --save D a requeue resumes)")
+    if finetune and load == "auto":
+        raise ValueError("--finetune --load auto: would restart the newest checkpoint of --save at step 0 on every "
+                         "requeue; use --init-from DIR --load auto --save D")
+    if init_from and not os.path.isdir(init_from):
+        raise ValueError(f"--init-from {init_from}: no such directory")
+
+
+def sources(init_from: Optional[str], finetune: bool, load: Optional[str]) -> tuple:
+    """(the --load to resume from, the flag and folder to initialize from when nothing is resumed)."""
+    if finetune:
+        return None, (f"--finetune --load {load}", load)
+    return load, (f"--init-from {init_from}", init_from) if init_from else None
+
+
+def describe_source(path: str, flag: str) -> tuple:
+    """(folder, note) of `path` (global rank 0): a checkpoint verified in full, a plain folder as it is."""
+    folder, verified = resolve_model_folder(path, flag=flag)
+    if not verified:
+        return folder, "not verified: no manifest.json"
+    manifest = verify(folder, hashes=False)  # verified in full above; this reads the manifest
+    files = len(manifest["files"])
+    return folder, f"checkpoint of step {manifest['step']}, verified: sizes and sha256 of {files} files"
+
+
+def check_config(weights: FolderWeights, run: MambaConfig, flag: str) -> None:
+    """CheckpointError naming every field where the folder's model config differs from the run's."""
+    folder = weights.config
+    if weights.hf and folder.vocab_size == run.padded_vocab_size:
+        folder = dataclasses.replace(folder, vocab_size=run.vocab_size,
+                                     pad_vocab_size_multiple=run.pad_vocab_size_multiple)
+    diff = [d.replace(": checkpoint ", ": folder ", 1) for d in config_differences(folder, run)]
+    if diff:
+        raise CheckpointError(f"{flag}: the model config of {weights.directory} differs from --model-config: "
+                              f"{'; '.join(diff)}")
+
+
+def open_source(flag: str, path: str, run: MambaConfig) -> InitSource:
+    """The folder to initialize from, verified and checked against the run's config (collective)."""
+    answer = None
+    if dist.get_rank() == 0:
+        try:
+            answer = ("ok", describe_source(path, flag))
+        except (CheckpointError, OSError) as e:
+            answer = ("error", str(e))
+    box = [answer]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    folder, note = value
+    try:
+        weights = FolderWeights(folder)
+        check_config(weights, run, flag)
+        check_model_shapes(weights.shapes(), run, folder)
+    except ModelFolderError as e:
+        raise CheckpointError(f"{flag}: {e}") from None
+    if note.startswith("not verified"):
+        note = f"{weights.kind}, {note}"
+    return InitSource(flag, folder, note, weights)
+
+
+@torch.no_grad()
+def _set_zero3_partition(param, value: torch.Tensor) -> None:
+    """This rank's ZeRO-3 partition of `param` (zero padding past the end) cut from its full value."""
+    part = param.ds_tensor
+    start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+    piece = value.reshape(-1)[start:start + part.ds_numel]
+    part.data.zero_()
+    part.data[:piece.numel()].copy_(piece)
+
+
+@torch.no_grad()
+def _copy_zero3_masters(optimizer, flag: str) -> None:
+    """ZeRO-3's float32 master partitions set from the parameter partitions, as DeepSpeed builds them."""
+    for master, partition in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat):
+        if partition is None or master.numel() != partition.numel():
+            raise CheckpointError(f"{flag}: ZeRO-3 with parameters or optimizer state swapped to NVMe is not supported")
+        master.copy_(partition)
+
+
+def load_weights(trainer, source: InitSource, config: MambaConfig) -> None:
+    """Set every parameter of this rank (and its optimizer master) from the folder; collective."""
+    pipeline = isinstance(trainer.engine, PipelineEngine)
+    # a TP parameter may come in parts under one full name (`in_proj.weight` and `in_proj.weight_replicated`)
+    params = [(full_key(n, p), p) for n, p in trainer.module.named_parameters()]
+    names = {key: to_mamba(key, config) if pipeline else key for key, _ in params}
+    error, full = None, {}
+    try:
+        full = source.weights.tensors(sorted(set(names.values())))
+    except ModelFolderError as e:
+        error = f"{source.flag}: rank {dist.get_rank()}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+    zero_stage = trainer.engine.zero_optimization_stage()
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    with torch.no_grad():
+        for key, param in params:
+            value = full[names[key]]
+            shard = getattr(param, "tp_shard", None)
+            if trainer.tp is not None and shard is not None:
+                value = local_shard(value, shard, trainer.tp.size, trainer.tp.rank)
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            if tuple(value.shape) != shape:
+                raise CheckpointError(f"{source.flag}: {names[key]} gives shape {tuple(value.shape)} for parameter "
+                                      f"{key} of shape {shape}")
+            if zero_stage == 3:
+                _set_zero3_partition(param, value)
+            else:
+                param.copy_(value)
+                if zero_stage:
+                    safe_set_full_fp32_param(param, param.detach().float())
+    if zero_stage == 3:
+        _copy_zero3_masters(trainer.engine.optimizer, source.flag)
+
+
+def startup_line(source: InitSource) -> str:
+    return f"train.py: initialized from {source.folder} ({source.note}): step 0, fresh optimizer"
