@@ -8,11 +8,13 @@ types, constexprs, integer and alignment hints, num_warps / num_stages), and eve
 specialization is compiled to a cubin for the target. The launches come from the cases the GPU
 benchmark (benchmarks/kernels.py) checks and times, in float32 and bfloat16, past 64K tokens,
 and from a training step of a Mamba-1 and a Mamba-2 layer (float32 and bf16 autocast, with and
-without documents). Each kernel's registers, local-memory (spill) bytes and shared memory are
-read from its cubin and checked against what one block may use on the target, and the largest
-grid it was launched with against CUDA's grid limits; the occupancy they allow (resident warps
-per SM) is reported. Exit 1 if a kernel fails to compile or does not fit; a short table is
-printed last, details go to --json.
+without documents). Each kernel's registers, spilled bytes and shared memory are read from its
+cubin and checked against what one block may use on the target, and the largest grid it was
+launched with against CUDA's grid limits; the occupancy they allow (resident warps per SM) is
+reported. Spills are the per-thread stack frame: a Triton kernel makes no calls and keeps no
+local arrays, so its stack holds only what ptxas spills there (STL/LDL in the SASS; cuobjdump's
+LOCAL column stays 0 for them). Exit 1 if a kernel fails to compile or does not fit; a short
+table is printed last, details go to --json.
 Run it without TRITON_INTERPRET, whose kernels are not compiled.
 """
 import argparse
@@ -131,18 +133,18 @@ def model_steps():
 
 
 def resources(cubin: bytes) -> dict:
-    """Registers per thread, stack and local (spill) bytes of a cubin's kernel, from the cuobjdump
-    that ships with Triton."""
+    """Registers per thread and stack bytes per thread (the registers spilled) of a cubin's
+    kernel, from the cuobjdump that ships with Triton."""
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
-    return dict(regs=int(m.group(1)), stack_bytes=int(m.group(2)), local_bytes=int(m.group(4)))
+    return dict(regs=int(m.group(1)), stack_bytes=int(m.group(2)))
 
 
 def resident_warps(regs: int, num_warps: int, shared_bytes: int, limits) -> int:
@@ -229,7 +231,7 @@ def summary(rows, arch) -> str:
         failed = [r for r in mine if not r["ok"]]
         warps = "/".join(str(w) for w in sorted({r["num_warps"] for r in mine}))
         regs = max((r["regs"] for r in done), default=0)
-        spill = max((r["local_bytes"] for r in done), default=0)
+        spill = max((r["stack_bytes"] for r in done), default=0)
         shared = max((r["shared_bytes"] for r in done), default=0) / 1024
         resident = min((r["warps_per_sm"] for r in done), default=0)
         status = "ok" if not failed else f"FAILED {len(failed)}: {failed[0]['error'][:200]}"
