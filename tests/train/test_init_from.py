@@ -162,3 +162,19 @@ def test_a_plain_folder_is_read_unverified_and_a_checkpoint_verified(folders):
 def test_start_up_refuses_contradictory_initial_weights(init, finetune, load, message):
     with pytest.raises(ValueError, match=message):
         init_from.check_flags(init, finetune, load)
+
+
+def test_a_mamba_ssm_folder_with_pytorch_model_bin_gives_the_same_tensors(folders):
+    source = FolderWeights(folders["checkpoint"])
+    names = sorted(source.shapes())
+    original = source.tensors(names)
+    folder = folders["root"] / "mamba_ssm"
+    folder.mkdir()
+    shutil.copyfile(os.path.join(folders["checkpoint"], "config.json"), folder / "config.json")
+    torch.save(original, folder / "pytorch_model.bin")
+    weights = FolderWeights(str(folder))
+    assert weights.kind == "mamba_ssm folder (pytorch_model.bin)"
+    assert weights.shapes() == source.shapes()
+    read = weights.tensors([*names, "lm_head.weight"])
+    assert all(torch.equal(read[n], original[n]) for n in names)
+    assert torch.equal(read["lm_head.weight"], original["backbone.embedding.weight"])  # tied: the head is the embedding
