@@ -1,17 +1,20 @@
 """The training data path: blended, packed global batches that do not depend on the parallel layout.
 
-Global sample j (numbered across steps: j = step * global_batch_size + row) comes from the
-dataset and sample number the `BlendSchedule` assigns, packed by that dataset's
-`DocumentPacker`. So a step's global batch depends only on (seed, step, data, seq_length,
-global_batch_size). Data-parallel rank r of d takes the contiguous rows [r*G/d, (r+1)*G/d)
-and cuts them into micro-batches in order: the concatenation over ranks is the global batch
-for any (dp, tp, pp), and a run restarted at step s reads exactly what an uninterrupted run
-would, computing nothing for the steps before s.
+The stream is addressed by global sample number j (0, 1, 2, ... across the whole run): sample j
+comes from the dataset and sample number the `BlendSchedule` assigns, packed by that dataset's
+`DocumentPacker`, so it depends only on (seed, data, seq_length), never on the batch size. A global
+batch is G consecutive samples from the run's consumed-sample count (`micro_batches_at`); at a
+constant G, step s starts at sample s * G (`micro_batches`). Data-parallel rank r of d takes the
+contiguous rows [r*G/d, (r+1)*G/d) and cuts them into micro-batches in order: the concatenation
+over ranks is the global batch for any (dp, tp, pp), and a run resumed after c samples, at any
+global batch size, reads exactly the samples an uninterrupted run would read from c on,
+computing nothing for the samples before.
 
 Every batch is (inputs, labels, seq_idx): int64 (rows, seq_length) ids and next-token labels,
 and int32 (rows, seq_length) document ids for the model's `seq_idx` (state reset at document
 boundaries, see packing.py), or None when `reset_at_documents` is off.
 """
+from fractions import Fraction
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -34,7 +37,7 @@ def open_blend(data: Sequence[str], vocab_size: Optional[int] = None) -> tuple[l
 
 
 class PackedGlobalBatches:
-    """Step -> global batch of packed samples from weighted datasets (see the module docstring)."""
+    """Global sample numbers -> packed batches from weighted datasets (see the module docstring)."""
 
     def __init__(self, datasets: Sequence[IndexedDataset], weights: Sequence, seq_length: int,
                  global_batch_size: int, seed: int, reset_at_documents: bool = True):
@@ -43,11 +46,23 @@ class PackedGlobalBatches:
         for name, value in (("seq_length", seq_length), ("global_batch_size", global_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
+        self.datasets, self.weights, self.seed = list(datasets), [Fraction(w) for w in weights], seed
         self.schedule = BlendSchedule(weights)
         self.packers = [DocumentPacker(d, seq_length, seed, key) for key, d in enumerate(datasets)]
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
         self.reset_at_documents = reset_at_documents
+
+    def identity(self) -> list[dict]:
+        """The blend as a checkpoint records it: per dataset its weight, prefix, documents and tokens."""
+        return [{"weight": str(w), "prefix": d.prefix, "documents": d.num_documents, "tokens": d.num_tokens}
+                for w, d in zip(self.weights, self.datasets)]
+
+    def sources_at(self, first: int, stop: int) -> list[tuple[int, int]]:
+        """(dataset index, sample number in it) of global samples [first, stop)."""
+        if not 0 <= first <= stop:
+            raise ValueError(f"global samples [{first}, {stop}): need 0 <= first <= stop")
+        return self.schedule.assign(first, stop)
 
     def sources(self, step: int, first: int, stop: int) -> list[tuple[int, int]]:
         """(dataset index, sample number in it) of rows [first, stop) of the step's global batch."""
@@ -55,28 +70,41 @@ class PackedGlobalBatches:
             raise ValueError(f"rows [{first}, {stop}) of step {step}: need step >= 0 and "
                              f"0 <= first <= stop <= {self.global_batch_size}")
         base = step * self.global_batch_size
-        return self.schedule.assign(base + first, base + stop)
+        return self.sources_at(base + first, base + stop)
 
-    def rows(self, step: int, first: int, stop: int) -> Batch:
-        """Rows [first, stop) of the global batch of `step`."""
-        samples = [self.packers[i].sample(q) for i, q in self.sources(step, first, stop)]
+    def _pack(self, sources: list[tuple[int, int]]) -> Batch:
+        samples = [self.packers[i].sample(q) for i, q in sources]
         tokens = torch.from_numpy(np.stack([t for t, _ in samples]))
         seq_idx = torch.from_numpy(np.stack([s for _, s in samples])) if self.reset_at_documents else None
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), seq_idx
+
+    def rows_at(self, first: int, stop: int) -> Batch:
+        """Global samples [first, stop) as rows."""
+        return self._pack(self.sources_at(first, stop))
+
+    def rows(self, step: int, first: int, stop: int) -> Batch:
+        """Rows [first, stop) of the global batch of `step`."""
+        return self._pack(self.sources(step, first, stop))
 
     def global_batch(self, step: int) -> Batch:
         return self.rows(step, 0, self.global_batch_size)
 
     def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[Batch]:
         """This data-parallel rank's contiguous slice of the step's global batch, as consecutive micro-batches."""
+        if step < 0:
+            raise ValueError(f"step {step}: must be >= 0")
+        return self.micro_batches_at(step * self.global_batch_size, dp_rank, dp_size, micro_batch_size)
+
+    def micro_batches_at(self, first_sample: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[Batch]:
+        """This data-parallel rank's slice of the global batch starting at global sample `first_sample`."""
         per_rank = self.global_batch_size // dp_size
         if per_rank * dp_size != self.global_batch_size or per_rank % micro_batch_size:
             raise ValueError(f"global batch {self.global_batch_size} does not split into {dp_size} data-parallel "
                              f"ranks of whole micro-batches of {micro_batch_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank}: must lie in [0, {dp_size})")
-        first = dp_rank * per_rank
-        return [self.rows(step, m, m + micro_batch_size) for m in range(first, first + per_rank, micro_batch_size)]
+        first = first_sample + dp_rank * per_rank
+        return [self.rows_at(m, m + micro_batch_size) for m in range(first, first + per_rank, micro_batch_size)]
 
     def iterate(self, start_step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> Iterator[Batch]:
         """Micro-batches of steps start_step, start_step + 1, ... in order, without end."""
