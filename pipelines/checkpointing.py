@@ -15,9 +15,10 @@ job's life; a second job fails on every rank with the holder's name.
 Loading (collective): global rank 0 resolves `--load` and verifies the checksums, every rank opens
 the same checkpoint, checks the model config, reads only its stage's tensors and cuts its TP slice
 and ZeRO partition out of them; optimizer state lands where torch's AdamW keeps it (the
-parameter's device and dtype; `step` on the device when fused). The data order is a function of
-(seed, step), so the step is the data position. Optimizers handled: torch AdamW as the engine's
-optimizer (no ZeRO) and DeepSpeed's ZeRO-1/2 optimizer over it; anything else is refused before training.
+parameter's device and dtype; `step` on the device when fused). The data position is the
+consumed-sample count the trainer records in `extra` (megamamba.checkpoint.run_record), not the
+step. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's ZeRO-1/2
+optimizer over it; anything else is refused before training.
 
 Test hook: MEGAMAMBA_TEST_KILL_SAVE="STEP:N" makes every rank SIGKILL itself at its own N-th file
 primitive (write, fsync of a directory, rename, delete) of the save of STEP: ranks write their RNG
@@ -266,17 +267,25 @@ def _local(trainer, full: torch.Tensor, param) -> torch.Tensor:
     return full
 
 
-def load(trainer, checkpoint: Checkpoint, config: MambaConfig) -> int:
-    """Restore parameters, masters, optimizer state, scheduler and RNG of this rank; returns the step."""
+def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool = True, load_rng: bool = True) -> int:
+    """Restore parameters, masters, optimizer state, scheduler and RNG of this rank; returns the step.
+
+    load_optim False (Megatron's --no-load-optim): the weights only; optimizer state and LR schedule
+    stay fresh (moments zero, scheduler at its step 0). load_rng False (--no-load-rng): the RNG states
+    stay as they are. The step count continues either way.
+    """
     rename = _rename(trainer, config)
     names = {full_key(n, p): rename(full_key(n, p)) for n, p in trainer.module.named_parameters()}
     mine = sorted(set(names.values()))
-    params, optimizer = checkpoint.model_tensors(mine), checkpoint.optimizer_tensors(mine)
+    params = checkpoint.model_tensors(mine)
+    optimizer = checkpoint.optimizer_tensors(mine) if load_optim else {}
     saved_groups = [{**g, "params": [n for n in g["params"] if n in names.values()]}
-                    for g in checkpoint.optimizer_groups]
+                    for g in checkpoint.optimizer_groups] if load_optim else None
     load_full_state(trainer.module, params, trainer.tp, rename)
     zero = _zero(trainer)
-    if zero is None:
+    if zero is not None:
+        _load_zero(trainer, zero, optimizer, saved_groups, names)
+    elif load_optim:
         inverse = {m: n for n, m in names.items()}
         tensors = {}
         for key, t in optimizer.items():
@@ -284,20 +293,35 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig) -> int:
             tensors[f"{inverse[name]}/{state_key}"] = t
         saved_groups = [{**g, "params": [inverse[n] for n in g["params"]]} for g in saved_groups]
         load_optimizer_tensors(trainer.engine.optimizer, trainer.module, tensors, saved_groups, trainer.tp)
-    else:
-        _load_zero(trainer, zero, optimizer, saved_groups, names)
-    load_scheduler_state(trainer.lr_scheduler, checkpoint.scheduler)
-    restore_rng(checkpoint.rng_state(dist.get_rank(), dist.get_world_size()))
+    if load_optim:
+        _restore_scheduler(trainer.lr_scheduler, checkpoint.scheduler)
+    if load_rng:
+        restore_rng(checkpoint.rng_state(dist.get_rank(), dist.get_world_size()))
     trainer.engine.global_steps = checkpoint.step
     return checkpoint.step
 
 
-def _load_zero(trainer, zero, optimizer: dict, saved_groups: list, names: dict) -> None:
-    """ZeRO: fresh flat Adam state at the saved step, linked, then each parameter's master and moments set."""
+def _restore_scheduler(scheduler, state: dict) -> None:
+    """The saved scheduler position (epoch) under the run's schedule: base LRs stay the run's peak, so the
+    group LRs are the run's schedule at the saved epoch (the saved ones, unless the plan was overridden)."""
+    load_scheduler_state(scheduler, state)
+    scheduler.base_lrs = [group["initial_lr"] for group in scheduler.optimizer.param_groups]
+    lrs = [base * rule(scheduler.last_epoch) for rule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def _load_zero(trainer, zero, optimizer: dict, saved_groups: Optional[list], names: dict) -> None:
+    """ZeRO: fresh flat Adam state at the saved step, linked, then each parameter's master and moments set.
+
+    saved_groups None: no optimizer state is loaded (`optimizer` empty), only the masters are set.
+    """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    run_groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
-    check_optimizer_groups(saved_groups, [{**g, "params": [names[n] for n in g["params"]]} for g in run_groups])
+    if saved_groups is not None:
+        run_groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
+        check_optimizer_groups(saved_groups, [{**g, "params": [names[n] for n in g["params"]]} for g in run_groups])
     steps = {t.item() for k, t in optimizer.items() if k.endswith("/step")}
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")

@@ -36,12 +36,18 @@ def save_training_checkpoint(save_dir: str, step: int, model: MambaLM, optimizer
 
 
 def load_training_checkpoint(checkpoint: Checkpoint, model: MambaLM, optimizer: torch.optim.Optimizer,
-                             scheduler=None) -> int:
-    """Restore a single-process run from `checkpoint` (its model config must equal the model's); returns the step."""
+                             scheduler=None, load_optim: bool = True, load_rng: bool = True) -> int:
+    """Restore a single-process run from `checkpoint` (its model config must equal the model's); returns the step.
+
+    load_optim False (Megatron's --no-load-optim): the weights only, optimizer and scheduler stay fresh;
+    load_rng False (--no-load-rng): the RNG states stay as they are.
+    """
     checkpoint.check_config(model.config)
     load_model_tensors(model, checkpoint.model_tensors(), source=checkpoint.path)
-    load_optimizer_tensors(optimizer, model, checkpoint.optimizer_tensors(), checkpoint.optimizer_groups)
-    if scheduler is not None:
-        load_scheduler_state(scheduler, checkpoint.scheduler)
-    restore_rng(checkpoint.rng_state(0, 1))
+    if load_optim:
+        load_optimizer_tensors(optimizer, model, checkpoint.optimizer_tensors(), checkpoint.optimizer_groups)
+        if scheduler is not None:
+            load_scheduler_state(scheduler, checkpoint.scheduler)
+    if load_rng:
+        restore_rng(checkpoint.rng_state(0, 1))
     return checkpoint.step
