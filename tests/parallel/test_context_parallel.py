@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
 from megamamba import MambaConfig, MambaLM
@@ -88,13 +89,22 @@ def _inputs(cfg, documents):
     return ids, labels, seq_idx
 
 
-def compare(cfg, documents, cp, tp=None):
+def _recompute_in_backward(block):
+    """Wrap a block in activation checkpointing as pipelines/module.py does (non-reentrant)."""
+    forward = block.forward
+    block.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def compare(cfg, documents, cp, tp=None, recompute=False):
     """Relative errors of the CP (x TP) model's logits, loss and gradients against the single-process model."""
     torch.manual_seed(SEED)
     plain = MambaLM(cfg)
     _perturb(plain, SEED + 2)
     torch.manual_seed(SEED)
     model = MambaLM(cfg, tp=tp, cp=cp)
+    if recompute:
+        for block in model.backbone.layers:
+            _recompute_in_backward(block)
     if tp is None:
         model.load_state_dict(plain.state_dict())
     else:
@@ -172,6 +182,8 @@ def _world(size):
 def two_rank_checks():
     cp = _world(2)
     out = {"model": {name: compare(config(ssm, **fields), docs, cp) for name, (ssm, fields, docs) in CP_CASES.items()}}
+    out["recompute"] = {name: compare(config(ssm, **fields), docs, cp, recompute=True)
+                        for name, (ssm, fields, docs) in CP_CASES.items() if docs}
     out["comm"] = {(mixer, seqlen): block_comm(cp, ssm, seqlen)
                    for mixer, ssm in (("mamba1", MAMBA1), ("mamba2", {**MAMBA2, "ngroups": 2}))
                    for seqlen in (SEQLEN, 2 * SEQLEN)}
@@ -225,6 +237,12 @@ def _assert_equal_to_single_process(results, case, what):
 @pytest.mark.parametrize("name", list(CP_CASES))
 def test_two_ranks_equal_the_single_process_model(two_ranks, name):
     _assert_equal_to_single_process([r["model"][name] for r in two_ranks], name, f"CP 2, {name}")
+
+
+@pytest.mark.parametrize("name", [name for name, case in CP_CASES.items() if case[2]])
+def test_blocks_recomputed_in_backward_equal_the_single_process_model(two_ranks, name):
+    """Activation checkpointing re-runs the halo exchange and the summary gather inside the backward."""
+    _assert_equal_to_single_process([r["recompute"][name] for r in two_ranks], name, f"CP 2, recomputed, {name}")
 
 
 @pytest.mark.parametrize("name", list(CP_CASES))
