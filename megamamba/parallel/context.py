@@ -23,7 +23,10 @@ before the slice's first document change:
 
 Both are exact (the tests hold them to float32 round-off of the single-device model), and autograd
 differentiates them: the gradient of h0 reaches the other ranks' summaries through the
-reduce-scatter. The gate silu(z) multiplies the contribution as it multiplies the scan.
+reduce-scatter. The gate silu(z) multiplies the contribution as it multiplies the scan. The
+decays, the contributions and the halo conv run under `checkpoint`, so context parallelism keeps
+no sequence-sized tensor for the backward beyond what the scan keeps. Design and byte counts:
+docs/context-parallel.md.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ class ContextSlice:
     here when `seq_idx` is given) and the conv and scans across the rank edges."""
 
     def __init__(self, cp: ContextParallel, seq_idx: torch.Tensor | None, conv_width: int):
-        self.cp, self.seq_idx, self.conv_width = cp, seq_idx, conv_width
+        self.cp, self.seq_idx = cp, seq_idx
         self.halo_ids = None if seq_idx is None else previous_ids(seq_idx, max(conv_width - 1, 1), cp)
 
     def _reaches(self, batch: int, seqlen: int, device) -> torch.Tensor:
@@ -113,7 +116,9 @@ def _ssd_contribution(C, h0, z, dt, dt_bias, A, reaches, dt_softplus, dt_limit):
     batch, seqlen, nheads = dt.shape
     _, _, headdim, dstate = h0.shape
     ngroups = C.shape[2]
-    from_start = masked_exp(_ssd_log_decays(dt, dt_bias, A, dt_softplus, dt_limit).cumsum(1), reaches[..., None])
+    log_decays = _ssd_log_decays(dt, dt_bias, A, dt_softplus, dt_limit)
+    # Summed in float64: a float32 running sum over a long slice drifts by up to length x eps x |sum|.
+    from_start = masked_exp(log_decays.double().cumsum(1), reaches[..., None]).to(log_decays.dtype)
     read = torch.einsum("blgn,bgrpn->blgrp", C.to(h0.dtype), h0.reshape(batch, ngroups, -1, headdim, dstate))
     out = read.reshape(batch, seqlen, nheads, headdim) * from_start[..., None]
     return out if z is None else out * F.silu(z.to(out.dtype))
