@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megamamba.parallel.collectives import reduce_from_tp_region, start_all_reduce
+from megamamba.parallel.model_layout import LayoutError
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,22 @@ class ContextParallel:
     def global_rank(self, group_rank: int) -> int:
         """The default group's rank of this group's rank `group_rank` (for point-to-point sends)."""
         return dist.get_global_rank(self.group, group_rank)
+
+
+def check_context_layout(seqlen: int, cp_size: int, d_conv: int, tp_size: int = 1,
+                         sequence_parallel: bool = False) -> None:
+    """Refuse a sequence length that `cp_size` ranks cannot split: equal slices (further split across
+    TP with sequence parallelism), each at least the conv's d_conv - 1 tokens of history long."""
+    if cp_size == 1:
+        return
+    parts = cp_size * tp_size if sequence_parallel else cp_size
+    if seqlen % parts:
+        what = f"CP {cp_size} x TP {tp_size} (sequence parallelism)" if sequence_parallel else f"CP {cp_size}"
+        raise LayoutError(f"context parallelism splits each sequence into equal slices: seqlen = {seqlen} "
+                          f"is not divisible by {what} = {parts}")
+    if seqlen // cp_size < d_conv - 1:
+        raise LayoutError(f"context parallelism hands each rank's last d_conv - 1 = {d_conv - 1} tokens to the "
+                          f"next rank: slices of seqlen {seqlen} / CP {cp_size} = {seqlen // cp_size} are shorter")
 
 
 def sequence_slice(t: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
