@@ -22,9 +22,14 @@ memory), packed with document ids (seq_idx) unless --no-reset-at-documents; data
 tokenizer is refused unless --allow-tokenizer-mismatch. With --save, global rank 0 holds the save
 directory's lock for the job's life (a second job is refused at start-up), no checkpoint is written
 and none pruned while steps are being skipped (non-finite, or a --loss-spike-factor spike), and
---keep-last never removes the newest checkpoint from before the first skipped step.
+--keep-last never removes the newest checkpoint from before the first skipped step. A resume
+(--load) continues the sample stream at the checkpoint's consumed samples at any global batch size
+and refuses a changed data stream or LR plan unless --override-data-check /
+--override-opt_param-scheduler (`megamamba.pipelines.resume`); --no-load-optim and --no-load-rng
+as in Megatron.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -64,6 +69,7 @@ from megamamba.pipelines.memory_fit import MemoryPlanError, check_at_start
 from megamamba.pipelines.memory_plan import RunShape, plan_memory
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
+from megamamba.pipelines.resume import fresh, records, resume_line, resumed_run
 from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
 
 # DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
@@ -132,6 +138,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", default=None,
                    help="resume from: auto (the newest complete checkpoint under --save; none yet: start afresh), "
                         "a save directory (its latest) or a checkpoint directory")
+    p.add_argument("--no-load-optim", action="store_true",
+                   help="with --load: the weights and the step count only; fresh optimizer state and LR schedule")
+    p.add_argument("--no-load-rng", action="store_true", help="with --load: do not restore the RNG states")
+    p.add_argument("--override-data-check", action="store_true",
+                   help="resume even though the data, tokenizer, --seq-length, --seed or document resets differ from "
+                        "the checkpoint's (refused otherwise): the sample stream continues at its count with the new "
+                        "settings")
+    p.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   help="resume even though the LR plan differs from the checkpoint's (refused otherwise): follow "
+                        "the flags' plan from the checkpoint's step")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from the weights of DIR (a checkpoint or save directory, a model folder, a mamba_ssm "
                         "or transformers Mamba/Mamba2 folder; checksums verified when it has a manifest) at step 0 "
@@ -218,6 +234,7 @@ class RunPlan(NamedTuple):
     data: TrainingData
     optimizer: OptimizerSettings
     deepspeed_line: Optional[str]  # what the JSON's optimizer/scheduler/bf16 blocks became; None without them
+    ds_config: dict  # the DeepSpeed config with the batch flags applied (a resume re-plans the LR from it)
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
@@ -262,7 +279,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     without_monitors = {k: v for k, v in ds_config.items() if k not in MONITOR_BLOCKS}  # our logger writes them
     return RunPlan(train_iters, layout, model,
                    engine_config(without_monitors, layout, args.clip_grad, args.sequence_parallel),
-                   settings.optimizer.schedule, monitors, data, settings.optimizer, settings.line)
+                   settings.optimizer.schedule, monitors, data, settings.optimizer, settings.line, ds_config)
 
 
 def peak_memory_gb() -> float:
@@ -334,17 +351,20 @@ def main(argv=None) -> dict:
 
 def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: float) -> dict:
     """The training loop of `main`, after start-up; returns this rank's summary."""
-    layout, model_config, schedule = plan.layout, plan.model, plan.schedule
-    settings = plan.optimizer
+    layout, model_config = plan.layout, plan.model
     load, initial = init_from.sources(args.init_from, args.finetune, args.load)
     try:
         resume = checkpointing.open_for_run(load, args.save, model_config)
+        run_start = fresh(plan.train_iters, plan.schedule, layout.global_batch_size) if not resume else resumed_run(
+            resume, args, plan.data, layout.global_batch_size, plan.train_iters, plan.schedule, plan.ds_config)
+        settings = dataclasses.replace(plan.optimizer, schedule=run_start.schedule)
         start = init_from.open_source(*initial, model_config) if initial and not resume else None
         trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
                                 args.checkpoint_activations_interval, args.sequence_parallel)
         if args.save or load:
             checkpointing.check_trainer(trainer)
-        first_step = checkpointing.load(trainer, resume, model_config) if resume else 0
+        if resume:
+            checkpointing.load(trainer, resume, model_config, not args.no_load_optim, not args.no_load_rng)
         if start:
             init_from.load_weights(trainer, start, model_config)
     except CheckpointError as e:
@@ -355,20 +375,22 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
     watchdog = Watchdog(args.step_timeout)
     train, valid = plan.data.train, plan.data.valid
-    logger = MetricsLogger(rank == 0, args.metrics_jsonl, total_steps=plan.train_iters, **plan.monitors._asdict())
+    first_step, train_iters = run_start.step, run_start.train_iters
+    logger = MetricsLogger(rank == 0, args.metrics_jsonl, total_steps=train_iters, **plan.monitors._asdict())
     tokens_per_step = layout.global_batch_size * args.seq_length
     flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
     stage_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.module.parameters())  # ZeRO-3: full size
     low, high = agree([-stage_params, stage_params], op="max")
     if rank == 0:
         print_line("\n".join(startup_summary(
-            model=model_config, layout=layout, seq_length=args.seq_length, train_iters=plan.train_iters,
-            schedule=schedule, engine_config=plan.engine_config, data=plan.data,
+            model=model_config, layout=layout, seq_length=args.seq_length, train_iters=train_iters,
+            schedule=run_start.lr_plan, engine_config=plan.engine_config, data=plan.data,
             total_params=count_parameters(model_config), stage_params=(int(-low), int(high)), save=args.save,
             load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
         if resume:
-            print_line(f"train.py: resumed from {resume.path}: next step {first_step} of {plan.train_iters}, "
-                       f"next sample {first_step * layout.global_batch_size}")
+            if run_start.warning:
+                print_line(f"train.py: warning: {run_start.warning}")
+            print_line(resume_line(resume.path, run_start))
             if initial:
                 print_line(f"train.py: {initial[0]} not used: --load found {resume.path} to resume")
         if start:
@@ -377,15 +399,18 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     def micro_batches(data, step):
         return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size)
 
+    def first_sample(step):  # the data stream is addressed by consumed samples, not by step
+        return run_start.consumed_samples + (step - first_step) * layout.global_batch_size
+
     summary = {"records": [], "stage_parameters": stage_params,
                "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
     steps_timed, seconds = 0, 0.0
-    train_iters = plan.train_iters
     clock = StepClock(job_start, time.perf_counter(), train_iters)
     for step in range(first_step, train_iters):
         start = time.perf_counter()
         lr = trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
-        outcome = agree_step(trainer.train_step(micro_batches(train, step)), guard.nonfinite(), stop.received)
+        batches = train.micro_batches_at(first_sample(step), trainer.dp_rank, layout.dp, layout.micro_batch_size)
+        outcome = agree_step(trainer.train_step(batches), guard.nonfinite(), stop.received)
         trainer.finish_step(outcome.applied)
         seconds += time.perf_counter() - start
         steps_timed += 1
@@ -436,7 +461,9 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
                 with watchdog.paused():
                     saved = checkpointing.save(trainer, model_config, args.save, step + 1,
                                                scheduler=trainer.lr_scheduler,
-                                               extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp]},
+                                               extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp],
+                                                      **records(run_start, plan.data, args.tokenizer,
+                                                                first_sample(step + 1), trainer.lr_scheduler.last_epoch)},
                                                tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
                                                protect=last_good and os.path.basename(last_good))
                 newest = os.path.join(args.save, tag_for(step + 1))
