@@ -13,10 +13,10 @@ from resume_runs import SAVE_AT, STEPS, errors
 pytestmark = pytest.mark.slow
 
 
-def _resume(runs, reference, flags) -> dict:
+def _resume(runs, reference, flags, zero: int = 0) -> dict:
     out = runs.new_dir()
     checkpoint = reference["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
-    run = runs.direct(runs.argv(out, zero=0, flags=["--load", str(checkpoint), *flags]), out=out)
+    run = runs.direct(runs.argv(out, zero=zero, flags=["--load", str(checkpoint), *flags]), out=out)
     resumed = [line for line in run["stdout"].splitlines() if line.startswith("train.py: resumed from")]
     return {**run, "checkpoint": checkpoint, "resumed": resumed}
 
@@ -45,10 +45,11 @@ def test_the_overrides_continue_with_the_new_sequence_length_and_lr_plan(runs, r
     assert "LR plan overridden (--override-opt_param-scheduler): peak: checkpoint 0.001, run 0.002" in line
 
 
-def test_no_load_optim_continues_the_steps_from_the_weights_with_a_fresh_optimizer_and_schedule(runs, reference):
+@pytest.mark.parametrize("zero", [0, 1], ids=["torch-adamw", "zero1"])
+def test_no_load_optim_continues_the_steps_from_the_weights_with_a_fresh_optimizer_and_schedule(runs, reference, zero):
     save = runs.new_dir() / "ckpt"
     run = _resume(runs, reference, ["--no-load-optim", "--no-load-rng", "--train-iters", str(SAVE_AT + 1),
-                                    "--save", str(save)])
+                                    "--save", str(save)], zero)
     assert run["returncode"] == 0, run["stderr"][-3000:]
     (record,) = run["records"]
     assert record["step"] == SAVE_AT and record["loss"] == reference["records"][SAVE_AT]["loss"]  # the same weights
