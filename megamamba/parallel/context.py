@@ -112,7 +112,8 @@ def _ssd_decay(dt, dt_bias, A, reaches, dt_softplus, dt_limit):
 
 
 def _ssd_contribution(C, h0, z, dt, dt_bias, A, reaches, dt_softplus, dt_limit):
-    """h0's part of the SSD output, C_t . h0 * exp(sum_{s <= t} dt_s A) (* silu(z)), (batch, seqlen, nheads, headdim)."""
+    """h0's part of the SSD output, C_t . h0 * exp(sum_{s <= t} dt_s A) (* silu(z)),
+    (batch, seqlen, nheads, headdim)."""
     batch, seqlen, nheads = dt.shape
     _, _, headdim, dstate = h0.shape
     ngroups = C.shape[2]

@@ -128,7 +128,8 @@ def compare(cfg, documents, cp, tp=None, recompute=False):
         dist.all_reduce(g, group=cp.group)
     ref_grads = {k: p.grad for k, p in plain.named_parameters()}
     return dict(logits=_rel(logits, sequence_slice(ref_logits, cp)), loss=_rel(loss, ref_loss),
-                grad_keys=sorted(grads) == sorted(ref_grads), grads={k: _rel(grads[k], g) for k, g in ref_grads.items()})
+                grad_keys=sorted(grads) == sorted(ref_grads),
+                grads={k: _rel(grads[k], g) for k, g in ref_grads.items()})
 
 
 def block_comm(cp, ssm, seqlen):
@@ -139,7 +140,8 @@ def block_comm(cp, ssm, seqlen):
     local = seqlen // cp.size
     hidden, residual, up_h, up_r = (torch.randn(BATCH, local, D_MODEL, generator=gen) for _ in range(4))
     hidden.requires_grad_()
-    seq_idx = sequence_slice(torch.arange(seqlen, dtype=torch.int32).div(5, rounding_mode="floor").expand(BATCH, -1), cp)
+    documents_of_5 = torch.arange(seqlen, dtype=torch.int32).div(5, rounding_mode="floor").expand(BATCH, -1)
+    seq_idx = sequence_slice(documents_of_5, cp)
     with comm_counter.capture() as fwd:
         out, res = block(hidden, residual, seq_idx=seq_idx)
     with comm_counter.capture() as bwd:
@@ -195,7 +197,8 @@ def two_rank_checks():
 
 def four_rank_checks():
     rank = dist.get_rank()
-    out = {"model": {name: compare(config(ssm, **fields), docs, _world(4)) for name, (ssm, fields, docs) in CP_CASES.items()}}
+    out = {"model": {name: compare(config(ssm, **fields), docs, _world(4))
+                     for name, (ssm, fields, docs) in CP_CASES.items()}}
     out["memory"] = {name: saved_bytes(name, _world(4)) for name in MEMORY_CASES}
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # TP rank fastest, as the process grid lays it out
     cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -229,7 +232,8 @@ def _assert_equal_to_single_process(results, case, what):
     for rank, r in enumerate(results):
         assert r["grad_keys"]
         worst = max(r["grads"], key=r["grads"].get)
-        assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5, f"seed {SEED}, {what}, rank {rank}: {r['logits']=}, {r['loss']=}"
+        assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5, (f"seed {SEED}, {what}, rank {rank}: "
+                                                           f"{r['logits']=}, {r['loss']=}")
         assert r["grads"][worst] <= 1e-5, (f"seed {SEED}, {what}, rank {rank}: gradient of {worst} off by "
                                            f"{r['grads'][worst]:.2e}")
 
@@ -294,4 +298,5 @@ def test_activation_memory_per_rank_falls_as_one_over_c(two_ranks, four_ranks, n
     for size, results in ((2, two_ranks), (4, four_ranks)):
         for rank, r in enumerate(results):
             ratio = r["memory"][name] / (whole / size)
-            assert 0.9 <= ratio <= 1.1, f"{name}, C = {size}, rank {rank}: {r['memory'][name]} bytes vs {whole} at C = 1"
+            assert 0.9 <= ratio <= 1.1, (f"{name}, C = {size}, rank {rank}: {r['memory'][name]} bytes "
+                                         f"vs {whole} at C = 1")
