@@ -2,17 +2,18 @@
 
     extra["stream"]  = {"consumed_samples": 32, "global_batch_size": 8, "seq_length": 32, "seed": 1234,
                         "reset_at_documents": true, "tokenizer": {"name", "identity", "vocab_size"},
-                        "data": [{"weight": "7/10", "prefix", "documents", "tokens"}, ...]}
+                        "data": [{"weight": "7/10", "prefix", "documents", "tokens", "fingerprint"}, ...]}
     extra["lr_plan"] = {"schedule": {"kind": "LRSchedule", ...its fields}, "global_batch_size": 8,
                         "position": "4"}   # the plan's step the next optimizer step runs (a fraction)
 
 The data stream is addressed by consumed samples (megamamba.data.batches), so a resume at another
 global batch size continues where the stream stopped. What would change the stream itself (other
 data, tokenizer, sequence length, seed, document resets) is refused with one message naming
-every difference and OVERRIDE_DATA_CHECK. A dataset is known by its weight, documents and tokens,
-not its path, so moved data still resumes. A changed LR plan is refused the same way, naming
-Megatron's OVERRIDE_SCHEDULE. Checkpoints written before these records resume with the position
-assumed from step x global batch, with a warning.
+every difference and OVERRIDE_DATA_CHECK. A dataset is known by its weight, documents, tokens and
+a sampled fingerprint (megamamba.data.batches.fingerprint), not its path, so moved data still
+resumes. A changed LR plan is refused the same way, naming Megatron's OVERRIDE_SCHEDULE.
+Checkpoints written before these records resume with the position assumed from step x global
+batch, with a warning.
 """
 import dataclasses
 from fractions import Fraction
@@ -34,7 +35,8 @@ def stream_record(batches, tokenizer, tokenizer_spec: str, consumed_samples: int
 
 
 def _blend(data: list) -> str:
-    return " + ".join(f"{d['weight']} {d['prefix']} ({d['documents']} documents, {d['tokens']} tokens)" for d in data)
+    return " + ".join(f"{d['weight']} {d['prefix']} ({d['documents']} documents, {d['tokens']} tokens, "
+                      f"{d['fingerprint'][:19]})" for d in data)
 
 
 def _tokenizer(record: dict) -> str:
@@ -43,7 +45,8 @@ def _tokenizer(record: dict) -> str:
 
 # (record key, what the message calls it, the part compared, how a value is shown)
 _STREAM_FIELDS = (
-    ("data", "data", lambda d: [(d_["weight"], d_["documents"], d_["tokens"]) for d_ in d], _blend),
+    ("data", "data", lambda d: [(d_["weight"], d_["documents"], d_["tokens"], d_["fingerprint"]) for d_ in d],
+     _blend),
     ("tokenizer", "tokenizer", lambda t: t["identity"], _tokenizer),
     ("seq_length", "--seq-length", lambda v: v, repr),
     ("seed", "--seed", lambda v: v, repr),

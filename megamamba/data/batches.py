@@ -14,6 +14,7 @@ Every batch is (inputs, labels, seq_idx): int64 (rows, seq_length) ids and next-
 and int32 (rows, seq_length) document ids for the model's `seq_idx` (state reset at document
 boundaries, see packing.py), or None when `reset_at_documents` is off.
 """
+import hashlib
 from fractions import Fraction
 from typing import Iterator, Optional, Sequence
 
@@ -36,6 +37,20 @@ def open_blend(data: Sequence[str], vocab_size: Optional[int] = None) -> tuple[l
     return [IndexedDataset(prefix, vocab_size) for _, prefix in blend], [w for w, _ in blend]
 
 
+def fingerprint(dataset, samples: int = 1024) -> str:
+    """sha256 of up to `samples` evenly spaced document offsets and the first token of each document there.
+
+    Constant cost at any dataset size; re-preprocessing that moves a sampled document boundary or
+    changes a sampled document's first token changes it.
+    """
+    count = min(samples, dataset.num_documents)
+    picks = np.unique(np.linspace(0, dataset.num_documents - 1, num=count).astype(np.int64))
+    starts = np.asarray(dataset.offsets[picks], dtype="<i8")
+    digest = hashlib.sha256(starts.tobytes())
+    digest.update(np.asarray(dataset.tokens[starts], dtype="<i8").tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
 class PackedGlobalBatches:
     """Global sample numbers -> packed batches from weighted datasets (see the module docstring)."""
 
@@ -54,9 +69,9 @@ class PackedGlobalBatches:
         self.reset_at_documents = reset_at_documents
 
     def identity(self) -> list[dict]:
-        """The blend as a checkpoint records it: per dataset its weight, prefix, documents and tokens."""
-        return [{"weight": str(w), "prefix": d.prefix, "documents": d.num_documents, "tokens": d.num_tokens}
-                for w, d in zip(self.weights, self.datasets)]
+        """The blend as a checkpoint records it: per dataset its weight, prefix, documents, tokens and fingerprint."""
+        return [{"weight": str(w), "prefix": d.prefix, "documents": d.num_documents, "tokens": d.num_tokens,
+                 "fingerprint": fingerprint(d)} for w, d in zip(self.weights, self.datasets)]
 
     def sources_at(self, first: int, stop: int) -> list[tuple[int, int]]:
         """(dataset index, sample number in it) of global samples [first, stop)."""

@@ -53,6 +53,7 @@ def test_the_checkpoint_records_the_consumed_samples_and_the_stream(uninterrupte
     assert (stream["seq_length"], stream["seed"], stream["reset_at_documents"]) == (32, 1234, True)
     assert stream["tokenizer"]["identity"] == "bytes"
     assert [d["weight"] for d in stream["data"]] == ["1"] and stream["data"][0]["tokens"] > 0
+    assert stream["data"][0]["fingerprint"].startswith("sha256:")
     assert extra["lr_plan"]["global_batch_size"] == 8 and extra["lr_plan"]["position"] == str(SAVE_AT)
 
 

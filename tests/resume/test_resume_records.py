@@ -21,7 +21,8 @@ from megamamba.checkpoint.run_record import (
     stream_record,
 )
 from megamamba.checkpoint.training import load_training_checkpoint
-from megamamba.data.training_data import training_data
+from megamamba.data.batches import fingerprint
+from megamamba.data.training_data import DocumentTokens, training_data
 from megamamba.lr_continued import ContinuedSchedule
 from megamamba.lr_schedule import LRSchedule
 from train_entry import ROOT
@@ -61,8 +62,8 @@ def test_a_resume_continues_at_the_recorded_consumed_samples_and_names_a_changed
     ("reset_at_documents", False, "reset at documents (--no-reset-at-documents): checkpoint True, run False"),
     ("tokenizer", {"name": "t.model", "identity": "sha256:abc", "vocab_size": 300},
      "tokenizer: checkpoint 'bytes' (bytes, 257 ids), run 't.model' (sha256:abc, 300 ids)"),
-    ("data", [{"weight": "1", "prefix": "other", "documents": 9, "tokens": 900}],
-     "run 1 other (9 documents, 900 tokens)"),
+    ("data", [{"weight": "1", "prefix": "other", "documents": 9, "tokens": 900, "fingerprint": "sha256:0123"}],
+     "run 1 other (9 documents, 900 tokens, sha256:0123)"),
 ], ids=["seq-length", "seed", "reset-at-documents", "tokenizer", "data"])
 def test_a_change_of_the_sample_stream_is_refused_naming_it_and_the_override(saved, key, value, named):
     run = {**saved, key: value}
@@ -80,6 +81,14 @@ def test_moved_data_with_the_same_contents_resumes(saved):
     run = copy.deepcopy(saved)
     run["data"][0]["prefix"] = "/elsewhere/corpus"
     assert resume_point({"stream": saved}, 4, run, False, SOURCE).changes == []
+
+
+def test_the_fingerprint_follows_the_contents_not_the_name():
+    documents = [[1, 2, 3], [4, 5], [6]]
+    same = fingerprint(DocumentTokens("a", documents)) == fingerprint(DocumentTokens("b", documents))
+    edited = fingerprint(DocumentTokens("a", [[1, 2, 3], [9, 5], [6]]))
+    moved = fingerprint(DocumentTokens("a", [[1, 2], [3, 4, 5], [6]]))
+    assert same and len({fingerprint(DocumentTokens("a", documents)), edited, moved}) == 3
 
 
 def test_a_checkpoint_without_a_stream_record_assumes_step_times_global_batch(saved):
