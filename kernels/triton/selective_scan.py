@@ -60,11 +60,13 @@ class _SelectiveScan(torch.autograd.Function):
         out = common.empty((batch, dim, seqlen), device=u.device, dtype=u.dtype)
         ckpt = common.empty((batch, shared[-1], dim, dstate), device=u.device, dtype=torch.float32)
         last = common.empty((batch, dim, dstate), device=u.device, dtype=torch.float32)
+        # At most 128 registers: 16 resident warps per SM on sm_90 without spills (ptxas's own
+        # choice is up to 145 registers, and a 4-byte spill at 72 for one specialization).
         _scan_fwd_kernel[grid](
             u, delta, A, B, C, D, z, delta_bias, doc, init, out, ckpt, last, *shared,
             *u.stride(), *delta.stride(), *_bc_strides(B), *_bc_strides(C),
             *(z.stride() if z is not None else (0, 0, 0)), *out.stride(), doc.stride(0) if doc is not None else 0,
-            **_flags(D, z, delta_bias, softplus, B, C, doc, init), **meta)
+            **_flags(D, z, delta_bias, softplus, B, C, doc, init), **meta, maxnreg=128)
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, doc, ckpt)
         ctx.softplus, ctx.init_dtype = softplus, None if init is None else init.dtype
         return out, last
