@@ -18,7 +18,7 @@ then (dy = the gradient of the scan output y):
   _chunk_state_kernel    (mode 1) dS_c from the outputs: sum_l exp(cs_l) dy_l^T C_l
   _state_pass_bwd_kernel dS_c += exp(cs_last) dS_{c+1}; d initial state; exp(cs_last) <dS_{c+1}, S_c>
   _dx_kernel             dx, the direct part of ddt, and the log-decay gradient pieces
-  _dbc_kernel            dB, dC (summed over the heads of a group inside the program)
+  _dbc_kernel            dC, then dB in a second launch (summed over a group's heads in the program)
   _dt_bwd_kernel         the gradient of each step's log-decay dt*A -> ddt, dA, then through
                          the clamp / softplus to d dt and d dt_bias
 The log-decay gradient is assembled from sums that never cancel in float32 (the diagonal
@@ -339,25 +339,25 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
                sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, scb, scl, scg, scn, sdb,
                HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_DOC: tl.constexpr,
                PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_N: tl.constexpr):
     """dx for rows s of chunk c, head h: dt_s (g_state + g_diag + g_intra) + D dy_s with
     g_state = exp(cs_last - cs_s) B_s dS_{c+1}^T, g_diag = (B_s.C_s) dy_s and
     g_intra = sum_{l>s} (B_s.C_l) exp(cs_l - cs_s) dy_l.
     Also, in the (batch, nheads, nchunks, chunk) layout: ddt_s (direct part) = x_s . (sum of g),
     dcs_s = -dt_s x_s . g_intra and wstate_s = dt_s x_s . g_state (the log-decay gradients,
-    the diagonal left out since it does not depend on cs). dx, dy: contiguous (b, seqlen, h, p)."""
+    the diagonal left out since it does not depend on cs). dx, dy: contiguous (b, seqlen, h, p).
+    The products over dstate run in slices of SLICE_N states (float32 dots, done with FMAs, spill
+    on sm_90 when they hold all 128 states' operands at once)."""
     b, c, h = _chunk_ids(tl.program_id(0), nheads, nchunks)
     g = h // heads_per_group
     s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
+    n = tl.arange(0, SLICE_N)
     t0 = c * chunk
     clen = tl.minimum(chunk, seqlen - t0)
     s_mask = s < clen
     p_mask = p < headdim
-    n_mask = n < dstate
     tile_mask = s_mask[:, None] & p_mask[None, :]
-    sn_mask = s_mask[:, None] & n_mask[None, :]
     cs_base = ((b * nheads + h) * nchunks + c) * chunk
     cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
     cs_last = tl.load(cs_ptr + cs_base + chunk - 1)
@@ -366,18 +366,32 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
         doc_prev, doc_last = _doc_bounds(doc_ptr, b, sdb, t0, clen)
         doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-1)
         to_end = to_end & (doc_s == doc_last)
-    bs = tl.load(b_ptr + b * sbb + (t0 + s)[:, None] * sbl + g * sbg + n[None, :] * sbn, mask=sn_mask, other=0.0)
-    dst = tl.load(dstates_ptr + ((b * nchunks + c) * nheads + h) * headdim * dstate
-                  + p[None, :] * dstate + n[:, None], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
-    g_state = tl.dot(bs, dst.to(bs.dtype), input_precision=PREC)
+    g_state = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    bc_diag = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, BLOCK_N, SLICE_N):
+        n_mask = n0 + n < dstate
+        sn_mask = s_mask[:, None] & n_mask[None, :]
+        bs = tl.load(b_ptr + b * sbb + (t0 + s)[:, None] * sbl + g * sbg + (n0 + n)[None, :] * sbn,
+                     mask=sn_mask, other=0.0)
+        dst = tl.load(dstates_ptr + ((b * nchunks + c) * nheads + h) * headdim * dstate
+                      + p[None, :] * dstate + (n0 + n)[:, None], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        g_state += tl.dot(bs, dst.to(bs.dtype), input_precision=PREC)
+        cs_rows = tl.load(c_ptr + b * scb + (t0 + s)[:, None] * scl + g * scg + (n0 + n)[None, :] * scn,
+                          mask=sn_mask, other=0.0)
+        bc_diag += tl.sum(bs.to(tl.float32) * cs_rows.to(tl.float32), axis=1)
     g_state = g_state * tl.exp(tl.where(to_end, cs_last - cs_s, float("-inf")))[:, None]
     g_intra = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for k0 in range(tl.program_id(1) * BLOCK_M, clen, BLOCK_K):
         l = k0 + tl.arange(0, BLOCK_K)
         l_mask = l < clen
-        cl = tl.load(c_ptr + b * scb + (t0 + l)[None, :] * scl + g * scg + n[:, None] * scn,
-                     mask=n_mask[:, None] & l_mask[None, :], other=0.0)
-        bc = tl.dot(bs, cl, input_precision=PREC)
+        bc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, BLOCK_N, SLICE_N):
+            n_mask = n0 + n < dstate
+            bs = tl.load(b_ptr + b * sbb + (t0 + s)[:, None] * sbl + g * sbg + (n0 + n)[None, :] * sbn,
+                         mask=s_mask[:, None] & n_mask[None, :], other=0.0)
+            cl = tl.load(c_ptr + b * scb + (t0 + l)[None, :] * scl + g * scg + (n0 + n)[:, None] * scn,
+                         mask=n_mask[:, None] & l_mask[None, :], other=0.0)
+            bc += tl.dot(bs, cl, input_precision=PREC)
         cs_l = tl.load(cs_ptr + cs_base + l, mask=l_mask, other=0.0)
         keep = (l[None, :] > s[:, None]) & l_mask[None, :]
         if HAS_DOC:
@@ -386,12 +400,10 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
         bc = bc * tl.exp(tl.where(keep, cs_l[None, :] - cs_s[:, None], float("-inf")))
         dyl = tl.load(dy_ptr + ((b * seqlen + t0 + l[:, None]) * nheads + h) * headdim + p[None, :],
                       mask=l_mask[:, None] & p_mask[None, :], other=0.0)
-        g_intra += tl.dot(bc.to(bs.dtype), dyl.to(bs.dtype), input_precision=PREC)
-    c_rows = tl.load(c_ptr + b * scb + (t0 + s)[:, None] * scl + g * scg + n[None, :] * scn,
-                     mask=sn_mask, other=0.0).to(tl.float32)
+        g_intra += tl.dot(bc.to(b_ptr.dtype.element_ty), dyl.to(b_ptr.dtype.element_ty), input_precision=PREC)
     dys = tl.load(dy_ptr + ((b * seqlen + t0 + s[:, None]) * nheads + h) * headdim + p[None, :],
                   mask=tile_mask, other=0.0)
-    g_diag = tl.sum(bs.to(tl.float32) * c_rows, axis=1)[:, None] * dys
+    g_diag = bc_diag[:, None] * dys
     xs = tl.load(x_ptr + b * sxb + (t0 + s)[:, None] * sxl + h * sxh + p[None, :] * sxp,
                  mask=tile_mask, other=0.0).to(tl.float32)
     dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
@@ -410,16 +422,17 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
 
 
 @triton.jit
-def _dbc_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, entering_ptr, dstates_ptr,
-                db_ptr, dc_ptr,
+def _dbc_kernel(x_ptr, w_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, state_ptr, out_ptr,
                 seqlen, nheads, heads_per_group, nchunks, chunk, headdim, dstate,
-                sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, scb, scl, scg, scn, sdb,
-                HAS_DOC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                sxb, sxl, sxh, sxp, swb, swl, swg, swn, sdb,
+                GRAD_C: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dB and dC for rows r of chunk c, group g, summed over the group's heads:
+    """dC (GRAD_C) or dB for rows r of chunk c, group g, summed over the group's heads:
     dC_r = exp(cs_r) dy_r S_c + sum_{s<=r} (dy_r.x_s) exp(cs_r - cs_s) dt_s B_s
     dB_r = dt_r exp(cs_last - cs_r) x_r dS_{c+1} + sum_{l>=r} (dy_l.x_r) exp(cs_l - cs_r) dt_r C_l
-    dB and dC are contiguous (batch, seqlen, ngroups, dstate)."""
+    w is B (for dC) or C (for dB), state the entering states S_c or their gradients dS_{c+1}.
+    One gradient per launch: both in one program hold two accumulators and spill on sm_90.
+    The output is contiguous (batch, seqlen, ngroups, dstate)."""
     pid = tl.program_id(0).to(tl.int64)
     ngroups = nheads // heads_per_group
     g = pid % ngroups
@@ -438,66 +451,64 @@ def _dbc_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, entering_
     if HAS_DOC:
         doc_prev, doc_last = _doc_bounds(doc_ptr, b, sdb, t0, clen)
         doc_r = tl.load(doc_ptr + b * sdb + t0 + r, mask=r_mask, other=-1)
-    acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for hh in range(0, heads_per_group):
         h = g * heads_per_group + hh
         cs_base = ((b * nheads + h) * nchunks + c) * chunk
         cs_r = tl.load(cs_ptr + cs_base + r, mask=r_mask, other=0.0)
-        dt_r = tl.load(dtp_ptr + cs_base + r, mask=r_mask, other=0.0)
-        cs_last = tl.load(cs_ptr + cs_base + chunk - 1)
-        xr = tl.load(x_ptr + b * sxb + (t0 + r)[:, None] * sxl + h * sxh + p[None, :] * sxp,
-                     mask=rp_mask, other=0.0)
-        dyr = tl.load(dy_ptr + ((b * seqlen + t0 + r[:, None]) * nheads + h) * headdim + p[None, :],
-                      mask=rp_mask, other=0.0).to(xr.dtype)
-        state_offs = ((b * nchunks + c) * nheads + h) * headdim * dstate + p[:, None] * dstate + n[None, :]
-        pn_mask = p_mask[:, None] & n_mask[None, :]
-        enter = tl.load(entering_ptr + state_offs, mask=pn_mask, other=0.0)
-        dnext = tl.load(dstates_ptr + state_offs, mask=pn_mask, other=0.0)
-        from_start = r_mask
-        to_end = r_mask
-        if HAS_DOC:
-            from_start = from_start & (doc_r == doc_prev)
-            to_end = to_end & (doc_r == doc_last)
-        acc_c += tl.dot(dyr, enter.to(xr.dtype), input_precision=PREC) * \
-            tl.exp(tl.where(from_start, cs_r, float("-inf")))[:, None]
-        acc_b += tl.dot(xr, dnext.to(xr.dtype), input_precision=PREC) * \
-            (tl.exp(tl.where(to_end, cs_last - cs_r, float("-inf"))) * dt_r)[:, None]
-        for k0 in range(0, tl.minimum((pid_m + 1) * BLOCK_M, clen), BLOCK_K):
-            s = k0 + tl.arange(0, BLOCK_K)
-            s_mask = s < clen
-            xst = tl.load(x_ptr + b * sxb + (t0 + s)[None, :] * sxl + h * sxh + p[:, None] * sxp,
-                          mask=p_mask[:, None] & s_mask[None, :], other=0.0)
-            m = tl.dot(dyr, xst, input_precision=PREC)
-            cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
-            dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
-            keep = (s[None, :] <= r[:, None]) & s_mask[None, :]
+        state = tl.load(state_ptr + ((b * nchunks + c) * nheads + h) * headdim * dstate + p[:, None] * dstate
+                        + n[None, :], mask=p_mask[:, None] & n_mask[None, :], other=0.0)
+        if GRAD_C:
+            dyr = tl.load(dy_ptr + ((b * seqlen + t0 + r[:, None]) * nheads + h) * headdim + p[None, :],
+                          mask=rp_mask, other=0.0).to(x_ptr.dtype.element_ty)
+            from_start = r_mask
             if HAS_DOC:
-                doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-2)
-                keep = keep & (doc_s[None, :] == doc_r[:, None])
-            m = m * tl.exp(tl.where(keep, cs_r[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
-            bs = tl.load(b_ptr + b * sbb + (t0 + s)[:, None] * sbl + g * sbg + n[None, :] * sbn,
-                         mask=s_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_c += tl.dot(m.to(bs.dtype), bs, input_precision=PREC)
-        for k0 in range(pid_m * BLOCK_M, clen, BLOCK_K):
-            l = k0 + tl.arange(0, BLOCK_K)
-            l_mask = l < clen
-            dylt = tl.load(dy_ptr + ((b * seqlen + t0 + l[None, :]) * nheads + h) * headdim + p[:, None],
-                           mask=p_mask[:, None] & l_mask[None, :], other=0.0).to(xr.dtype)
-            m = tl.dot(xr, dylt, input_precision=PREC)
-            cs_l = tl.load(cs_ptr + cs_base + l, mask=l_mask, other=0.0)
-            keep = (l[None, :] >= r[:, None]) & l_mask[None, :]
+                from_start = from_start & (doc_r == doc_prev)
+            acc += tl.dot(dyr, state.to(dyr.dtype), input_precision=PREC) * \
+                tl.exp(tl.where(from_start, cs_r, float("-inf")))[:, None]
+            for k0 in range(0, tl.minimum((pid_m + 1) * BLOCK_M, clen), BLOCK_K):
+                s = k0 + tl.arange(0, BLOCK_K)
+                s_mask = s < clen
+                xst = tl.load(x_ptr + b * sxb + (t0 + s)[None, :] * sxl + h * sxh + p[:, None] * sxp,
+                              mask=p_mask[:, None] & s_mask[None, :], other=0.0)
+                m = tl.dot(dyr, xst, input_precision=PREC)
+                cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
+                dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
+                keep = (s[None, :] <= r[:, None]) & s_mask[None, :]
+                if HAS_DOC:
+                    doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-2)
+                    keep = keep & (doc_s[None, :] == doc_r[:, None])
+                m = m * tl.exp(tl.where(keep, cs_r[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
+                bs = tl.load(w_ptr + b * swb + (t0 + s)[:, None] * swl + g * swg + n[None, :] * swn,
+                             mask=s_mask[:, None] & n_mask[None, :], other=0.0)
+                acc += tl.dot(m.to(bs.dtype), bs, input_precision=PREC)
+        else:
+            xr = tl.load(x_ptr + b * sxb + (t0 + r)[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                         mask=rp_mask, other=0.0)
+            dt_r = tl.load(dtp_ptr + cs_base + r, mask=r_mask, other=0.0)
+            cs_last = tl.load(cs_ptr + cs_base + chunk - 1)
+            to_end = r_mask
             if HAS_DOC:
-                doc_l = tl.load(doc_ptr + b * sdb + t0 + l, mask=l_mask, other=-2)
-                keep = keep & (doc_l[None, :] == doc_r[:, None])
-            m = m * tl.exp(tl.where(keep, cs_l[None, :] - cs_r[:, None], float("-inf"))) * dt_r[:, None]
-            cl = tl.load(c_ptr + b * scb + (t0 + l)[:, None] * scl + g * scg + n[None, :] * scn,
-                         mask=l_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_b += tl.dot(m.to(cl.dtype), cl, input_precision=PREC)
-    rn_mask = r_mask[:, None] & n_mask[None, :]
-    out_offs = ((b * seqlen + t0 + r[:, None]) * ngroups + g) * dstate + n[None, :]
-    tl.store(dc_ptr + out_offs, acc_c.to(dc_ptr.dtype.element_ty), mask=rn_mask)
-    tl.store(db_ptr + out_offs, acc_b.to(db_ptr.dtype.element_ty), mask=rn_mask)
+                to_end = to_end & (doc_r == doc_last)
+            acc += tl.dot(xr, state.to(xr.dtype), input_precision=PREC) * \
+                (tl.exp(tl.where(to_end, cs_last - cs_r, float("-inf"))) * dt_r)[:, None]
+            for k0 in range(pid_m * BLOCK_M, clen, BLOCK_K):
+                l = k0 + tl.arange(0, BLOCK_K)
+                l_mask = l < clen
+                dylt = tl.load(dy_ptr + ((b * seqlen + t0 + l[None, :]) * nheads + h) * headdim + p[:, None],
+                               mask=p_mask[:, None] & l_mask[None, :], other=0.0).to(xr.dtype)
+                m = tl.dot(xr, dylt, input_precision=PREC)
+                cs_l = tl.load(cs_ptr + cs_base + l, mask=l_mask, other=0.0)
+                keep = (l[None, :] >= r[:, None]) & l_mask[None, :]
+                if HAS_DOC:
+                    doc_l = tl.load(doc_ptr + b * sdb + t0 + l, mask=l_mask, other=-2)
+                    keep = keep & (doc_l[None, :] == doc_r[:, None])
+                m = m * tl.exp(tl.where(keep, cs_l[None, :] - cs_r[:, None], float("-inf"))) * dt_r[:, None]
+                cl = tl.load(w_ptr + b * swb + (t0 + l)[:, None] * swl + g * swg + n[None, :] * swn,
+                             mask=l_mask[:, None] & n_mask[None, :], other=0.0)
+                acc += tl.dot(m.to(cl.dtype), cl, input_precision=PREC)
+    tl.store(out_ptr + ((b * seqlen + t0 + r[:, None]) * ngroups + g) * dstate + n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -561,6 +572,14 @@ class _Sizes:
         self.prec = common.dot_precision(x.dtype)
         # Kernels holding (BLOCK_M x dstate) float32 tiles get more warps to hold them.
         self.warps = 8 if self.block_m * self.block_n >= 64 * 128 else 4
+        # Positions per inner step of the scan, dx and dB/dC kernels (and _dbc_kernel's rows):
+        # steps of 64 spill in bf16 on sm_90 (and _dbc_kernel's rows of 64 even in 2 stages).
+        # Pipeline stages that spill nothing on sm_90: float32 dots (FMA, no tensor cores) hold
+        # other tiles than bf16 ones.
+        self.block_k = common.block(chunk_size, hi=32)
+        fp32 = x.dtype == torch.float32
+        self.scan_stages, self.dbc_stages = (2, 3) if fp32 else (3, 2)
+        self.slice_n = min(self.block_n, 32) if fp32 else self.block_n
 
     def dims(self):
         return (self.seqlen, self.nheads, self.per_group, self.nchunks, self.chunk, self.headdim, self.dstate)
@@ -611,8 +630,8 @@ def _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, diag=None):
         x, z, B, C, D, dtp, cs, entering, doc, out, diag, *sz.dims(), *x.stride(), *_strides(z, 4), *B.stride(),
         *C.stride(), *out.stride(), doc.stride(0) if doc is not None else 0,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
-        HAS_DOC=doc is not None, SCAN_ONLY=diag is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
-        BLOCK_P=block_p, BLOCK_N=sz.block_n, num_warps=sz.warps)
+        HAS_DOC=doc is not None, SCAN_ONLY=diag is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
+        BLOCK_P=block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.scan_stages)
 
 
 class _SSDChunkScan(torch.autograd.Function):
@@ -670,15 +689,16 @@ class _SSDChunkScan(torch.autograd.Function):
         _dx_kernel[grid](
             x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, dcs, wstate, *sz.dims(), *x.stride(), *B.stride(),
             *C.stride(), sdb, HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
-            HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
-            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps)
+            HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
+            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, SLICE_N=sz.slice_n, num_warps=sz.warps)
 
         dB = _empty(B.shape, B, B.dtype)
         dC = _empty(C.shape, C, C.dtype)
-        _dbc_kernel[(sz.batch * sz.nchunks * sz.ngroups, triton.cdiv(sz.chunk, sz.block_m))](
-            x, B, C, dtp, cs, doc, dy, entering, dstates, dB, dC, *sz.dims(), *x.stride(), *B.stride(),
-            *C.stride(), sdb, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_m,
-            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps)
+        for out, w, state in ((dC, B, entering), (dB, C, dstates)):
+            _dbc_kernel[(sz.batch * sz.nchunks * sz.ngroups, triton.cdiv(sz.chunk, sz.block_k))](
+                x, w, dtp, cs, doc, dy, state, out, *sz.dims(), *x.stride(), *w.stride(), sdb,
+                GRAD_C=out is dC, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_k,
+                BLOCK_K=sz.block_k, BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.dbc_stages)
 
         ddt = _empty(dt.shape, dt, dt.dtype)
         da_part = _empty((sz.batch, sz.nchunks, sz.nheads), x)
