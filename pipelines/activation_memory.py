@@ -6,9 +6,9 @@ steps), a = 2 bytes under bf16 autocast (4 without), r = 4 (the float32 residual
 widths under tensor parallelism (d_inner / TP, heads / TP, vocabulary / TP):
   - a block: its input stream r*d (a shard of the sequence under sequence parallelism), the
     normed input as in_proj reads it a*d, in_proj's output, the conv output, the scan's extra
-    state and output, the gated norm's output (Mamba-2);
+    state and output, the gated norm's output (Mamba-2), and A = -exp(A_log) twice;
   - the final norm: its input r*d; the head: its input a*d; the loss: the logits (a*V), or under
-    TP its float32 softmax (4*V);
+    TP its float32 softmax (4*V), and the labels;
   - a stage that sends forward keeps its output stream r*d until the backward.
 Under autocast each micro-batch in flight also keeps bf16 copies of the Linear weights it used.
 A stage keeps `in_flight` micro-batches (1F1B: pp - stage, at most the accumulation steps; one
@@ -99,8 +99,11 @@ def _layer_bytes_per_token(shape: ActivationShape, layer: int, last_layer: int) 
 
 
 def _loss_bytes_per_token(shape: ActivationShape) -> int:
-    """What the loss keeps per token: the logits (bf16 or float32), or under TP its float32 softmax."""
-    return (4 if shape.tp > 1 else shape.act) * shape.local_vocab
+    """What the loss keeps per token: the logits (bf16 or float32) with the labels (int64) and logsumexp
+    (float32), or under TP its float32 softmax with the local labels (int64) and two masks."""
+    if shape.tp > 1:
+        return 4 * shape.local_vocab + 8 + 2
+    return shape.act * shape.local_vocab + 8 + 4
 
 
 def _weight_copies(shape: ActivationShape, layers: range, last_layer: int) -> int:
@@ -112,22 +115,45 @@ def _weight_copies(shape: ActivationShape, layers: range, last_layer: int) -> in
     return 2 * (blocks * _linear_weights_per_block(shape.model, shape.tp) + head)
 
 
-def stage_activation_bytes(shape: ActivationShape, first_layer: int, stop_layer: int, last_layer: int) -> int:
-    """The estimated activation bytes of a rank whose stage runs layers [first_layer, stop_layer)."""
+def _layer_bytes(shape: ActivationShape, layer: int, last_layer: int) -> int:
+    """Bytes one micro-batch keeps for pipeline layer `layer`: per token, plus a block's float32 A = -exp(A_log)
+    that the scan keeps with exp's output."""
+    kept = _layer_bytes_per_token(shape, layer, last_layer) * shape.tokens
+    if 0 < layer < last_layer - 1:
+        model, opts = shape.model, shape.model.mixer_options
+        a_numel = (model.d_inner * opts.d_state if isinstance(opts, Mamba1Options) else model.nheads) // shape.tp
+        kept += 2 * 4 * a_numel
+    return kept
+
+
+def _runs(shape: ActivationShape, layers: range) -> list:
+    """The runs of layers recomputed together (one run of every layer without recomputation)."""
+    k = shape.checkpoint_interval or len(layers)
+    return [range(s, min(s + k, layers.stop)) for s in range(layers.start, layers.stop, k)]
+
+
+def kept_bytes(shape: ActivationShape, first_layer: int, stop_layer: int, last_layer: int) -> int:
+    """What one micro-batch in flight keeps until its backward on a stage of layers [first_layer, stop_layer)."""
     layers = range(first_layer, stop_layer)
-    per_layer = [_layer_bytes_per_token(shape, i, last_layer) * shape.tokens for i in layers]
-    sends = stop_layer <= last_layer
     stream = STREAM * shape.stream_width * shape.tokens
+    sends = stop_layer <= last_layer
     loss = 0 if sends else _loss_bytes_per_token(shape) * shape.tokens
-    output = stream if sends else 0  # kept for the backward until the next stage returns its gradient
-    k = shape.checkpoint_interval
-    if k:
-        runs = [range(s, min(s + k, stop_layer)) for s in range(first_layer, stop_layer, k)]
-        kept = sum(stream for run in runs if run[0] > 0) + loss + output
-        rebuilt = max(sum(per_layer[i - first_layer] for i in run) + _weight_copies(shape, run, last_layer)
-                      for run in runs)
-    else:
-        kept = sum(per_layer) + loss + output + _weight_copies(shape, layers, last_layer)
-        rebuilt = 0
-    backward = max(max(per_layer, default=0), loss) + (4 * CHUNK_ELEMENTS if loss and shape.tp == 1 else 0)
-    return shape.in_flight * kept + rebuilt + backward
+    output = stream if sends else 0  # kept until the next stage returns its gradient
+    if shape.checkpoint_interval:
+        return sum(stream for run in _runs(shape, layers) if run[0] > 0) + loss + output
+    return sum(_layer_bytes(shape, i, last_layer) for i in layers) + loss + output + \
+        _weight_copies(shape, layers, last_layer)
+
+
+def stage_activation_bytes(shape: ActivationShape, first_layer: int, stop_layer: int, last_layer: int) -> int:
+    """The estimated activation bytes of a rank whose stage runs layers [first_layer, stop_layer): what the
+    micro-batches in flight keep, one recomputed run, and the backward's largest gradient."""
+    layers = range(first_layer, stop_layer)
+    rebuilt = 0
+    if shape.checkpoint_interval:
+        rebuilt = max(sum(_layer_bytes(shape, i, last_layer) for i in run) + _weight_copies(shape, run, last_layer)
+                      for run in _runs(shape, layers))
+    loss = 0 if stop_layer <= last_layer else _loss_bytes_per_token(shape) * shape.tokens
+    largest = max([_layer_bytes(shape, i, last_layer) for i in layers] + [loss])
+    backward = largest + (4 * CHUNK_ELEMENTS if loss and shape.tp == 1 else 0)
+    return shape.in_flight * kept_bytes(shape, first_layer, stop_layer, last_layer) + rebuilt + backward

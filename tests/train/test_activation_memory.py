@@ -1,12 +1,19 @@
-"""The activation estimate follows the shapes: more tokens or more micro-batches in flight keep more,
-recomputation, tensor and sequence parallelism keep less. (How close it comes to a measured peak is
-a GPU check: mamba2-130m and 1.3b within 20% of torch.cuda.max_memory_allocated.)"""
+"""The activation estimate: what a micro-batch keeps is what autograd keeps on the Triton kernels
+(run by Triton's interpreter here), and the whole follows the shapes: more tokens or more
+micro-batches in flight keep more, recomputation, tensor and sequence parallelism keep less.
+(How close it comes to a measured peak is a GPU check: mamba2-130m and 1.3b within 20% of
+torch.cuda.max_memory_allocated.)"""
+import json
+
 import pytest
+import torch
 
 from train_entry import ROOT
 
 from megamamba.config import MambaConfig
-from megamamba.pipelines.activation_memory import ActivationShape, stage_activation_bytes
+from megamamba.lm import MambaLM
+from megamamba.pipelines.activation_memory import ActivationShape, kept_bytes, stage_activation_bytes
+from megamamba.pipelines.plain import PlainLM
 
 MODELS = ["mamba1-130m", "mamba2-130m", "mamba2-1.3b"]
 
@@ -65,3 +72,34 @@ def test_each_micro_batch_in_flight_adds_the_same(name):
 def test_bf16_autocast_keeps_less_than_float32(name):
     assert _whole_model(_shape(name)) < _whole_model(_shape(name, autocast=False))
 
+
+
+def _kept_by_autograd(model: PlainLM, input_ids: torch.Tensor, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd keeps for the loss's backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids, input_ids)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(monkeypatch, mixer, autocast):
+    monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
+    config = MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
+    torch.manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (2, 64))
+    measured = _kept_by_autograd(PlainLM(MambaLM(config)), input_ids, autocast)
+    last = config.n_layer + 2
+    estimated = kept_bytes(ActivationShape(config, 2, 64, autocast=autocast), 0, last + 1, last)
+    print(f"{mixer} {'bf16 autocast' if autocast else 'float32'}: kept {measured} bytes, estimated {estimated}")
+    assert abs(estimated - measured) <= 0.01 * measured, (measured, estimated)
