@@ -10,12 +10,13 @@ computed by planning the changed run: twice the tensor or pipeline parallel size
 world size when dp allows, else on twice the ranks), the next ZeRO stage, the largest smaller
 micro batch that keeps the global batch, recomputation of every layer.
 """
+from dataclasses import replace
 from typing import Optional
 
 from megamamba.parallel.model_layout import LayoutError as ModelLayoutError
 from megamamba.parallel.model_layout import check_model_layout
 from megamamba.pipelines.agreement import agree
-from megamamba.pipelines.layout import Layout, LayoutError
+from megamamba.pipelines.layout import LayoutError
 from megamamba.pipelines.memory_plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
 
 RESERVED = 2 * GiB
@@ -50,7 +51,7 @@ def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
     accum = layout.global_batch_size // (layout.micro_batch_size * dp)
     flag = f"--tensor-parallel-size {tp}" if tp != layout.tp else f"--pipeline-parallel-size {pp}"
     where = "" if world == layout.world_size else f" on {world} ranks"
-    return flag + where, shape.changed(layout=Layout(world, dp, tp, pp, layout.micro_batch_size, accum))
+    return flag + where, shape.changed(layout=replace(layout, world_size=world, dp=dp, tp=tp, pp=pp, grad_accum=accum))
 
 
 def alternatives(shape: RunShape) -> list:
@@ -69,8 +70,8 @@ def smaller_micro_batches(shape: RunShape) -> list:
     """(label, changed shape) for each smaller micro batch that keeps the global batch, largest first."""
     layout = shape.layout
     return [(f"micro batch {m} (train_micro_batch_size_per_gpu / --micro-batch-size)",
-             shape.changed(layout=Layout(layout.world_size, layout.dp, layout.tp, layout.pp, m,
-                                         layout.global_batch_size // (m * layout.dp))))
+             shape.changed(layout=replace(layout, micro_batch_size=m,
+                                          grad_accum=layout.global_batch_size // (m * layout.dp))))
             for m in range(layout.micro_batch_size - 1, 0, -1) if layout.global_batch_size % (m * layout.dp) == 0]
 
 
