@@ -697,8 +697,8 @@ class _SSDChunkScan(torch.autograd.Function):
         for out, w, state in ((dC, B, entering), (dB, C, dstates)):
             _dbc_kernel[(sz.batch * sz.nchunks * sz.ngroups, triton.cdiv(sz.chunk, sz.block_k))](
                 x, w, dtp, cs, doc, dy, state, out, *sz.dims(), *x.stride(), *w.stride(), sdb,
-                GRAD_C=out is dC, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_k,
-                BLOCK_K=sz.block_k, BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.dbc_stages)
+                GRAD_C=out is dC, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_k, BLOCK_K=sz.block_k,
+                BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.dbc_stages)
 
         ddt = _empty(dt.shape, dt, dt.dtype)
         da_part = _empty((sz.batch, sz.nchunks, sz.nheads), x)
