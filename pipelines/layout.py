@@ -1,4 +1,4 @@
-"""The (dp, tp, pp) layout of a run and every consistency check that can fail before training.
+"""The (dp, cp, tp, pp) layout of a run and every consistency check that can fail before training.
 
 All checks read only the command line, the DeepSpeed JSON, the model config and the world size,
 so a bad combination stops the job before any process group, model or optimizer exists; each
@@ -6,8 +6,9 @@ raises `LayoutError` with one message naming the values and the rule.
 
 Rules that settle how our flags and the JSON interact (README, "Training with DeepSpeed"):
   - Batch: DeepSpeed's own keys. train_batch_size = train_micro_batch_size_per_gpu x
-    gradient_accumulation_steps x dp, where dp = world / (tp x pp); any two of the three fix the
-    third, all three must agree.
+    gradient_accumulation_steps x dp, where dp = world / (cp x tp x pp); any two of the three fix
+    the third, all three must agree. The cp ranks of a context-parallel group share their samples
+    (each holds a slice of every sequence), so they count once.
   - Optimizer and learning-rate schedule: the JSON's "optimizer" (Adam/AdamW) and "scheduler"
     (WarmupLR, WarmupDecayLR, WarmupCosineLR) blocks or our flags, translated to torch's fused
     AdamW and our schedule (`pipelines.ds_translate`); DeepSpeed never sees the blocks.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megamamba.config import MambaConfig
+from megamamba.parallel.context_parallel import check_context_layout
 from megamamba.parallel.model_layout import LayoutError as ModelLayoutError
 from megamamba.parallel.model_layout import check_model_layout
 
@@ -42,6 +44,7 @@ class Layout:
     pp: int
     micro_batch_size: int
     grad_accum: int
+    cp: int = 1
 
     @property
     def global_batch_size(self) -> int:
@@ -54,15 +57,18 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict) -> Layout:
-    """dp from world / (tp x pp); micro-batch and accumulation steps from the JSON's batch keys."""
+def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict, cp: int = 1) -> Layout:
+    """dp from world / (cp x tp x pp); micro-batch and accumulation steps from the JSON's batch keys."""
     _positive("--tensor-parallel-size", tp)
     _positive("--pipeline-parallel-size", pp)
-    if world_size % (tp * pp):
+    _positive("--context-parallel-size", cp)
+    if world_size % (cp * tp * pp):
+        what = "context x tensor x pipeline" if cp > 1 else "tensor x pipeline"
+        sizes = f"{cp} x {tp} x {pp}" if cp > 1 else f"{tp} x {pp}"
         raise LayoutError(
-            f"world size {world_size} is not a multiple of tensor x pipeline parallel size {tp} x {pp} = {tp * pp}"
+            f"world size {world_size} is not a multiple of {what} parallel size {sizes} = {cp * tp * pp}"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (cp * tp * pp)
     given = {k: _positive(k, ds_config[k]) for k in BATCH_KEYS if ds_config.get(k) is not None}
     total = given.get("train_batch_size")
     micro = given.get("train_micro_batch_size_per_gpu")
@@ -83,10 +89,10 @@ def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict) -> Layout
         if total % (micro * dp):
             raise LayoutError(
                 f"train_batch_size={total} is not divisible by train_micro_batch_size_per_gpu x data-parallel size "
-                f"= {micro} x {dp} (dp = world {world_size} / (tp {tp} x pp {pp}))"
+                f"= {micro} x {dp} (dp = world {world_size} / ({f'cp {cp} x ' if cp > 1 else ''}tp {tp} x pp {pp}))"
             )
         accum = total // (micro * dp)
-    layout = Layout(world_size, dp, tp, pp, micro, accum)
+    layout = Layout(world_size, dp, tp, pp, micro, accum, cp)
     if total is not None and total != layout.global_batch_size:
         raise LayoutError(
             f"train_batch_size={total} != train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
@@ -126,6 +132,10 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
             f"--seq-length {seq_length} is not divisible by tensor parallel size {layout.tp}, "
             "which sequence parallelism requires"
         )
+    try:
+        check_context_layout(seq_length, layout.cp, model.mixer_options.d_conv, layout.tp, sequence_parallel)
+    except ModelLayoutError as e:
+        raise LayoutError(f"--seq-length {seq_length}: {e}") from None
     if clip_grad is not None and "gradient_clipping" in ds_config:
         raise LayoutError(
             f"gradient clipping set twice: --clip-grad {clip_grad} and the DeepSpeed config's "
@@ -171,7 +181,7 @@ def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], s
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", **config.get("torch_autocast", {})}
     if config.get("torch_autocast", {}).get("enabled", False):
         config["torch_autocast"] = {"lower_precision_safe_modules": [], **config["torch_autocast"]}
-    config["train_batch_size"] = layout.global_batch_size
+    config["train_batch_size"] = layout.global_batch_size * layout.cp  # DeepSpeed's data axis holds dp x cp ranks
     config["train_micro_batch_size_per_gpu"] = layout.micro_batch_size
     config["gradient_accumulation_steps"] = layout.grad_accum
     if "gradient_clipping" not in config:

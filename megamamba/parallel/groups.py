@@ -1,13 +1,21 @@
-"""Data x tensor x pipeline process groups: the one module that owns them.
+"""Data x context x tensor x pipeline process groups: the one module that owns them.
 
 Ranks are laid out by DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model; the
 model = tensor rank varies fastest, so a TP group is adjacent ranks, on one node when slots are
 filled in order). DeepSpeed's pipeline engine builds its `PipelineParallelGrid` from the same
 topology, so our layers and the engine agree on every rank's coordinates.
 
+The topology has no context axis. Its data axis holds dp x cp ranks, and data-axis index i is
+context rank i % cp of data-parallel replica i // cp: the C ranks of a context-parallel group are
+consecutive on the data axis, so they are cp x tp adjacent global ranks with the TP groups (on one
+node when cp x tp fits one). DeepSpeed reduces gradients over the whole data axis (`data_group`,
+dp x cp ranks); `data_rank` and `data_parallel_size` count the replicas that read different
+samples.
+
 Every rank creates every group with `torch.distributed.new_group`, in the same order (tensor,
-data, pipe; within an axis in the topology's order), as torch requires. Layers get the tensor
-group through `ParallelGroups.tensor_parallel()`; DeepSpeed's plain engine gets `mpu()`.
+data, pipe, context; within an axis in the topology's order), as torch requires. Layers get the
+tensor and context groups through `ParallelGroups.tensor_parallel()` and `context_parallel()`;
+DeepSpeed's plain engine gets `mpu()`.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.parallel.tensor_parallel import TensorParallel
 
 
@@ -77,42 +86,58 @@ def data_parallel_size_for(
     return data_parallel_size
 
 
-def topology(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int):
-    """The rank layout shared by our groups and DeepSpeed's pipeline engine (TP rank fastest)."""
+def topology(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int,
+             context_parallel_size: int = 1):
+    """The rank layout shared by our groups and DeepSpeed's pipeline engine (TP rank fastest; the data
+    axis holds data x context ranks)."""
     return PipeModelDataParallelTopology(
-        num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size, num_dp=data_parallel_size)
+        num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size,
+        num_dp=data_parallel_size * context_parallel_size)
 
 
 class ParallelGroups:
-    """This rank's data, tensor and pipeline groups, ranks and sizes.
+    """This rank's data, context, tensor and pipeline groups, ranks and sizes.
 
     Needs `torch.distributed` initialised (e.g. by `deepspeed.init_distributed()`); collective:
-    every rank must construct it with the same sizes.
+    every rank must construct it with the same sizes. `data_axis_rank` / `data_axis_size` are the
+    rank's place on DeepSpeed's data axis (dp x cp ranks), whose group is `data_group`.
     """
 
     def __init__(
         self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-        data_parallel_size: int | None = None,
+        data_parallel_size: int | None = None, context_parallel_size: int = 1,
     ):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() "
                                "or torch.distributed.init_process_group() before building ParallelGroups")
+        if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be a positive integer, got {context_parallel_size!r}")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
-        self.data_parallel_size = data_parallel_size_for(
-            self.world_size, tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
-        self.topology = topology(tensor_parallel_size, pipeline_parallel_size, self.data_parallel_size)
+        self.context_parallel_size = context_parallel_size
+        self.data_axis_size = data_parallel_size_for(
+            self.world_size, tensor_parallel_size, pipeline_parallel_size,
+            None if data_parallel_size is None else data_parallel_size * context_parallel_size)
+        if self.data_axis_size % context_parallel_size:
+            raise ValueError(f"world size {self.world_size} is not divisible by context ({context_parallel_size}) x "
+                             f"tensor ({tensor_parallel_size}) x pipeline ({pipeline_parallel_size})")
+        self.data_parallel_size = self.data_axis_size // context_parallel_size
+        self.topology = topology(tensor_parallel_size, pipeline_parallel_size, self.data_axis_size)
         coord = self.topology.get_coord(self.rank)
-        self.tensor_rank, self.data_rank, self.pipe_rank = coord.model, coord.data, coord.pipe
-        self.tensor_group, self.tensor_ranks = self._new_groups("model")
-        self.data_group, self.data_ranks = self._new_groups("data")
-        self.pipe_group, self.pipe_ranks = self._new_groups("pipe")
+        self.tensor_rank, self.data_axis_rank, self.pipe_rank = coord.model, coord.data, coord.pipe
+        self.data_rank, self.context_rank = divmod(self.data_axis_rank, context_parallel_size)
+        self.tensor_group, self.tensor_ranks = self._new_groups(self.topology.get_axis_comm_lists("model"))
+        self.data_group, self.data_ranks = self._new_groups(self.topology.get_axis_comm_lists("data"))
+        self.pipe_group, self.pipe_ranks = self._new_groups(self.topology.get_axis_comm_lists("pipe"))
+        self.context_group, self.context_ranks = self._new_groups(
+            [axis[i:i + context_parallel_size] for axis in self.topology.get_axis_comm_lists("data")
+             for i in range(0, len(axis), context_parallel_size)])
 
-    def _new_groups(self, axis: str) -> tuple[dist.ProcessGroup, list[int]]:
+    def _new_groups(self, rank_lists: list[list[int]]) -> tuple[dist.ProcessGroup, list[int]]:
         mine = None
-        for ranks in self.topology.get_axis_comm_lists(axis):
+        for ranks in rank_lists:
             group = dist.new_group(ranks=ranks)
             if self.rank in ranks:
                 mine = (group, ranks)
@@ -122,17 +147,23 @@ class ParallelGroups:
         """What the parallel layers receive."""
         return TensorParallel(self.tensor_group, self.tensor_parallel_size, self.tensor_rank, sequence_parallel)
 
+    def context_parallel(self) -> ContextParallel:
+        """What the mixers and the loss receive: this rank's slice of every sequence."""
+        return ContextParallel(self.context_group, self.context_parallel_size, self.context_rank)
+
     def mpu(self) -> DeepSpeedMPU:
         """The `mpu` for `deepspeed.initialize` with the plain engine (pipeline size 1)."""
         return DeepSpeedMPU(self)
 
     def __repr__(self) -> str:
         return (f"ParallelGroups(rank {self.rank}/{self.world_size}: data {self.data_rank}/{self.data_parallel_size}, "
+                f"context {self.context_rank}/{self.context_parallel_size}, "
                 f"tensor {self.tensor_rank}/{self.tensor_parallel_size}, pipe {self.pipe_rank}/{self.pipeline_parallel_size})")
 
 
 class DeepSpeedMPU:
-    """Megatron's `mpu` interface as DeepSpeed's plain engine reads it; model parallel = tensor.
+    """Megatron's `mpu` interface as DeepSpeed's plain engine reads it; model parallel = tensor, data
+    parallel = the whole data axis (dp x cp ranks: DeepSpeed reduces gradients over it).
 
     Only for pipeline size 1: with a `PipelineModule`, `deepspeed.initialize` takes mpu=None
     and uses the module's own grid (built from the same topology). Deliberately no
@@ -169,10 +200,10 @@ class DeepSpeedMPU:
         return self._g.tensor_ranks[0]
 
     def get_data_parallel_rank(self) -> int:
-        return self._g.data_rank
+        return self._g.data_axis_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self._g.data_parallel_size
+        return self._g.data_axis_size
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self._g.data_group
