@@ -3,11 +3,12 @@
     deepspeed --num_gpus 8 launch/train.py --deepspeed_config launch/configs/mamba2-130m.json \\
         --model-config launch/models/mamba2-130m.json --pipeline-parallel-size 2 --train-iters 1000
 
-Data-parallel size = world size / (tensor x pipeline parallel size). Every consistency check runs
-before any process group exists (`megamamba.pipelines.layout`); a failure prints one line and
-exits with status 2. The optimizer and learning-rate schedule come from the flags below or from
-the JSON's "optimizer" (Adam/AdamW) and "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR)
-blocks, and "bf16" enabled means torch_autocast bf16 with float32 parameters
+Data-parallel size = world size / (context x tensor x pipeline parallel size); the ranks of a
+context-parallel group (--context-parallel-size C) each hold 1/C of every sequence. Every
+consistency check runs before any process group exists (`megamamba.pipelines.layout`); a failure
+prints one line and exits with status 2. The optimizer and learning-rate schedule come from the
+flags below or from the JSON's "optimizer" (Adam/AdamW) and "scheduler" (WarmupLR, WarmupDecayLR,
+WarmupCosineLR) blocks, and "bf16" enabled means torch_autocast bf16 with float32 parameters
 (`megamamba.pipelines.ds_translate`; a JSON value and a flag that disagree are refused; rank 0
 prints one line saying what was translated). Megatron's names are accepted for the same
 settings (--tensor-model-parallel-size, --pipeline-model-parallel-size, --micro-batch-size,
@@ -87,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
     p.add_argument("--tensor-parallel-size", "--tp", "--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", "--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", "--cp", type=int, default=1,
+                   help="split every sequence into this many consecutive slices, one per rank (state passing)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="train_micro_batch_size_per_gpu (a JSON giving another value is refused)")
     p.add_argument("--global-batch-size", type=int, default=None,
@@ -244,7 +247,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         model = MambaConfig.from_dict(_read_json(args.model_config, "--model-config"))
     except ConfigError as e:
         raise LayoutError(f"--model-config {args.model_config!r}: {e}") from None
-    layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config)
+    layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config,
+                            args.context_parallel_size)
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
     if args.checkpoint_activations_interval < 0:
         raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
@@ -329,9 +333,9 @@ def main(argv=None) -> dict:
     rank = dist.get_rank()
     layout = plan.layout
     try:
-        check_placement(topology(layout.tp, layout.pp, layout.dp))
+        check_placement(topology(layout.tp, layout.pp, layout.dp, layout.cp))
         memory_lines = check_at_start(plan_memory(RunShape.of_run(
-            plan.model, layout, plan.engine_config, args.seq_length, args.partition_method,
+            plan.model, layout, plan.engine_config, args.seq_length // layout.cp, args.partition_method,
             args.checkpoint_activations_interval, args.sequence_parallel)), args.no_memory_check)
         lock = checkpointing.lock_save_dir(args.save) if args.save else None
     except (PlacementError, MemoryPlanError, CheckpointError) as e:
@@ -462,6 +466,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
                     saved = checkpointing.save(trainer, model_config, args.save, step + 1,
                                                scheduler=trainer.lr_scheduler,
                                                extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp],
+                                                      "context_parallel_size": layout.cp,
                                                       **records(run_start, plan.data, args.tokenizer,
                                                                 first_sample(step + 1), trainer.lr_scheduler.last_epoch)},
                                                tokenizer=plan.data.tokenizer, keep_last=args.keep_last,

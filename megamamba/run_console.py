@@ -71,7 +71,8 @@ def startup_summary(*, model: MambaConfig, layout, seq_length: int, train_iters:
     return [
         f"run: {model.layer}, {model.n_layer} layers, d_model {model.d_model} | parameters {total_params} "
         f"({_count(total_params)}) total, {per_rank} per rank (this stage / TP shard)",
-        f"  layout: world {layout.world_size} = dp {layout.dp} x tp {layout.tp} x pp {layout.pp} | micro batch "
+        f"  layout: world {layout.world_size} = dp {layout.dp}{_cp(layout, ' x cp {}')} x tp {layout.tp} "
+        f"x pp {layout.pp} | micro batch "
         f"{layout.micro_batch_size} x grad accumulation {layout.grad_accum} x dp {layout.dp} = global batch "
         f"{layout.global_batch_size} x seq {seq_length} = {tokens_per_step} tokens per step",
         f"  length: {train_iters} steps = {train_iters * tokens_per_step} tokens ({_count(train_iters * tokens_per_step)})",
@@ -119,11 +120,17 @@ def optimizer_state_lines(layout, per_rank: Sequence[tuple]) -> list:
     lines = []
     for (params, state_bytes), ranks in groups.items():
         who = "every rank" if len(ranks) == len(per_rank) else "ranks " + _ranges(ranks)
-        lines.append(f"optimizer state, {who}: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
+        ranks_sharing = layout.dp * layout.cp  # ZeRO partitions over DeepSpeed's data axis, dp x cp ranks
+        lines.append(f"optimizer state, {who}: dp={layout.dp}{_cp(layout, ' cp={}')} tp={layout.tp} pp={layout.pp} "
                      f"micro={layout.micro_batch_size} accum={layout.grad_accum} | stage parameters {params} | "
-                     f"optimizer state bytes {state_bytes} = {state_bytes * layout.dp / params:.3f} x stage "
-                     f"parameters / dp")
+                     f"optimizer state bytes {state_bytes} = {state_bytes * ranks_sharing / params:.3f} x stage "
+                     f"parameters / {_cp(layout, '(dp x cp)') or 'dp'}")
     return lines
+
+
+def _cp(layout, text: str) -> str:
+    """`text` with the context-parallel size filled in, or "" without context parallelism."""
+    return text.format(layout.cp) if layout.cp > 1 else ""
 
 
 def _ranges(ranks: Sequence[int]) -> str:

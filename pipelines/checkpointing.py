@@ -3,8 +3,9 @@
 Saving (collective, every rank): each rank takes its stage's parameters as full tensors under
 mamba_ssm's names (gathered over TP; under ZeRO the fp32 masters and Adam moments gathered over DP
 from the partitions: tensor collectives on the accelerator). Global rank 0 creates the staging
-directory and broadcasts its path; each stage's representative (dp 0, tp 0) writes its stage's
-model and optimizer shards there itself, and every rank its RNG file (megamamba.checkpoint.writer).
+directory and broadcasts its path; each stage's representative (dp 0, cp 0, tp 0: context-parallel
+ranks hold the same parameters) writes its stage's model and optimizer shards there itself, and
+every rank its RNG file (megamamba.checkpoint.writer).
 Object collectives carry only the path, each rank's file records (size, sha256) and the outcome:
 rank 0 writes the rest and the manifest, commits atomically, and every rank returns or raises with
 it. Rank 0 holds no more than its own stage's state.
@@ -184,7 +185,7 @@ def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, e
     CheckpointError on every rank, with the same message, when any rank failed to write its part.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    writer = trainer.dp_rank == 0 and trainer.groups.tensor_rank == 0
+    writer = trainer.dp_rank == 0 and trainer.groups.context_rank == 0 and trainer.groups.tensor_rank == 0
     params, optimizer, groups = stage_state(trainer, config, keep=writer)
     if trainer.groups.pipe_rank > 0:  # a tied embedding lives on the last stage too: the first stage writes it
         params.pop(EMBEDDING, None)

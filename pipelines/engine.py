@@ -24,6 +24,11 @@ in one reduction (`megamamba.pipelines.faults.agree_step`).
 Micro-batches are (inputs, labels, seq_idx) as `megamamba.data.batches` makes them: seq_idx
 (document ids, or None) goes to the model beside the ids, so every block resets its state at
 document boundaries; the pipeline engine receives it as the first stage's input pair.
+
+Context parallelism (layout.cp = C > 1): the trainer takes the whole sequences of its data-parallel
+replica's micro-batches (`dp_rank` counts replicas, not CP ranks) and keeps this rank's slice of
+each; the loss is the whole sequences' mean, its gradient scaled for DeepSpeed's average over
+dp x C ranks (`pipelines.layers.LMLoss`).
 """
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -38,6 +43,7 @@ from megamamba.lm import MambaLM, draw_seed, initial_piece, piece_of
 from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
+from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines import clipping
 from megamamba.pipelines.agreement import agree, to_device
@@ -95,31 +101,37 @@ class _Trainer:
 
     def eval_loss(self, micro_batches: list) -> float:
         """The validation loss of one global batch (collective; one host synchronization)."""
-        return agree([self._eval_loss(micro_batches) / dist.get_world_size()])[0]
+        return agree([self._eval_loss(self.local(micro_batches)) / dist.get_world_size()])[0]
+
+    def local(self, micro_batches: list) -> list:
+        """Whole-sequence micro-batches -> this rank's slices of them under CP (unchanged without)."""
+        if self.cp is None:
+            return micro_batches
+        return [tuple(None if t is None else sequence_slice(t, self.cp) for t in batch) for batch in micro_batches]
 
 
 class PipelineTrainer(_Trainer):
     """Layouts with pp > 1."""
 
-    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], config: MambaConfig,
-                 engine_config: dict, settings: OptimizerSettings, seed: int, partition_method: str,
-                 checkpoint_interval: int):
-        module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp)
+    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], cp: Optional[ContextParallel],
+                 config: MambaConfig, engine_config: dict, settings: OptimizerSettings, seed: int,
+                 partition_method: str, checkpoint_interval: int):
+        module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp, cp)
         load_mamba_state_dict(module, InitialState(config, seed), config, tp)
         optimizer = _optimizer(module, settings)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                                                  config=engine_config)
         self.lr_scheduler = settings.schedule.scheduler(optimizer)
-        self.dp_rank = self.engine.grid.get_data_parallel_rank()
+        self.dp_rank = groups.data_rank
         self.module = module
-        self.groups, self.tp = groups, tp
+        self.groups, self.tp, self.cp = groups, tp, cp
         if not self.engine.zero_optimization():
             clipping.install(self.engine, self.engine.grid.get_slice_parallel_rank(),
                              self.engine.grid.get_model_parallel_group())
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; the global batch's mean loss (device, every rank)."""
-        return self.engine.train_batch(_pipeline_batches(micro_batches))
+        return self.engine.train_batch(_pipeline_batches(self.local(micro_batches)))
 
     def _eval_loss(self, micro_batches: list) -> torch.Tensor:
         return self.engine.eval_batch(_pipeline_batches(micro_batches), num_micro_batches=len(micro_batches))
@@ -135,16 +147,17 @@ def _pipeline_batches(micro_batches: list):
 class PlainTrainer(_Trainer):
     """Layouts with pp = 1."""
 
-    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], config: MambaConfig,
-                 engine_config: dict, settings: OptimizerSettings, seed: int, checkpoint_interval: int):
+    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], cp: Optional[ContextParallel],
+                 config: MambaConfig, engine_config: dict, settings: OptimizerSettings, seed: int,
+                 checkpoint_interval: int):
         torch.manual_seed(seed)
-        module = PlainLM(MambaLM(config, tp=tp), checkpoint_interval)
+        module = PlainLM(MambaLM(config, tp=tp, cp=cp), checkpoint_interval)
         module = module.to(get_accelerator().current_device_name())
         optimizer = _optimizer(module, settings)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups.mpu() if tp is not None else None, config=engine_config)
         self.lr_scheduler = settings.schedule.scheduler(optimizer)
-        self.groups, self.tp = groups, tp
+        self.groups, self.tp, self.cp = groups, tp, cp
         self.dp_rank = groups.data_rank
         self.module = module
         if not self.engine.zero_optimization():
@@ -157,7 +170,7 @@ class PlainTrainer(_Trainer):
         """One optimizer step over this rank's micro-batches; their mean loss (device; averaged over data
         parallel ranks by the caller's agreement)."""
         losses = []
-        for batch in micro_batches:
+        for batch in self.local(micro_batches):
             loss = self._forward(*batch)
             self.engine.backward(loss)
             self.engine.step()
@@ -175,9 +188,10 @@ class PlainTrainer(_Trainer):
 def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
                   seed: int, partition_method: str, checkpoint_interval: int, sequence_parallel: bool = False):
     """The trainer of this rank (torch.distributed initialised, world size = layout.world_size)."""
-    groups = ParallelGroups(layout.tp, layout.pp, layout.dp)
+    groups = ParallelGroups(layout.tp, layout.pp, layout.dp, layout.cp)
     tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
+    cp = groups.context_parallel() if layout.cp > 1 else None
     if layout.pp > 1:
-        return PipelineTrainer(groups, tp, config, engine_config, settings, seed, partition_method,
+        return PipelineTrainer(groups, tp, cp, config, engine_config, settings, seed, partition_method,
                                checkpoint_interval)
-    return PlainTrainer(groups, tp, config, engine_config, settings, seed, checkpoint_interval)
+    return PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)

@@ -22,6 +22,10 @@ embedding and head split the vocabulary rows, the blocks their mixers (`megamamb
 `megamamba.block` build them); the logits stay split and the loss is the vocab-parallel
 cross-entropy. The stream is the same on every TP rank, or with sequence parallelism this
 rank's sequence shard (batch, seqlen / TP, d_model).
+
+Context parallelism (`cp`, a `megamamba.parallel.context_parallel.ContextParallel` of size C > 1,
+else None): every layer holds this rank's slice of each sequence (batch, seqlen / C, ...), the
+blocks pass states across the CP group, and the loss is the mean over the whole sequences.
 """
 from typing import Optional
 
@@ -32,6 +36,7 @@ from megamamba.block import Block, make_norm
 from megamamba.config import MambaConfig
 from megamamba.lm import head_logits, lm_loss
 from megamamba.parallel import TensorParallel, VocabParallelEmbedding, VocabParallelHead
+from megamamba.parallel.context_parallel import ContextParallel
 
 
 def unpack(x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -139,11 +144,32 @@ class TiedHead:
 
 
 class LMLoss:
-    """Mean next-token cross-entropy over the real vocabulary (padded columns excluded; vocab-parallel under TP)."""
+    """Mean next-token cross-entropy over the real vocabulary (padded columns excluded; vocab-parallel under TP).
 
-    def __init__(self, vocab_size: int, tp: Optional[TensorParallel] = None):
+    Under CP the value is the mean over the whole sequences, and its gradient is C times this rank's
+    share: DeepSpeed averages gradients over its data axis of dp x C ranks, and the average of C x
+    the shares is the sum of the shares over the CP group (the whole sequences' gradient) averaged
+    over dp, as without CP.
+    """
+
+    def __init__(self, vocab_size: int, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None):
         self.vocab_size = vocab_size
         self.tp = tp
+        self.cp = cp if cp is not None and cp.size > 1 else None
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, labels, self.vocab_size, self.tp)
+        loss = lm_loss(logits, labels, self.vocab_size, self.tp, self.cp)
+        return loss if self.cp is None else _ScaleGradient.apply(loss, float(self.cp.size))
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity whose backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None

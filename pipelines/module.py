@@ -22,6 +22,7 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MambaConfig
 from megamamba.parallel import TensorParallel
+from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.pipelines.layers import (
     BlockPipe,
     EmbeddingPipe,
@@ -44,8 +45,10 @@ def check_partition_method(method: str) -> None:
         raise ValueError(f"partition method {method!r}: choose one of {PARTITION_METHODS}")
 
 
-def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None) -> list:
-    """[embedding, n blocks, final norm, head] as DeepSpeed layer specs (split across `tp` when given)."""
+def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None,
+                cp: Optional[ContextParallel] = None) -> list:
+    """[embedding, n blocks, final norm, head] as DeepSpeed layer specs (split across `tp` when given;
+    blocks on a slice of every sequence under `cp`)."""
     embedding = EmbeddingPipe if tp is None else ParallelEmbeddingPipe
     if config.tie_embeddings:
         first = TiedLayerSpec(TIED_KEY, embedding, config, tp)
@@ -53,18 +56,20 @@ def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None) -> lis
     else:
         first = LayerSpec(embedding, config, tp)
         last = LayerSpec(HeadPipe if tp is None else ParallelHeadPipe, config, tp)
-    blocks = [LayerSpec(BlockPipe, config, tp=tp) for _ in range(config.n_layer)]
+    blocks = [LayerSpec(BlockPipe, config, tp=tp, cp=cp) for _ in range(config.n_layer)]
     return [first, *blocks, LayerSpec(FinalNormPipe, config, tp), last]
 
 
 def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = "type:Block",
-                          checkpoint_interval: int = 0, tp: Optional[TensorParallel] = None) -> PipelineModule:
-    """This rank's stage of the model (needs torch.distributed initialised; `tp` from the same topology)."""
+                          checkpoint_interval: int = 0, tp: Optional[TensorParallel] = None,
+                          cp: Optional[ContextParallel] = None) -> PipelineModule:
+    """This rank's stage of the model (needs torch.distributed initialised; `tp` and `cp` from the same
+    topology)."""
     check_partition_method(partition_method)
     return PipelineModule(
-        layers=layer_specs(config, tp),
+        layers=layer_specs(config, tp, cp),
         topology=topology,
-        loss_fn=LMLoss(config.vocab_size, tp),
+        loss_fn=LMLoss(config.vocab_size, tp, cp),
         partition_method=partition_method,
         activation_checkpoint_interval=checkpoint_interval,
         activation_checkpoint_func=non_reentrant_checkpoint,

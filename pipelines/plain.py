@@ -28,7 +28,7 @@ class PlainLM(nn.Module):
         self.backbone = model.backbone
         self.lm_head = model.lm_head
         self.checkpoint_interval = checkpoint_interval
-        self.loss_fn = LMLoss(self.config.vocab_size, model.tp)
+        self.loss_fn = LMLoss(self.config.vocab_size, model.tp, model.cp)
 
     def _layers(self) -> list:
         residual_in_fp32 = self.config.residual_in_fp32
