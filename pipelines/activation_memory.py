@@ -6,7 +6,9 @@ steps), a = 2 bytes under bf16 autocast (4 without), r = 4 (the float32 residual
 widths under tensor parallelism (d_inner / TP, heads / TP, vocabulary / TP):
   - a block: its input stream r*d (a shard of the sequence under sequence parallelism), the
     normed input as in_proj reads it a*d, in_proj's output, the conv output, the scan's extra
-    state and output, the gated norm's output (Mamba-2), and A = -exp(A_log) twice;
+    state and output, the gated norm's output (Mamba-2), and A = -exp(A_log) twice; Mamba-2 with
+    its B/C groups replicated over TP (ngroups < TP, every published size) also its norm across
+    the ranks' float32 intermediates and its concatenated in_proj and conv weights;
   - the final norm: its input r*d; the head: its input a*d; the loss: the logits (a*V), or under
     TP its float32 softmax (4*V), and the labels;
   - a stage that sends forward keeps its output stream r*d until the backward.
@@ -56,34 +58,65 @@ class ActivationShape:
         return math.ceil(self.model.padded_vocab_size / self.tp)
 
 
+def _mamba2_widths(shape: ActivationShape) -> tuple:
+    """A Mamba-2 mixer's local (d_inner, nheads, ngroups x d_state, B/C replicated over TP)."""
+    model, tp = shape.model, shape.tp
+    opts = model.mixer_options
+    groups = opts.ngroups * opts.d_state
+    replicated = tp > 1 and opts.ngroups % tp != 0
+    return model.d_inner // tp, model.nheads // tp, groups if replicated else groups // tp, replicated
+
+
 def mixer_bytes_per_token(shape: ActivationShape) -> int:
     """What a mixer keeps per token, its input excluded."""
-    model, a, tp = shape.model, shape.act, shape.tp
+    model, a = shape.model, shape.act
     opts = model.mixer_options
-    d, d_inner = model.d_model, model.d_inner // tp
+    d = model.d_model
     if isinstance(opts, Mamba1Options):
+        d_inner = model.d_inner // shape.tp
         x_proj_out = model.dt_rank + 2 * opts.d_state
         scan_states = STREAM * d_inner * opts.d_state // SCAN_CHECKPOINT_STEPS
         # normed input, in_proj out (x, z), conv out, x_proj out, delta, scan states, scan out
         return a * (d + 2 * d_inner + d_inner + x_proj_out + d_inner + d_inner) + scan_states
-    nheads = model.nheads // tp
-    groups = opts.ngroups * opts.d_state
-    bc = groups // tp if opts.ngroups % tp == 0 else groups
+    d_inner, nheads, bc, replicated = _mamba2_widths(shape)
     in_proj_out = 2 * d_inner + 2 * bc + nheads
     conv_out = d_inner + 2 * bc
     norm_out = d_inner if opts.rmsnorm else 0
-    return a * (d + in_proj_out + conv_out + d_inner + norm_out)
+    kept = a * (d + in_proj_out + conv_out + d_inner + norm_out)
+    if replicated and opts.rmsnorm:  # the norm spans ranks (parallel.spanning_norm), in float32 torch ops:
+        # gate and y * weight, under autocast also float32 copies of y (which replaces y) and z; then the
+        # partial out_proj and 1/rms, of this rank's sequence shard under sequence parallelism
+        kept += 4 * d_inner * 4 - a * d_inner if shape.autocast else 4 * d_inner * 2
+        kept += (a * d + 4 + (2 if shape.autocast else 0)) // (shape.tp if shape.sequence_parallel else 1)
+    return kept
 
 
-def _linear_weights_per_block(model: MambaConfig, tp: int) -> int:
-    """Elements of the Linear weights a block multiplies with (their bf16 copies under autocast)."""
-    d, d_inner = model.d_model, model.d_inner // tp
-    opts = model.mixer_options
+def _block_constant_bytes(shape: ActivationShape) -> int:
+    """What a block keeps whatever the tokens: A = -exp(A_log) twice (float32), and with Mamba-2's B/C
+    replicated over TP the concatenated conv weight and bias, and in float32 the concatenated in_proj weight."""
+    model, opts = shape.model, shape.model.mixer_options
     if isinstance(opts, Mamba1Options):
+        return 2 * 4 * model.d_inner * opts.d_state // shape.tp
+    d_inner, nheads, bc, replicated = _mamba2_widths(shape)
+    kept = 2 * 4 * nheads
+    if replicated:
+        conv_dim = d_inner + 2 * bc
+        kept += 4 * conv_dim * (opts.d_conv + (1 if opts.conv_bias else 0))
+        if not shape.autocast:
+            kept += 4 * (2 * d_inner + 2 * bc + nheads) * (model.d_model + (1 if opts.bias else 0))
+    return kept
+
+
+def _linear_weights_per_block(shape: ActivationShape) -> int:
+    """Elements of the Linear weights a block multiplies with (their bf16 copies under autocast)."""
+    model = shape.model
+    opts = model.mixer_options
+    d = model.d_model
+    if isinstance(opts, Mamba1Options):
+        d_inner = model.d_inner // shape.tp
         return d * 2 * d_inner + d_inner * (model.dt_rank + 2 * opts.d_state) + model.dt_rank * d_inner + d_inner * d
-    groups = opts.ngroups * opts.d_state
-    bc = groups // tp if opts.ngroups % tp == 0 else groups
-    return d * (2 * d_inner + 2 * bc + model.nheads // tp) + d_inner * d
+    d_inner, nheads, bc, _ = _mamba2_widths(shape)
+    return d * (2 * d_inner + 2 * bc + nheads) + d_inner * d
 
 
 def _layer_bytes_per_token(shape: ActivationShape, layer: int, last_layer: int) -> int:
@@ -100,9 +133,9 @@ def _layer_bytes_per_token(shape: ActivationShape, layer: int, last_layer: int) 
 
 def _loss_bytes_per_token(shape: ActivationShape) -> int:
     """What the loss keeps per token: the logits (bf16 or float32) with the labels (int64) and logsumexp
-    (float32), or under TP its float32 softmax with the local labels (int64) and two masks."""
+    (float32), or under TP its float32 softmax with the labels and local labels (int64) and three masks."""
     if shape.tp > 1:
-        return 4 * shape.local_vocab + 8 + 2
+        return 4 * shape.local_vocab + 8 + 8 + 3
     return shape.act * shape.local_vocab + 8 + 4
 
 
@@ -112,18 +145,13 @@ def _weight_copies(shape: ActivationShape, layers: range, last_layer: int) -> in
         return 0
     blocks = sum(1 for i in layers if 0 < i < last_layer - 1)
     head = shape.local_vocab * shape.model.d_model if last_layer in layers else 0
-    return 2 * (blocks * _linear_weights_per_block(shape.model, shape.tp) + head)
+    return 2 * (blocks * _linear_weights_per_block(shape) + head)
 
 
 def _layer_bytes(shape: ActivationShape, layer: int, last_layer: int) -> int:
-    """Bytes one micro-batch keeps for pipeline layer `layer`: per token, plus a block's float32 A = -exp(A_log)
-    that the scan keeps with exp's output."""
+    """Bytes one micro-batch keeps for pipeline layer `layer`."""
     kept = _layer_bytes_per_token(shape, layer, last_layer) * shape.tokens
-    if 0 < layer < last_layer - 1:
-        model, opts = shape.model, shape.model.mixer_options
-        a_numel = (model.d_inner * opts.d_state if isinstance(opts, Mamba1Options) else model.nheads) // shape.tp
-        kept += 2 * 4 * a_numel
-    return kept
+    return kept + (_block_constant_bytes(shape) if 0 < layer < last_layer - 1 else 0)
 
 
 def _runs(shape: ActivationShape, layers: range) -> list:

@@ -4,10 +4,12 @@ micro-batches in flight keep more, recomputation, tensor and sequence parallelis
 (How close it comes to a measured peak is a GPU check: mamba2-130m and 1.3b within 20% of
 torch.cuda.max_memory_allocated.)"""
 import json
+import os
 
 import pytest
 import torch
 
+from distributed import run_ranks
 from train_entry import ROOT
 
 from megamamba.config import MambaConfig
@@ -54,12 +56,15 @@ def test_recomputation_keeps_less(name):
         assert _whole_model(_shape(name, checkpoint_interval=interval)) < none, interval
 
 
+@pytest.mark.parametrize("name", ["mamba1-130m", "mamba2-7b"])
+def test_tensor_parallelism_keeps_less_per_rank_where_it_splits_every_activation(name):
+    """Not so for Mamba-2 with ngroups < TP: its norm across the ranks keeps float32 intermediates."""
+    assert _whole_model(_shape(name, tp=2)) < _whole_model(_shape(name))
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_tensor_and_sequence_parallelism_keep_less_per_rank(name):
-    alone = _whole_model(_shape(name))
-    tp2 = _whole_model(_shape(name, tp=2))
-    assert tp2 < alone
-    assert _whole_model(_shape(name, tp=2, sequence_parallel=True)) < tp2
+def test_sequence_parallelism_keeps_less_per_rank_than_tensor_parallelism_alone(name):
+    assert _whole_model(_shape(name, tp=2, sequence_parallel=True)) < _whole_model(_shape(name, tp=2))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -103,3 +108,32 @@ def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(m
     estimated = kept_bytes(ActivationShape(config, 2, 64, autocast=autocast), 0, last + 1, last)
     print(f"{mixer} {'bf16 autocast' if autocast else 'float32'}: kept {measured} bytes, estimated {estimated}")
     assert abs(estimated - measured) <= 0.01 * measured, (measured, estimated)
+
+
+def _kept_at_tp2(mixer: str, sequence_parallel: bool) -> list:
+    """(measured, estimated) kept bytes of this TP rank, float32 then bf16 autocast."""
+    os.environ["MEGAMAMBA_KERNELS"] = "triton"
+    from megamamba.parallel.groups import ParallelGroups
+
+    config = MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
+    tp = ParallelGroups(2, 1, 1).tensor_parallel(sequence_parallel)
+    torch.manual_seed(0)
+    model = PlainLM(MambaLM(config, tp=tp))
+    input_ids = torch.randint(0, config.vocab_size, (2, 64))
+    last = config.n_layer + 2
+    return [(_kept_by_autograd(model, input_ids, autocast),
+             kept_bytes(ActivationShape(config, 2, 64, tp=2, sequence_parallel=sequence_parallel, autocast=autocast),
+                        0, last + 1, last))
+            for autocast in (False, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+def test_what_a_tensor_parallel_rank_keeps_is_what_autograd_keeps_on_the_triton_kernels(mixer, sequence_parallel):
+    """Mamba-2's single B/C group is replicated over TP and its gated norm spans the ranks."""
+    for rank, pairs in enumerate(run_ranks(_kept_at_tp2, 2, args=(mixer, sequence_parallel), timeout=600)):
+        for (measured, estimated), precision in zip(pairs, ("float32", "bf16 autocast")):
+            print(f"{mixer} tp 2 {'SP ' if sequence_parallel else ''}{precision} rank {rank}: kept {measured} bytes, "
+                  f"estimated {estimated}")
+            assert abs(estimated - measured) <= 0.01 * measured, (rank, precision, measured, estimated)
