@@ -295,17 +295,18 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
         saved_groups = [{**g, "params": [inverse[n] for n in g["params"]]} for g in saved_groups]
         load_optimizer_tensors(trainer.engine.optimizer, trainer.module, tensors, saved_groups, trainer.tp)
     if load_optim:
-        _restore_scheduler(trainer.lr_scheduler, checkpoint.scheduler)
+        _restore_scheduler(trainer.lr_scheduler, checkpoint.scheduler, checkpoint.step)
     if load_rng:
         restore_rng(checkpoint.rng_state(dist.get_rank(), dist.get_world_size()))
     trainer.engine.global_steps = checkpoint.step
     return checkpoint.step
 
 
-def _restore_scheduler(scheduler, state: dict) -> None:
+def _restore_scheduler(scheduler, state: Optional[dict], step: int) -> None:
     """The saved scheduler position (epoch) under the run's schedule: base LRs stay the run's peak, so the
-    group LRs are the run's schedule at the saved epoch (the saved ones, unless the plan was overridden)."""
-    load_scheduler_state(scheduler, state)
+    group LRs are the run's schedule at the saved epoch (the saved ones, unless the plan was overridden).
+    A checkpoint without scheduler state (saved by the single-process API without one): epoch `step`."""
+    load_scheduler_state(scheduler, state, step)
     scheduler.base_lrs = [group["initial_lr"] for group in scheduler.optimizer.param_groups]
     lrs = [base * rule(scheduler.last_epoch) for rule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):

@@ -201,8 +201,18 @@ def scheduler_state(scheduler) -> dict:
         raise CheckpointError(f"scheduler state of {type(scheduler).__name__} is not JSON ({e})") from None
 
 
-def load_scheduler_state(scheduler, state: dict) -> None:
-    """Restore a scheduler and set each group's lr to its restored last lr (used by the next step)."""
-    scheduler.load_state_dict(dict(state))
+def load_scheduler_state(scheduler, state: Optional[dict], step: int) -> None:
+    """Restore a scheduler and set each group's lr to its restored last lr (used by the next step).
+
+    A checkpoint saved without scheduler state (scheduler=None) puts the schedule where `step`
+    optimizer steps would have taken it.
+    """
+    if state is None:
+        scheduler.last_epoch = step
+        with warnings.catch_warnings():  # get_lr() outside step() warns; here it is the point
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler._last_lr = scheduler.get_lr()
+    else:
+        scheduler.load_state_dict(dict(state))
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr

@@ -47,7 +47,7 @@ def load_training_checkpoint(checkpoint: Checkpoint, model: MambaLM, optimizer: 
     if load_optim:
         load_optimizer_tensors(optimizer, model, checkpoint.optimizer_tensors(), checkpoint.optimizer_groups)
         if scheduler is not None:
-            load_scheduler_state(scheduler, checkpoint.scheduler)
+            load_scheduler_state(scheduler, checkpoint.scheduler, checkpoint.step)
     if load_rng:
         restore_rng(checkpoint.rng_state(0, 1))
     return checkpoint.step

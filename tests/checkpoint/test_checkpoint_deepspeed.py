@@ -101,7 +101,7 @@ def load_zero_state(eng, ckpt) -> None:
             safe_set_full_fp32_param(p, params[n])
             for k in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, state[f"{n}/{k}"], k)
-    load_scheduler_state(eng.lr_scheduler, ckpt.scheduler)
+    load_scheduler_state(eng.lr_scheduler, ckpt.scheduler, ckpt.step)
 
 
 def zero_ranks(save_dir: str, dp: int, extensions_dir: str) -> dict:

@@ -118,6 +118,20 @@ def test_changed_optimizer_hyperparameters_warn_and_the_runs_values_apply(tmp_pa
     assert optimizer2.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
 
 
+def test_a_checkpoint_saved_without_a_scheduler_resumes_the_schedule_at_its_step(tmp_path):
+    config = tiny("Mamba2")
+    model, optimizer, scheduler = training_run(config, seed=0)
+    for step in range(3):
+        train_step(model, optimizer, scheduler, step)
+    save_training_checkpoint(str(tmp_path), 3, model, optimizer, scheduler=None)
+    model2, optimizer2, scheduler2 = training_run(config, seed=1)
+
+    assert load_training_checkpoint(open_checkpoint("auto", str(tmp_path)), model2, optimizer2, scheduler2) == 3
+    assert scheduler2.last_epoch == scheduler.last_epoch == 3
+    assert scheduler2.get_last_lr() == scheduler.get_last_lr()
+    assert [g["lr"] for g in optimizer2.param_groups] == [g["lr"] for g in optimizer.param_groups]
+
+
 def test_rng_states_restore_python_numpy_and_torch():
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
     np.random.standard_normal()  # leaves a cached Gaussian in NumPy's state

@@ -46,7 +46,7 @@ def resume_tp(run, ckpt: Checkpoint, tp) -> None:
     ckpt.check_config(model.config)
     load_model_tensors(model, ckpt.model_tensors(), tp)
     load_optimizer_tensors(optimizer, model, ckpt.optimizer_tensors(), ckpt.optimizer_groups, tp)
-    load_scheduler_state(scheduler, ckpt.scheduler)
+    load_scheduler_state(scheduler, ckpt.scheduler, ckpt.step)
     restore_rng(ckpt.rng_state(dist.get_rank(), dist.get_world_size()))
 
 
