@@ -16,7 +16,7 @@ Under autocast each micro-batch in flight also keeps bf16 copies of the Linear w
 A stage keeps `in_flight` micro-batches (1F1B: pp - stage, at most the accumulation steps; one
 without a pipeline). With recomputation every k layers only each run's input stream is kept,
 and one run is rebuilt at a time in the backward. The backward adds the gradients of the largest
-layer's activations or the logits (and the loss's 128 MiB float32 chunk) for one micro-batch.
+layer's activations or the logits (and the loss's float32 chunk, 128 MiB at most) for one micro-batch.
 """
 import math
 from dataclasses import dataclass
@@ -183,5 +183,6 @@ def stage_activation_bytes(shape: ActivationShape, first_layer: int, stop_layer:
                       for run in _runs(shape, layers))
     loss = 0 if stop_layer <= last_layer else _loss_bytes_per_token(shape) * shape.tokens
     largest = max([_layer_bytes(shape, i, last_layer) for i in layers] + [loss])
-    backward = largest + (4 * CHUNK_ELEMENTS if loss and shape.tp == 1 else 0)
+    chunk = 4 * min(shape.tokens, max(1, CHUNK_ELEMENTS // shape.local_vocab)) * shape.local_vocab
+    backward = largest + (chunk if loss and shape.tp == 1 else 0)
     return shape.in_flight * kept_bytes(shape, first_layer, stop_layer, last_layer) + rebuilt + backward
