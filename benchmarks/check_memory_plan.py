@@ -1,0 +1,113 @@
+"""GPU check of the memory plan's activation estimate (pipelines/activation_memory.py) on one rank.
+
+    python benchmarks/check_memory_plan.py --size 130m [--checkpoint-activations-interval 1] [--dry-run]
+
+The size's DeepSpeed config (bf16 autocast, its micro batch) with ZeRO 0 and one accumulation step
+at (1,1,1), seq 2048. After a first step (the optimizer state exists), one micro-batch is measured:
+  kept  memory_allocated after the forward minus before it; estimate: `kept_bytes`, what the
+        micro-batch keeps for its backward;
+  peak  max_memory_allocated over the forward and backward minus before; estimate: the plan's
+        activations plus the gradients not allocated before (gradients build up while activations
+        are freed, so the sum bounds the peak from above) plus DeepSpeed's buffers.
+Prints one JSON line; exits 1 when either estimate is off by more than --tolerance (20%) of the
+measurement. --dry-run: the tiny CPU model and config, seq 64, no tolerance (host memory figures).
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def _train_script():
+    spec = importlib.util.spec_from_file_location("megamamba_train_script", os.path.join(REPO, "launch", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _zero0_config(path: str) -> str:
+    """The size's DeepSpeed config with ZeRO 0, one accumulation step and no TensorBoard, as a temporary file."""
+    with open(path) as f:
+        config = json.load(f)
+    config.update(zero_optimization={"stage": 0}, gradient_accumulation_steps=1)
+    config.pop("tensorboard", None)
+    config.pop("train_batch_size", None)
+    out = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump(config, out)
+    out.close()
+    return out.name
+
+
+def measure(size: str, checkpoint_interval: int, dry: bool) -> dict:
+    from deepspeed.accelerator import get_accelerator
+
+    from megamamba.parallel.groups import init_distributed, shutdown_distributed
+    from megamamba.pipelines.activation_memory import ActivationShape, kept_bytes
+    from megamamba.pipelines.agreement import to_device
+    from megamamba.pipelines.memory_plan import RunShape, plan_memory
+
+    ds, model = (("tiny-cpu", "tiny-mamba2") if dry else (f"mamba2-{size}", f"mamba2-{size}"))
+    script = _train_script()
+    args = script.parse_args([
+        "--deepspeed_config", _zero0_config(os.path.join(REPO, "launch/configs", f"{ds}.json")),
+        "--model-config", os.path.join(REPO, "launch/models", f"{model}.json"), "--train-iters", "2",
+        "--seq-length", "64" if dry else "2048", "--checkpoint-activations-interval", str(checkpoint_interval)])
+    plan = script.prepare(args, 1)
+    layout = plan.layout
+    init_distributed()
+    trainer = script.build_trainer(layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
+                                   args.partition_method, checkpoint_interval)
+    shape = RunShape.of_run(plan.model, layout, plan.engine_config, args.seq_length, args.partition_method,
+                            checkpoint_interval, False)
+    stage = plan_memory(shape).stages[0]
+    accelerator = get_accelerator()
+    trainer.train_step(plan.data.train.micro_batches(0, 0, 1, layout.micro_batch_size))
+    accelerator.synchronize()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in trainer.module.parameters() if p.grad is not None)
+    inputs, labels, seq_idx = plan.data.train.micro_batches(1, 0, 1, layout.micro_batch_size)[0]
+    before = accelerator.memory_allocated()
+    accelerator.reset_peak_memory_stats()
+    loss = trainer.engine(to_device(inputs), to_device(labels), None if seq_idx is None else to_device(seq_idx))
+    accelerator.synchronize()
+    after_forward = accelerator.memory_allocated()
+    trainer.engine.backward(loss)
+    accelerator.synchronize()
+    peak = accelerator.max_memory_allocated()
+    last = plan.model.n_layer + 2
+    kept = kept_bytes(ActivationShape(plan.model, layout.micro_batch_size, args.seq_length, autocast=shape.autocast,
+                                      checkpoint_interval=checkpoint_interval), 0, last + 1, last)
+    shutdown_distributed()
+    return {"size": "tiny" if dry else size, "micro_batch": layout.micro_batch_size, "seq": args.seq_length,
+            "checkpoint_interval": checkpoint_interval, "kept_measured": after_forward - before,
+            "kept_estimated": kept, "peak_measured": peak - before,
+            "peak_estimated": stage.activations + stage.gradients - grads + stage.buffers}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="130m", help="mamba2 size: launch/configs and launch/models mamba2-<size>.json")
+    p.add_argument("--checkpoint-activations-interval", type=int, default=0)
+    p.add_argument("--tolerance", type=float, default=0.2)
+    p.add_argument("--dry-run", action="store_true", help="the CPU, the tiny model: the code path only")
+    args = p.parse_args(argv)
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    record = measure(args.size, args.checkpoint_activations_interval, args.dry_run)
+    errors = [abs(record[f"{k}_estimated"] - record[f"{k}_measured"]) / max(record[f"{k}_measured"], 1)
+              for k in ("kept", "peak")]
+    record.update(kept_error=errors[0], peak_error=errors[1])
+    print(json.dumps(record), flush=True)
+    return 0 if args.dry_run or max(errors) <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
