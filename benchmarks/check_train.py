@@ -4,7 +4,9 @@ nccl_smoke  `deepspeed --num_gpus 1 launch/train.py`: 6 steps of the 130M model 
             2, bf16 autocast, ZeRO-1) saving at steps 3 and 6, then a second run resumed from step 3's
             checkpoint (saving again at its end); its losses at steps 3-5 must repeat the first run's.
 throughput  per size: launch/train.py as one rank (benchmarks/train.py's run), then mamba_ssm's
-            MambaLMHeadModel with torch AMP on the same batch split, in this process.
+            MambaLMHeadModel with torch AMP on the same batch split, in this process. Ours also records
+            its start-up memory plan (total and activations, read from its log) beside the measured
+            peak, which is how the plan's activation estimate is checked on the GPU.
 parity      our MambaLM and mamba_ssm's from the same initial weights (ours loaded into theirs, same
             state-dict keys), the same batches of the built-in corpus, the same plain loop (bf16
             autocast, fused AdamW, clipping 1.0): both losses at each of 20 steps and their relative
@@ -13,6 +15,7 @@ The dry run uses the tiny CPU model and DeepSpeed config, and our model as mamba
 """
 import json
 import os
+import re
 import types
 
 import torch
@@ -79,14 +82,29 @@ def nccl_smoke(results, out, scratch, dry, timeout):
                   max_rel_loss_diff=diff, saved_again=saved)
 
 
+def planned_memory(log: str) -> dict:
+    """The memory plan train.py printed at start-up (GiB per rank of the largest stage): total, activations."""
+    plan = {}
+    with open(log, errors="replace") as f:
+        for line in f:
+            if line.startswith("memory plan"):
+                for key, name in (("planned_total_gb", "total"), ("planned_activations_gb", "activations")):
+                    match = re.search(rf"\b{name} (\d+\.\d+)", line)
+                    if match:
+                        plan[key] = float(match.group(1))
+    return plan
+
+
 def throughput(results, out, size, dry, theirs, timeout):
     """Ours (launch/train.py, one rank) then theirs (this process) at one size; one record each."""
     import train as train_bench
     ds_config, model_config = model_paths(size, dry)
     steps, warmup, seq = (2, 1, 64) if dry else (5, 2, 2048)
     peak = train_bench.H200_PEAK_TFLOPS
-    ours = train_bench.train_ours(ds_config, model_config, steps, warmup, seq, peak,
-                                  log=os.path.join(out, f"throughput_{size}_ours.log"), timeout=timeout * 0.6)
+    log = os.path.join(out, f"throughput_{size}_ours.log")
+    ours = train_bench.train_ours(ds_config, model_config, steps, warmup, seq, peak, log=log, timeout=timeout * 0.6)
+    if os.path.exists(log):
+        ours.update(planned_memory(log))
     results.write("throughput", size=size, engine="ours (DeepSpeed ZeRO-1, bf16 autocast)", seq=seq, steps=steps, **ours)
     if theirs is None:
         return

@@ -291,15 +291,18 @@ def timing_table(rows, ceilings) -> list:
 def throughput_table(rows) -> list:
     if not rows:
         return []
-    lines = ["", "| size | engine | tokens/s | TFLOP/s | MFU | peak mem (GiB) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["", "| size | engine | tokens/s | TFLOP/s | MFU | peak mem (GiB) | planned (GiB): total / activations |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['size']} | {r['engine']} | failed: {r['error'][-160:]!r} | | | |")
+            lines.append(f"| {r['size']} | {r['engine']} | failed: {r['error'][-160:]!r} | | | | |")
             continue
         mem = "" if r.get("mem_peak_gb") is None else f"{r['mem_peak_gb']:.1f}"
         mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        plan = (f"{r['planned_total_gb']:.1f} / {r.get('planned_activations_gb', float('nan')):.1f}"
+                if r.get("planned_total_gb") is not None else "")
         lines.append(f"| {r['size']} | {r['engine']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | "
-                     f"{mfu} | {mem} |")
+                     f"{mfu} | {mem} | {plan} |")
     return lines
 
 

@@ -46,6 +46,7 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         engines = [r["engine"] for r in kinds[(f"throughput:{size}", "throughput")]]
         assert len(engines) == 2 and engines[0].startswith("ours") and engines[1].startswith("mamba_ssm"), engines
         assert all("error" not in r for r in kinds[(f"throughput:{size}", "throughput")])
+        assert kinds[(f"throughput:{size}", "throughput")][0]["planned_total_gb"] > 0
     assert len(kinds[("parity", "parity_step")]) == 3 and kinds[("parity", "parity")][0]["rel_diff"] == 0.0
     assert kinds[("check", "triton_cache")]
     for name in ("imports", "errors", "nccl_smoke_first", "nccl_smoke_resumed", "throughput_130m_ours", "parity"):
