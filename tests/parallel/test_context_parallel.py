@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
+from model_checks import perturb, relative_error
 from megamamba import MambaConfig, MambaLM
 from megamamba.block import Block
 from megamamba.lm import lm_loss
@@ -66,20 +67,6 @@ def config(ssm, **fields):
     return MambaConfig(**{**base, **fields, "ssm_cfg": ssm})
 
 
-def _rel(out, ref):
-    out = out.detach()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def _perturb(model, seed):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-
-
 def _inputs(cfg, documents):
     gen = torch.Generator().manual_seed(SEED + 1)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
@@ -99,7 +86,7 @@ def compare(cfg, documents, cp, tp=None, recompute=False):
     """Relative errors of the CP (x TP) model's logits, loss and gradients against the single-process model."""
     torch.manual_seed(SEED)
     plain = MambaLM(cfg)
-    _perturb(plain, SEED + 2)
+    perturb(plain, SEED + 2)
     torch.manual_seed(SEED)
     model = MambaLM(cfg, tp=tp, cp=cp)
     if recompute:
@@ -127,9 +114,9 @@ def compare(cfg, documents, cp, tp=None, recompute=False):
     for g in grads.values():
         dist.all_reduce(g, group=cp.group)
     ref_grads = {k: p.grad for k, p in plain.named_parameters()}
-    return dict(logits=_rel(logits, sequence_slice(ref_logits, cp)), loss=_rel(loss, ref_loss),
+    return dict(logits=relative_error(logits, sequence_slice(ref_logits, cp)), loss=relative_error(loss, ref_loss),
                 grad_keys=sorted(grads) == sorted(ref_grads),
-                grads={k: _rel(grads[k], g) for k, g in ref_grads.items()})
+                grads={k: relative_error(grads[k], g) for k, g in ref_grads.items()})
 
 
 def block_comm(cp, ssm, seqlen):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
+from model_checks import perturb, relative_error
 from megamamba import MambaConfig, MambaLM
 from megamamba.block import Block
 from megamamba.lm import lm_loss
@@ -67,20 +68,6 @@ def config(ssm, **fields):
     return MambaConfig(**{**base, **fields, "ssm_cfg": ssm})
 
 
-def _rel(out, ref):
-    out = out.detach()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def _perturb(model, seed):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-
-
 def _inputs(cfg, packed):
     gen = torch.Generator().manual_seed(SEED + 1)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
@@ -101,7 +88,7 @@ def check_model(tp_base, name):
     torch.manual_seed(SEED)
     model = MambaLM(cfg, tp=tp)
     init_equal = all(torch.equal(full_tensors(model, tp)[k], v) for k, v in plain.named_parameters())
-    _perturb(plain, SEED + 2)
+    perturb(plain, SEED + 2)
     load_full_tensors(model, dict(plain.named_parameters()), tp)
 
     ids, labels, seq_idx = _inputs(cfg, packed)
@@ -115,9 +102,9 @@ def check_model(tp_base, name):
     full_logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
     grads = full_tensors(model, tp, lambda p: p.grad)
     ref_grads = {k: p.grad for k, p in plain.named_parameters()}
-    grad_errors = {k: _rel(grads[k], g) for k, g in ref_grads.items()}
+    grad_errors = {k: relative_error(grads[k], g) for k, g in ref_grads.items()}
     result = dict(
-        init_equal=init_equal, logits=_rel(full_logits, ref_logits), loss=_rel(loss, ref_loss),
+        init_equal=init_equal, logits=relative_error(full_logits, ref_logits), loss=relative_error(loss, ref_loss),
         loss_value=loss.item(), grad_keys=sorted(grads) == sorted(ref_grads), grads=grad_errors,
         local_vocab=logits.shape[-1],
     )
@@ -134,7 +121,7 @@ def check_step(plain, model, ids, tp):
         for t in range(4):
             ref = plain.step(ids[:, t], ref_cache)
             out = gather_from_tp_region(model.step(ids[:, t], cache), tp)[..., :ref.shape[-1]]
-            worst = max(worst, _rel(out, ref))
+            worst = max(worst, relative_error(out, ref))
     return worst
 
 
