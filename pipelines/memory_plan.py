@@ -14,10 +14,12 @@ size), in bytes:
     float32 elements, twice with overlap_comm, once more for the pipeline engine's reduction),
     or without ZeRO the flattened all-reduce bucket (up to 5e8 elements);
   - activations (estimated; `pipelines.activation_memory`).
-Parameters, gradients and optimizer state are exact: the parameter count of every layer comes
-from the model's own modules built on the meta device for tensor-parallel rank 0, the stages
-from DeepSpeed's own partitioning functions. Not counted: ZeRO's `parameter_alignment` padding
-(off by default) and ZeRO-3's gather buffers; the plan says ZeRO-3 figures are the partition only.
+Parameters, gradients and optimizer state are exact for ZeRO 0 and 1 (ZeRO 2: parameters and
+optimizer state; its gradients pass through the reduce bucket): the parameter count of every
+layer comes from the model's own modules built on the meta device for tensor-parallel rank 0,
+the stages from DeepSpeed's own partitioning functions. Not counted: ZeRO's
+`parameter_alignment` padding (off by default) and ZeRO-3's gather buffers; the plan says ZeRO-3
+figures are the partition only.
 """
 import math
 import re
@@ -164,6 +166,12 @@ def _buffers(numel: int, shape: RunShape) -> int:
     return FLOAT32 * shape.reduce_bucket_size * copies
 
 
+def in_flight(layout: Layout, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once: DeepSpeed's 1F1B keeps pp - stage (at most
+    the accumulation steps); the plain engine finishes each micro-batch's backward before the next."""
+    return 1 if layout.pp == 1 else min(layout.pp - stage, layout.grad_accum)
+
+
 def plan_memory(shape: RunShape) -> MemoryPlan:
     """Every stage's memory for `shape` (host arithmetic and meta-device modules only)."""
     model, layout = shape.model, shape.layout
@@ -183,7 +191,7 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
             model=model, micro_batch_size=layout.micro_batch_size, seq_length=shape.seq_length, tp=layout.tp,
             sequence_parallel=shape.sequence_parallel, autocast=shape.autocast,
             checkpoint_interval=shape.checkpoint_interval,
-            in_flight=1 if layout.pp == 1 else min(layout.pp - stage, layout.grad_accum)),
+            in_flight=in_flight(layout, stage)),
             first_layer=start, stop_layer=stop, last_layer=last_layer)
         stages.append(StageMemory(stage, parameters, gradients, optimizer, _buffers(sum(groups), shape),
                                   activations))
@@ -199,7 +207,6 @@ def plan_lines(plan: MemoryPlan) -> list:
     shape, worst = plan.shape, plan.worst
     layout = shape.layout
     zero = f"ZeRO {shape.zero_stage}" + (" partition only" if shape.zero_stage == 3 else "")
-    in_flight = 1 if layout.pp == 1 else min(layout.pp - worst.stage, layout.grad_accum)
     recompute = f"recompute every {shape.checkpoint_interval} layers" if shape.checkpoint_interval else "no recompute"
     stages = "" if layout.pp == 1 else " | stages " + ", ".join(f"{s.stage}: {gib(s.total)}" for s in plan.stages)
     return [
@@ -207,6 +214,7 @@ def plan_lines(plan: MemoryPlan) -> list:
         f"gradients {gib(worst.gradients)}, optimizer state {gib(worst.optimizer)} ({zero}, dp {layout.dp}) | "
         f"estimated: DeepSpeed buffers {gib(worst.buffers)}, activations {gib(worst.activations)} | "
         f"total {gib(worst.total)}",
-        f"  activations: micro batch {layout.micro_batch_size} x seq {shape.seq_length}, {in_flight} in flight, "
+        f"  activations: micro batch {layout.micro_batch_size} x seq {shape.seq_length}, "
+        f"{in_flight(layout, worst.stage)} in flight, "
         f"{recompute}, {'bf16 autocast' if shape.autocast else 'float32'}{stages}",
     ]
