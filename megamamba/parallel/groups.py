@@ -131,9 +131,11 @@ class ParallelGroups:
         self.tensor_group, self.tensor_ranks = self._new_groups(self.topology.get_axis_comm_lists("model"))
         self.data_group, self.data_ranks = self._new_groups(self.topology.get_axis_comm_lists("data"))
         self.pipe_group, self.pipe_ranks = self._new_groups(self.topology.get_axis_comm_lists("pipe"))
-        self.context_group, self.context_ranks = self._new_groups(
-            [axis[i:i + context_parallel_size] for axis in self.topology.get_axis_comm_lists("data")
-             for i in range(0, len(axis), context_parallel_size)])
+        self.context_group, self.context_ranks = None, [self.rank]  # without CP: no group to create
+        if context_parallel_size > 1:
+            self.context_group, self.context_ranks = self._new_groups(
+                [axis[i:i + context_parallel_size] for axis in self.topology.get_axis_comm_lists("data")
+                 for i in range(0, len(axis), context_parallel_size)])
 
     def _new_groups(self, rank_lists: list[list[int]]) -> tuple[dist.ProcessGroup, list[int]]:
         mine = None

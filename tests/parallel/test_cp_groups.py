@@ -30,6 +30,7 @@ def _members(group):
 
 def group_checks():
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
     from megamamba.parallel.groups import init_distributed
 
     init_distributed(dist_backend="gloo")
@@ -46,6 +47,8 @@ def group_checks():
             grid=(grid.get_data_parallel_id(), grid.get_data_parallel_world_size()),
             mpu=None if mpu is None else (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()),
         )
+    without = ParallelGroups(2, 1).context_parallel()
+    out["without_cp"] = (without.group, without.size, without.rank)
     return out
 
 
@@ -82,3 +85,7 @@ def test_deepspeeds_data_axis_holds_data_times_context_ranks(layout):
         assert res["grid"] == (axis, dp * cp), f"rank {rank}"
         if pp == 1:
             assert res["mpu"] == (axis, dp * cp), f"rank {rank}"
+
+
+def test_without_context_parallelism_no_group_is_created():
+    assert all(r["without_cp"] == (None, 1, 0) for r in _results())
