@@ -160,7 +160,8 @@ class ParallelGroups:
     def __repr__(self) -> str:
         return (f"ParallelGroups(rank {self.rank}/{self.world_size}: data {self.data_rank}/{self.data_parallel_size}, "
                 f"context {self.context_rank}/{self.context_parallel_size}, "
-                f"tensor {self.tensor_rank}/{self.tensor_parallel_size}, pipe {self.pipe_rank}/{self.pipeline_parallel_size})")
+                f"tensor {self.tensor_rank}/{self.tensor_parallel_size}, "
+                f"pipe {self.pipe_rank}/{self.pipeline_parallel_size})")
 
 
 class DeepSpeedMPU:
