@@ -10,9 +10,9 @@ size), in bytes:
   - optimizer state: AdamW's two float32 moments per parameter (ZeRO 0), or with ZeRO 1/2 this
     rank's partition of each padded group three times (float32 master copy and two moments; twice
     with ZeRO-3, whose parameter partition is the master);
-  - DeepSpeed buffers (estimated): ZeRO's contiguous gradient bucket (reduce_bucket_size
-    float32 elements, twice with overlap_comm, once more for the pipeline engine's reduction),
-    or without ZeRO the flattened all-reduce bucket (up to 5e8 elements);
+  - DeepSpeed buffers: ZeRO's contiguous gradient bucket (reduce_bucket_size float32 elements,
+    twice with overlap_comm, once more for the pipeline engine's reduction; measured equal), or
+    without ZeRO the flattened all-reduce bucket (estimated: up to 5e8 elements, with dp > 1);
   - activations (estimated; `pipelines.activation_memory`).
 Parameters, gradients and optimizer state are exact for ZeRO 0 and 1 (ZeRO 2: parameters and
 optimizer state; its gradients pass through the reduce bucket): the parameter count of every
