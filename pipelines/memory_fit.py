@@ -8,7 +8,8 @@ there): the plan is printed, the fit is not checked.
 A run that does not fit is refused before any model is built, with the changes that fit, each
 computed by planning the changed run: twice the tensor or pipeline parallel size (at the same
 world size when dp allows, else on twice the ranks), the next ZeRO stage, the largest smaller
-micro batch that keeps the global batch, recomputation of every layer.
+micro batch that keeps the global batch, recomputation of every layer, a tenth of ZeRO's default
+reduce bucket.
 """
 from dataclasses import replace
 from typing import Optional
@@ -20,6 +21,7 @@ from megamamba.pipelines.layout import LayoutError
 from megamamba.pipelines.memory_plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
 
 RESERVED = 2 * GiB
+SMALL_BUCKET = int(5e7)  # a tenth of DeepSpeed's default reduce bucket: 200 MB of float32 instead of 2 GB
 
 
 class MemoryPlanError(LayoutError):
@@ -63,6 +65,9 @@ def alternatives(shape: RunShape) -> list:
         changes.append((f"zero_optimization.stage {stage}", shape.changed(zero_stage=stage)))
     if shape.checkpoint_interval != 1:
         changes.append(("--checkpoint-activations-interval 1", shape.changed(checkpoint_interval=1)))
+    if shape.zero_stage in (1, 2) and shape.contiguous_gradients and shape.reduce_bucket_size > SMALL_BUCKET:
+        changes.append((f"zero_optimization.reduce_bucket_size {SMALL_BUCKET}",
+                        shape.changed(reduce_bucket_size=SMALL_BUCKET)))
     return [c for c in changes if c is not None]
 
 

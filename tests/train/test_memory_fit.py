@@ -52,6 +52,12 @@ def test_a_change_that_does_not_fit_is_not_offered():
     assert "--tensor-parallel-size" not in message, message
 
 
+def test_a_smaller_zero_bucket_is_offered_when_the_bucket_makes_the_difference():
+    plan = _plan(zero_stage=1)  # its 5e8-element float32 bucket: 1.86 GiB
+    message = refusal(plan, plan.worst.total + RESERVED - GiB)
+    assert "zero_optimization.reduce_bucket_size 50000000 (" in message.split("fits with: ")[1], message
+
+
 def test_when_no_single_change_fits_the_refusal_says_so_with_each_ones_figure():
     message = refusal(_plan(), RESERVED + GiB // 2)
     assert "no single change fits: " in message, message
