@@ -159,7 +159,8 @@ def triton_cache_identity() -> dict:
     from triton.backends.nvidia.compiler import get_ptxas_version
     from triton.runtime.cache import triton_key
     return {"triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
-            "ptxas": " | ".join(get_ptxas_version(90).strip().splitlines()[-2:]), "env": get_cache_invalidating_env_vars()}
+            "ptxas": " | ".join(get_ptxas_version(90).strip().splitlines()[-2:]),
+            "env": get_cache_invalidating_env_vars()}
 
 
 # ----------------------------------------------------------------------------- mamba_ssm
@@ -197,8 +198,8 @@ def load_mamba_ssm(src: str):
     try:
         import transformers.generation  # noqa: F401
     except ImportError:
-        sys.modules.update({name: names_only_module(name) for name in
-                            ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub")})
+        stubbed = ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub")
+        sys.modules.update({name: names_only_module(name) for name in stubbed})
     try:
         from mamba_ssm.models.config_mamba import MambaConfig
         from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel

@@ -35,7 +35,8 @@ def model_paths(size: str, dry: bool):
     """(DeepSpeed config, model config) of a size; the tiny CPU pair in the dry run."""
     if dry:
         return os.path.join(REPO, "launch/configs/tiny-cpu.json"), os.path.join(REPO, "launch/models/tiny-mamba2.json")
-    return os.path.join(REPO, f"launch/configs/mamba2-{size}.json"), os.path.join(REPO, f"launch/models/mamba2-{size}.json")
+    return (os.path.join(REPO, f"launch/configs/mamba2-{size}.json"),
+            os.path.join(REPO, f"launch/models/mamba2-{size}.json"))
 
 
 def read_losses(path: str) -> dict:
@@ -105,7 +106,8 @@ def throughput(results, out, size, dry, theirs, timeout):
     ours = train_bench.train_ours(ds_config, model_config, steps, warmup, seq, peak, log=log, timeout=timeout * 0.6)
     if os.path.exists(log):
         ours.update(planned_memory(log))
-    results.write("throughput", size=size, engine="ours (DeepSpeed ZeRO-1, bf16 autocast)", seq=seq, steps=steps, **ours)
+    results.write("throughput", size=size, engine="ours (DeepSpeed ZeRO-1, bf16 autocast)", seq=seq, steps=steps,
+                  **ours)
     if theirs is None:
         return
     try:

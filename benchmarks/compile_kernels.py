@@ -95,7 +95,8 @@ def op_cases(bench):
                    bench.ssd_inputs(small2, dtype, "cpu", gen, docs=True, initial=True)),
                   (f"check {name}", "ssd_chunk_scan", bench.ssd_inputs(small2, dtype, "cpu", gen)),
                   (f"check {name} docs", "selective_scan", bench.scan_inputs(small1, dtype, "cpu", gen, docs=True)),
-                  (f"check {name} docs", "causal_conv1d", bench.conv_inputs(2, 384, 1000, dtype, "cpu", gen, docs=True)),
+                  (f"check {name} docs", "causal_conv1d",
+                   bench.conv_inputs(2, 384, 1000, dtype, "cpu", gen, docs=True)),
                   (f"check {name}", "rmsnorm_gated", bench.norm_inputs(2000, 512, 256, dtype, "cpu", gen))]
     long2 = dict(batch=1, seqlen=bench.LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
     long1 = dict(batch=1, seqlen=bench.LONG_SEQLEN, dim=64, dstate=16)
@@ -235,15 +236,17 @@ def summary(rows, arch) -> str:
         shared = max((r["shared_bytes"] for r in done), default=0) / 1024
         resident = min((r["warps_per_sm"] for r in done), default=0)
         status = "ok" if not failed else f"FAILED {len(failed)}: {failed[0]['error'][:200]}"
-        lines.append(f"{kernel:24s} {len(mine):5d} {warps:>5s} {regs:5d} {spill:8d} {shared:10.1f} {resident:8d}  {status}")
+        lines.append(f"{kernel:24s} {len(mine):5d} {warps:>5s} {regs:5d} {spill:8d} {shared:10.1f} {resident:8d}  "
+                     f"{status}")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, choices=sorted(LIMITS), help="CUDA compute capability")
+    default_json = os.path.join(os.environ["OUT"], "compile_kernels.json") if os.environ.get("OUT") else None
     parser.add_argument("--json", help="where to write the details (default $OUT/compile_kernels.json when OUT is set)",
-                        default=os.path.join(os.environ["OUT"], "compile_kernels.json") if os.environ.get("OUT") else None)
+                        default=default_json)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: interpreted kernels are not compiled; unset it")

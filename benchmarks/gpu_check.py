@@ -26,8 +26,16 @@ import sys
 import tempfile
 import time
 
-from check_io import (COMPILES, Results, count_triton_compiles, load_mamba_ssm, read_results, run_logged,
-                      stop_children_on_sigterm, unpack_triton_cache)
+from check_io import (
+    COMPILES,
+    Results,
+    count_triton_compiles,
+    load_mamba_ssm,
+    read_results,
+    run_logged,
+    stop_children_on_sigterm,
+    unpack_triton_cache,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -239,8 +247,8 @@ def summary(out: str) -> str:
     for r in by_kind.get("smoke_run", []):
         lines.append(f"nccl smoke {r['run']:8s} exit {r['rc']} in {r['seconds']} s, steps {r['steps']}")
     for r in by_kind.get("resume", []):
-        lines.append(f"resume: {'ok' if r['ok'] else 'FAILED'} " + json.dumps({k: v for k, v in r.items()
-                                                                              if k not in ("section", "kind", "t", "ok")}))
+        details = {k: v for k, v in r.items() if k not in ("section", "kind", "t", "ok")}
+        lines.append(f"resume: {'ok' if r['ok'] else 'FAILED'} " + json.dumps(details))
     lines += error_table(by_kind.get("error", []) + by_kind.get("error_failed", []))
     lines += timing_table(by_kind.get("timing", []) + by_kind.get("timing_failed", []), by_kind.get("ceilings", []))
     lines += throughput_table(by_kind.get("throughput", []))

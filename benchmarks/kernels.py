@@ -9,13 +9,15 @@ Timing: forward and forward+backward of the ops at the shapes of Mamba-2 130M / 
 layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1) and Mamba-1 layers
 (d_state 16), in bf16: per op the bytes and FLOPs it must move at least (`least_work`), the time,
 and the fraction of the roofline that makes against the copy bandwidth and bf16 matmul rate
-measured on the same GPU in the same run (`ceilings`); and the time ratio against mamba_ssm's Triton SSD (mamba_chunk_scan_combined) when its Python
-sources are given (--mamba-ssm-src: the unpacked PyPI source release; its CUDA extension is
-replaced by a stub module) and against our PyTorch reference.
+measured on the same GPU in the same run (`ceilings`); and the time ratio against mamba_ssm's
+Triton SSD (mamba_chunk_scan_combined) when its Python sources are given (--mamba-ssm-src: the
+unpacked PyPI source release; its CUDA extension is replaced by a stub module) and against our
+PyTorch reference.
 megamamba is imported as installed, never from the checkout. A short table is printed last;
 details go to --json (default $OUT/kernels_benchmark.json when OUT is set).
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -113,9 +115,10 @@ def rel_err(out, ref):
 
 def ssd_inputs(shape, dtype, device, gen, docs=False, initial=False):
     b, L, h, p, g, n = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "dstate"))
-    r = lambda *s: torch.randn(*s, generator=gen, device=device)
+    r = functools.partial(torch.randn, generator=gen, device=device)
     dt_init = torch.exp(torch.rand(h, generator=gen, device=device) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    t = dict(x=r(b, L, h, p), dt=0.5 * r(b, L, h), A=-torch.exp(torch.rand(h, generator=gen, device=device) * math.log(16)),
+    t = dict(x=r(b, L, h, p), dt=0.5 * r(b, L, h),
+             A=-torch.exp(torch.rand(h, generator=gen, device=device) * math.log(16)),
              B=r(b, L, g, n) / math.sqrt(n), C=r(b, L, g, n), D=r(h), z=r(b, L, h, p),
              dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)))
     if initial:
@@ -129,7 +132,7 @@ def ssd_inputs(shape, dtype, device, gen, docs=False, initial=False):
 
 def scan_inputs(shape, dtype, device, gen, docs=False):
     b, L, d, n = (shape[k] for k in ("batch", "seqlen", "dim", "dstate"))
-    r = lambda *s: torch.randn(*s, generator=gen, device=device)
+    r = functools.partial(torch.randn, generator=gen, device=device)
     t = dict(u=r(b, d, L), delta=0.5 * r(b, d, L) - 4.0, A=-torch.arange(1, n + 1, device=device).float().repeat(d, 1),
              B=r(b, n, L), C=r(b, n, L), D=r(d), z=r(b, d, L), delta_bias=0.1 * r(d))
     t = {k: v.to(dtype) if k in ("u", "delta", "B", "C", "z") else v for k, v in t.items()}
@@ -244,7 +247,8 @@ def correctness(device):
         results.append(res)
         print(f"[check] {name:15s} {res['dtype']:8s} {str(res['shape'].get('x', res['shape'].get('u'))):24s} "
               f"{'ok ' if res['ok'] else 'FAIL'} "
-              + (f"max rel err {res['max_rel_err']:.2e} ({res['worst']})" if "max_rel_err" in res else res.get("error", "")),
+              + (f"max rel err {res['max_rel_err']:.2e} ({res['worst']})" if "max_rel_err" in res
+                 else res.get("error", "")),
               flush=True)
     torch.backends.cuda.matmul.allow_tf32 = True
     return results
@@ -381,8 +385,9 @@ def summary(checks, rows, ceiling=None):
             vs_theirs = r.get("vs_mamba_ssm_fwd_bwd")
             vs_ref = r.get("vs_reference_fwd_bwd")
             lines.append(f"{r['op']:15s} {r['layer']:12s} {r['fwd_bytes'] / 1e6:8.1f} {r['fwd_flops'] / 1e9:7.1f} "
-                         f"{r['fwd_ms']:8.3f} {100 * r['fwd_roof']:6.1f} {r['bwd_bytes'] / 1e6:8.1f} {r['bwd_ms']:8.3f} "
-                         f"{100 * r['bwd_roof']:6.1f} {(f'{vs_theirs:11.2f}' if vs_theirs else '          -')} "
+                         f"{r['fwd_ms']:8.3f} {100 * r['fwd_roof']:6.1f} {r['bwd_bytes'] / 1e6:8.1f} "
+                         f"{r['bwd_ms']:8.3f} {100 * r['bwd_roof']:6.1f} "
+                         f"{(f'{vs_theirs:11.2f}' if vs_theirs else '          -')} "
                          f"{(f'{vs_ref:6.2f}' if vs_ref else '     -')}")
         lines.append("(roof% = time at the roofline / measured time; bwd = forward+backward - forward; "
                      "x mamba_ssm / x ref = their forward+backward time / ours, >1 means we are faster)")

@@ -48,7 +48,7 @@ def op_work(table):
     bench = check_ops.load_kernel_benchmark()
     gen = torch.Generator().manual_seed(0)
     work = []
-    for op, label, make in check_ops.error_cases(bench, dry=False):
+    for op, _label, make in check_ops.error_cases(bench, dry=False):
         for dtype in (torch.float32, torch.bfloat16):
             if op in table:
                 tensors, kwargs = make(dtype, "cpu", gen)
@@ -107,7 +107,8 @@ def mamba_ssm_work(theirs):
     import check_ops
     table = {op: fn for op, (fn, _) in check_ops.theirs_table(theirs).items()
              if op in ("ssd_chunk_scan", "rmsnorm_gated")}
-    return [(case, lambda thunk=thunk: without_device_switch(thunk)) for case, thunk in op_work(table) + model_work(theirs)]
+    return [(case, lambda thunk=thunk: without_device_switch(thunk))
+            for case, thunk in op_work(table) + model_work(theirs)]
 
 
 def choose_mamba_ssm_configs(src, target, limits):
@@ -164,11 +165,12 @@ def verify(tarball, mamba_ssm_src, target) -> int:
     """Record the same work again in this process (from whatever megamamba and mamba_ssm it imports:
     run it with the package installed elsewhere to show that no path enters the keys) and look each
     specialization up in a fresh copy of the archive's cache; print the hits and the misses."""
+    import triton
+    from triton.compiler import ASTSource
+
     import compile_kernels
     import megamamba.kernels as ours
-    import triton
     from check_io import load_mamba_ssm, unpack_triton_cache
-    from triton.compiler import ASTSource
     table = {op: getattr(ours, op) for op in OUR_OPS}
     with tempfile.TemporaryDirectory() as cache:
         unpack_triton_cache(tarball, cache)
@@ -206,9 +208,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: interpreted kernels are not compiled; unset it")
+    from triton.backends.compiler import GPUTarget
+
     import compile_kernels
     from check_io import CHOICES, triton_cache_identity
-    from triton.backends.compiler import GPUTarget
     os.environ["MEGAMAMBA_KERNELS"] = "triton"
     target = GPUTarget("cuda", 90, 32)
     if args.verify:
