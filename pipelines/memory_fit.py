@@ -38,7 +38,7 @@ def device_memory() -> Optional[int]:
 
 def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
     """(label, shape) at tensor size `tp` and pipeline size `pp`, same global and micro batch; None if
-    the model cannot be split so."""
+    the model or the global batch cannot be split so."""
     layout, model = shape.layout, shape.model
     try:
         check_model_layout(model, tp)
@@ -49,6 +49,8 @@ def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
     world = layout.world_size
     if world % (tp * pp) or layout.global_batch_size % (layout.micro_batch_size * world // (tp * pp)):
         world *= 2  # dp stays: the change needs more ranks
+    if world % (tp * pp) or layout.global_batch_size % (layout.micro_batch_size * world // (tp * pp)):
+        return None
     dp = world // (tp * pp)
     accum = layout.global_batch_size // (layout.micro_batch_size * dp)
     flag = f"--tensor-parallel-size {tp}" if tp != layout.tp else f"--pipeline-parallel-size {pp}"
