@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.add_norm import add_rmsnorm as reference_add_rmsnorm
 from . import common
 from .norm import _launch, _programs, _rows
-from ..reference.add_norm import add_rmsnorm as reference_add_rmsnorm
 
 
 @triton.jit

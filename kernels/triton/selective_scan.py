@@ -104,7 +104,8 @@ class _SelectiveScan(torch.autograd.Function):
 
         return (du, ddelta, da.sum(0).to(A.dtype), reduce_bc(db, B), reduce_bc(dc, C),
                 dd.sum(0).to(D.dtype) if D is not None else None, dz,
-                dbias.sum(0).to(delta_bias.dtype) if delta_bias is not None else None, None, dinit.to(ctx.init_dtype) if dinit is not None else None, None)
+                dbias.sum(0).to(delta_bias.dtype) if delta_bias is not None else None, None,
+                dinit.to(ctx.init_dtype) if dinit is not None else None, None)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,

@@ -217,7 +217,8 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         if HAS_D:
             du += dd[None, :] * grad
             dd_acc += tl.sum(grad * u, axis=0)
-        tl.store(du_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None], du.to(du_ptr.dtype.element_ty), mask=td_mask)
+        tl.store(du_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None], du.to(du_ptr.dtype.element_ty),
+                 mask=td_mask)
         dbu = dh * (dl * u)[:, :, None]
         if B_CONST:
             db_acc += tl.sum(dbu, axis=0)

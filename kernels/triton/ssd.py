@@ -185,24 +185,24 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
     b, c, h = _chunk_ids(tl.program_id(0), nheads, nchunks)
     g = h // heads_per_group
     pid_m = tl.program_id(1)
-    l = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    l_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     t0 = c * chunk
     clen = tl.minimum(chunk, seqlen - t0)
-    l_mask = l < clen
+    l_mask = l_idx < clen
     p_mask = p < headdim
     n_mask = n < dstate
     cs_base = ((b * nheads + h) * nchunks + c) * chunk
-    cs_l = tl.load(cs_ptr + cs_base + l, mask=l_mask, other=0.0)
-    cl = tl.load(c_ptr + b * scb + (t0 + l)[:, None] * scl + g * scg + n[None, :] * scn,
+    cs_l = tl.load(cs_ptr + cs_base + l_idx, mask=l_mask, other=0.0)
+    cl = tl.load(c_ptr + b * scb + (t0 + l_idx)[:, None] * scl + g * scg + n[None, :] * scn,
                  mask=l_mask[:, None] & n_mask[None, :], other=0.0)
     enter = tl.load(entering_ptr + ((b * nchunks + c) * nheads + h) * headdim * dstate
                     + p[None, :] * dstate + n[:, None], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
     from_start = l_mask
     if HAS_DOC:
         doc_prev, doc_last = _doc_bounds(doc_ptr, b, sdb, t0, clen)
-        doc_l = tl.load(doc_ptr + b * sdb + t0 + l, mask=l_mask, other=-1)
+        doc_l = tl.load(doc_ptr + b * sdb + t0 + l_idx, mask=l_mask, other=-1)
         from_start = from_start & (doc_l == doc_prev)
     scale_l = tl.exp(tl.where(from_start, cs_l, float("-inf")))
     acc = tl.dot(cl, enter.to(cl.dtype), input_precision=PREC) * scale_l[:, None]
@@ -216,9 +216,9 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
         cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
         dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
         if SCAN_ONLY:
-            keep = (s[None, :] < l[:, None]) & s_mask[None, :]
+            keep = (s[None, :] < l_idx[:, None]) & s_mask[None, :]
         else:
-            keep = (s[None, :] <= l[:, None]) & s_mask[None, :]
+            keep = (s[None, :] <= l_idx[:, None]) & s_mask[None, :]
         if HAS_DOC:
             doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-2)
             keep = keep & (doc_s[None, :] == doc_l[:, None])
@@ -228,14 +228,14 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
         acc += tl.dot(cb.to(xs.dtype), xs, input_precision=PREC)
     tile_mask = l_mask[:, None] & p_mask[None, :]
     if SCAN_ONLY:
-        bl = tl.load(b_ptr + b * sbb + (t0 + l)[:, None] * sbl + g * sbg + n[None, :] * sbn,
+        bl = tl.load(b_ptr + b * sbb + (t0 + l_idx)[:, None] * sbl + g * sbg + n[None, :] * sbn,
                      mask=l_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-        dt_l = tl.load(dtp_ptr + cs_base + l, mask=l_mask, other=0.0)
-        tl.store(diag_ptr + (b * seqlen + t0 + l) * nheads + h, dt_l * tl.sum(cl.to(tl.float32) * bl, axis=1),
+        dt_l = tl.load(dtp_ptr + cs_base + l_idx, mask=l_mask, other=0.0)
+        tl.store(diag_ptr + (b * seqlen + t0 + l_idx) * nheads + h, dt_l * tl.sum(cl.to(tl.float32) * bl, axis=1),
                  mask=l_mask)
     else:
         if HAS_D:
-            xl = tl.load(x_ptr + b * sxb + (t0 + l)[:, None] * sxl + h * sxh + p[None, :] * sxp,
+            xl = tl.load(x_ptr + b * sxb + (t0 + l_idx)[:, None] * sxl + h * sxh + p[None, :] * sxp,
                          mask=tile_mask, other=0.0).to(tl.float32)
             if D_PER_CHANNEL:
                 dd = tl.load(d_ptr + h * headdim + p, mask=p_mask, other=0.0).to(tl.float32)
@@ -243,10 +243,10 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
             else:
                 acc += xl * tl.load(d_ptr + h).to(tl.float32)
         if HAS_Z:
-            zl = tl.load(z_ptr + b * szb + (t0 + l)[:, None] * szl + h * szh + p[None, :] * szp,
+            zl = tl.load(z_ptr + b * szb + (t0 + l_idx)[:, None] * szl + h * szh + p[None, :] * szp,
                          mask=tile_mask, other=0.0).to(tl.float32)
             acc = acc * zl * tl.sigmoid(zl)
-    tl.store(out_ptr + b * sob + (t0 + l)[:, None] * sol + h * soh + p[None, :] * sop,
+    tl.store(out_ptr + b * sob + (t0 + l_idx)[:, None] * sol + h * soh + p[None, :] * sop,
              acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
@@ -382,23 +382,23 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
     g_state = g_state * tl.exp(tl.where(to_end, cs_last - cs_s, float("-inf")))[:, None]
     g_intra = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for k0 in range(tl.program_id(1) * BLOCK_M, clen, BLOCK_K):
-        l = k0 + tl.arange(0, BLOCK_K)
-        l_mask = l < clen
+        l_idx = k0 + tl.arange(0, BLOCK_K)
+        l_mask = l_idx < clen
         bc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for n0 in range(0, BLOCK_N, SLICE_N):
             n_mask = n0 + n < dstate
             bs = tl.load(b_ptr + b * sbb + (t0 + s)[:, None] * sbl + g * sbg + (n0 + n)[None, :] * sbn,
                          mask=s_mask[:, None] & n_mask[None, :], other=0.0)
-            cl = tl.load(c_ptr + b * scb + (t0 + l)[None, :] * scl + g * scg + (n0 + n)[:, None] * scn,
+            cl = tl.load(c_ptr + b * scb + (t0 + l_idx)[None, :] * scl + g * scg + (n0 + n)[:, None] * scn,
                          mask=n_mask[:, None] & l_mask[None, :], other=0.0)
             bc += tl.dot(bs, cl, input_precision=PREC)
-        cs_l = tl.load(cs_ptr + cs_base + l, mask=l_mask, other=0.0)
-        keep = (l[None, :] > s[:, None]) & l_mask[None, :]
+        cs_l = tl.load(cs_ptr + cs_base + l_idx, mask=l_mask, other=0.0)
+        keep = (l_idx[None, :] > s[:, None]) & l_mask[None, :]
         if HAS_DOC:
-            doc_l = tl.load(doc_ptr + b * sdb + t0 + l, mask=l_mask, other=-2)
+            doc_l = tl.load(doc_ptr + b * sdb + t0 + l_idx, mask=l_mask, other=-2)
             keep = keep & (doc_l[None, :] == doc_s[:, None])
         bc = bc * tl.exp(tl.where(keep, cs_l[None, :] - cs_s[:, None], float("-inf")))
-        dyl = tl.load(dy_ptr + ((b * seqlen + t0 + l[:, None]) * nheads + h) * headdim + p[None, :],
+        dyl = tl.load(dy_ptr + ((b * seqlen + t0 + l_idx[:, None]) * nheads + h) * headdim + p[None, :],
                       mask=l_mask[:, None] & p_mask[None, :], other=0.0)
         g_intra += tl.dot(bc.to(b_ptr.dtype.element_ty), dyl.to(b_ptr.dtype.element_ty), input_precision=PREC)
     dys = tl.load(dy_ptr + ((b * seqlen + t0 + s[:, None]) * nheads + h) * headdim + p[None, :],
@@ -493,18 +493,18 @@ def _dbc_kernel(x_ptr, w_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, state_ptr, out_p
             acc += tl.dot(xr, state.to(xr.dtype), input_precision=PREC) * \
                 (tl.exp(tl.where(to_end, cs_last - cs_r, float("-inf"))) * dt_r)[:, None]
             for k0 in range(pid_m * BLOCK_M, clen, BLOCK_K):
-                l = k0 + tl.arange(0, BLOCK_K)
-                l_mask = l < clen
-                dylt = tl.load(dy_ptr + ((b * seqlen + t0 + l[None, :]) * nheads + h) * headdim + p[:, None],
+                l_idx = k0 + tl.arange(0, BLOCK_K)
+                l_mask = l_idx < clen
+                dylt = tl.load(dy_ptr + ((b * seqlen + t0 + l_idx[None, :]) * nheads + h) * headdim + p[:, None],
                                mask=p_mask[:, None] & l_mask[None, :], other=0.0).to(xr.dtype)
                 m = tl.dot(xr, dylt, input_precision=PREC)
-                cs_l = tl.load(cs_ptr + cs_base + l, mask=l_mask, other=0.0)
-                keep = (l[None, :] >= r[:, None]) & l_mask[None, :]
+                cs_l = tl.load(cs_ptr + cs_base + l_idx, mask=l_mask, other=0.0)
+                keep = (l_idx[None, :] >= r[:, None]) & l_mask[None, :]
                 if HAS_DOC:
-                    doc_l = tl.load(doc_ptr + b * sdb + t0 + l, mask=l_mask, other=-2)
+                    doc_l = tl.load(doc_ptr + b * sdb + t0 + l_idx, mask=l_mask, other=-2)
                     keep = keep & (doc_l[None, :] == doc_r[:, None])
                 m = m * tl.exp(tl.where(keep, cs_l[None, :] - cs_r[:, None], float("-inf"))) * dt_r[:, None]
-                cl = tl.load(w_ptr + b * swb + (t0 + l)[:, None] * swl + g * swg + n[None, :] * swn,
+                cl = tl.load(w_ptr + b * swb + (t0 + l_idx)[:, None] * swl + g * swg + n[None, :] * swn,
                              mask=l_mask[:, None] & n_mask[None, :], other=0.0)
                 acc += tl.dot(m.to(cl.dtype), cl, input_precision=PREC)
     tl.store(out_ptr + ((b * seqlen + t0 + r[:, None]) * ngroups + g) * dstate + n[None, :],

@@ -14,8 +14,10 @@ def check_against_oracle(fn, oracle, tensors, seed, names=("out",), tol_by_grad=
     """fn on float32 copies of `tensors` vs oracle on float64 copies: each output (one per name in
     `names`; a tuple when there are several) within TOL, then, under seeded random output
     gradients, the gradient of every float input within TOL (or tol_by_grad[input name])."""
-    ins32 = {k: v.detach().float().clone().requires_grad_() if v.is_floating_point() else v for k, v in tensors.items()}
-    ins64 = {k: v.detach().double().clone().requires_grad_() if v.is_floating_point() else v for k, v in tensors.items()}
+    ins32 = {k: v.detach().float().clone().requires_grad_() if v.is_floating_point() else v
+             for k, v in tensors.items()}
+    ins64 = {k: v.detach().double().clone().requires_grad_() if v.is_floating_point() else v
+             for k, v in tensors.items()}
     outs, refs = fn(**ins32, **kwargs), oracle(**ins64, **kwargs)
     if len(names) == 1:
         outs, refs = (outs,), (refs,)

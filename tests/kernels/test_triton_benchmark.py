@@ -48,7 +48,8 @@ def test_mamba_ssm_loads_without_its_package_init_when_that_fails(bench, tmp_pat
     (pkg / "__init__.py").write_text("import selective_scan_cuda\nimport a_missing_dependency\n")
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "ops" / "triton" / "__init__.py").write_text("")
-    (pkg / "ops" / "triton" / "ssd_combined.py").write_text("def mamba_chunk_scan_combined(*a, **k):\n    return 'theirs'\n")
+    (pkg / "ops" / "triton" / "ssd_combined.py").write_text(
+        "def mamba_chunk_scan_combined(*a, **k):\n    return 'theirs'\n")
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined",
                  "selective_scan_cuda"):
@@ -96,9 +97,9 @@ def small_benchmark(bench, monkeypatch):
 def test_timing_measures_every_op_and_compares_ssd_with_mamba_ssm(small_benchmark):
     rows, how, ceiling = small_benchmark.timing("cpu", "unused")
     assert how == "the reference standing in"
-    assert [(r["op"], r["layer"]) for r in rows] == [("ssd_chunk_scan", "mamba2-tiny"), ("causal_conv1d", "mamba2-tiny"),
-                                                     ("rmsnorm_gated", "mamba2-tiny"), ("add_rmsnorm", "mamba2-tiny"),
-                                                     ("selective_scan", "mamba1-tiny")]
+    assert [(r["op"], r["layer"]) for r in rows] == [
+        ("ssd_chunk_scan", "mamba2-tiny"), ("causal_conv1d", "mamba2-tiny"), ("rmsnorm_gated", "mamba2-tiny"),
+        ("add_rmsnorm", "mamba2-tiny"), ("selective_scan", "mamba1-tiny")]
     assert rows[0]["vs_mamba_ssm_fwd_bwd"] == 1.0 and rows[0]["vs_reference_fwd_bwd"] == 1.0
     table = small_benchmark.summary([], rows, ceiling)
     assert "ssd_chunk_scan  mamba2-tiny" in table and "1.00" in table

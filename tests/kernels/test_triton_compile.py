@@ -34,7 +34,8 @@ def report(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("compile") / "report.json"
     run = subprocess.run([sys.executable, SCRIPT, "--arch", "90", "--json", str(out)], cwd=ROOT,
                          env=compiler_env(request.param), capture_output=True, text=True, timeout=1200)
-    assert out.exists(), f"compile_kernels.py wrote no report (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+    assert out.exists(), (f"compile_kernels.py wrote no report (exit {run.returncode}):\n"
+                          f"{run.stdout}\n{run.stderr[-4000:]}")
     data = json.loads(out.read_text())
     if request.param == "3.6":
         assert data["triton"] == "3.6.0"
@@ -46,7 +47,8 @@ def defined_kernels():
     import importlib
     names = set()
     for module in TRITON_MODULES:
-        names |= {n for n in vars(importlib.import_module(f"megamamba.kernels.triton.{module}")) if n.endswith("_kernel")}
+        namespace = vars(importlib.import_module(f"megamamba.kernels.triton.{module}"))
+        names |= {n for n in namespace if n.endswith("_kernel")}
     return names
 
 

@@ -2,6 +2,8 @@
 oracle: the output, the last state and the gradient of every float input (initial state included)
 within 1e-4 relative in float32. SEQLEN spans three chunks and ends inside a fourth; a group of
 10 channels spans two channel blocks, the second one partly masked."""
+import functools
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ SEQLEN = 3 * CHUNK + 13
 def inputs(seed, *, b_shape=(BATCH, GROUPS, DSTATE, SEQLEN), c_shape=(BATCH, GROUPS, DSTATE, SEQLEN),
            extras=True, delta_scale=0.5, initial=False):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=gen)
+    r = functools.partial(torch.randn, generator=gen)
     t = dict(u=r(BATCH, DIM, SEQLEN), delta=delta_scale * r(BATCH, DIM, SEQLEN),
              A=-0.2 - torch.rand(DIM, DSTATE, generator=gen), B=r(*b_shape), C=r(*c_shape))
     if extras:

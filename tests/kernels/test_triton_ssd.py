@@ -1,6 +1,8 @@
 """Triton ssd_chunk_scan (under TRITON_INTERPRET=1 on the CPU) against the float64 per-timestep
 oracle: the output, the final state and the gradient of every float input within 1e-4 relative
 in float32, for seqlen not a multiple of the chunk and ngroups > 1."""
+import functools
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ BATCH, SEQLEN, NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK = 2, 37, 4, 8, 2, 16, 16
 
 def inputs(seed, *, d_shape=(NHEADS,), z=True, dt_bias=True, initial_states=False, dt_scale=1.0):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=gen)
+    r = functools.partial(torch.randn, generator=gen)
     t = dict(x=r(BATCH, SEQLEN, NHEADS, HEADDIM), dt=dt_scale * r(BATCH, SEQLEN, NHEADS),
              A=-0.5 - torch.rand(NHEADS, generator=gen),
              B=r(BATCH, SEQLEN, NGROUPS, DSTATE), C=r(BATCH, SEQLEN, NGROUPS, DSTATE), D=r(*d_shape))

@@ -2,6 +2,8 @@
 oracle: chunks of 64 positions, whose row blocks of 64 the scan, dx and dB/dC kernels walk in
 steps of 32, and a dstate of 48, which _dx_kernel multiplies in float32 slices of 32 states (the
 last one half masked). The output, the final state and every gradient within 1e-4 relative."""
+import functools
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ BATCH, SEQLEN, NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK = 1, 150, 2, 8, 1, 48, 64
 def test_chunks_of_64_and_dstate_48_with_documents_and_initial_states_match_oracle():
     seed = 30
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=gen)
+    r = functools.partial(torch.randn, generator=gen)
     tensors = dict(x=r(BATCH, SEQLEN, NHEADS, HEADDIM), dt=r(BATCH, SEQLEN, NHEADS),
                    A=-0.5 - torch.rand(NHEADS, generator=gen), B=r(BATCH, SEQLEN, NGROUPS, DSTATE),
                    C=r(BATCH, SEQLEN, NGROUPS, DSTATE), D=r(NHEADS), z=r(BATCH, SEQLEN, NHEADS, HEADDIM),
