@@ -400,8 +400,10 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
         if start:
             print_line(init_from.startup_line(start))
 
+    window = trainer.window(args.seq_length)  # under CP, this rank reads only its slice of every sequence
+
     def micro_batches(data, step):
-        return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size)
+        return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size, window)
 
     def first_sample(step):  # the data stream is addressed by consumed samples, not by step
         return run_start.consumed_samples + (step - first_step) * layout.global_batch_size
@@ -413,7 +415,8 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     for step in range(first_step, train_iters):
         start = time.perf_counter()
         lr = trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
-        batches = train.micro_batches_at(first_sample(step), trainer.dp_rank, layout.dp, layout.micro_batch_size)
+        batches = train.micro_batches_at(first_sample(step), trainer.dp_rank, layout.dp, layout.micro_batch_size,
+                                         window)
         outcome = agree_step(trainer.train_step(batches), guard.nonfinite(), stop.received)
         trainer.finish_step(outcome.applied)
         seconds += time.perf_counter() - start

@@ -25,9 +25,9 @@ Micro-batches are (inputs, labels, seq_idx) as `megamamba.data.batches` makes th
 (document ids, or None) goes to the model beside the ids, so every block resets its state at
 document boundaries; the pipeline engine receives it as the first stage's input pair.
 
-Context parallelism (layout.cp = C > 1): the trainer takes the whole sequences of its data-parallel
-replica's micro-batches (`dp_rank` counts replicas, not CP ranks) and keeps this rank's slice of
-each; the loss is the whole sequences' mean, its gradient scaled for DeepSpeed's average over
+Context parallelism (layout.cp = C > 1): the trainer's micro-batches are its slice (`window`) of
+the sequences of its data-parallel replica's micro-batches (`dp_rank` counts replicas, not CP
+ranks), read alone by the data path; the loss is the whole sequences' mean, its gradient scaled for DeepSpeed's average over
 dp x C ranks (`pipelines.layers.LMLoss`).
 """
 from dataclasses import dataclass
@@ -43,7 +43,7 @@ from megamamba.lm import MambaLM, draw_seed, initial_piece, piece_of
 from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
-from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
+from megamamba.parallel.context_parallel import ContextParallel, sequence_window
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines import clipping
 from megamamba.pipelines.agreement import agree, to_device
@@ -101,13 +101,11 @@ class _Trainer:
 
     def eval_loss(self, micro_batches: list) -> float:
         """The validation loss of one global batch (collective; one host synchronization)."""
-        return agree([self._eval_loss(self.local(micro_batches)) / dist.get_world_size()])[0]
+        return agree([self._eval_loss(micro_batches) / dist.get_world_size()])[0]
 
-    def local(self, micro_batches: list) -> list:
-        """Whole-sequence micro-batches -> this rank's slices of them under CP (unchanged without)."""
-        if self.cp is None:
-            return micro_batches
-        return [tuple(None if t is None else sequence_slice(t, self.cp) for t in batch) for batch in micro_batches]
+    def window(self, seq_length: int) -> Optional[tuple[int, int]]:
+        """The sequence positions [lo, hi) this rank's micro-batches hold: its slice under CP, else all (None)."""
+        return None if self.cp is None else sequence_window(seq_length, self.cp)
 
 
 class PipelineTrainer(_Trainer):
@@ -131,7 +129,7 @@ class PipelineTrainer(_Trainer):
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; the global batch's mean loss (device, every rank)."""
-        return self.engine.train_batch(_pipeline_batches(self.local(micro_batches)))
+        return self.engine.train_batch(_pipeline_batches(micro_batches))
 
     def _eval_loss(self, micro_batches: list) -> torch.Tensor:
         return self.engine.eval_batch(_pipeline_batches(micro_batches), num_micro_batches=len(micro_batches))
@@ -170,7 +168,7 @@ class PlainTrainer(_Trainer):
         """One optimizer step over this rank's micro-batches; their mean loss (device; averaged over data
         parallel ranks by the caller's agreement)."""
         losses = []
-        for batch in self.local(micro_batches):
+        for batch in micro_batches:
             loss = self._forward(*batch)
             self.engine.backward(loss)
             self.engine.step()

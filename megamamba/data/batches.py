@@ -87,15 +87,15 @@ class PackedGlobalBatches:
         base = step * self.global_batch_size
         return self.sources_at(base + first, base + stop)
 
-    def _pack(self, sources: list[tuple[int, int]]) -> Batch:
-        samples = [self.packers[i].sample(q) for i, q in sources]
+    def _pack(self, sources: list[tuple[int, int]], window: Optional[tuple[int, int]] = None) -> Batch:
+        samples = [self.packers[i].sample(q, window) for i, q in sources]
         tokens = torch.from_numpy(np.stack([t for t, _ in samples]))
         seq_idx = torch.from_numpy(np.stack([s for _, s in samples])) if self.reset_at_documents else None
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), seq_idx
 
-    def rows_at(self, first: int, stop: int) -> Batch:
-        """Global samples [first, stop) as rows."""
-        return self._pack(self.sources_at(first, stop))
+    def rows_at(self, first: int, stop: int, window: Optional[tuple[int, int]] = None) -> Batch:
+        """Global samples [first, stop) as rows; with window (lo, hi) only sequence positions [lo, hi)."""
+        return self._pack(self.sources_at(first, stop), window)
 
     def rows(self, step: int, first: int, stop: int) -> Batch:
         """Rows [first, stop) of the global batch of `step`."""
@@ -104,14 +104,17 @@ class PackedGlobalBatches:
     def global_batch(self, step: int) -> Batch:
         return self.rows(step, 0, self.global_batch_size)
 
-    def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[Batch]:
+    def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int,
+                      window: Optional[tuple[int, int]] = None) -> list[Batch]:
         """This data-parallel rank's contiguous slice of the step's global batch, as consecutive micro-batches."""
         if step < 0:
             raise ValueError(f"step {step}: must be >= 0")
-        return self.micro_batches_at(step * self.global_batch_size, dp_rank, dp_size, micro_batch_size)
+        return self.micro_batches_at(step * self.global_batch_size, dp_rank, dp_size, micro_batch_size, window)
 
-    def micro_batches_at(self, first_sample: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[Batch]:
-        """This data-parallel rank's slice of the global batch starting at global sample `first_sample`."""
+    def micro_batches_at(self, first_sample: int, dp_rank: int, dp_size: int, micro_batch_size: int,
+                         window: Optional[tuple[int, int]] = None) -> list[Batch]:
+        """This data-parallel rank's slice of the global batch starting at global sample `first_sample`
+        (with window (lo, hi), a context-parallel rank's positions [lo, hi) of its sequences)."""
         per_rank = self.global_batch_size // dp_size
         if per_rank * dp_size != self.global_batch_size or per_rank % micro_batch_size:
             raise ValueError(f"global batch {self.global_batch_size} does not split into {dp_size} data-parallel "
@@ -119,7 +122,7 @@ class PackedGlobalBatches:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank}: must lie in [0, {dp_size})")
         first = first_sample + dp_rank * per_rank
-        return [self.rows_at(m, m + micro_batch_size) for m in range(first, first + per_rank, micro_batch_size)]
+        return [self.rows_at(m, m + micro_batch_size, window) for m in range(first, first + per_rank, micro_batch_size)]
 
     def iterate(self, start_step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> Iterator[Batch]:
         """Micro-batches of steps start_step, start_step + 1, ... in order, without end."""

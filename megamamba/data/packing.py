@@ -15,6 +15,7 @@ Permutations use NumPy's legacy RandomState, whose streams NumPy keeps fixed acr
 A large dataset's epoch arrays are built once and memory-mapped by every rank (epoch_index.py).
 """
 from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 
@@ -77,18 +78,27 @@ class DocumentPacker:
         samples = _permutation(self.samples_per_epoch, self.seed, self.key, epoch, _SAMPLE_ORDER)
         return order, starts, samples
 
-    def sample(self, q: int) -> tuple[np.ndarray, np.ndarray]:
+    def sample(self, q: int, window: Optional[tuple[int, int]] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Sample q's tokens (seq_length + 1,) and document ids (seq_length,). With window (lo, hi),
+        only input positions [lo, hi): tokens (hi - lo + 1,) and ids equal to the whole sample's
+        ids[lo:hi] — a context-parallel rank reads its slice of the sequence alone."""
+        lo, hi = (0, self.seq_length) if window is None else window
+        if not 0 <= lo < hi <= self.seq_length:
+            raise ValueError(f"window {window}: need 0 <= lo < hi <= seq_length {self.seq_length}")
         epoch, k = divmod(q, self.samples_per_epoch)
         order, starts, samples = self._epoch(epoch)
-        begin = int(samples[k]) * self.seq_length
-        end = begin + self.seq_length + 1
+        sample_start = int(samples[k]) * self.seq_length
+        begin, end = sample_start + lo, sample_start + hi + 1
         first = int(np.searchsorted(starts, begin, side="right")) - 1
         stop = int(np.searchsorted(starts, end, side="left"))
         pieces = []
         for d in range(first, stop):
             doc_start = self.dataset.offsets[order[d]]
-            lo, hi = max(begin, starts[d]) - starts[d], min(end, starts[d + 1]) - starts[d]
-            pieces.append(self.dataset.tokens[doc_start + lo:doc_start + hi])
+            a, b = max(begin, starts[d]) - starts[d], min(end, starts[d + 1]) - starts[d]
+            pieces.append(self.dataset.tokens[doc_start + a:doc_start + b])
         tokens = np.concatenate(pieces).astype(np.int64)
-        ends = starts[first + 1:stop + 1] - 1 - begin
-        return tokens, segment_ids(ends, self.seq_length)
+        ids = segment_ids(starts[first + 1:stop + 1] - 1 - begin, hi - lo)
+        # the whole sample's ids step up at each document end at positions 1..lo: its ends before the window
+        ids += np.int32(np.searchsorted(starts, begin + 1, side="right")
+                        - np.searchsorted(starts, sample_start + 2, side="left"))
+        return tokens, ids

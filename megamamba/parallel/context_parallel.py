@@ -53,6 +53,15 @@ def check_context_layout(seqlen: int, cp_size: int, d_conv: int, tp_size: int = 
                           f"next rank: slices of seqlen {seqlen} / CP {cp_size} = {seqlen // cp_size} are shorter")
 
 
+def sequence_window(seq_length: int, cp: ContextParallel) -> tuple[int, int]:
+    """Positions [lo, hi) of a sequence that this rank holds: the data path reads only those."""
+    if seq_length % cp.size:
+        raise ValueError(f"context parallelism splits the sequence into {cp.size} equal slices: "
+                         f"seqlen = {seq_length} is not divisible by {cp.size}")
+    width = seq_length // cp.size
+    return cp.rank * width, (cp.rank + 1) * width
+
+
 def sequence_slice(t: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
     """This rank's consecutive slice of a whole sequence `t` along `dim` (seqlen divisible by C)."""
     if t.shape[dim] % cp.size:

@@ -4,8 +4,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from data_fixtures import EOD, labelled_documents, write_dataset
 
+from data_fixtures import EOD, labelled_documents, write_dataset
 from megamamba.data.batches import PackedGlobalBatches, open_blend
 from megamamba.data.blend import BlendSchedule, parse_blend
 from megamamba.data.indexed import IndexedDataset
@@ -162,3 +162,20 @@ def test_seed_changes_the_batches_and_not_the_data(two_datasets):
     a, b = batches(two_datasets, seed=1).global_batch(0)[0], batches(two_datasets, seed=2).global_batch(0)[0]
     assert not torch.equal(a, b)
     assert torch.equal(a, batches(two_datasets, seed=1).global_batch(0)[0])
+
+
+@pytest.mark.parametrize("window", [(0, SEQ), (0, 5), (5, 12), (11, SEQ), (22, SEQ)])
+def test_a_window_of_a_sample_is_that_slice_of_the_whole_sample(two_datasets, window):
+    packer = DocumentPacker(two_datasets[0], SEQ, seed=3, key=0)
+    lo, hi = window
+    for q in range(3 * packer.samples_per_epoch):
+        tokens, ids = packer.sample(q)
+        part_tokens, part_ids = packer.sample(q, window)
+        assert np.array_equal(part_tokens, tokens[lo:hi + 1]), f"sample {q}"
+        assert np.array_equal(part_ids, ids[lo:hi]) and part_ids.dtype == np.int32, f"sample {q}"
+
+
+@pytest.mark.parametrize("window", [(5, 5), (-1, 3), (3, SEQ + 1)])
+def test_a_window_outside_the_sample_is_refused(two_datasets, window):
+    with pytest.raises(ValueError, match="window"):
+        DocumentPacker(two_datasets[0], SEQ, seed=3, key=0).sample(0, window)
