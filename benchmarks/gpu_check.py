@@ -14,6 +14,8 @@ timings      op timings against the roofline measured in the same run, ours and 
              interleaved per shape (check_ops.py)
 throughput:* training tokens/s at 130m, 370m, 1.3b, ours then mamba_ssm's (check_train.py)
 parity       losses of ours and mamba_ssm over 20 bf16 steps from the same weights and batches
+memory_plan:* the start-up memory plan's activation estimate against one measured micro-batch
+             (kept for the backward, and the peak) at 130m and 1.3b (check_memory_plan.py)
 A section past its timeout is stopped (SIGTERM, then SIGKILL) and the next one runs; a section
 that no longer fits the budget is skipped with a record saying so. Each child's output streams to
 <out>/<section>.log. --dry-run: the CPU, our PyTorch reference for the kernels and for mamba_ssm,
@@ -41,7 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # (section, seconds at most); the budget may cut a later one shorter.
 SECTIONS = [("imports", 60), ("nccl_smoke", 100), ("errors", 75), ("timings", 75), ("throughput:130m", 70),
-            ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60)]
+            ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60), ("memory_plan:130m", 45),
+            ("memory_plan:1.3b", 60)]
 PACKAGES = ["megamamba", "megamamba.kernels", "megamamba.kernels.reference", "megamamba.kernels.triton",
             "megamamba.pipelines", "megamamba.parallel", "megamamba.checkpoint", "megamamba.data",
             "megamamba.tokenizer"]
@@ -152,6 +155,10 @@ def run_section(args) -> int:
         from check_train import nccl_smoke
         nccl_smoke(results, args.out, args.work, args.dry_run, args.timeout or 100)
         return 0
+    if name == "memory_plan":
+        from check_memory_plan import check
+        results.write("memory_plan", **check(size, 0, args.dry_run))
+        return 0
     theirs = mamba_ssm(results, args)
     if name in ("errors", "timings"):
         import check_ops
@@ -251,6 +258,7 @@ def summary(out: str) -> str:
         lines.append(f"resume: {'ok' if r['ok'] else 'FAILED'} " + json.dumps(details))
     lines += error_table(by_kind.get("error", []) + by_kind.get("error_failed", []))
     lines += timing_table(by_kind.get("timing", []) + by_kind.get("timing_failed", []), by_kind.get("ceilings", []))
+    lines += memory_plan_lines(by_kind.get("memory_plan", []))
     lines += throughput_table(by_kind.get("throughput", []))
     for r in by_kind.get("parity", []) + by_kind.get("parity_failed", []):
         lines.append(f"parity after {r['steps']} bf16 steps: ours {r['ours']:.4f}, mamba_ssm {r['theirs']:.4f}, "
@@ -311,6 +319,16 @@ def throughput_table(rows) -> list:
                 if r.get("planned_total_gb") is not None else "")
         lines.append(f"| {r['size']} | {r['engine']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | "
                      f"{mfu} | {mem} | {plan} |")
+    return lines
+
+
+def memory_plan_lines(rows) -> list:
+    lines = [""] if rows else []
+    for r in rows:
+        lines.append(f"memory plan {r['size']} (micro batch {r['micro_batch']} x {r['seq']}): kept "
+                     f"{r['kept_measured'] / 2**30:.2f} GiB measured, {r['kept_estimated'] / 2**30:.2f} estimated "
+                     f"({100 * r['kept_error']:.0f}% off); peak {r['peak_measured'] / 2**30:.2f} measured, "
+                     f"{r['peak_estimated'] / 2**30:.2f} estimated ({100 * r['peak_error']:.0f}% off; 20% allowed)")
     return lines
 
 

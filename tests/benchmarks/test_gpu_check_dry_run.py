@@ -26,7 +26,7 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         kinds.setdefault((r["section"], r["kind"]), []).append(r)
     sections = {r["name"]: r for r in kinds[("check", "section")]}
     assert list(sections) == ["imports", "nccl_smoke", "errors", "timings", *(f"throughput:{s}" for s in SIZES),
-                              "parity"]
+                              "parity", "memory_plan:130m", "memory_plan:1.3b"]
     assert all(r["rc"] == 0 and not r["timed_out"] for r in sections.values()), sections
     imports = kinds[("imports", "import")]
     assert len(imports) == 9 and all(r["ok"] and r["file"].startswith(str(work / "site")) for r in imports), imports
@@ -47,6 +47,7 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         assert len(engines) == 2 and engines[0].startswith("ours") and engines[1].startswith("mamba_ssm"), engines
         assert all("error" not in r for r in kinds[(f"throughput:{size}", "throughput")])
         assert kinds[(f"throughput:{size}", "throughput")][0]["planned_total_gb"] > 0
+    assert [r["size"] for r in kinds[("memory_plan:130m", "memory_plan")]] == ["tiny"]
     assert len(kinds[("parity", "parity_step")]) == 3 and kinds[("parity", "parity")][0]["rel_diff"] == 0.0
     assert kinds[("check", "triton_cache")]
     for name in ("imports", "errors", "nccl_smoke_first", "nccl_smoke_resumed", "throughput_130m_ours", "parity"):
