@@ -144,7 +144,7 @@ def _padded(numel: int, dp: int) -> int:
 
 def _stage_state(groups: list, shape: RunShape) -> tuple:
     """(parameters, gradients, optimizer state) bytes of a rank whose stage holds `groups` parameters."""
-    dp, stage = shape.layout.dp, shape.zero_stage
+    dp, stage = shape.layout.dp * shape.layout.cp, shape.zero_stage  # ZeRO shards over DeepSpeed's data axis
     numel = sum(groups)
     partition = sum(_padded(n, dp) // dp for n in groups if n)
     if stage == 0:
@@ -159,7 +159,7 @@ def _stage_state(groups: list, shape: RunShape) -> tuple:
 def _buffers(numel: int, shape: RunShape) -> int:
     """DeepSpeed's gradient communication buffers (estimate; see the module docstring)."""
     if shape.zero_stage == 0:
-        return FLOAT32 * min(numel, DEFAULT_BUCKET) if shape.layout.dp > 1 else 0
+        return FLOAT32 * min(numel, DEFAULT_BUCKET) if shape.layout.dp * shape.layout.cp > 1 else 0
     if not shape.contiguous_gradients:
         return 0
     copies = (2 if shape.overlap_comm else 1) + (1 if shape.layout.pp > 1 else 0)
@@ -211,7 +211,8 @@ def plan_lines(plan: MemoryPlan) -> list:
     stages = "" if layout.pp == 1 else " | stages " + ", ".join(f"{s.stage}: {gib(s.total)}" for s in plan.stages)
     return [
         f"memory plan, GiB per rank of stage {worst.stage} (the largest): parameters {gib(worst.parameters)}, "
-        f"gradients {gib(worst.gradients)}, optimizer state {gib(worst.optimizer)} ({zero}, dp {layout.dp}) | "
+        f"gradients {gib(worst.gradients)}, optimizer state {gib(worst.optimizer)} ({zero}, dp {layout.dp}"
+        f"{f' x cp {layout.cp}' if layout.cp > 1 else ''}) | "
         f"estimated: DeepSpeed buffers {gib(worst.buffers)}, activations {gib(worst.activations)} | "
         f"total {gib(worst.total)}",
         f"  activations: micro batch {layout.micro_batch_size} x seq {shape.seq_length}, "

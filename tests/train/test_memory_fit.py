@@ -24,6 +24,16 @@ def _plan(**changes):
     return plan_memory(shape.changed(**changes))
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_context_parallel_ranks_share_optimizer_state_as_data_parallel_ones_do(zero):
+    """ZeRO shards over DeepSpeed's data axis, dp x cp ranks: (dp 1, cp 2) holds what (dp 2, cp 1) does."""
+    by_cp = _plan(zero_stage=zero, layout=Layout(world_size=2, dp=1, tp=1, pp=1, micro_batch_size=8, grad_accum=2,
+                                                 cp=2)).worst
+    by_dp = _plan(zero_stage=zero).worst
+    assert (by_cp.parameters, by_cp.gradients, by_cp.optimizer, by_cp.buffers) == (
+        by_dp.parameters, by_dp.gradients, by_dp.optimizer, by_dp.buffers)
+
+
 def test_a_plan_that_fits_its_device_is_not_refused():
     plan = _plan()
     assert refusal(plan, plan.worst.total + RESERVED) is None
