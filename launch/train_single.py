@@ -98,7 +98,8 @@ def main(argv=None):
                 "grad_norm": grad_norm.item(),
                 "tokens_per_s": (step + 1) * inputs.numel() / elapsed,
             }
-            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()), flush=True)
+            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()),
+                  flush=True)
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()

@@ -236,7 +236,8 @@ class MambaConfig:
         _positive_int("ssm_cfg.ngroups", o.ngroups)
         nheads = d_inner // o.headdim
         if nheads % o.ngroups:
-            raise ConfigError(f"ssm_cfg.ngroups={o.ngroups}: nheads = d_inner / headdim = {nheads} is not divisible by it")
+            raise ConfigError(f"ssm_cfg.ngroups={o.ngroups}: nheads = d_inner / headdim = {nheads} "
+                              "is not divisible by it")
         lo, hi = o.A_init_range
         if not 0 < lo <= hi:
             raise ConfigError(f"ssm_cfg.A_init_range={list(o.A_init_range)!r}: need 0 < low <= high")

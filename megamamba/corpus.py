@@ -5,9 +5,8 @@ optionally the standard library's sources sorted by path), so the same Python ve
 yields the same corpus. Users train on their own data; this serves the quickstart and tests.
 """
 import os
-import sysconfig
-
 import pydoc_data.topics
+import sysconfig
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 

@@ -195,7 +195,8 @@ def initial_piece(config: MambaConfig, piece: int, seed: int) -> dict:
     `seed` holds them."""
     module = build_piece(config, piece, seed)
     n = config.n_layer
-    prefix = {0: "backbone.embedding.", n + 1: NORM_F + ".", n + 2: "lm_head."}.get(piece, f"backbone.layers.{piece - 1}.")
+    ends = {0: "backbone.embedding.", n + 1: NORM_F + ".", n + 2: "lm_head."}
+    prefix = ends.get(piece, f"backbone.layers.{piece - 1}.")
     state = {prefix + k: v for k, v in module.state_dict().items()}
     if piece == 0 and config.tie_embeddings:
         state[HEAD] = state[EMBEDDING]
@@ -276,16 +277,19 @@ class MambaLM(nn.Module):
         on them; `gather_from_tp_region(logits, tp)[..., :padded_vocab_size]` gives the full ones.
         """
         if seq_idx is not None and seq_idx.shape != input_ids.shape:
-            raise ValueError(f"seq_idx shape {tuple(seq_idx.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+            raise ValueError(f"seq_idx shape {tuple(seq_idx.shape)} must equal input_ids shape "
+                             f"{tuple(input_ids.shape)}")
         if seq_idx is not None and inference_cache is not None:
-            raise ValueError("inference_cache with seq_idx: a prefill continues one sequence; pass packed documents without a cache")
+            raise ValueError("inference_cache with seq_idx: a prefill continues one sequence; "
+                             "pass packed documents without a cache")
         if self.tp is not None:
             check_sequence_length(input_ids.shape[1], self.tp.size, self.tp.sequence_parallel)
             if inference_cache is not None:
                 self._check_recurrent_form()
         return self.lm_head(self.backbone(input_ids, seq_idx=seq_idx, inference_cache=inference_cache))
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+             seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean cross-entropy of `labels` (batch, seqlen; -100 = ignored) under the logits of `input_ids`,
         over the real vocabulary; under TP computed on the vocab-parallel logits, never gathered."""
         return lm_loss(self(input_ids, seq_idx=seq_idx), labels, self.config.vocab_size, self.tp, self.cp)
@@ -300,6 +304,7 @@ class MambaLM(nn.Module):
         return [layer.mixer.allocate_inference_cache(batch_size, dtype=dtype) for layer in self.backbone.layers]
 
     def step(self, input_ids: torch.Tensor, inference_cache: list) -> torch.Tensor:
-        """One token per sequence: input_ids (batch,) -> logits (batch, padded_vocab_size); the cache advances in place."""
+        """One token per sequence: input_ids (batch,) -> logits (batch, padded_vocab_size); the cache
+        advances in place."""
         self._check_recurrent_form()
         return self.lm_head(self.backbone.step(input_ids, inference_cache))

@@ -167,8 +167,9 @@ class Mamba1(nn.Module):
         x = causal_conv1d(x, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu")
 
         dt, B, C = self.scan_inputs(x)
-        y = selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z, delta_bias=fp32_or_wider(self.dt_proj.bias),
-                           delta_softplus=True, return_last_state=inference_state is not None, seq_idx=seq_idx)
+        y = selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
+                           delta_bias=fp32_or_wider(self.dt_proj.bias), delta_softplus=True,
+                           return_last_state=inference_state is not None, seq_idx=seq_idx)
         if inference_state is not None:
             y, last_state = y
             inference_state[1].copy_(last_state)

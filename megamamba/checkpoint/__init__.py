@@ -76,6 +76,6 @@ __all__ = [
     "Checkpoint", "CheckpointError", "CheckpointWarning", "NoCheckpointError", "adam_step", "begin", "capture_rng",
     "check_optimizer_groups", "check_save_dir", "config_differences", "find_latest", "finish", "load_model_tensors",
     "load_optimizer_tensors", "load_scheduler_state", "load_training_checkpoint", "model_tensors", "open_checkpoint",
-    "optimizer_groups", "optimizer_tensors", "parameter_shapes", "resolve_load", "resolve_model_folder", "restore_rng", "save_checkpoint",
-    "save_training_checkpoint", "scheduler_state", "tag_for", "write_rng", "write_stage",
+    "optimizer_groups", "optimizer_tensors", "parameter_shapes", "resolve_load", "resolve_model_folder", "restore_rng",
+    "save_checkpoint", "save_training_checkpoint", "scheduler_state", "tag_for", "write_rng", "write_stage",
 ]

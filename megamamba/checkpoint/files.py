@@ -9,7 +9,7 @@ Readers raise `CheckpointError` with one message naming the file and what is wro
 import json
 import os
 import shutil
-from typing import Callable, IO
+from typing import IO, Callable
 
 from safetensors.torch import save_file
 

@@ -8,8 +8,9 @@ place in the file), the Python and NumPy scalars as JSON in its header metadata.
 Which state a rank restores (`Checkpoint.rng_state`): with as many ranks as were saved, rank r gets
 rank r's; otherwise every rank gets rank 0's. Training draws no random numbers after initialisation
 (no dropout; the data comes from the seed and the consumed-sample count the checkpoint records),
-so this choice does not change the loss curve; it matters to user code that draws random numbers. CUDA states are restored when
-the run has as many CUDA devices as were saved, and skipped otherwise (e.g. a CPU resume).
+so this choice does not change the loss curve; it matters to user code that draws random numbers.
+CUDA states are restored when the run has as many CUDA devices as were saved, and skipped otherwise
+(e.g. a CPU resume).
 """
 import json
 import random

@@ -39,9 +39,9 @@ from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel, divide
 
 __all__ = [
     "SEQ_DIM", "ColumnParallelLinear", "CommRecord", "CommTotals", "Component", "RowParallelLinear", "Shard",
-    "TensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "assemble_full", "comm_counter", "component_parameters",
-    "copy_to_tp_region", "divide", "full_key", "full_tensors", "gather_from_sequence_region", "gather_from_tp_region",
-    "gather_full", "in_component_order", "load_full_tensors", "local_shard", "mark", "parallel_linear", "reduce_from_tp_region",
-    "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "scatter_to_tp_region",
-    "start_sequence_gather", "tp_padded_vocab_size", "vocab_parallel_cross_entropy",
+    "TensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "assemble_full", "comm_counter",
+    "component_parameters", "copy_to_tp_region", "divide", "full_key", "full_tensors", "gather_from_sequence_region",
+    "gather_from_tp_region", "gather_full", "in_component_order", "load_full_tensors", "local_shard", "mark",
+    "parallel_linear", "reduce_from_tp_region", "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
+    "scatter_to_tp_region", "start_sequence_gather", "tp_padded_vocab_size", "vocab_parallel_cross_entropy",
 ]

@@ -70,7 +70,8 @@ def vocab_parallel_cross_entropy(
     if not 0 < vocab_size <= logits.shape[-1] * tp.size:
         raise ValueError(f"vocab_size {vocab_size} must be in (0, {logits.shape[-1]} rows x TP {tp.size}]")
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)} minus the vocab dim")
+        raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)} "
+                         "minus the vocab dim")
     loss = _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
     if reduction == "none":
         return loss

@@ -80,7 +80,8 @@ class ColumnParallelLinear(nn.Module):
                              "their output is already full on every rank and feeds rank-specific compute")
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.gather_output, self.components = tp, gather_output, components
-        self.weight, self.weight_replicated = component_parameters((out_features, in_features), 0, components, tp, "weight")
+        self.weight, self.weight_replicated = component_parameters((out_features, in_features), 0, components, tp,
+                                                                   "weight")
         self.bias = self.bias_replicated = None
         if bias:
             self.bias, self.bias_replicated = component_parameters((out_features,), 0, components, tp, "bias")
@@ -91,7 +92,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = in_component_order(self.weight, self.weight_replicated, self.components, self.tp)
-        bias = None if self.bias is None else in_component_order(self.bias, self.bias_replicated, self.components, self.tp)
+        bias = (None if self.bias is None
+                else in_component_order(self.bias, self.bias_replicated, self.components, self.tp))
         out = parallel_linear(x, weight, bias, self.tp)
         if not self.gather_output or self.tp.size == 1:
             return out

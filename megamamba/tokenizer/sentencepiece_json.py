@@ -19,9 +19,9 @@ an export must describe SentencePiece's algorithm in that library's terms:
 `TokenizerError` names a model option that cannot be expressed (e.g. word/char models, whitespace
 as suffix); the export then checks the result against SentencePiece on sample text anyway.
 """
+from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, Regex, decoders, models, normalizers
 from tokenizers import Tokenizer as Library
-from sentencepiece import sentencepiece_model_pb2
 
 from megamamba.tokenizer.base import TokenizerError
 
