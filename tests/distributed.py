@@ -134,7 +134,7 @@ def run_ranks(
                     silent = [r for r in silent if r not in outcome]
                     if silent:
                         raise RankFailed(f"rank(s) {silent} exited with codes "
-                                         f"{[procs[r].exitcode for r in silent]} without reporting a result")
+                                         f"{[procs[r].exitcode for r in silent]} without reporting a result") from None
     finally:
         for p in procs:
             if p.is_alive():

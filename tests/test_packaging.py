@@ -16,7 +16,8 @@ TREES = {"megamamba": "megamamba", "kernels": "megamamba.kernels", "pipelines": 
 PROBE = """
 import importlib, json, os, sys
 names = json.loads(sys.argv[1])
-print(json.dumps({"path": [os.path.abspath(p) for p in sys.path], "files": {n: importlib.import_module(n).__file__ for n in names}}))
+files = {n: importlib.import_module(n).__file__ for n in names}
+print(json.dumps({"path": [os.path.abspath(p) for p in sys.path], "files": files}))
 """
 
 

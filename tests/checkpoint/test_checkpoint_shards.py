@@ -11,13 +11,13 @@ from megamamba.checkpoint import (
     CheckpointError,
     begin,
     capture_rng,
+    files,
     finish,
     model_tensors,
     optimizer_groups,
     write_rng,
     write_stage,
 )
-from megamamba.checkpoint import files
 from megamamba.checkpoint import rng as rng_files
 from megamamba.checkpoint.manifest import write_manifest
 from megamamba.convert import export_hf

@@ -19,8 +19,8 @@ from checkpoint_fixtures import perturbed_model, snapshot, tiny
 from megamamba.checkpoint import (
     Checkpoint,
     CheckpointWarning,
-    find_latest,
     files,
+    find_latest,
     model_tensors,
     save_checkpoint,
 )

@@ -59,7 +59,8 @@ def test_a_lock_held_while_its_recorded_holder_is_gone_is_reported_stale_with_th
     path.write_text(json.dumps({"host": os.uname().nodename, "pid": dead_pid(), "started": 0, "token": "gone"}))
     with open(path) as inherited:  # as a child process that inherited the dead holder's descriptor
         fcntl.flock(inherited, fcntl.LOCK_EX)
-        with pytest.raises(CheckpointError, match=rf"stale lock {path}: its holder pid \d+ .* is gone .* remove {path}"):
+        stale = rf"stale lock {path}: its holder pid \d+ .* is gone .* remove {path}"
+        with pytest.raises(CheckpointError, match=stale):
             SaveDirLock(str(tmp_path), "job-a").acquire()
     assert read_holder(str(path))["token"] == "gone"
 

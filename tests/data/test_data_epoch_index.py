@@ -5,8 +5,8 @@ import threading
 
 import numpy as np
 import pytest
-from data_fixtures import labelled_documents, write_dataset
 
+from data_fixtures import labelled_documents, write_dataset
 from megamamba.data import epoch_index
 from megamamba.data.indexed import IndexedDataset
 from megamamba.data.packing import DocumentPacker

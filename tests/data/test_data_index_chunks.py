@@ -3,8 +3,8 @@ import struct
 
 import numpy as np
 import pytest
-from data_fixtures import write_dataset
 
+from data_fixtures import write_dataset
 from megamamba.data import indexed
 from megamamba.data.indexed import DatasetError, IndexedDataset
 

@@ -3,8 +3,8 @@ import struct
 
 import numpy as np
 import pytest
-from data_fixtures import write_dataset
 
+from data_fixtures import write_dataset
 from megamamba.data.indexed import DatasetError, IndexedDataset, IndexedDatasetWriter
 
 DOCS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]

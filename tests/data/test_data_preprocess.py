@@ -6,8 +6,8 @@ import struct
 
 import numpy as np
 import pytest
-from data_fixtures import TEXTS, write_dataset
 
+from data_fixtures import TEXTS, write_dataset
 from megamamba.data import preprocess as prep
 from megamamba.data.indexed import DatasetError, IndexedDataset
 from megamamba.tokenizer import load_tokenizer

@@ -5,14 +5,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from data_fixtures import EOD, labelled_documents, write_dataset
 
+from data_fixtures import EOD, labelled_documents, write_dataset
+from distributed import run_ranks
 from megamamba import MambaConfig
 from megamamba.data.indexed import IndexedDataset
 from megamamba.data.split import document_ranges, parse_split, split_blend
 from megamamba.data.training_data import training_data
-
-from distributed import run_ranks
 from train_entry import ROOT, load_train_script, read_metrics, run_train
 
 TINY = MambaConfig.from_json(ROOT / "launch/models/tiny-mamba2.json")  # vocab 257: the byte tokenizer's

@@ -5,11 +5,19 @@ import pytest
 from tokenizers import Tokenizer as HFLibTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from megamamba import MambaConfig
-from megamamba.tokenizer import (Bytes, HFTokenizer, SentencePieceTokenizer, TokenizerError, check_vocab,
-                                 config_with_vocab, find_tokenizer, load_tokenizer, train_sentencepiece)
-
 from data_fixtures import TEXTS
+from megamamba import MambaConfig
+from megamamba.tokenizer import (
+    Bytes,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TokenizerError,
+    check_vocab,
+    config_with_vocab,
+    find_tokenizer,
+    load_tokenizer,
+    train_sentencepiece,
+)
 
 CORPUS = [f"{i} {t}" for i in range(30) for t in TEXTS]
 SAMPLES = TEXTS + ["never seen: ǅ Ω ∑ \x00 tab\tend", " a leading space", "\n"]

@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 import pytest
-from data_fixtures import write_dataset
 
+from data_fixtures import write_dataset
 from megamamba.data import vocab_check
 from megamamba.data.dataset_meta import META_SUFFIX, read_tokenizer_record
 from megamamba.data.indexed import DatasetError, IndexedDataset

@@ -1,8 +1,8 @@
 """Generation: the recurrent step reproduces the parallel forward's argmax; sampling stays in its allowed set."""
 import pytest
 import torch
-from generate_fixtures import train_tiny
 
+from generate_fixtures import train_tiny
 from megamamba.generate import allowed_tokens, generate, generate_ids, sample_next
 
 PROMPT = "the cat sat"

@@ -73,10 +73,12 @@ def test_derived_sizes():
 
 
 def test_sizes_of_the_other_mixer_are_refused():
+    mamba1 = MambaConfig(d_model=64, n_layer=1)
+    mamba2 = MambaConfig(d_model=64, n_layer=1, ssm_cfg={"layer": "Mamba2", "headdim": 16})
     with pytest.raises(AttributeError, match="nheads"):
-        MambaConfig(d_model=64, n_layer=1).nheads
+        _ = mamba1.nheads
     with pytest.raises(AttributeError, match="dt_rank"):
-        MambaConfig(d_model=64, n_layer=1, ssm_cfg={"layer": "Mamba2", "headdim": 16}).dt_rank
+        _ = mamba2.dt_rank
 
 
 M2 = {"layer": "Mamba2", "headdim": 16}

@@ -47,7 +47,7 @@ def direct_mamba1(m, u, seq_idx):
 
 def direct_mamba2(m, u, seq_idx, options):
     di, G, N, H, P = m.d_inner, m.ngroups, m.d_state, m.nheads, m.headdim
-    b, l, _ = u.shape
+    b, L, _ = u.shape
     p = linear(u, m.in_proj)
     z, x = p[..., :di], p[..., di:2 * di]
     B, C = p[..., 2 * di:2 * di + G * N], p[..., 2 * di + G * N:2 * di + 2 * G * N]
@@ -59,11 +59,11 @@ def direct_mamba2(m, u, seq_idx, options):
     x, B, C = xBC[..., :di], xBC[..., di:di + G * N], xBC[..., di + G * N:]
     D = m.D.reshape(H, P) if options.get("D_has_hdim") else m.D
     gate_in_scan = not options.get("rmsnorm", True)
-    y = naive_ops.ssd_chunk_scan(x.reshape(b, l, H, P), dt, -torch.exp(m.A_log), B.reshape(b, l, G, N),
-                                 C.reshape(b, l, G, N), 8, D=D, z=z.reshape(b, l, H, P) if gate_in_scan else None,
+    y = naive_ops.ssd_chunk_scan(x.reshape(b, L, H, P), dt, -torch.exp(m.A_log), B.reshape(b, L, G, N),
+                                 C.reshape(b, L, G, N), 8, D=D, z=z.reshape(b, L, H, P) if gate_in_scan else None,
                                  dt_bias=m.dt_bias, seq_idx=seq_idx, dt_softplus=True,
                                  dt_limit=tuple(options.get("dt_limit", (0.0, float("inf")))))
-    y = y.reshape(b, l, di)
+    y = y.reshape(b, L, di)
     if not gate_in_scan:
         y = naive_ops.rmsnorm_gated(y, m.norm.weight, z=z, eps=1e-5, group_size=di // G,
                                     norm_before_gate=options.get("norm_before_gate", False))

@@ -60,7 +60,7 @@ def test_a_cut_link_ends_both_nodes_nonzero_within_60s_through_the_step_timeout(
             for node in nodes:
                 try:
                     left = EXIT_WITHIN_S - (time.monotonic() - start)
-                    wait_for(lambda: not node_alive(node), left, f"node {node.rank} exits")
+                    wait_for(lambda node=node: not node_alive(node), left, f"node {node.rank} exits")
                 except TimeoutError:
                     pytest.fail(f"node {node.rank} still running {EXIT_WITHIN_S} s after the link was cut:\n"
                                 + node.output()[-3000:])

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
-from model_checks import perturb, relative_error
 from megamamba import MambaConfig, MambaLM
 from megamamba.block import Block
 from megamamba.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
 from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
+from model_checks import perturb, relative_error
 
 pytestmark = pytest.mark.slow
 

@@ -66,7 +66,7 @@ def region_checks():
     rank = dist.get_rank()
     tp = TensorParallel(dist.group.WORLD, WORLD, rank)
     mine, shared = _draw(0, rank), _draw(1, 0)
-    up_mine, up_shared = _draw(2, rank), _draw(3, 0)
+    up_mine = _draw(2, rank)
     seq_up = _draw(2, rank, (3, 8, 6))
     out = {
         "copy": _apply(copy_to_tp_region, mine, up_mine, tp),
@@ -104,7 +104,8 @@ def _all(tag, shape=SHAPE):
 
 
 def _counted(res, fwd, bwd):
-    return res["fwd"] == [CommRecord(k, n, WORLD) for k, n in fwd] and res["bwd"] == [CommRecord(k, n, WORLD) for k, n in bwd]
+    return (res["fwd"] == [CommRecord(k, n, WORLD) for k, n in fwd]
+            and res["bwd"] == [CommRecord(k, n, WORLD) for k, n in bwd])
 
 
 BYTES = 3 * 4 * 6 * 8  # one rank's SHAPE in float64

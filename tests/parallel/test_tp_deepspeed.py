@@ -93,7 +93,8 @@ def _results():
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_global_gradient_norm_equals_the_single_process_norm(zero_stage):
     for rank, res in enumerate(r[zero_stage] for r in _results()):
-        assert abs(res["norm"] - res["ref_norm"]) <= 1e-5 * res["ref_norm"], f"rank {rank}: {res['norm']} vs {res['ref_norm']} (seed {SEED})"
+        assert abs(res["norm"] - res["ref_norm"]) <= 1e-5 * res["ref_norm"], \
+            f"rank {rank}: {res['norm']} vs {res['ref_norm']} (seed {SEED})"
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])

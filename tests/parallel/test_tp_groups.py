@@ -38,7 +38,8 @@ def _describe_grid(grid):
 
 def _describe_mpu(mpu):
     return dict(
-        model=(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), _members(mpu.get_model_parallel_group())),
+        model=(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
+               _members(mpu.get_model_parallel_group())),
         tensor=(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
                 _members(mpu.get_tensor_model_parallel_group()), mpu.get_tensor_model_parallel_src_rank()),
         data=(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
@@ -58,6 +59,7 @@ def _error(build):
 
 def group_checks():
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
     from megamamba.parallel.groups import init_distributed
 
     init_distributed(dist_backend="gloo")
@@ -71,7 +73,8 @@ def group_checks():
                              groups.tensor_parallel(sequence_parallel=True).rank),
         )
     out["bad_tp"] = _error(lambda: ParallelGroups(tensor_parallel_size=3))
-    out["bad_total"] = _error(lambda: ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2))
+    out["bad_total"] = _error(lambda: ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                     data_parallel_size=2))
     return out
 
 
@@ -143,7 +146,8 @@ def test_data_parallel_size_is_world_over_tensor_times_pipeline():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(world_size=6, tensor_parallel_size=4), r"world size 6 is not divisible by tensor \(4\) x pipeline \(1\) = 4"),
-    (dict(world_size=8, tensor_parallel_size=2, data_parallel_size=2), r"world size 8 != data \(2\) x tensor \(2\) x pipeline \(1\) = 4"),
+    (dict(world_size=8, tensor_parallel_size=2, data_parallel_size=2),
+     r"world size 8 != data \(2\) x tensor \(2\) x pipeline \(1\) = 4"),
     (dict(world_size=8, tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
     (dict(world_size=8, pipeline_parallel_size=-2), r"pipeline_parallel_size must be a positive integer, got -2"),
 ])

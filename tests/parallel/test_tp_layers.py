@@ -82,7 +82,8 @@ def _features(local, tp, comps):
 def _local_features(full, tp, comps, replicated_upstream=None):
     """This rank's features of a full tensor, replicated components taken from `replicated_upstream`."""
     blocks = full.split([c.size for c in comps], -1)
-    rep = iter(replicated_upstream.split([c.size for c in comps if not c.sharded], -1)) if replicated_upstream is not None else None
+    rep = (iter(replicated_upstream.split([c.size for c in comps if not c.sharded], -1))
+           if replicated_upstream is not None else None)
     return torch.cat([b.chunk(tp.size, -1)[tp.rank] if c.sharded else next(rep) for c, b in zip(comps, blocks)], -1)
 
 
@@ -90,7 +91,8 @@ def check_column(tp, comps, gather_output=False):
     """ColumnParallelLinear(7, sum(comps)); replicated components get a different upstream per rank."""
     gen = torch.Generator().manual_seed(SEED)
     n_in, n_out = 7, sum(c.size for c in comps)
-    w, b, x, up = _randn(gen, n_out, n_in), _randn(gen, n_out), _randn(gen, BATCH, SEQLEN, n_in), _randn(gen, BATCH, SEQLEN, n_out)
+    w, b = _randn(gen, n_out, n_in), _randn(gen, n_out)
+    x, up = _randn(gen, BATCH, SEQLEN, n_in), _randn(gen, BATCH, SEQLEN, n_out)
     rep_cols = sum(c.size for c in comps if not c.sharded)
     rep_up = [_randn(gen, BATCH, SEQLEN, rep_cols) for _ in range(tp.size)]
 
@@ -122,7 +124,8 @@ def check_column(tp, comps, gather_output=False):
 def check_row(tp):
     gen = torch.Generator().manual_seed(SEED + 1)
     n_in, n_out = 12, 5
-    w, b, x, up = _randn(gen, n_out, n_in), _randn(gen, n_out), _randn(gen, BATCH, SEQLEN, n_in), _randn(gen, BATCH, SEQLEN, n_out)
+    w, b = _randn(gen, n_out, n_in), _randn(gen, n_out)
+    x, up = _randn(gen, BATCH, SEQLEN, n_in), _randn(gen, BATCH, SEQLEN, n_out)
     wr, br, xr = _leaf(w), _leaf(b), _leaf(x)
     ref = F.linear(xr, wr, br)
     (ref * up).sum().backward()
@@ -153,7 +156,8 @@ def check_embedding(tp):
     load_full_tensors(layer, {"weight": w.float()}, tp)
     out, fwd, bwd = _run(layer, ids, _seq_local(up, tp))
     return dict(
-        out=_rel(_seq_full(out, tp), ref), weight_grad=_rel(full_tensors(layer, tp, lambda p: p.grad)["weight"], wr.grad),
+        out=_rel(_seq_full(out, tp), ref),
+        weight_grad=_rel(full_tensors(layer, tp, lambda p: p.grad)["weight"], wr.grad),
         weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
         local_rows=layer.weight.shape[0], fwd=fwd, bwd=bwd, numel_out=ref.numel(),
     )
@@ -202,13 +206,15 @@ def check_cross_entropy(tp):
     loss.sum().backward()
     grad = _gather(local.grad, tp, -1)
     return dict(loss=_rel(loss, ref), logits_grad=_rel(grad[..., :vocab], lr.grad),
-                padding_grad_zero=bool((grad[..., vocab:] == 0).all()), ignored_loss_zero=bool((loss[1, 2:5] == 0).all()))
+                padding_grad_zero=bool((grad[..., vocab:] == 0).all()),
+                ignored_loss_zero=bool((loss[1, 2:5] == 0).all()))
 
 
 def check_init(tp):
     """Full weights each layer draws after manual_seed(s) vs the matching torch module's."""
     pairs = {
-        "column_fused": (lambda: ColumnParallelLinear(7, 30, tp, components=IN_PROJ_REPLICATED), lambda: torch.nn.Linear(7, 30)),
+        "column_fused": (lambda: ColumnParallelLinear(7, 30, tp, components=IN_PROJ_REPLICATED),
+                         lambda: torch.nn.Linear(7, 30)),
         "row": (lambda: RowParallelLinear(12, 5, tp), lambda: torch.nn.Linear(12, 5)),
         "embedding": (lambda: VocabParallelEmbedding(13, 6, tp), lambda: torch.nn.Embedding(13, 6)),
         "head": (lambda: VocabParallelHead(6, 13, tp), lambda: torch.nn.Linear(6, 13, bias=False)),
@@ -358,7 +364,8 @@ def test_replicated_components_add_one_weight_and_one_bias_gradient_all_reduce(t
 def test_row_parallel_communicates_one_reduction_forward(tp_size, sp):
     out_bytes = _per_rank(tp_size, "row", sp)[0]["numel_out"] * F32
     if sp:  # the bias sees only this rank's tokens: its gradient is summed
-        _assert_comm(tp_size, "row", sp, [("reduce_scatter", out_bytes)], [("all_gather", out_bytes), ("all_reduce", 5 * F32)])
+        _assert_comm(tp_size, "row", sp, [("reduce_scatter", out_bytes)],
+                     [("all_gather", out_bytes), ("all_reduce", 5 * F32)])
     else:
         _assert_comm(tp_size, "row", sp, [("all_reduce", out_bytes)], [])
 

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from model_checks import perturb, relative_error
 from megamamba import MambaConfig, MambaLM
 from megamamba.block import Block
 from megamamba.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
+from model_checks import perturb, relative_error
 
 pytestmark = pytest.mark.slow
 
@@ -190,7 +190,8 @@ def _expected(name, sp, tp_size):
         x_dbl = BATCH * SEQLEN * (MAMBA1["dt_rank"] + 2 * MAMBA1["d_state"]) * F32
         if sp:
             return ([("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act)],
-                    [("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act), ("all_reduce", D_MODEL * F32)])
+                    [("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act),
+                     ("all_reduce", D_MODEL * F32)])
         return [("all_reduce", x_dbl), ("all_reduce", act)], [("all_reduce", x_dbl), ("all_reduce", act)]
     ngroups = BLOCK_CASES[name]["ngroups"]
     out = act

@@ -55,7 +55,9 @@ def _measured_rank(argv, extensions_dir):
     active = []
 
     for name, objects in OBJECT_COLLECTIVES.items():
-        def wrapped(*args, _name=name, _objects=objects, _original=getattr(dist, name), **kwargs):
+        original = getattr(dist, name)
+
+        def wrapped(*args, _name=name, _objects=objects, _original=original, **kwargs):
             if active:
                 seen["payloads"] += [(_name, len(pickle.dumps(o))) for o in _objects(*args, **kwargs)]
             return _original(*args, **kwargs)
