@@ -82,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Our flags, DeepSpeed's (--deepspeed, --deepspeed_config) and Megatron's names for the same settings
     (--tensor-model-parallel-size, --micro-batch-size, --data-path, ...); no abbreviations."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--deepspeed", action="store_true", help="accepted as DeepSpeed scripts take it; DeepSpeed is always on")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="accepted as DeepSpeed scripts take it; DeepSpeed is always on")
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
                    help="DeepSpeed config (JSON, or hjson as DeepSpeed reads it)")
     p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
@@ -471,7 +472,8 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
                                                extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp],
                                                       "context_parallel_size": layout.cp,
                                                       **records(run_start, plan.data, args.tokenizer,
-                                                                first_sample(step + 1), trainer.lr_scheduler.last_epoch)},
+                                                                first_sample(step + 1),
+                                                                trainer.lr_scheduler.last_epoch)},
                                                tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
                                                protect=last_good and os.path.basename(last_good))
                 newest = os.path.join(args.save, tag_for(step + 1))

@@ -56,7 +56,8 @@ def _deepspeed_schedule(schedule) -> str:
     return f" (DeepSpeed scheduler: {schedule.warmup_type} warm-up from {schedule.start:g})"
 
 
-def startup_summary(*, model: MambaConfig, layout, seq_length: int, train_iters: int, schedule: Union[LRSchedule, DeepSpeedSchedule],
+def startup_summary(*, model: MambaConfig, layout, seq_length: int, train_iters: int,
+                    schedule: Union[LRSchedule, DeepSpeedSchedule],
                     engine_config: dict, data: TrainingData, total_params: int, stage_params: Sequence[int],
                     save: Optional[str], load: Optional[str], save_interval: int,
                     keep_last: Optional[int]) -> list:
@@ -75,11 +76,13 @@ def startup_summary(*, model: MambaConfig, layout, seq_length: int, train_iters:
         f"x pp {layout.pp} | micro batch "
         f"{layout.micro_batch_size} x grad accumulation {layout.grad_accum} x dp {layout.dp} = global batch "
         f"{layout.global_batch_size} x seq {seq_length} = {tokens_per_step} tokens per step",
-        f"  length: {train_iters} steps = {train_iters * tokens_per_step} tokens ({_count(train_iters * tokens_per_step)})",
+        f"  length: {train_iters} steps = {train_iters * tokens_per_step} tokens "
+        f"({_count(train_iters * tokens_per_step)})",
         *data_lines(data, train_iters),
         f"  lr: peak {schedule.peak:g}, min {schedule.minimum:g}, warm-up {schedule.warmup_iters} iters, "
         f"{schedule.decay_style} decay over {schedule.total_iters} iters{_deepspeed_schedule(schedule)}",
-        f"  precision: {'bf16 autocast (float32 parameters and masters)' if autocast else 'float32'} | ZeRO stage {zero}",
+        f"  precision: {'bf16 autocast (float32 parameters and masters)' if autocast else 'float32'} "
+        f"| ZeRO stage {zero}",
         f"  checkpoints: {saving} | --load {load or 'none (fresh start)'}",
     ]
 

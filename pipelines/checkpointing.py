@@ -27,6 +27,7 @@ file, stage representatives their shards, rank 0 also the staging directory, man
 """
 import os
 import signal
+from functools import partial
 from typing import Optional
 
 import torch
@@ -42,6 +43,7 @@ from megamamba.checkpoint import (
     capture_rng,
     check_optimizer_groups,
     check_save_dir,
+    files,
     finish,
     load_optimizer_tensors,
     load_scheduler_state,
@@ -53,7 +55,6 @@ from megamamba.checkpoint import (
     write_rng,
     write_stage,
 )
-from megamamba.checkpoint import files
 from megamamba.checkpoint.lock import SaveDirLock, describe
 from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags
 from megamamba.config import MambaConfig
@@ -176,6 +177,14 @@ def _shared(outcome: tuple):
     return value
 
 
+def _write_part(trainer, staging: str, rank: int, part: Optional[tuple]) -> dict:
+    """This rank's files of a save: its stage's (params, optimizer, groups) when it writes the stage, its RNG state."""
+    records = {}
+    if part is not None:
+        records = write_stage(staging, trainer.groups.pipe_rank, trainer.groups.pipeline_parallel_size, *part)
+    return records | write_rng(staging, rank, capture_rng())
+
+
 def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, extra: dict, tokenizer=None,
          keep_last: Optional[int] = None, protect: Optional[str] = None) -> Optional[str]:
     """Write the checkpoint after `step` optimizer steps (collective); its path on global rank 0, else None.
@@ -193,15 +202,10 @@ def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, e
     _install_kill_hook(step)
     staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if rank == 0 else None)
 
-    def write() -> dict:
-        records = {}
-        if writer:
-            records = write_stage(staging, trainer.groups.pipe_rank, trainer.groups.pipeline_parallel_size,
-                                  params, optimizer, groups)
-        return records | write_rng(staging, rank, capture_rng())
-
-    mine = _outcome(write)
-    del params, optimizer  # on disk now: rank 0 finishes without its stage's host copies
+    part = (params, optimizer, groups) if writer else None
+    del params, optimizer  # held by `part` alone
+    mine = _outcome(partial(_write_part, trainer, staging, rank, part))
+    del part  # on disk now: rank 0 finishes without its stage's host copies
     parts = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
     outcome = None

@@ -27,8 +27,8 @@ document boundaries; the pipeline engine receives it as the first stage's input 
 
 Context parallelism (layout.cp = C > 1): the trainer's micro-batches are its slice (`window`) of
 the sequences of its data-parallel replica's micro-batches (`dp_rank` counts replicas, not CP
-ranks), read alone by the data path; the loss is the whole sequences' mean, its gradient scaled for DeepSpeed's average over
-dp x C ranks (`pipelines.layers.LMLoss`).
+ranks), read alone by the data path; the loss is the whole sequences' mean, its gradient scaled
+for DeepSpeed's average over dp x C ranks (`pipelines.layers.LMLoss`).
 """
 from dataclasses import dataclass
 from typing import Optional, Union

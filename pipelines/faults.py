@@ -32,9 +32,9 @@ rank 0 to NaN in those (0-based) steps.
 """
 import contextlib
 import math
-import statistics
 import os
 import signal
+import statistics
 import sys
 import threading
 import time

@@ -7,13 +7,12 @@ import os
 import pytest
 
 from distributed import run_ranks
-from train_entry import ROOT, load_train_script
-
 from megamamba.config import MambaConfig
 from megamamba.pipelines import memory_fit
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.memory_fit import RESERVED, refusal
 from megamamba.pipelines.memory_plan import GiB, RunShape, plan_memory
+from train_entry import ROOT, load_train_script
 
 
 def _plan(**changes):

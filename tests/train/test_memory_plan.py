@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
-from train_entry import load_train_script
-
 from megamamba.pipelines.memory_plan import RunShape, plan_memory
+from train_entry import load_train_script
 
 SEQ = 32
 

@@ -8,7 +8,6 @@ from megamamba import MambaConfig
 from megamamba.data.indexed import IndexedDatasetWriter
 from megamamba.data.training_data import BUILTIN_VALID_FRACTION, builtin_datasets, training_data
 from megamamba.tokenizer import load_tokenizer
-
 from train_entry import ROOT
 
 TINY = MambaConfig.from_json(ROOT / "launch/models/tiny-mamba2.json")  # vocab 257: the byte tokenizer's
@@ -63,8 +62,8 @@ def test_blend_batches_carry_seq_idx_at_document_boundaries_unless_turned_off(tm
     (["{tmp}/missing"], [], False, "missing.idx: no such file"),
 ])
 def test_unusable_data_flags_are_refused_with_the_value_named(tmp_path, data, valid, needs_validation, words):
-    paths = {"a": _dataset(tmp_path / "a", _short_documents(50, 1)), "big": _dataset(tmp_path / "big", [[300, 256]] * 40),
-             "tmp": str(tmp_path)}
+    paths = {"a": _dataset(tmp_path / "a", _short_documents(50, 1)),
+             "big": _dataset(tmp_path / "big", [[300, 256]] * 40), "tmp": str(tmp_path)}
     with pytest.raises((ValueError, OSError), match=re.escape(words)):
         training_data(TINY, "bytes", [d.format(**paths) for d in data], valid, 8, 4, SEED,
                       needs_validation=needs_validation)

@@ -8,7 +8,6 @@ from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, Warmup
 
 from megamamba.lr_schedule import LRSchedule
 from megamamba.pipelines.layout import LayoutError
-
 from train_entry import ROOT, load_train_script
 
 BATCH = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
@@ -77,9 +76,11 @@ def test_untranslatable_optimizer_blocks_are_refused_by_name(tmp_path, block, wo
 
 @pytest.mark.parametrize("flags, words", [
     (["--lr", "3e-4"], "--lr 0.0003 disagrees with the DeepSpeed config's optimizer.params.lr=0.001; keep one"),
-    (["--adam-beta2", "0.95"], "--adam-beta2 0.95 disagrees with the DeepSpeed config's optimizer.params.betas[1]=0.99"),
+    (["--adam-beta2", "0.95"],
+     "--adam-beta2 0.95 disagrees with the DeepSpeed config's optimizer.params.betas[1]=0.99"),
     (["--adam-eps", "1e-8"], "--adam-eps 1e-08 disagrees with the DeepSpeed config's optimizer.params.eps=1e-06"),
-    (["--weight-decay", "0.1"], "--weight-decay 0.1 disagrees with the DeepSpeed config's optimizer.params.weight_decay"),
+    (["--weight-decay", "0.1"],
+     "--weight-decay 0.1 disagrees with the DeepSpeed config's optimizer.params.weight_decay"),
 ])
 def test_a_flag_disagreeing_with_the_optimizer_block_is_refused(tmp_path, flags, words):
     with pytest.raises(LayoutError, match=re.escape(words)):
@@ -140,7 +141,8 @@ def test_bf16_becomes_torch_autocast_and_no_translated_block_reaches_deepspeed(t
 
 @pytest.mark.parametrize("block, flags, words", [
     ({"type": "OneCycle", "params": {}}, [], "scheduler.type='OneCycle': only WarmupLR, WarmupDecayLR, WarmupCosineLR"),
-    ({"type": "WarmupLR", "params": {"total_num_steps": 5}}, [], "scheduler.params ['total_num_steps']: WarmupLR takes"),
+    ({"type": "WarmupLR", "params": {"total_num_steps": 5}}, [],
+     "scheduler.params ['total_num_steps']: WarmupLR takes"),
     ({"type": "WarmupDecayLR", "params": {}}, [], "scheduler.params.total_num_steps=None: must be a positive integer"),
     ({"type": "WarmupLR", "params": {"warmup_type": "exp"}}, [], "scheduler.params.warmup_type='exp'"),
     ({"type": "WarmupLR", "params": {"last_batch_iteration": 4}}, [], "resuming is --load's job"),

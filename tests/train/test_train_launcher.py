@@ -56,7 +56,7 @@ def _launched(runs, layout, mixer, extra):
     return run
 
 
-@pytest.mark.parametrize("layout, mixer, extra", LAUNCHED, ids=[f"{m}-{l}-{' '.join(e)}" for l, m, e in LAUNCHED])
+@pytest.mark.parametrize("layout, mixer, extra", LAUNCHED, ids=[f"{m}-{lay}-{' '.join(e)}" for lay, m, e in LAUNCHED])
 def test_launched_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer, extra):
     run = _launched(runs, layout, mixer, extra)
     ref = reference(mixer)["records"]

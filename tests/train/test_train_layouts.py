@@ -32,14 +32,14 @@ def _flags(layout, extra):
 
 
 @pytest.mark.parametrize("layout, mixer, zero, extra", LAYOUTS,
-                         ids=[f"{m}-{l}-zero{z}-{' '.join(e)}" for l, m, z, e in LAYOUTS])
+                         ids=[f"{m}-{lay}-zero{z}-{' '.join(e)}" for lay, m, z, e in LAYOUTS])
 def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer, zero, extra):
     ds = runs.ds_config(zero_optimization={"stage": zero})
     ranks = runs.spawned(layout[0] * layout[1] * layout[2], mixer, _flags(layout, extra), ds_config=ds)
     ref = reference(mixer)["records"]
     for rank, summary in enumerate(ranks):
         curve = losses(summary["records"])
-        assert all(l == l for l in curve), curve
+        assert all(loss == loss for loss in curve), curve  # no NaN
         error = relative_curve_error(curve, losses(ref))
         print(f"{mixer} {layout} rank {rank}: max relative loss difference to (1,1,1) {error:.1e}")
         assert error <= TOLERANCE, (rank, curve, losses(ref))

@@ -1,4 +1,5 @@
-"""The metrics logger: docs/architecture.md's names to the console, JSON lines and TensorBoard, on the enabled rank only."""
+"""The metrics logger: docs/architecture.md's names to the console, JSON lines and TensorBoard, on the
+enabled rank only."""
 import json
 
 import pytest

@@ -29,7 +29,8 @@ def packed_flags(tmp_path_factory):
             for line in doc.split("\n"):
                 if line.strip():
                     f.write(json.dumps({"text": line.strip()}) + "\n")
-    train, valid = preprocess([str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1, progress_stream=io.StringIO())
+    train, valid = preprocess([str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1,
+                              progress_stream=io.StringIO())
     return ["--data", train, "--valid-data", valid]
 
 

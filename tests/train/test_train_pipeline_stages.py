@@ -55,7 +55,7 @@ def test_stages_gathered_over_tp_give_back_the_full_mamba_ssm_state_dict(stage_s
     torch.manual_seed(SEED)
     expected = MambaLM(config).state_dict()  # the single-device model: stages hold its weights bit for bit
     merged = {}
-    for pipe_rank, names, state in results:
+    for _, names, state in results:
         assert all(n.split(".")[0].isdigit() or n.startswith("tied_modules.embed.") for n in names), names
         merged.update(state)
     assert set(merged) == set(expected)

@@ -45,7 +45,8 @@ def _build(model, flags, extensions_dir):
 def test_a_tp2_pp2_rank_starts_with_at_most_half_the_single_rank_memory():
     extensions = os.environ["TORCH_EXTENSIONS_DIR"]
     (whole,) = run_ranks(_build, 1, args=(MODEL, [], extensions), init_process_group=False, timeout=600)
-    split = run_ranks(_build, 4, args=(MODEL, ["--tp", "2", "--pp", "2"], extensions), init_process_group=False, timeout=600)
+    split = run_ranks(_build, 4, args=(MODEL, ["--tp", "2", "--pp", "2"], extensions), init_process_group=False,
+                      timeout=600)
     print(f"mamba2-370m start-up peak RSS: (1,1,1) {whole[0]:.2f} GiB in {whole[1]:.0f} s; (1,2,2) per rank "
           + ", ".join(f"{peak:.2f} GiB in {s:.0f} s" for peak, s in split))
     assert max(peak for peak, _ in split) <= 0.5 * whole[0], (whole, split)
