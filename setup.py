@@ -39,5 +39,5 @@ setup(
         "safetensors>=0.4",
         "numpy>=1.26",
     ],
-    extras_require={"dev": ["pytest>=8", "ninja", "transformers>=4.45", "ruff>=0.6"]},
+    extras_require={"dev": ["pytest>=8", "ninja", "transformers>=4.45", "ruff>=0.17,<0.18"]},
 )
