@@ -13,6 +13,11 @@ and group, so the statistics cost a small second reduction (none backward withou
 parallelism; with it, a small all-gather) and keep the norm's scale exact under bf16 autocast,
 where rounding them to bf16 before the sum was off by about 0.4%. For ngroups > 1 each rank fills
 only its group's slot, so the reductions carry ngroups partial results.
+
+The gating and the mean square are one autograd Function (`_GatedScale`) that keeps only y and z
+in their own dtype (bf16 under autocast) and recomputes its float32 intermediates backward:
+left to autograd, the float32 copies of y and z, the gate and the gated y were kept per token,
+and a TP-2 rank kept more activation memory than one rank without TP.
 """
 from __future__ import annotations
 
@@ -21,6 +26,48 @@ import torch.nn.functional as F
 
 from megamamba.parallel.collectives import copy_to_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region
 from megamamba.parallel.layers import RowParallelLinear
+
+
+def _in_float(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor):
+    """y, z and the weight in float32 (or wider), and the gate silu(z)."""
+    ct = torch.promote_types(y.dtype, torch.float32)
+    zf = z.to(ct)
+    return y.to(ct), zf, F.silu(zf), weight.to(ct)
+
+
+class _GatedScale(torch.autograd.Function):
+    """(y, z, weight) -> (u * weight in y's dtype, gated after the weighting if the norm comes before
+    the gate; this rank's share of each token's mean square of u over its group, float32), where u is
+    y gated by silu(z) unless the norm comes before the gate.
+
+    Saves y, z and the weight as they come; the float32 intermediates are recomputed backward.
+    """
+
+    @staticmethod
+    def forward(ctx, y, z, weight, group_size: int, norm_before_gate: bool):
+        ctx.save_for_backward(y, z, weight)
+        ctx.group_size, ctx.norm_before_gate = group_size, norm_before_gate
+        yf, _, gate, w = _in_float(y, z, weight)
+        u = yf if norm_before_gate else yf * gate
+        scaled = u * w
+        if norm_before_gate:
+            scaled = scaled * gate
+        return scaled.to(y.dtype), u.pow(2).sum(-1, keepdim=True) / group_size
+
+    @staticmethod
+    def backward(ctx, grad_scaled, grad_mean_square):
+        y, z, weight = ctx.saved_tensors
+        yf, zf, gate, w = _in_float(y, z, weight)
+        u = yf if ctx.norm_before_gate else yf * gate
+        grad = grad_scaled.to(u.dtype)
+        if ctx.norm_before_gate:  # scaled = (u * w) * gate
+            grad_gate, grad = grad * (u * w), grad * gate
+        grad_w = (grad * u).sum_to_size(w.shape)
+        grad_u = grad * w + grad_mean_square / ctx.group_size * (2 * u)
+        if not ctx.norm_before_gate:  # u = y * gate
+            grad_gate, grad_u = grad_u * yf, grad_u * gate
+        grad_z = torch.ops.aten.silu_backward(grad_gate, zf)
+        return grad_u.to(y.dtype), grad_z.to(z.dtype), grad_w.to(weight.dtype), None, None
 
 
 def gated_rmsnorm_row_parallel(
@@ -37,15 +84,8 @@ def gated_rmsnorm_row_parallel(
     if tp.size % ngroups:
         raise ValueError(f"a norm group spanning ranks needs ngroups = {ngroups} dividing the TP size {tp.size}")
     group = tp.rank // (tp.size // ngroups)
-    ct = torch.promote_types(y.dtype, torch.float32)
-    u, gate = y.to(ct), F.silu(z.to(ct))
-    if not norm_before_gate:
-        u = u * gate
-    scaled = u * norm_weight.to(ct)
-    if norm_before_gate:
-        scaled = scaled * gate
-    partial = F.linear(scaled.to(y.dtype), out_proj.weight)
-    mean_square = u.pow(2).sum(-1, keepdim=True) / group_size  # this rank's share of its group's, float32
+    scaled, mean_square = _GatedScale.apply(y, z, norm_weight, group_size, norm_before_gate)
+    partial = F.linear(scaled, out_proj.weight)
     reduce = reduce_scatter_to_sequence_region if tp.sequence_parallel else reduce_from_tp_region
 
     def summed_over_ranks(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (..., ngroups, n), group slots summed
