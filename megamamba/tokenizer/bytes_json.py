@@ -9,7 +9,7 @@ end-of-document token decodes to nothing, as `Bytes.decode` drops it.
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Library
 
-from megamamba.tokenizer.base import Bytes
+from megamamba.tokenizer.base import Bytes, TokenizerError
 
 EOD_TOKEN = "<|endoftext|>"
 # Bytes that print as themselves in GPT-2's byte-level alphabet; the others map, in order, to U+0100 onwards.
@@ -34,5 +34,7 @@ def bytes_as_tokenizers() -> Library:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.Sequence([decoders.Replace(EOD_TOKEN, ""), decoders.ByteLevel()])
     tok.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
-    assert tok.token_to_id(EOD_TOKEN) == Bytes.eod
+    eod = tok.token_to_id(EOD_TOKEN)
+    if eod != Bytes.eod:
+        raise TokenizerError(f"tokenizers gave {EOD_TOKEN} id {eod}, not Bytes' end-of-document id {Bytes.eod}")
     return tok
