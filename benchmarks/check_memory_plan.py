@@ -30,20 +30,21 @@ def _train_script():
     return module
 
 
-def _zero0_config(path: str) -> str:
-    """The size's DeepSpeed config with ZeRO 0, one accumulation step and no TensorBoard, as a temporary file."""
+def _zero0_config(path: str, folder: str) -> str:
+    """The size's DeepSpeed config with ZeRO 0, one accumulation step and no TensorBoard, written in `folder`."""
     with open(path) as f:
         config = json.load(f)
     config.update(zero_optimization={"stage": 0}, gradient_accumulation_steps=1)
     config.pop("tensorboard", None)
     config.pop("train_batch_size", None)
-    out = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    json.dump(config, out)
-    out.close()
-    return out.name
+    out = os.path.join(folder, "ds_config.json")
+    with open(out, "w") as f:
+        json.dump(config, f)
+    return out
 
 
-def measure(size: str, checkpoint_interval: int, dry: bool) -> dict:
+def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dict:
+    """The kept and peak figures, measured and estimated; the run's DeepSpeed config is written in `scratch`."""
     from deepspeed.accelerator import get_accelerator
 
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
@@ -54,7 +55,7 @@ def measure(size: str, checkpoint_interval: int, dry: bool) -> dict:
     ds, model = (("tiny-cpu", "tiny-mamba2") if dry else (f"mamba2-{size}", f"mamba2-{size}"))
     script = _train_script()
     args = script.parse_args([
-        "--deepspeed_config", _zero0_config(os.path.join(REPO, "launch/configs", f"{ds}.json")),
+        "--deepspeed_config", _zero0_config(os.path.join(REPO, "launch/configs", f"{ds}.json"), scratch),
         "--model-config", os.path.join(REPO, "launch/models", f"{model}.json"), "--train-iters", "2",
         "--seq-length", "64" if dry else "2048", "--checkpoint-activations-interval", str(checkpoint_interval)])
     plan = script.prepare(args, 1)
@@ -94,7 +95,8 @@ def check(size: str, checkpoint_interval: int, dry: bool) -> dict:
     for key, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29517")):
         os.environ.setdefault(key, value)
-    record = measure(size, checkpoint_interval, dry)
+    with tempfile.TemporaryDirectory() as scratch:
+        record = measure(size, checkpoint_interval, dry, scratch)
     for key in ("kept", "peak"):
         record[f"{key}_error"] = abs(record[f"{key}_estimated"] - record[f"{key}_measured"]) / max(
             record[f"{key}_measured"], 1)
