@@ -79,4 +79,6 @@ def mean_over_context(local_mean: torch.Tensor, labels: torch.Tensor, cp: Contex
     """
     count = (labels != -100).sum().to(local_mean.dtype)
     total = start_all_reduce(count.clone(), cp).wait()
-    return reduce_from_tp_region(local_mean * count, cp) / total
+    # a slice without counted tokens (a masked prompt) has the mean 0 / 0: it adds nothing, not NaN
+    local_sum = torch.where(count > 0, local_mean, torch.zeros_like(local_mean)) * count
+    return reduce_from_tp_region(local_sum, cp) / total
