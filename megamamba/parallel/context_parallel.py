@@ -45,9 +45,9 @@ def check_context_layout(seqlen: int, cp_size: int, d_conv: int, tp_size: int = 
         return
     parts = cp_size * tp_size if sequence_parallel else cp_size
     if seqlen % parts:
-        what = f"CP {cp_size} x TP {tp_size} (sequence parallelism)" if sequence_parallel else f"CP {cp_size}"
+        what = f"CP {cp_size} x TP {tp_size} (sequence parallelism) = {parts}" if sequence_parallel else f"CP {cp_size}"
         raise LayoutError(f"context parallelism splits each sequence into equal slices: seqlen = {seqlen} "
-                          f"is not divisible by {what} = {parts}")
+                          f"is not divisible by {what}")
     if seqlen // cp_size < d_conv - 1:
         raise LayoutError(f"context parallelism hands each rank's last d_conv - 1 = {d_conv - 1} tokens to the "
                           f"next rank: slices of seqlen {seqlen} / CP {cp_size} = {seqlen // cp_size} are shorter")

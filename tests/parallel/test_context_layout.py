@@ -9,7 +9,7 @@ from megamamba.parallel.model_layout import LayoutError
 
 
 def test_a_sequence_not_divisible_by_the_context_size_is_refused():
-    with pytest.raises(LayoutError, match="seqlen = 30 is not divisible by CP 4 = 4"):
+    with pytest.raises(LayoutError, match="seqlen = 30 is not divisible by CP 4"):
         check_context_layout(30, 4, d_conv=4)
 
 
