@@ -13,8 +13,8 @@ def run_train_logging_samples(argv, extensions_dir) -> dict:
     logged = []
     original = PackedGlobalBatches.micro_batches_at
 
-    def micro_batches_at(self, first_sample, dp_rank, dp_size, micro_batch_size):
-        batches = original(self, first_sample, dp_rank, dp_size, micro_batch_size)
+    def micro_batches_at(self, first_sample, dp_rank, dp_size, micro_batch_size, window=None):
+        batches = original(self, first_sample, dp_rank, dp_size, micro_batch_size, window)
         first = first_sample + dp_rank * (self.global_batch_size // dp_size)
         for k, (inputs, _, _) in enumerate(batches):
             logged.extend((first + k * micro_batch_size + row, inputs[row].tolist()) for row in range(len(inputs)))
