@@ -28,8 +28,9 @@ EpochArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def index_base(dataset, seed: int, key: int, seq_length: int, epoch: int) -> Optional[str]:
-    """Path stem of the epoch's files (None: not kept on disk): the dataset's files, the documents
-    it covers and every input of the arrays."""
+    """Path stem of the epoch's files (None: not kept on disk): the dataset's index file as it is now
+    (size and modification time: a rewritten dataset gets new files), the documents it covers and
+    every input of the arrays."""
     if dataset.num_documents < INDEX_DOCUMENTS:
         return None
     if isinstance(dataset, IndexedDataset):
@@ -38,7 +39,9 @@ def index_base(dataset, seed: int, key: int, seq_length: int, epoch: int) -> Opt
         prefix, documents = dataset.source.prefix, f"docs{dataset.first}-{dataset.stop}"
     else:
         return None
-    name = f"{documents}-{dataset.num_tokens}tokens-seq{seq_length}-seed{seed}-key{key}-epoch{epoch}"
+    index = os.stat(prefix + ".idx")
+    name = (f"idx{index.st_size}-{index.st_mtime_ns}-{documents}-{dataset.num_tokens}tokens-seq{seq_length}-"
+            f"seed{seed}-key{key}-epoch{epoch}")
     return os.path.join(prefix + ".epochs", name)
 
 
