@@ -10,14 +10,19 @@ A start-up then checks the vocabulary against the record without reading any tok
 whose size or mtime differ from the .bin's describes another file: it is ignored and the .bin
 scanned again.
 
-Who scans: the process that gets an exclusive `flock` on the .bin first. The others wait on
-the lock and then find the record it wrote (renamed into place whole). No process group is
-needed, so this runs in train.py's checks before any exists: ranks sharing a filesystem scan a
-dataset once in all — once per node where each node has its own copy. Where the filesystem
-refuses the lock, every rank scans and writes the same record. Where the dataset's directory is
-not writable, nothing can be recorded and every start-up scans (its progress line says so).
+Who scans: the process that gets an exclusive `flock` on the lock file `<prefix>.lock` first
+(opened for writing: NFS emulates flock with fcntl locks, which refuse an exclusive lock on a
+read-only descriptor, such as the .bin's). The others wait on the lock and then find the record
+it wrote (renamed into place whole). No process group is needed, so this runs in train.py's
+checks before any exists: ranks sharing a filesystem scan a dataset once in all — once per node
+where each node has its own copy. Where the lock file cannot be created or the filesystem
+refuses the lock, every rank scans and writes the same record. The lock file stays: removing it
+would let a process lock a new file while another holds the old one. Where the dataset's
+directory is not writable, nothing can be recorded and every start-up scans (its progress line
+says so).
 Scans of large files show progress (progress.py: plain lines when stderr is not a terminal).
 """
+import contextlib
 import fcntl
 import os
 import sys
@@ -28,6 +33,7 @@ from megamamba.data.dataset_meta import record_token_range, recorded_token_range
 from megamamba.data.errors import DatasetError
 from megamamba.data.progress import Progress
 
+LOCK_SUFFIX = ".lock"  # beside the dataset: `<prefix>.lock`, taken by the process that scans
 SCAN_TOKENS = 1 << 24  # tokens per chunk of a scan
 PROGRESS_BYTES = 1 << 28  # scans of .bin files at least this large show progress
 
@@ -48,12 +54,18 @@ def scan_token_range(dataset, label: str, stream=sys.stderr) -> tuple[int, int]:
     return low, high
 
 
-def _lock(f) -> None:
-    """Hold an exclusive flock on `f` until it is closed; where the filesystem refuses it, go on without."""
+def _lock(path: str):
+    """A context holding an exclusive flock on `path` (created if missing) until it exits; where
+    `path` cannot be created or the filesystem refuses the lock, one holding none."""
+    try:
+        f = open(path, "a")
+    except OSError:
+        return contextlib.nullcontext()
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
     except OSError:
         pass
+    return f
 
 
 def token_range(dataset, stream=sys.stderr) -> tuple[int, int]:
@@ -66,9 +78,8 @@ def token_range(dataset, stream=sys.stderr) -> tuple[int, int]:
     if not os.access(folder, os.W_OK):
         return scan_token_range(dataset, f"vocabulary check of {bin_path} (not recorded: {folder} is not writable)",
                                 stream)
-    with open(bin_path, "rb") as f:
-        _lock(f)
-        stat = os.fstat(f.fileno())  # before the scan: a change during it leaves the record stale
+    with _lock(dataset.prefix + LOCK_SUFFIX):
+        stat = os.stat(bin_path)  # before the scan: a change during it leaves the record stale
         recorded = recorded_token_range(dataset.prefix, stat)  # written while this process waited for the lock
         if recorded is not None:
             return recorded

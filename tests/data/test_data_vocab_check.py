@@ -1,4 +1,5 @@
 """The vocabulary check reads a dataset's tokens once: later start-ups trust its record while the .bin is unchanged."""
+import fcntl
 import io
 import json
 import os
@@ -122,6 +123,27 @@ def test_ranks_starting_together_scan_a_dataset_once(tmp_path, monkeypatch):
     assert errors == [] and count[0] == 1
 
 
+def test_the_scan_lock_is_taken_on_a_writable_lock_file_beside_the_dataset_not_on_the_bin(tmp_path, monkeypatch):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    locked = []
+    real = vocab_check.fcntl.flock
+
+    def recorded(fd, operation):  # NFS refuses an exclusive lock on a read-only descriptor
+        writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+        locked.append((os.fstat(fd).st_ino, writable))
+        return real(fd, operation)
+    monkeypatch.setattr(vocab_check.fcntl, "flock", recorded)
+    IndexedDataset(prefix, vocab_size=10)
+    assert locked == [(os.stat(prefix + vocab_check.LOCK_SUFFIX).st_ino, True)]
+
+
+def test_a_dataset_whose_lock_file_cannot_be_created_is_scanned_without_a_lock(tmp_path, scans):
+    prefix = write_dataset(str(tmp_path / "d"), DOCS)
+    os.mkdir(prefix + vocab_check.LOCK_SUFFIX)  # open(..., "a") fails on a directory
+    IndexedDataset(prefix, vocab_size=10)
+    assert scans[0] == 1 and tokens_record(prefix)["max_id"] == 9
+
+
 def test_a_large_scan_shows_progress_as_plain_lines_off_a_terminal(tmp_path, monkeypatch):
     prefix = write_dataset(str(tmp_path / "d"), DOCS)
     monkeypatch.setattr(vocab_check, "PROGRESS_BYTES", 0)
@@ -148,7 +170,7 @@ def test_the_record_is_as_readable_as_the_dataset_and_leaves_no_temporary_file(t
     IndexedDataset(prefix, vocab_size=10)
     mode = stat.S_IMODE(os.stat(prefix + META_SUFFIX).st_mode)
     assert mode == stat.S_IMODE(os.stat(prefix + ".bin").st_mode), oct(mode)
-    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.meta.json"]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.lock", "d.meta.json"]
 
 
 def test_a_record_that_cannot_be_written_leaves_the_check_standing_and_says_so(tmp_path, monkeypatch):
