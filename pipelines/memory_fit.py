@@ -6,10 +6,11 @@ buffers, allocator fragmentation); the ranks agree on the smallest device. On th
 there): the plan is printed, the fit is not checked.
 
 A run that does not fit is refused before any model is built, with the changes that fit, each
-computed by planning the changed run: twice the tensor or pipeline parallel size (at the same
-world size when dp allows, else on twice the ranks), the next ZeRO stage, the largest smaller
-micro batch that keeps the global batch, recomputation of every layer, a tenth of ZeRO's default
-reduce bucket.
+computed by planning the changed run: twice the tensor or pipeline parallel size at the same
+context parallel size (on the same world size when the global batch still splits over
+dp = world / (cp x tp x pp), else on twice the ranks), the next ZeRO stage (when there are dp x cp > 1 ranks to
+shard over), the largest smaller micro batch that keeps the global batch, recomputation of every
+layer, a tenth of ZeRO's default reduce bucket.
 """
 from dataclasses import replace
 from typing import Optional
@@ -37,8 +38,8 @@ def device_memory() -> Optional[int]:
 
 
 def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
-    """(label, shape) at tensor size `tp` and pipeline size `pp`, same global and micro batch; None if
-    the model or the global batch cannot be split so."""
+    """(label, shape) at tensor size `tp` and pipeline size `pp`, same context size, global and micro
+    batch; None if the model or the global batch cannot be split so."""
     layout, model = shape.layout, shape.model
     try:
         check_model_layout(model, tp)
@@ -46,12 +47,12 @@ def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
         return None
     if model.n_layer < pp or (shape.sequence_parallel and shape.seq_length % tp):
         return None
-    world = layout.world_size
-    if world % (tp * pp) or layout.global_batch_size % (layout.micro_batch_size * world // (tp * pp)):
+    world, model_ranks = layout.world_size, layout.cp * tp * pp
+    if world % model_ranks or layout.global_batch_size % (layout.micro_batch_size * world // model_ranks):
         world *= 2  # dp stays: the change needs more ranks
-    if world % (tp * pp) or layout.global_batch_size % (layout.micro_batch_size * world // (tp * pp)):
+    if world % model_ranks or layout.global_batch_size % (layout.micro_batch_size * world // model_ranks):
         return None
-    dp = world // (tp * pp)
+    dp = world // model_ranks
     accum = layout.global_batch_size // (layout.micro_batch_size * dp)
     flag = f"--tensor-parallel-size {tp}" if tp != layout.tp else f"--pipeline-parallel-size {pp}"
     where = "" if world == layout.world_size else f" on {world} ranks"
@@ -62,7 +63,7 @@ def alternatives(shape: RunShape) -> list:
     """(label, changed shape) for each single change but the micro batch that lowers a rank's memory."""
     layout = shape.layout
     changes = [_regrid(shape, layout.tp * 2, layout.pp), _regrid(shape, layout.tp, layout.pp * 2)]
-    if shape.zero_stage < (1 if layout.pp > 1 else 2) and layout.dp > 1:
+    if shape.zero_stage < (1 if layout.pp > 1 else 2) and layout.dp * layout.cp > 1:
         stage = shape.zero_stage + 1
         changes.append((f"zero_optimization.stage {stage}", shape.changed(zero_stage=stage)))
     if shape.checkpoint_interval != 1:

@@ -10,7 +10,7 @@ from distributed import run_ranks
 from megamamba.config import MambaConfig
 from megamamba.pipelines import memory_fit
 from megamamba.pipelines.layout import Layout
-from megamamba.pipelines.memory_fit import RESERVED, refusal
+from megamamba.pipelines.memory_fit import RESERVED, alternatives, refusal
 from megamamba.pipelines.memory_plan import GiB, RunShape, plan_memory
 from train_entry import ROOT, load_train_script
 
@@ -71,6 +71,21 @@ def test_when_no_single_change_fits_the_refusal_says_so_with_each_ones_figure():
     message = refusal(_plan(), RESERVED + GiB // 2)
     assert "no single change fits: " in message, message
     assert "--checkpoint-activations-interval 1 (" in message and "micro batch 1 (" in message, message
+
+
+def test_a_context_parallel_runs_offers_are_planned_on_its_world_size():
+    """World 8 = dp 2 x cp 4: doubling tp or pp halves dp and keeps cp 4 and the global batch of 32."""
+    layout = Layout(world_size=8, dp=2, tp=1, pp=1, micro_batch_size=8, grad_accum=2, cp=4)
+    offers = {label: changed.layout for label, changed in alternatives(_plan(layout=layout).shape)}
+    assert offers["--tensor-parallel-size 2"] == Layout(8, 1, 2, 1, 8, 4, cp=4), offers
+    assert offers["--pipeline-parallel-size 2"] == Layout(8, 1, 1, 2, 8, 4, cp=4), offers
+
+
+def test_zero_is_offered_to_a_run_whose_data_axis_is_its_context_ranks():
+    """dp 1 x cp 2: ZeRO shards over DeepSpeed's data axis of dp x cp = 2 ranks."""
+    layout = Layout(world_size=2, dp=1, tp=1, pp=1, micro_batch_size=8, grad_accum=2, cp=2)
+    labels = [label for label, _ in alternatives(_plan(layout=layout).shape)]
+    assert "zero_optimization.stage 1" in labels, labels
 
 
 def _run_with_device(argv, extensions_dir, device_gib):
