@@ -120,7 +120,8 @@ def _ssd_contribution(C, h0, z, dt, dt_bias, A, reaches, dt_softplus, dt_limit):
     log_decays = _ssd_log_decays(dt, dt_bias, A, dt_softplus, dt_limit)
     # Summed in float64: a float32 running sum over a long slice drifts by up to length x eps x |sum|.
     from_start = masked_exp(log_decays.double().cumsum(1), reaches[..., None]).to(log_decays.dtype)
-    read = torch.einsum("blgn,bgrpn->blgrp", C.to(h0.dtype), h0.reshape(batch, ngroups, -1, headdim, dstate))
+    with torch.autocast(C.device.type, enabled=False):  # in float32 as the kernel reads its state, not in bf16
+        read = torch.einsum("blgn,bgrpn->blgrp", C.to(h0.dtype), h0.reshape(batch, ngroups, -1, headdim, dstate))
     out = read.reshape(batch, seqlen, nheads, headdim) * from_start[..., None]
     return out if z is None else out * F.silu(z.to(out.dtype))
 
