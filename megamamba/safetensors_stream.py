@@ -61,11 +61,12 @@ def parse_size(text) -> int:
 
 
 class TensorReader:
-    """The tensors of a folder's safetensors set `stem`: specs from the headers, `load(name)` one at a time."""
+    """The tensors of a folder's weights (model.safetensors, or its shards): specs from the headers,
+    `load(name)` one at a time."""
 
-    def __init__(self, directory: str, stem: str = WEIGHTS_STEM):
+    def __init__(self, directory: str):
         self.directory = directory
-        self.files = weight_map(directory, stem)
+        self.files = weight_map(directory)
         self._open = {}
         self._stack = contextlib.ExitStack()
 
@@ -138,19 +139,19 @@ def write_safetensors(path: str, specs: Sequence[TensorSpec], load: Callable[[st
 
 
 def write_sharded(directory: str, specs: Sequence[TensorSpec], load: Callable[[str], torch.Tensor],
-                  max_shard_size, stem: str = WEIGHTS_STEM) -> list:
+                  max_shard_size) -> list:
     """Write the specs' tensors to `directory` (module docstring); returns the files written."""
     shards = plan_shards(specs, parse_size(max_shard_size))
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        write_safetensors(os.path.join(directory, f"{stem}.safetensors"), specs, load, metadata)
-        return [f"{stem}.safetensors"]
-    files = [shard_file(stem, i, len(shards)) for i in range(len(shards))]
+        write_safetensors(os.path.join(directory, f"{WEIGHTS_STEM}.safetensors"), specs, load, metadata)
+        return [f"{WEIGHTS_STEM}.safetensors"]
+    files = [shard_file(WEIGHTS_STEM, i, len(shards)) for i in range(len(shards))]
     for file, shard in zip(files, shards):
         write_safetensors(os.path.join(directory, file), shard, load, metadata)
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
              "weight_map": {s.name: file for file, shard in zip(files, shards) for s in shard}}
-    with open(os.path.join(directory, index_file(stem)), "x", encoding="utf-8") as f:
+    with open(os.path.join(directory, index_file(WEIGHTS_STEM)), "x", encoding="utf-8") as f:
         json.dump(index, f, indent=2, sort_keys=True)
         f.write("\n")
-    return files + [index_file(stem)]
+    return files + [index_file(WEIGHTS_STEM)]

@@ -62,12 +62,10 @@ def sequence_window(seq_length: int, cp: ContextParallel) -> tuple[int, int]:
     return cp.rank * width, (cp.rank + 1) * width
 
 
-def sequence_slice(t: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
-    """This rank's consecutive slice of a whole sequence `t` along `dim` (seqlen divisible by C)."""
-    if t.shape[dim] % cp.size:
-        raise ValueError(f"context parallelism splits the sequence into {cp.size} equal slices: "
-                         f"seqlen = {t.shape[dim]} is not divisible by {cp.size}")
-    return t.chunk(cp.size, dim)[cp.rank]
+def sequence_slice(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """This rank's consecutive slice of whole sequences `t` (batch, seqlen, ...)."""
+    lo, hi = sequence_window(t.shape[1], cp)
+    return t[:, lo:hi]
 
 
 def mean_over_context(local_mean: torch.Tensor, labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
