@@ -57,32 +57,30 @@ def shutdown_distributed() -> None:
 
 def data_parallel_size_for(
     world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-    data_parallel_size: int | None = None,
+    data_parallel_size: int | None = None, context_parallel_size: int = 1,
 ) -> int:
-    """The data-parallel size of a layout, refusing impossible ones with the numbers and the rule.
+    """The data-parallel size (replicas) of a layout, refusing impossible ones with the numbers and the rule.
 
-    Given, `data_parallel_size` must make data x tensor x pipeline = world size; omitted, it is
-    world / (tensor x pipeline), which must divide evenly.
+    Given, `data_parallel_size` must make data x context x tensor x pipeline = world size; omitted, it
+    is world / (context x tensor x pipeline), which must divide evenly.
     """
-    sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+    sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+             "context_parallel_size": context_parallel_size}
     if data_parallel_size is not None:
         sizes["data_parallel_size"] = data_parallel_size
     for name, value in sizes.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    model = tensor_parallel_size * pipeline_parallel_size
+    model = context_parallel_size * tensor_parallel_size * pipeline_parallel_size
+    named = f"context ({context_parallel_size}) x tensor ({tensor_parallel_size}) x pipeline ({pipeline_parallel_size})"
     if data_parallel_size is None:
         if world_size % model:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor ({tensor_parallel_size}) x pipeline "
-                f"({pipeline_parallel_size}) = {model}; data-parallel size = world / (tensor x pipeline)"
-            )
+            raise ValueError(f"world size {world_size} is not divisible by {named} = {model}; "
+                             "data-parallel size = world / (context x tensor x pipeline)")
         return world_size // model
     if data_parallel_size * model != world_size:
-        raise ValueError(
-            f"world size {world_size} != data ({data_parallel_size}) x tensor ({tensor_parallel_size}) x "
-            f"pipeline ({pipeline_parallel_size}) = {data_parallel_size * model}"
-        )
+        raise ValueError(f"world size {world_size} != data ({data_parallel_size}) x {named} = "
+                         f"{data_parallel_size * model}")
     return data_parallel_size
 
 
@@ -110,20 +108,14 @@ class ParallelGroups:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() "
                                "or torch.distributed.init_process_group() before building ParallelGroups")
-        if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
-            raise ValueError(f"context_parallel_size must be a positive integer, got {context_parallel_size!r}")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.context_parallel_size = context_parallel_size
-        self.data_axis_size = data_parallel_size_for(
-            self.world_size, tensor_parallel_size, pipeline_parallel_size,
-            None if data_parallel_size is None else data_parallel_size * context_parallel_size)
-        if self.data_axis_size % context_parallel_size:
-            raise ValueError(f"world size {self.world_size} is not divisible by context ({context_parallel_size}) x "
-                             f"tensor ({tensor_parallel_size}) x pipeline ({pipeline_parallel_size})")
-        self.data_parallel_size = self.data_axis_size // context_parallel_size
+        self.data_parallel_size = data_parallel_size_for(
+            self.world_size, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, context_parallel_size)
+        self.data_axis_size = self.data_parallel_size * context_parallel_size
         self.topology = topology(tensor_parallel_size, pipeline_parallel_size, self.data_axis_size)
         coord = self.topology.get_coord(self.rank)
         self.tensor_rank, self.data_axis_rank, self.pipe_rank = coord.model, coord.data, coord.pipe

@@ -49,7 +49,16 @@ def group_checks():
         )
     without = ParallelGroups(2, 1).context_parallel()
     out["without_cp"] = (without.group, without.size, without.rank)
+    out["refused"] = [_error(lambda: ParallelGroups(1, 1, 3, 2)), _error(lambda: ParallelGroups(1, 1, None, 3))]
     return out
+
+
+def _error(build) -> str:
+    try:
+        build()
+    except ValueError as e:
+        return str(e)
+    return "built"
 
 
 @functools.cache
@@ -89,3 +98,11 @@ def test_deepspeeds_data_axis_holds_data_times_context_ranks(layout):
 
 def test_without_context_parallelism_no_group_is_created():
     assert all(r["without_cp"] == (None, 1, 0) for r in _results())
+
+
+def test_a_layout_the_world_cannot_hold_is_refused_naming_every_size_and_the_product():
+    assert all(r["refused"] == [
+        "world size 4 != data (3) x context (2) x tensor (1) x pipeline (1) = 6",
+        "world size 4 is not divisible by context (3) x tensor (1) x pipeline (1) = 3; "
+        "data-parallel size = world / (context x tensor x pipeline)",
+    ] for r in _results()), _results()[0]["refused"]

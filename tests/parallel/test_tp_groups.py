@@ -133,9 +133,9 @@ def test_tensor_parallel_handle_carries_the_tensor_rank_and_size():
 @pytest.mark.slow
 def test_building_groups_for_an_impossible_layout_is_refused_on_every_rank():
     for res in _results():
-        assert res["bad_tp"] == ("world size 4 is not divisible by tensor (3) x pipeline (1) = 3; "
-                                 "data-parallel size = world / (tensor x pipeline)")
-        assert res["bad_total"] == "world size 4 != data (2) x tensor (2) x pipeline (2) = 8"
+        assert res["bad_tp"] == ("world size 4 is not divisible by context (1) x tensor (3) x pipeline (1) = 3; "
+                                 "data-parallel size = world / (context x tensor x pipeline)")
+        assert res["bad_total"] == "world size 4 != data (2) x context (1) x tensor (2) x pipeline (2) = 8"
 
 
 def test_data_parallel_size_is_world_over_tensor_times_pipeline():
@@ -145,10 +145,14 @@ def test_data_parallel_size_is_world_over_tensor_times_pipeline():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(world_size=6, tensor_parallel_size=4), r"world size 6 is not divisible by tensor \(4\) x pipeline \(1\) = 4"),
+    (dict(world_size=6, tensor_parallel_size=4),
+     r"world size 6 is not divisible by context \(1\) x tensor \(4\) x pipeline \(1\) = 4"),
     (dict(world_size=8, tensor_parallel_size=2, data_parallel_size=2),
-     r"world size 8 != data \(2\) x tensor \(2\) x pipeline \(1\) = 4"),
+     r"world size 8 != data \(2\) x context \(1\) x tensor \(2\) x pipeline \(1\) = 4"),
+    (dict(world_size=4, data_parallel_size=3, context_parallel_size=2),
+     r"world size 4 != data \(3\) x context \(2\) x tensor \(1\) x pipeline \(1\) = 6"),
     (dict(world_size=8, tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
+    (dict(world_size=8, context_parallel_size=0), r"context_parallel_size must be a positive integer, got 0"),
     (dict(world_size=8, pipeline_parallel_size=-2), r"pipeline_parallel_size must be a positive integer, got -2"),
 ])
 def test_impossible_layouts_are_refused_naming_the_numbers(kwargs, message):
