@@ -3,7 +3,10 @@
 The folders: a checkpoint written after one AdamW step of a MambaLM drawn with another seed than
 the run's (so it holds optimizer state that must not be loaded), and its transformers export
 (megamamba.convert). The first logged loss must equal the loss that a plain MambaLM loaded from
-the folder (float64) gives on the run's first global batch.
+the folder (float64) gives on the run's first global batch. The runs use ZeRO-1, whose optimizer
+steps fp32 master copies of the weights: the second loss must equal that of a run without ZeRO
+(its optimizer steps the module's own weights) from the same folder, else the first step went
+back to the run's initial weights.
 """
 import json
 import os
@@ -62,43 +65,59 @@ def run_argv(runs, folders) -> list:
     return ["--deepspeed_config", str(runs.ds_config()), "--model-config", folders["config"], *COMMON, *SHORT]
 
 
-def check_started_at_weights(run, reference_loss: float, argv: list) -> None:
-    """Steps 0 and 1 logged, the first loss the folder model's, the LR the fresh schedule's step 0."""
+@pytest.fixture(scope="module")
+def second_loss_without_zero(runs, folders) -> float:
+    """Step 1's loss of a run at (1,1,1) with ZeRO stage 0 initialized from the checkpoint."""
+    run = runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["checkpoint"]],
+                        ds_config=runs.ds_config(zero_optimization={"stage": 0}))
+    assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
+    assert [r["step"] for r in run["records"]] == [0, 1]
+    return run["records"][1]["loss"]
+
+
+def check_started_at_weights(run, reference_loss: float, second_loss: float, argv: list) -> None:
+    """Steps 0 and 1 logged, the first loss the folder model's, the second `second_loss` (the
+    optimizer stepped from the folder's weights), the LR the fresh schedule's step 0."""
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     records = run["records"]
     assert [r["step"] for r in records] == [0, 1]
-    first = records[0]["loss"]
+    first, second = records[0]["loss"], records[1]["loss"]
     assert first == first and abs(first - reference_loss) / abs(reference_loss) <= TOLERANCE, (first, reference_loss)
+    assert second == second and abs(second - second_loss) / abs(second_loss) <= TOLERANCE, (second, second_loss)
     train = load_train_script()
     fresh = train.prepare(train.parse_args(argv), world_size=1).schedule
     assert records[0]["lr"] == pytest.approx(fresh(0), rel=1e-12)
 
 
 @pytest.mark.slow
-def test_init_from_a_transformers_export_starts_at_its_weights_at_step_0(runs, folders):
+def test_init_from_a_transformers_export_starts_at_its_weights_at_step_0(runs, folders, second_loss_without_zero):
     imported = import_weights("hf", folders["hf"], str(folders["root"] / "imported"))
     argv = run_argv(runs, folders)
     run = runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["hf"]])
-    check_started_at_weights(run, first_batch_loss(load_model_folder(imported), argv), argv)
+    first_loss = first_batch_loss(load_model_folder(imported), argv)
+    check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
     assert (f"train.py: initialized from {folders['hf']} (transformers Mamba2ForCausalLM folder, not verified: no "
             "manifest.json): step 0, fresh optimizer") in run["stdout"]
 
 
 @pytest.mark.slow
-def test_init_from_a_checkpoint_at_tensor_parallel_2_starts_at_its_weights_verified(runs, folders):
+def test_init_from_a_checkpoint_at_tensor_parallel_2_starts_at_its_weights_verified(runs, folders,
+                                                                                   second_loss_without_zero):
     argv = run_argv(runs, folders)
     run = runs.launched(2, "mamba2", [*SHORT, "--tensor-parallel-size", "2", "--init-from", folders["checkpoint"]])
-    check_started_at_weights(run, first_batch_loss(load_model_folder(folders["checkpoint"]), argv), argv)
+    first_loss = first_batch_loss(load_model_folder(folders["checkpoint"]), argv)
+    check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
     assert (f"train.py: initialized from {folders['checkpoint']} (checkpoint of step {SAVED_STEP}, verified: sizes "
             "and sha256 of") in run["stdout"]
     assert "resumed from" not in run["stdout"]
 
 
 @pytest.mark.slow
-def test_finetune_takes_only_the_weights_of_load(runs, folders):
+def test_finetune_takes_only_the_weights_of_load(runs, folders, second_loss_without_zero):
     argv = run_argv(runs, folders)
     run = runs.launched(1, "mamba2", [*SHORT, "--finetune", "--load", folders["checkpoint"]])
-    check_started_at_weights(run, first_batch_loss(load_model_folder(folders["checkpoint"]), argv), argv)
+    first_loss = first_batch_loss(load_model_folder(folders["checkpoint"]), argv)
+    check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
     assert f"train.py: initialized from {folders['checkpoint']} (checkpoint of step {SAVED_STEP}" in run["stdout"]
 
 
