@@ -70,7 +70,7 @@ from megamamba.pipelines.memory_fit import MemoryPlanError, check_at_start
 from megamamba.pipelines.memory_plan import RunShape, plan_memory
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
-from megamamba.pipelines.resume import fresh, records, resume_line, resumed_run
+from megamamba.pipelines.resume import fresh, records, resume_line, resumed_run, run_stream
 from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
 
 # DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
@@ -360,8 +360,9 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     load, initial = init_from.sources(args.init_from, args.finetune, args.load)
     try:
         resume = checkpointing.open_for_run(load, args.save, model_config)
+        stream = run_stream(plan.data, args.tokenizer) if args.save or resume else None  # what saves record
         run_start = fresh(plan.train_iters, plan.schedule, layout.global_batch_size) if not resume else resumed_run(
-            resume, args, plan.data, layout.global_batch_size, plan.train_iters, plan.schedule, plan.ds_config)
+            resume, args, stream, layout.global_batch_size, plan.train_iters, plan.schedule, plan.ds_config)
         settings = dataclasses.replace(plan.optimizer, schedule=run_start.schedule)
         start = init_from.open_source(*initial, model_config) if initial and not resume else None
         trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
@@ -471,8 +472,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
                                                scheduler=trainer.lr_scheduler,
                                                extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp],
                                                       "context_parallel_size": layout.cp,
-                                                      **records(run_start, plan.data, args.tokenizer,
-                                                                first_sample(step + 1),
+                                                      **records(run_start, stream, first_sample(step + 1),
                                                                 trainer.lr_scheduler.last_epoch)},
                                                tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
                                                protect=last_good and os.path.basename(last_good))

@@ -44,14 +44,19 @@ def fresh(train_iters: int, schedule, global_batch: int) -> RunStart:
     return RunStart(0, 0, train_iters, schedule, schedule, global_batch, [], None)
 
 
-def resumed_run(checkpoint: Checkpoint, args, data, global_batch: int, train_iters: int, schedule,
+def run_stream(data, tokenizer_spec: str) -> dict:
+    """The stream record of a run on `data` (TrainingData) at sample 0, computed once at start-up: its blend
+    identity reads a sampled fingerprint of every dataset, too costly for every save on shared storage."""
+    return stream_record(data.train, data.tokenizer, tokenizer_spec, 0)
+
+
+def resumed_run(checkpoint: Checkpoint, args, stream: dict, global_batch: int, train_iters: int, schedule,
                 ds_config: dict) -> RunStart:
-    """The continuation of `checkpoint` by a run with these flags, `data` (TrainingData) and global batch.
+    """The continuation of `checkpoint` by a run with these flags, `stream` (its run_stream) and global batch.
 
     CheckpointError (same on every rank, one message) for a refused change of stream or LR plan.
     """
-    run = stream_record(data.train, data.tokenizer, args.tokenizer, 0)
-    point = resume_point(checkpoint.extra, checkpoint.step, run, args.override_data_check, checkpoint.path)
+    point = resume_point(checkpoint.extra, checkpoint.step, stream, args.override_data_check, checkpoint.path)
     if args.train_samples is not None:
         train_iters = point.step + max(0, args.train_samples - point.consumed_samples) // global_batch
     notes = list(point.changes)
@@ -95,8 +100,9 @@ def resume_line(path: str, resumed: RunStart) -> str:
             f"next sample {resumed.consumed_samples}{notes}")
 
 
-def records(resumed: RunStart, data, tokenizer_spec: str, consumed_samples: int, scheduler_epoch: int) -> dict:
-    """The checkpoint's `extra` records after `consumed_samples` samples, the scheduler at `scheduler_epoch`."""
+def records(resumed: RunStart, stream: dict, consumed_samples: int, scheduler_epoch: int) -> dict:
+    """The checkpoint's `extra` records of a run with `stream` (its run_stream) after `consumed_samples`
+    samples, the scheduler at `scheduler_epoch`."""
     position = plan_position(resumed.schedule, scheduler_epoch)
-    return {STREAM: stream_record(data.train, data.tokenizer, tokenizer_spec, consumed_samples),
+    return {STREAM: {**stream, "consumed_samples": consumed_samples},
             LR_PLAN: lr_plan_record(resumed.lr_plan, resumed.plan_batch, position)}
