@@ -410,6 +410,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     def first_sample(step):  # the data stream is addressed by consumed samples, not by step
         return run_start.consumed_samples + (step - first_step) * layout.global_batch_size
 
+    layout_record = {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp}  # each checkpoint's "layout"
     summary = {"records": [], "stage_parameters": stage_params,
                "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
     steps_timed, seconds = 0, 0.0
@@ -470,8 +471,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
                 with watchdog.paused():
                     saved = checkpointing.save(trainer, model_config, args.save, step + 1,
                                                scheduler=trainer.lr_scheduler,
-                                               extra={"args": vars(args), "layout": [layout.dp, layout.tp, layout.pp],
-                                                      "context_parallel_size": layout.cp,
+                                               extra={"args": vars(args), "layout": layout_record,
                                                       **records(run_start, stream, first_sample(step + 1),
                                                                 trainer.lr_scheduler.last_epoch)},
                                                tokenizer=plan.data.tokenizer, keep_last=args.keep_last,

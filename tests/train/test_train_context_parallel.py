@@ -51,7 +51,7 @@ def test_the_console_names_the_context_parallel_size(runs):
 def test_a_context_parallel_checkpoint_records_cp_and_continues_the_curve_at_cp_1(runs, reference):
     saved = _launched(runs, "mamba2-1-2-1-1")["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
     state = json.loads((saved / "trainer_state.json").read_text())
-    assert state["extra"]["context_parallel_size"] == 2
+    assert state["extra"]["layout"] == {"dp": 1, "cp": 2, "tp": 1, "pp": 1}
     run = runs.launched(1, "mamba2", ["--load", str(saved)])
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, 5))
