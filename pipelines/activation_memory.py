@@ -8,7 +8,7 @@ widths under tensor parallelism (d_inner / TP, heads / TP, vocabulary / TP):
     normed input as in_proj reads it a*d, in_proj's output, the conv output, the scan's extra
     state and output, the gated norm's output (Mamba-2), and A = -exp(A_log) twice; Mamba-2 with
     its B/C groups replicated over TP (ngroups < TP, every published size) also its norm across
-    the ranks' float32 intermediates and its concatenated in_proj and conv weights;
+    the ranks' summed out_proj products and 1/rms and its concatenated in_proj and conv weights;
   - the final norm: its input r*d; the head: its input a*d; the loss: the logits (a*V), or under
     TP its float32 softmax (4*V), and the labels;
   - a stage that sends forward keeps its output stream r*d until the backward.
@@ -83,11 +83,11 @@ def mixer_bytes_per_token(shape: ActivationShape) -> int:
     conv_out = d_inner + 2 * bc
     norm_out = d_inner if opts.rmsnorm else 0
     kept = a * (d + in_proj_out + conv_out + d_inner + norm_out)
-    if replicated and opts.rmsnorm:  # the norm spans ranks (parallel.spanning_norm), in float32 torch ops:
-        # gate and y * weight, under autocast also float32 copies of y (which replaces y) and z; then the
-        # partial out_proj and 1/rms, of this rank's sequence shard under sequence parallelism
-        kept += 4 * d_inner * 4 - a * d_inner if shape.autocast else 4 * d_inner * 2
-        kept += (a * d + 4 + (2 if shape.autocast else 0)) // (shape.tp if shape.sequence_parallel else 1)
+    if replicated and opts.rmsnorm:  # the norm spans ranks (parallel.spanning_norm): per group the summed
+        # out_proj products and 1/rms (float32, and its bf16 copy under autocast), of this rank's sequence
+        # shard under sequence parallelism
+        per_group = a * d + 4 + (2 if shape.autocast else 0)
+        kept += opts.ngroups * per_group // (shape.tp if shape.sequence_parallel else 1)
     return kept
 
 
