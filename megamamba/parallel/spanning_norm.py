@@ -15,9 +15,9 @@ where rounding them to bf16 before the sum was off by about 0.4%. For ngroups > 
 only its group's slot, so the reductions carry ngroups partial results.
 
 The gating and the mean square are one autograd Function (`_GatedScale`) that keeps only y and z
-in their own dtype (bf16 under autocast) and recomputes its float32 intermediates backward:
-left to autograd, the float32 copies of y and z, the gate and the gated y were kept per token,
-and a TP-2 rank kept more activation memory than one rank without TP.
+in their own dtype (bf16 under autocast) and recomputes its float32 intermediates backward.
+Left to autograd, the float32 copies of y and z, the gate and the gated y would be kept: four
+float32 tensors of d_inner / TP per token, more than a rank without TP keeps in all.
 """
 from __future__ import annotations
 
