@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from train_entry import ROOT
-
 from megamamba.config import MambaConfig
 from megamamba.lm import MambaLM
 from megamamba.pipelines.activation_memory import ActivationShape, kept_bytes, stage_activation_bytes
 from megamamba.pipelines.plain import PlainLM
+from train_entry import ROOT
 
 MODELS = ["mamba1-130m", "mamba2-130m", "mamba2-1.3b"]
 
