@@ -42,7 +42,7 @@ class MetricsLogger:
             return
         for value, monitor in ((jsonl_path, JsonlMonitor), (tensorboard_dir, TensorBoardMonitor),
                                (csv_dir, CsvMonitor), (wandb, WandbMonitor)):
-            if value is not None:
+            if value is not None and value != "":  # an empty path (--metrics-jsonl "") is off
                 self._monitors.append(monitor(value))
 
     def log(self, record: dict) -> None:

@@ -51,6 +51,14 @@ def test_a_disabled_logger_writes_nothing(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_empty_paths_turn_the_jsonl_and_tensorboard_outputs_off(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    logger = MetricsLogger(True, jsonl_path="", tensorboard_dir="")
+    logger.log(RECORDS[0])
+    logger.close()
+    assert "loss 5.5" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+
+
 def test_an_unknown_metric_name_is_refused(tmp_path):
     logger = MetricsLogger(True, jsonl_path=str(tmp_path / "m.jsonl"))
     with pytest.raises(KeyError, match="throughput"):
