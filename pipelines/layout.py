@@ -4,7 +4,7 @@ All checks read only the command line, the DeepSpeed JSON, the model config and 
 so a bad combination stops the job before any process group, model or optimizer exists; each
 raises `LayoutError` with one message naming the values and the rule.
 
-Rules that settle how our flags and the JSON interact (README, "Training with DeepSpeed"):
+Rules that settle how our flags and the JSON interact (docs/training.md):
   - Batch: DeepSpeed's own keys. train_batch_size = train_micro_batch_size_per_gpu x
     gradient_accumulation_steps x dp, where dp = world / (cp x tp x pp); any two of the three fix
     the third, all three must agree. The cp ranks of a context-parallel group share their samples
