@@ -156,3 +156,14 @@ def run_ranks(
         raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
                            f"(running {fn.__module__}.{fn.__qualname__})")
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def group_members(group) -> list[int]:
+    """Global ranks in `group`, found by communicating over it (so the group is real)."""
+    import torch
+    import torch.distributed as dist
+    size = dist.get_world_size(group)
+    mine = torch.tensor([dist.get_rank()])
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine, group=group)
+    return [int(p) for p in parts]

@@ -32,6 +32,7 @@ from megamamba.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
 from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
 from model_checks import perturb, relative_error
+from saved_tensors import autograd_saved_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -151,20 +152,9 @@ def saved_bytes(name, cp):
     cfg = MambaConfig(d_model=8, n_layer=1, vocab_size=37, pad_vocab_size_multiple=1, ssm_cfg=MEMORY_CASES[name])
     torch.manual_seed(SEED)
     model = MambaLM(cfg, cp=cp)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     gen = torch.Generator().manual_seed(SEED + 4)
     ids = sequence_slice(torch.randint(0, cfg.vocab_size, (1, MEMORY_SEQLEN), generator=gen), cp)
-    storages = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.loss(ids, ids, seq_idx=None)
-    return sum(storages.values())
+    return autograd_saved_bytes(model, lambda: model.loss(ids, ids, seq_idx=None))
 
 
 def _world(size):

@@ -8,24 +8,14 @@ pipeline engine's grid sees the same data axis.
 import functools
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from distributed import run_ranks
+from distributed import group_members, run_ranks
 from megamamba.parallel.groups import ParallelGroups
 
 LAYOUTS = [(2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2)]  # (dp, cp, tp, pp) at 4 ranks
 IDS = [f"dp{d}-cp{c}-tp{t}-pp{p}" for d, c, t, p in LAYOUTS]
 
 pytestmark = pytest.mark.slow
-
-
-def _members(group):
-    size = dist.get_world_size(group)
-    mine = torch.tensor([dist.get_rank()])
-    parts = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(parts, mine, group=group)
-    return [int(p) for p in parts]
 
 
 def group_checks():
@@ -42,8 +32,8 @@ def group_checks():
         mpu = groups.mpu() if pp == 1 else None
         out[dp, cp, tp, pp] = dict(
             replica=(groups.data_rank, groups.data_parallel_size),
-            context=(context.rank, context.size, groups.context_ranks, _members(context.group)),
-            data_axis=(groups.data_axis_rank, groups.data_axis_size, _members(groups.data_group)),
+            context=(context.rank, context.size, groups.context_ranks, group_members(context.group)),
+            data_axis=(groups.data_axis_rank, groups.data_axis_size, group_members(groups.data_group)),
             grid=(grid.get_data_parallel_id(), grid.get_data_parallel_world_size()),
             mpu=None if mpu is None else (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()),
         )

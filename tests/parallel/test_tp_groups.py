@@ -2,29 +2,18 @@
 import functools
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from distributed import run_ranks
+from distributed import group_members, run_ranks
 from megamamba.parallel.groups import ParallelGroups, data_parallel_size_for
 
 LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (1, 2, 2), (2, 1, 2)]  # (dp, tp, pp) at 4 ranks
-
-
-def _members(group):
-    """Global ranks in `group`, found by communicating over it (so the group is real)."""
-    size = dist.get_world_size(group)
-    mine = torch.tensor([dist.get_rank()])
-    parts = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(parts, mine, group=group)
-    return [int(p) for p in parts]
 
 
 def _describe(groups):
     return dict(
         coords=(groups.data_rank, groups.tensor_rank, groups.pipe_rank),
         ranks=(groups.data_ranks, groups.tensor_ranks, groups.pipe_ranks),
-        members=(_members(groups.data_group), _members(groups.tensor_group), _members(groups.pipe_group)),
+        members=tuple(group_members(g) for g in (groups.data_group, groups.tensor_group, groups.pipe_group)),
     )
 
 
@@ -39,13 +28,13 @@ def _describe_grid(grid):
 def _describe_mpu(mpu):
     return dict(
         model=(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
-               _members(mpu.get_model_parallel_group())),
+               group_members(mpu.get_model_parallel_group())),
         tensor=(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
-                _members(mpu.get_tensor_model_parallel_group()), mpu.get_tensor_model_parallel_src_rank()),
+                group_members(mpu.get_tensor_model_parallel_group()), mpu.get_tensor_model_parallel_src_rank()),
         data=(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
-              _members(mpu.get_data_parallel_group()), mpu.get_data_parallel_group_ranks()),
+              group_members(mpu.get_data_parallel_group()), mpu.get_data_parallel_group_ranks()),
         pipe=(mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(),
-              _members(mpu.get_pipe_parallel_group())),
+              group_members(mpu.get_pipe_parallel_group())),
     )
 
 

@@ -14,6 +14,7 @@ from megamamba.config import MambaConfig
 from megamamba.lm import MambaLM
 from megamamba.pipelines.activation_memory import ActivationShape, kept_bytes, stage_activation_bytes
 from megamamba.pipelines.plain import PlainLM
+from saved_tensors import autograd_saved_bytes
 from train_entry import ROOT
 
 MODELS = ["mamba1-130m", "mamba2-130m", "mamba2-1.3b"]
@@ -80,19 +81,10 @@ def test_bf16_autocast_keeps_less_than_float32(name):
 
 def _kept_by_autograd(model: PlainLM, input_ids: torch.Tensor, autocast: bool) -> int:
     """Bytes of the distinct storages autograd keeps for the loss's backward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def forward():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(input_ids, input_ids)
-    return sum(kept.values())
+    return autograd_saved_bytes(model, forward)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
