@@ -12,12 +12,12 @@ The first process to take an exclusive `flock` on the folder's lock file builds 
 (renamed into place whole) while the others wait, then read them. A folder that cannot be written
 (read-only data) leaves the arrays in memory, as for small datasets and the built-in corpus.
 """
-import fcntl
 import os
 from typing import Callable, Optional
 
 import numpy as np
 
+from megamamba.data.file_lock import exclusive_lock
 from megamamba.data.indexed import IndexedDataset
 from megamamba.data.split import DocumentRange
 
@@ -69,14 +69,9 @@ def epoch_arrays(base: Optional[str], sizes: tuple[int, int, int], build: Callab
     folder = os.path.dirname(base)
     try:
         os.makedirs(folder, exist_ok=True)
-        lock = open(os.path.join(folder, ".lock"), "a")
     except OSError:
         return build()
-    with lock:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        except OSError:
-            pass  # a filesystem without locks: every process builds the same files
+    with exclusive_lock(os.path.join(folder, ".lock")):  # without locks, every process builds the same files
         found = _load(base, sizes)
         if found is not None:
             return found

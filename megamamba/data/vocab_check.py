@@ -22,8 +22,6 @@ directory is not writable, nothing can be recorded and every start-up scans (its
 says so).
 Scans of large files show progress (progress.py: plain lines when stderr is not a terminal).
 """
-import contextlib
-import fcntl
 import os
 import sys
 
@@ -31,6 +29,7 @@ import numpy as np
 
 from megamamba.data.dataset_meta import record_token_range, recorded_token_range, token_range_record
 from megamamba.data.errors import DatasetError
+from megamamba.data.file_lock import exclusive_lock
 from megamamba.data.progress import Progress
 
 LOCK_SUFFIX = ".lock"  # beside the dataset: `<prefix>.lock`, taken by the process that scans
@@ -54,20 +53,6 @@ def scan_token_range(dataset, label: str, stream=sys.stderr) -> tuple[int, int]:
     return low, high
 
 
-def _lock(path: str):
-    """A context holding an exclusive flock on `path` (created if missing) until it exits; where
-    `path` cannot be created or the filesystem refuses the lock, one holding none."""
-    try:
-        f = open(path, "a")
-    except OSError:
-        return contextlib.nullcontext()
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-    except OSError:
-        pass
-    return f
-
-
 def token_range(dataset, stream=sys.stderr) -> tuple[int, int]:
     """(smallest, largest) id of the dataset at `dataset.prefix`: recorded, or scanned once and recorded."""
     bin_path = dataset.prefix + ".bin"
@@ -78,7 +63,7 @@ def token_range(dataset, stream=sys.stderr) -> tuple[int, int]:
     if not os.access(folder, os.W_OK):
         return scan_token_range(dataset, f"vocabulary check of {bin_path} (not recorded: {folder} is not writable)",
                                 stream)
-    with _lock(dataset.prefix + LOCK_SUFFIX):
+    with exclusive_lock(dataset.prefix + LOCK_SUFFIX):
         stat = os.stat(bin_path)  # before the scan: a change during it leaves the record stale
         recorded = recorded_token_range(dataset.prefix, stat)  # written while this process waited for the lock
         if recorded is not None:

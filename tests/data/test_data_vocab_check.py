@@ -126,13 +126,13 @@ def test_ranks_starting_together_scan_a_dataset_once(tmp_path, monkeypatch):
 def test_the_scan_lock_is_taken_on_a_writable_lock_file_beside_the_dataset_not_on_the_bin(tmp_path, monkeypatch):
     prefix = write_dataset(str(tmp_path / "d"), DOCS)
     locked = []
-    real = vocab_check.fcntl.flock
+    real = fcntl.flock
 
     def recorded(fd, operation):  # NFS refuses an exclusive lock on a read-only descriptor
         writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
         locked.append((os.fstat(fd).st_ino, writable))
         return real(fd, operation)
-    monkeypatch.setattr(vocab_check.fcntl, "flock", recorded)
+    monkeypatch.setattr(fcntl, "flock", recorded)
     IndexedDataset(prefix, vocab_size=10)
     assert locked == [(os.stat(prefix + vocab_check.LOCK_SUFFIX).st_ino, True)]
 
