@@ -25,6 +25,7 @@ reduce-scatters instead (x_proj's all-reduce stays: inside the mixer the sequenc
 Context parallelism (`cp` of size > 1): the mixer runs on this rank's consecutive slice of the
 sequence, its conv and scan continuing the previous ranks' (`megamamba.parallel.context`: a conv
 halo and one all-gather of state summaries per call); composes with TP and sequence parallelism.
+`forward` then takes its conv and scan from a `ContextSlice`, which has the kernels' signatures.
 """
 import math
 from typing import Optional
@@ -33,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamamba import kernels
 from megamamba.config import Mamba1Options
-from megamamba.kernels import causal_conv1d, causal_conv1d_update, selective_scan, selective_state_update
+from megamamba.kernels import causal_conv1d_update, selective_state_update
 from megamamba.parallel import (
     ColumnParallelLinear,
     Component,
@@ -42,7 +44,7 @@ from megamamba.parallel import (
     TensorParallel,
     copy_to_tp_region,
 )
-from megamamba.parallel.context import ContextSlice, check_no_inference_state
+from megamamba.parallel.context import ContextSlice
 from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.parallel.conv import ParallelDepthwiseConv1d
 from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
@@ -157,19 +159,17 @@ class Mamba1(nn.Module):
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids reset
         the conv and SSM state at document boundaries. With `inference_state` (conv_state, ssm_state)
         from `allocate_inference_cache`, the states after the last position are written into it."""
-        if self.cp is not None:
-            check_no_inference_state(inference_state)
-            return self._forward_context_parallel(hidden_states, ContextSlice(self.cp, seq_idx, self.d_conv))
+        ops = kernels if self.cp is None else ContextSlice(self.cp, seq_idx, self.d_conv)  # CP: continue earlier slices
         x, z = self.split_in_proj(self.in_proj(hidden_states))
         x, z = x.transpose(1, 2), z.transpose(1, 2)  # (batch, d_inner, seqlen)
         if inference_state is not None:
             inference_state[0].copy_(F.pad(x, (self.d_conv - x.shape[-1], 0)))
-        x = causal_conv1d(x, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu")
+        x = ops.causal_conv1d(x, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu")
 
         dt, B, C = self.scan_inputs(x)
-        y = selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
-                           delta_bias=fp32_or_wider(self.dt_proj.bias), delta_softplus=True,
-                           return_last_state=inference_state is not None, seq_idx=seq_idx)
+        y = ops.selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
+                               delta_bias=fp32_or_wider(self.dt_proj.bias), delta_softplus=True,
+                               return_last_state=inference_state is not None, seq_idx=seq_idx)
         if inference_state is not None:
             y, last_state = y
             inference_state[1].copy_(last_state)
@@ -180,16 +180,6 @@ class Mamba1(nn.Module):
         B, C (batch, d_state, seqlen)."""
         dt, B, C = self.split_x_proj(self.project_x(x.transpose(1, 2)))
         return (dt @ self.dt_proj.weight.t()).transpose(1, 2), B.transpose(1, 2), C.transpose(1, 2)
-
-    def _forward_context_parallel(self, hidden_states: torch.Tensor, cp_slice: ContextSlice) -> torch.Tensor:
-        """forward on this rank's slice of the sequence, its conv and scan continuing the previous ranks'."""
-        x, z = self.split_in_proj(self.in_proj(hidden_states))
-        x, z = x.transpose(1, 2), z.transpose(1, 2)
-        x = cp_slice.causal_conv1d(x, *self.conv_weight_and_bias(), activation="silu")
-        dt, B, C = self.scan_inputs(x)
-        y = cp_slice.selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
-                                    delta_bias=fp32_or_wider(self.dt_proj.bias), delta_softplus=True)
-        return self.out_proj(y.transpose(1, 2))
 
     # ---- recurrent form (generation) -------------------------------------------------------
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> tuple:

@@ -32,6 +32,7 @@ reduce-scatters instead.
 Context parallelism (`cp` of size > 1): the mixer runs on this rank's consecutive slice of the
 sequence, its conv and scan continuing the previous ranks' (`megamamba.parallel.context`: a conv
 halo and one all-gather of state summaries per call); composes with TP and sequence parallelism.
+`forward` then takes its conv and scan from a `ContextSlice`, which has the kernels' signatures.
 """
 from typing import Optional
 
@@ -39,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamamba import kernels
 from megamamba.config import Mamba2Options
-from megamamba.kernels import causal_conv1d, causal_conv1d_update, selective_state_update, ssd_chunk_scan
+from megamamba.kernels import causal_conv1d_update, selective_state_update
 from megamamba.mamba1 import fp32_or_wider, sample_dt_bias
 from megamamba.norm import RMSNormGated
 from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
-from megamamba.parallel.context import ContextSlice, check_no_inference_state
+from megamamba.parallel.context import ContextSlice
 from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.parallel.conv import ParallelDepthwiseConv1d
 from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
@@ -175,34 +177,21 @@ class Mamba2(nn.Module):
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids reset
         the conv and SSM state at document boundaries. With `inference_state` (conv_state, ssm_state)
         from `allocate_inference_cache`, the states after the last position are written into it."""
-        if self.cp is not None:
-            check_no_inference_state(inference_state)
-            return self._forward_context_parallel(hidden_states, ContextSlice(self.cp, seq_idx, self.d_conv))
+        ops = kernels if self.cp is None else ContextSlice(self.cp, seq_idx, self.d_conv)  # CP: continue earlier slices
         z, xBC, dt = self.split_in_proj(self.in_proj(hidden_states))
-        batch, seqlen, _ = z.shape  # the whole sequence (sequence parallelism gathers it in in_proj)
+        batch, seqlen, _ = z.shape  # sequence parallelism gathers the sequence in in_proj
         xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
         if inference_state is not None:
             inference_state[0].copy_(F.pad(xBC, (self.d_conv - seqlen, 0)))
-        xBC = causal_conv1d(xBC, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu").transpose(1, 2)
+        xBC = ops.causal_conv1d(xBC, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu").transpose(1, 2)
         x, B, C = self.split_xBC(xBC)
-        y = ssd_chunk_scan(x, dt, self.A(), B, C, self.chunk_size, D=self.D_per_head(),
-                           z=None if self.rmsnorm else z.reshape_as(x), dt_bias=self.dt_bias, seq_idx=seq_idx,
-                           dt_softplus=True, dt_limit=self.dt_limit,
-                           return_final_states=inference_state is not None)
+        y = ops.ssd_chunk_scan(x, dt, self.A(), B, C, self.chunk_size, D=self.D_per_head(),
+                               z=None if self.rmsnorm else z.reshape_as(x), dt_bias=self.dt_bias, seq_idx=seq_idx,
+                               dt_softplus=True, dt_limit=self.dt_limit,
+                               return_final_states=inference_state is not None)
         if inference_state is not None:
             y, final_state = y
             inference_state[1].copy_(final_state)
-        return self.gate_and_project(y.reshape(batch, seqlen, self.d_inner), z)
-
-    def _forward_context_parallel(self, hidden_states: torch.Tensor, cp_slice: ContextSlice) -> torch.Tensor:
-        """forward on this rank's slice of the sequence, its conv and scan continuing the previous ranks'."""
-        z, xBC, dt = self.split_in_proj(self.in_proj(hidden_states))
-        batch, seqlen, _ = z.shape
-        xBC = cp_slice.causal_conv1d(xBC.transpose(1, 2), *self.conv_weight_and_bias(), activation="silu")
-        x, B, C = self.split_xBC(xBC.transpose(1, 2))
-        y = cp_slice.ssd_chunk_scan(x, dt, self.A(), B, C, self.chunk_size, D=self.D_per_head(),
-                                    z=None if self.rmsnorm else z.reshape_as(x), dt_bias=self.dt_bias,
-                                    dt_softplus=True, dt_limit=self.dt_limit)
         return self.gate_and_project(y.reshape(batch, seqlen, self.d_inner), z)
 
     # ---- recurrent form (generation) -------------------------------------------------------

@@ -3,7 +3,8 @@
 A `ContextSlice` is built once per mixer call from the `ContextParallel` group and the slice's
 document ids; its `causal_conv1d`, `ssd_chunk_scan` (Mamba-2) and `selective_scan` (Mamba-1)
 take the kernels' arguments and return what the kernels would return for these positions of the
-whole sequence. Communication per call (independent of the sequence length):
+whole sequence, so the mixers' `forward` calls them in place of the kernels. Communication per call
+(independent of the sequence length):
 
     forward:  the conv halo, batch x conv channels x (d_conv - 1), to the next rank (`halo`);
               with packed documents the last d_conv - 1 ids too;
@@ -44,34 +45,43 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def check_no_inference_state(inference_state) -> None:
-    """Refuse the prefill cache under context parallelism: generation runs on one rank's whole sequence."""
-    if inference_state is not None:
+def _refuse_final_state(requested: bool) -> None:
+    """Refuse the prefill cache's final states: generation runs on one rank's whole sequence."""
+    if requested:
         raise ValueError("inference_state with context parallelism: the recurrent form (prefill, step) needs "
                          "the whole sequence on one rank; build the model without a context-parallel group")
 
 
 class ContextSlice:
     """This rank's slice in a `ContextParallel` group: the previous rank's document ids (exchanged
-    here when `seq_idx` is given) and the conv and scans across the rank edges."""
+    here when `seq_idx` is given) and the conv and scans across the rank edges. The methods take the
+    kernels' arguments, `seq_idx` being the one given here, so a mixer calls either the same way."""
 
     def __init__(self, cp: ContextParallel, seq_idx: torch.Tensor | None, conv_width: int):
         self.cp, self.seq_idx = cp, seq_idx
         self.halo_ids = None if seq_idx is None else previous_ids(seq_idx, max(conv_width - 1, 1), cp)
+
+    def _check_ids(self, seq_idx: torch.Tensor | None) -> None:
+        if seq_idx is not self.seq_idx:
+            raise ValueError("seq_idx is not the tensor this ContextSlice was built with: its ids (and the previous "
+                             "rank's, exchanged then) are the ones the conv and scans use")
 
     def _reaches(self, batch: int, seqlen: int, device) -> torch.Tensor:
         """(batch, seqlen) bool: positions the entering state reaches."""
         last = None if self.halo_ids is None else self.halo_ids[:, -1]
         return reaches_from_start(self.seq_idx, last, batch, seqlen, device)
 
-    def causal_conv1d(self, x, weight, bias=None, activation=None):
+    def causal_conv1d(self, x, weight, bias=None, seq_idx=None, activation=None):
         """`megamamba.kernels.causal_conv1d` of the slice x (batch, dim, seqlen), with the halo."""
+        self._check_ids(seq_idx)
         return causal_conv1d_with_halo(x, weight, bias, self.cp, seq_idx=self.seq_idx, halo_ids=self.halo_ids,
                                        activation=activation)
 
-    def ssd_chunk_scan(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-                       dt_limit=(0.0, float("inf"))):
+    def ssd_chunk_scan(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, seq_idx=None,
+                       dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
         """`megamamba.kernels.ssd_chunk_scan` of the slice, started from the state the earlier slices leave."""
+        self._check_ids(seq_idx)
+        _refuse_final_state(return_final_states)
         y, final = ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, seq_idx=self.seq_idx,
                                   dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
         reaches = self._reaches(x.shape[0], x.shape[1], x.device)
@@ -80,8 +90,11 @@ class ContextSlice:
         contribution = checkpoint(_ssd_contribution, C, h0, z, *dt_args, use_reentrant=False)
         return (y.to(contribution.dtype) + contribution).to(y.dtype)
 
-    def selective_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+    def selective_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False, seq_idx=None):
         """`megamamba.kernels.selective_scan` of the slice, started from the state the earlier slices leave."""
+        self._check_ids(seq_idx)
+        _refuse_final_state(return_last_state)
         y, final = selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
                                   return_last_state=True, seq_idx=self.seq_idx)
         reaches = self._reaches(u.shape[0], u.shape[2], u.device)
