@@ -16,7 +16,7 @@ boundaries, see packing.py), or None when `reset_at_documents` is off.
 """
 import hashlib
 from fractions import Fraction
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -79,14 +79,6 @@ class PackedGlobalBatches:
             raise ValueError(f"global samples [{first}, {stop}): need 0 <= first <= stop")
         return self.schedule.assign(first, stop)
 
-    def sources(self, step: int, first: int, stop: int) -> list[tuple[int, int]]:
-        """(dataset index, sample number in it) of rows [first, stop) of the step's global batch."""
-        if step < 0 or not 0 <= first <= stop <= self.global_batch_size:
-            raise ValueError(f"rows [{first}, {stop}) of step {step}: need step >= 0 and "
-                             f"0 <= first <= stop <= {self.global_batch_size}")
-        base = step * self.global_batch_size
-        return self.sources_at(base + first, base + stop)
-
     def _pack(self, sources: list[tuple[int, int]], window: Optional[tuple[int, int]] = None) -> Batch:
         samples = [self.packers[i].sample(q, window) for i, q in sources]
         tokens = torch.from_numpy(np.stack([t for t, _ in samples]))
@@ -97,16 +89,10 @@ class PackedGlobalBatches:
         """Global samples [first, stop) as rows; with window (lo, hi) only sequence positions [lo, hi)."""
         return self._pack(self.sources_at(first, stop), window)
 
-    def rows(self, step: int, first: int, stop: int) -> Batch:
-        """Rows [first, stop) of the global batch of `step`."""
-        return self._pack(self.sources(step, first, stop))
-
-    def global_batch(self, step: int) -> Batch:
-        return self.rows(step, 0, self.global_batch_size)
-
     def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int,
                       window: Optional[tuple[int, int]] = None) -> list[Batch]:
-        """This data-parallel rank's contiguous slice of the step's global batch, as consecutive micro-batches."""
+        """This data-parallel rank's contiguous slice of the step's global batch, as consecutive micro-batches
+        (at one global batch size for the whole stream, as validation reads its own)."""
         if step < 0:
             raise ValueError(f"step {step}: must be >= 0")
         return self.micro_batches_at(step * self.global_batch_size, dp_rank, dp_size, micro_batch_size, window)
@@ -123,10 +109,3 @@ class PackedGlobalBatches:
             raise ValueError(f"dp_rank {dp_rank}: must lie in [0, {dp_size})")
         first = first_sample + dp_rank * per_rank
         return [self.rows_at(m, m + micro_batch_size, window) for m in range(first, first + per_rank, micro_batch_size)]
-
-    def iterate(self, start_step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> Iterator[Batch]:
-        """Micro-batches of steps start_step, start_step + 1, ... in order, without end."""
-        step = start_step
-        while True:
-            yield from self.micro_batches(step, dp_rank, dp_size, micro_batch_size)
-            step += 1

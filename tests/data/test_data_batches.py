@@ -28,10 +28,10 @@ def batches(datasets, weights=(0.7, 0.3), gbs=8, seed=5, **kw):
 
 def test_resumed_iteration_yields_what_an_uninterrupted_one_does(two_datasets):
     data = batches(two_datasets)
-    whole = data.iterate(0, 0, 1, 2)
-    uninterrupted = [next(whole) for _ in range(4 * 11)]  # 11 steps of 4 micro-batches
-    resumed = PackedGlobalBatches(two_datasets, [0.7, 0.3], SEQ, 8, 5).iterate(6, 0, 1, 2)  # a fresh object
-    for i, got in enumerate(next(resumed) for _ in range(4 * 5)):
+    uninterrupted = [mb for step in range(11) for mb in data.micro_batches_at(8 * step, 0, 1, 2)]  # 4 per step
+    fresh = PackedGlobalBatches(two_datasets, [0.7, 0.3], SEQ, 8, 5)  # resumed after 6 steps of 8 samples
+    resumed = [mb for step in range(6, 11) for mb in fresh.micro_batches_at(8 * step, 0, 1, 2)]
+    for i, got in enumerate(resumed):
         want = uninterrupted[4 * 6 + i]
         assert all(torch.equal(g, w) for g, w in zip(got, want)), f"micro-batch {i} after resuming at step 6 differs"
 
@@ -40,7 +40,7 @@ def test_resumed_iteration_yields_what_an_uninterrupted_one_does(two_datasets):
 def test_global_batch_is_the_same_at_any_data_parallel_size(two_datasets, dp):
     data = batches(two_datasets, gbs=8)
     for step in (0, 3, 17):
-        ref = data.global_batch(step)
+        ref = data.rows_at(8 * step, 8 * step + 8)
         parts = [mb for rank in range(dp) for mb in data.micro_batches(step, rank, dp, 8 // dp // 2 or 1)]
         for k, name in enumerate(("inputs", "labels", "seq_idx")):
             joined = torch.cat([p[k] for p in parts])
@@ -48,14 +48,14 @@ def test_global_batch_is_the_same_at_any_data_parallel_size(two_datasets, dp):
 
 
 def test_batch_shapes_and_types(two_datasets):
-    inputs, labels, seq_idx = batches(two_datasets).global_batch(2)
+    inputs, labels, seq_idx = batches(two_datasets).rows_at(16, 24)
     assert inputs.shape == labels.shape == seq_idx.shape == (8, SEQ)
     assert inputs.dtype == labels.dtype == torch.int64 and seq_idx.dtype == torch.int32
     assert torch.equal(inputs[:, 1:], labels[:, :-1]), "labels are not the inputs shifted by one"
 
 
 def test_seq_idx_steps_exactly_at_document_boundaries(two_datasets):
-    inputs, labels, seq_idx = batches(two_datasets, gbs=16).global_batch(4)
+    inputs, labels, seq_idx = batches(two_datasets).rows_at(64, 80)
     for row in range(16):
         x, s = inputs[row].numpy(), seq_idx[row].numpy()
         assert s[0] == 0
@@ -70,8 +70,8 @@ def test_seq_idx_steps_exactly_at_document_boundaries(two_datasets):
 
 
 def test_reset_off_gives_no_seq_idx(two_datasets):
-    on = batches(two_datasets).global_batch(1)
-    off = batches(two_datasets, reset_at_documents=False).global_batch(1)
+    on = batches(two_datasets).rows_at(8, 16)
+    off = batches(two_datasets, reset_at_documents=False).rows_at(8, 16)
     assert off[2] is None
     assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 
@@ -97,8 +97,8 @@ def test_blend_counts_stay_within_the_number_of_datasets_of_the_weights():
 
 
 def test_blend_is_honoured_in_the_batches(two_datasets):
-    data = batches(two_datasets, weights=(0.7, 0.3), gbs=10)
-    from_a = sum((data.global_batch(s)[0] < 1000).all(dim=1).sum().item() for s in range(30))
+    data = batches(two_datasets, weights=(0.7, 0.3))
+    from_a = (data.rows_at(0, 300)[0] < 1000).all(dim=1).sum().item()
     # 300 samples at weight 0.7 -> 210 from A, within the schedule's bound of n + 1 = 3 samples
     assert abs(from_a - 210) <= 3, from_a
 
@@ -159,9 +159,9 @@ def test_dataset_shorter_than_one_sample_is_refused(tmp_path):
 
 
 def test_seed_changes_the_batches_and_not_the_data(two_datasets):
-    a, b = batches(two_datasets, seed=1).global_batch(0)[0], batches(two_datasets, seed=2).global_batch(0)[0]
+    a, b = batches(two_datasets, seed=1).rows_at(0, 8)[0], batches(two_datasets, seed=2).rows_at(0, 8)[0]
     assert not torch.equal(a, b)
-    assert torch.equal(a, batches(two_datasets, seed=1).global_batch(0)[0])
+    assert torch.equal(a, batches(two_datasets, seed=1).rows_at(0, 8)[0])
 
 
 @pytest.mark.parametrize("window", [(0, SEQ), (0, 5), (5, 12), (11, SEQ), (22, SEQ)])

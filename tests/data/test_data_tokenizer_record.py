@@ -61,7 +61,7 @@ def test_the_mismatch_is_allowed_with_the_flag_and_a_warning(corpus, spm, tmp_pa
     prefix = made_with(corpus, tmp_path / "b", "bytes")
     data = data_for(prefix, spm, allow_tokenizer_mismatch=True)
     assert len(data.warnings) == 1 and "training on it anyway (--allow-tokenizer-mismatch)" in data.warnings[0]
-    assert data.train.global_batch(0)[0].shape == (4, 16)
+    assert data.train.rows_at(0, 4)[0].shape == (4, 16)
 
 
 def test_the_same_tokenizer_from_another_place_matches(corpus, spm, tmp_path):

@@ -43,14 +43,14 @@ def test_blend_batches_carry_seq_idx_at_document_boundaries_unless_turned_off(tm
     a = _dataset(tmp_path / "a", _short_documents(200, 1))
     b = _dataset(tmp_path / "b", _short_documents(200, 100))
     data = training_data(TINY, "bytes", ["0.75", a, "0.25", b], [b], 24, 8, SEED)
-    inputs, labels, seq_idx = data.train.global_batch(3)
+    inputs, labels, seq_idx = data.train.rows_at(24, 32)
     assert inputs.shape == labels.shape == seq_idx.shape == (8, 24) and seq_idx.dtype.is_signed
     # The id steps up at each end-of-document input, whose label starts the next document.
     steps = seq_idx[:, 1:] - seq_idx[:, :-1]
     assert ((steps == 1) == (inputs[:, 1:] == 256)).all() and seq_idx.max() > 1
-    assert data.valid is not None and not np.array_equal(data.valid.global_batch(0)[0], data.train.global_batch(0)[0])
+    assert data.valid is not None and not np.array_equal(data.valid.rows_at(0, 8)[0], data.train.rows_at(0, 8)[0])
     off = training_data(TINY, "bytes", [a], [], 24, 8, SEED, reset_at_documents=False)
-    off_inputs, _, off_seq_idx = off.train.global_batch(3)
+    off_inputs, _, off_seq_idx = off.train.rows_at(24, 32)
     assert off_seq_idx is None and off_inputs.shape == (8, 24)
 
 
