@@ -26,11 +26,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
-from megamamba import MambaConfig, MambaLM
+from megamamba import MambaLM
 from megamamba.block import Block
 from megamamba.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
 from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
+from model_cases import lm_config, lm_inputs
 from model_checks import perturb, relative_error
 from saved_tensors import autograd_saved_bytes
 
@@ -64,17 +65,7 @@ CP_TP_CASES = {
 
 
 def config(ssm, **fields):
-    base = {"d_model": D_MODEL, "n_layer": 2, "vocab_size": 37, "pad_vocab_size_multiple": 1}
-    return MambaConfig(**{**base, **fields, "ssm_cfg": ssm})
-
-
-def _inputs(cfg, documents):
-    gen = torch.Generator().manual_seed(SEED + 1)
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
-    labels[0, :3] = -100
-    seq_idx = torch.tensor(DOCUMENTS, dtype=torch.int32) if documents else None
-    return ids, labels, seq_idx
+    return lm_config(ssm, D_MODEL, **fields)
 
 
 def _recompute_in_backward(block):
@@ -99,7 +90,7 @@ def compare(cfg, documents, cp, tp=None, recompute=False, masked_half=False):
     else:
         load_full_tensors(model, dict(plain.named_parameters()), tp)
 
-    ids, labels, seq_idx = _inputs(cfg, documents)
+    ids, labels, seq_idx = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if documents else None)
     if masked_half:
         labels[:, SEQLEN // 2:] = -100
     ref_logits = plain(ids, seq_idx=seq_idx)
@@ -149,7 +140,7 @@ MEMORY_CASES = {
 
 def saved_bytes(name, cp):
     """Bytes autograd saves for backward in one forward of the loss on this rank's slice, parameters excluded."""
-    cfg = MambaConfig(d_model=8, n_layer=1, vocab_size=37, pad_vocab_size_multiple=1, ssm_cfg=MEMORY_CASES[name])
+    cfg = lm_config(MEMORY_CASES[name], 8, n_layer=1)
     torch.manual_seed(SEED)
     model = MambaLM(cfg, cp=cp)
     gen = torch.Generator().manual_seed(SEED + 4)

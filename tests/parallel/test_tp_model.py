@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from megamamba import MambaConfig, MambaLM
+from megamamba import MambaLM
 from megamamba.block import Block
 from megamamba.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
+from model_cases import lm_config, lm_inputs
 from model_checks import perturb, relative_error
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,8 @@ SEED = 2024
 BATCH, SEQLEN = 2, 12  # seqlen divisible by 4, not by the chunk size 8
 D_MODEL = 32
 F32 = 4
+
+DOCUMENTS = [[0] * 5 + [1] * 7, [0] * SEQLEN]  # documents of 5 and 7 tokens, then 12 (the state resets between)
 
 MAMBA1 = {"layer": "Mamba1", "d_state": 5, "dt_rank": 3}
 MAMBA2 = {"layer": "Mamba2", "d_state": 6, "headdim": 8, "chunk_size": 8}  # d_inner 64: 8 heads
@@ -64,19 +67,7 @@ BLOCK_CASES = {
 
 
 def config(ssm, **fields):
-    base = {"d_model": D_MODEL, "n_layer": 2, "vocab_size": 37, "pad_vocab_size_multiple": 1}
-    return MambaConfig(**{**base, **fields, "ssm_cfg": ssm})
-
-
-def _inputs(cfg, packed):
-    gen = torch.Generator().manual_seed(SEED + 1)
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQLEN), generator=gen)
-    labels[0, :3] = -100
-    seq_idx = None
-    if packed:  # documents of 5 and 7 tokens, then 12 (the state resets at the boundary)
-        seq_idx = torch.tensor([[0] * 5 + [1] * 7, [0] * SEQLEN], dtype=torch.int32)
-    return ids, labels, seq_idx
+    return lm_config(ssm, D_MODEL, **fields)
 
 
 def check_model(tp_base, name):
@@ -91,7 +82,7 @@ def check_model(tp_base, name):
     perturb(plain, SEED + 2)
     load_full_tensors(model, dict(plain.named_parameters()), tp)
 
-    ids, labels, seq_idx = _inputs(cfg, packed)
+    ids, labels, seq_idx = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if packed else None)
     ref_logits = plain(ids, seq_idx=seq_idx)
     ref_loss = lm_loss(ref_logits, labels, cfg.vocab_size)
     ref_loss.backward()
