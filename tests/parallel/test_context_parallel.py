@@ -148,6 +148,17 @@ def saved_bytes(name, cp):
     return autograd_saved_bytes(model, lambda: model.loss(ids, ids, seq_idx=None))
 
 
+def prefill_refusal(cp, ssm):
+    """The error a context-parallel model raises when asked to fill an inference cache (prefill), or None."""
+    model = MambaLM(config(ssm, n_layer=1), cp=cp)
+    ids = torch.zeros(BATCH, SEQLEN // cp.size, dtype=torch.long)
+    try:
+        model(ids, inference_cache=model.allocate_inference_cache(BATCH))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _world(size):
     return ContextParallel(dist.group.WORLD, size, dist.get_rank())
 
@@ -161,6 +172,7 @@ def two_rank_checks():
                    for mixer, ssm in (("mamba1", MAMBA1), ("mamba2", {**MAMBA2, "ngroups": 2}))
                    for seqlen in (SEQLEN, 2 * SEQLEN)}
     out["memory"] = {name: saved_bytes(name, cp) for name in MEMORY_CASES}
+    out["prefill"] = {mixer: prefill_refusal(cp, ssm) for mixer, ssm in (("mamba1", MAMBA1), ("mamba2", MAMBA2))}
     if cp.rank == 0:
         out["memory_one_rank"] = {name: saved_bytes(name, ContextParallel()) for name in MEMORY_CASES}
     return out
@@ -270,6 +282,13 @@ def test_each_block_communicates_a_halo_and_one_summary_gather_each_way(two_rank
 def test_communication_does_not_grow_with_the_sequence(two_ranks, mixer):
     for rank, r in enumerate(two_ranks):
         assert r["comm"][(mixer, 2 * SEQLEN)] == r["comm"][(mixer, SEQLEN)], f"rank {rank}"
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+def test_a_prefill_is_refused_naming_the_recurrent_form(two_ranks, mixer):
+    for rank, r in enumerate(two_ranks):
+        message = r["prefill"][mixer] or "no error"
+        assert "the recurrent form (prefill, step) needs the whole sequence" in message, f"rank {rank}: {message}"
 
 
 @pytest.mark.parametrize("name", list(MEMORY_CASES))
