@@ -47,6 +47,7 @@ from megamamba.parallel.context_parallel import ContextParallel, sequence_window
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines import clipping
 from megamamba.pipelines.agreement import agree, to_device
+from megamamba.pipelines.host_memory import unmap_freed_tensors
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
 from megamamba.pipelines.names import load_mamba_state_dict
@@ -186,6 +187,7 @@ class PlainTrainer(_Trainer):
 def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
                   seed: int, partition_method: str, checkpoint_interval: int, sequence_parallel: bool = False):
     """The trainer of this rank (torch.distributed initialised, world size = layout.world_size)."""
+    unmap_freed_tensors()
     groups = ParallelGroups(layout.tp, layout.pp, layout.dp, layout.cp)
     tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
     cp = groups.context_parallel() if layout.cp > 1 else None
