@@ -11,9 +11,8 @@ import os
 import shutil
 from typing import IO, Callable
 
-from safetensors.torch import save_file
-
 from megamamba.model_folder import ModelFolderError, read_weights
+from megamamba.safetensors_stream import DTYPE_NAMES, TensorSpec, write_safetensors
 
 
 class CheckpointError(Exception):
@@ -52,11 +51,9 @@ def write_json(path: str, obj) -> None:
 
 
 def write_tensors(path: str, tensors: dict, metadata: dict = None) -> None:
-    """A safetensors file of CPU-contiguous copies of `tensors`, fsynced."""
-    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    if os.path.exists(path):
-        raise FileExistsError(path)
-    save_file(cpu, path, metadata=metadata)
+    """A safetensors file of `tensors` (on any device), fsynced; one tensor at a time is copied to the host."""
+    specs = [TensorSpec(name, DTYPE_NAMES[t.dtype], tuple(t.shape)) for name, t in tensors.items()]
+    write_safetensors(path, specs, tensors.__getitem__, metadata or {})
     fsync_file(path)
 
 
