@@ -81,6 +81,21 @@ class Shard:
             return [c.size for c in self.held()]
         return [divide(c.size + self.pad, tp_size, f"size of {self.full_name}.{c.name}") for c in self.held()]
 
+    def full_rows(self, tp_size: int, tp_rank: int) -> list[tuple[int, int]]:
+        """The full tensor's ranges along `dim` held by this rank's parameter, in its order (padding left out)."""
+        out, offset = [], 0
+        local_sizes = iter(self.local_sizes(tp_size))
+        for c in self.components:
+            if c.sharded != self.replicated_part:
+                size = next(local_sizes)
+                start, stop = tp_rank * size, min((tp_rank + 1) * size, c.size)
+                if self.replicated_part:
+                    start, stop = 0, c.size
+                if start < stop:
+                    out.append((offset + start, offset + stop))
+            offset += c.size
+        return out
+
 
 def mark(param: nn.Parameter, shard: Shard) -> nn.Parameter:
     """Attach the sharding attributes DeepSpeed and our checkpoint code read."""
