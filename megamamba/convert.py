@@ -78,7 +78,7 @@ def _export_names(reader: TensorReader, config: MambaConfig) -> dict:
 
     A tied head the folder holds anyway must equal the embedding (the two are compared) and is left out.
     """
-    names = set(reader.files)
+    names = set(reader.names())
     if config.tie_embeddings and HEAD in names:
         if EMBEDDING in names and not torch.equal(reader.load(HEAD), reader.load(EMBEDDING)):
             raise ConvertError(f"{reader.directory}: tie_embeddings is true but {HEAD} differs from {EMBEDDING}")

@@ -2,7 +2,8 @@
 
 The weights are `model.safetensors`, or shards `model-00001-of-00002.safetensors`, ... listed by
 `model.safetensors.index.json` (transformers' sharded form: {"metadata": {"total_size"},
-"weight_map": {name: file}}); a checkpoint saved by a pipeline writes one shard per stage.
+"weight_map": {name: file}}); a checkpoint saved by several ranks stores the pieces each held
+(megamamba.folder_tensors puts them together).
 
 The weights carry mamba_ssm's names and full shapes (`backbone.embedding.weight`, ...,
 `lm_head.weight`), the vocabulary padded as mamba_ssm pads it. With tied embeddings the head
@@ -19,10 +20,11 @@ import os
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megamamba.config import ConfigError, MambaConfig
+from megamamba.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
 from megamamba.hf import ARCHITECTURES, HF_EMBEDDING, HFFormatError, config_from_hf, decode_special_floats
 from megamamba.lm import EMBEDDING, HEAD, MambaLM
 
@@ -30,10 +32,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_STEM = "model"
 WEIGHTS_FILE = f"{WEIGHTS_STEM}.safetensors"
 TORCH_WEIGHTS = "pytorch_model.bin"
-
-
-class ModelFolderError(ValueError):
-    """A model folder that cannot be loaded; the message names the file or tensor."""
 
 
 def save_model_folder(model: MambaLM, directory: str, tokenizer=None) -> None:
@@ -56,58 +54,6 @@ def read_weights(path: str) -> dict:
         return load_file(path, device="cpu")
     except (SafetensorError, OSError) as e:
         raise ModelFolderError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def shard_file(stem: str, index: int, count: int) -> str:
-    """The file of shard `index` (0-based) of `count` of the tensor set `stem`: "model-00001-of-00002.safetensors"."""
-    return f"{stem}-{index + 1:05d}-of-{count:05d}.safetensors"
-
-
-def index_file(stem: str) -> str:
-    return f"{stem}.safetensors.index.json"
-
-
-def weight_map(directory: str, stem: str = WEIGHTS_STEM) -> dict:
-    """Tensor name -> file (in `directory`) of the tensor set `stem`: its shard index, else `stem`.safetensors alone."""
-    index = os.path.join(directory, index_file(stem))
-    if not os.path.isfile(index):
-        single = os.path.join(directory, f"{stem}.safetensors")
-        try:
-            with safe_open(single, framework="pt") as f:
-                return dict.fromkeys(f.keys(), os.path.basename(single))
-        except FileNotFoundError:
-            raise ModelFolderError(f"{single}: no such file (nor {index_file(stem)})") from None
-        except (SafetensorError, OSError) as e:
-            raise ModelFolderError(f"{single}: not a readable safetensors file ({e})") from None
-    try:
-        with open(index, encoding="utf-8") as f:
-            mapping = json.load(f).get("weight_map")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ModelFolderError(f"{index}: not a shard index ({e})") from None
-    if not isinstance(mapping, dict) or not all(isinstance(v, str) and os.sep not in v for v in mapping.values()):
-        raise ModelFolderError(f"{index}: its weight_map is not {{tensor name: file in this folder}}")
-    return mapping
-
-
-def read_folder_tensors(directory: str, stem: str = WEIGHTS_STEM, names=None) -> dict:
-    """The tensors of the set `stem` (all, or `names`), on the CPU, opening only the files that hold them."""
-    mapping = weight_map(directory, stem)
-    wanted = sorted(mapping) if names is None else sorted(set(names))
-    absent = [n for n in wanted if n not in mapping]
-    if absent:
-        raise ModelFolderError(f"{os.path.join(directory, stem)}: has no tensors {absent[:5]}")
-    out = {}
-    for file in sorted({mapping[n] for n in wanted}):
-        path = os.path.join(directory, file)
-        try:
-            with safe_open(path, framework="pt") as f:
-                out.update({n: f.get_tensor(n) for n in wanted if mapping[n] == file})
-        except FileNotFoundError:
-            raise ModelFolderError(f"{path}: no such file") from None
-        except (SafetensorError, OSError) as e:
-            raise ModelFolderError(f"{path}: not a readable safetensors file, or without a tensor its index "
-                                   f"names ({e})") from None
-    return out
 
 
 def _check_keys(path: str, state: dict, model: MambaLM) -> None:
@@ -134,7 +80,7 @@ def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] 
     config = MambaConfig.from_json(config_path)
     sharded = os.path.isfile(os.path.join(directory, index_file(WEIGHTS_STEM)))
     weights_path = os.path.join(directory, index_file(WEIGHTS_STEM) if sharded else WEIGHTS_FILE)
-    state = read_folder_tensors(directory) if sharded else read_weights(os.path.join(directory, WEIGHTS_FILE))
+    state = read_folder_tensors(directory, WEIGHTS_STEM)
     with torch.device("meta"):
         model = MambaLM(config)
     _check_keys(weights_path, state, model)
@@ -194,16 +140,8 @@ class FolderWeights:
         if self._bin is not None:
             shapes = {self._our_name(n): tuple(t.shape) for n, t in self._bin.items()}
         else:
-            mapping = weight_map(self.directory)
-            shapes = {}
-            for file in sorted(set(mapping.values())):
-                path = os.path.join(self.directory, file)
-                try:
-                    with safe_open(path, framework="pt") as f:
-                        shapes.update({self._our_name(n): tuple(f.get_slice(n).get_shape())
-                                       for n in f.keys() if mapping.get(n) == file})
-                except (SafetensorError, OSError) as e:
-                    raise ModelFolderError(f"{path}: not a readable safetensors file ({e})") from None
+            with FolderTensors(self.directory, WEIGHTS_STEM) as tensors:
+                shapes = {self._our_name(n): tensors.shape(n) for n in tensors.names()}
         if self.config.tie_embeddings:
             shapes.pop(HEAD, None)
         return shapes
@@ -218,5 +156,5 @@ class FolderWeights:
                 raise ModelFolderError(f"{self._torch_file}: has no tensors {absent[:5]}")
             found = {n: self._bin[n] for n in wanted}
         else:
-            found = read_folder_tensors(self.directory, names=wanted)
+            found = read_folder_tensors(self.directory, WEIGHTS_STEM, wanted)
         return {n: found[self._file_name(s)] for n, s in source.items()}

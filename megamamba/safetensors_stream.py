@@ -15,7 +15,6 @@ In a file the widest dtypes come first, so every tensor starts at a multiple of 
 and the header is padded with spaces to a multiple of 8 bytes, as the safetensors library does.
 The caller makes the files durable (fsync) and the folder's appearance atomic.
 """
-import contextlib
 import json
 import os
 import re
@@ -24,9 +23,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from megamamba.model_folder import WEIGHTS_STEM, ModelFolderError, index_file, shard_file, weight_map
+from megamamba.folder_tensors import FolderTensors, ModelFolderError, index_file, shard_file
+from megamamba.model_folder import WEIGHTS_STEM
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -60,41 +59,22 @@ def parse_size(text) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-class TensorReader:
-    """The tensors of a folder's weights (model.safetensors, or its shards): specs from the headers,
-    `load(name)` one at a time."""
+class TensorReader(FolderTensors):
+    """The full tensors of a folder's weights (pieces put together): specs from the headers, `load(name)`
+    one at a time; use it as a context manager."""
 
     def __init__(self, directory: str):
-        self.directory = directory
-        self.files = weight_map(directory)
-        self._open = {}
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-    def _handle(self, name: str):
-        file = self.files[name]
-        if file not in self._open:
-            path = os.path.join(self.directory, file)
-            try:
-                self._open[file] = self._stack.enter_context(safe_open(path, framework="pt"))
-            except (SafetensorError, OSError) as e:
-                raise ModelFolderError(f"{path}: not a readable safetensors file ({e})") from None
-        return self._open[file]
+        super().__init__(directory, WEIGHTS_STEM)
 
     def spec(self, name: str) -> TensorSpec:
-        tensor = self._handle(name).get_slice(name)
-        if tensor.get_dtype() not in DTYPES:
-            raise ModelFolderError(f"{os.path.join(self.directory, self.files[name])}: {name} has dtype "
-                                   f"{tensor.get_dtype()}, not one of {sorted(DTYPES)}")
-        return TensorSpec(name, tensor.get_dtype(), tuple(tensor.get_shape()))
+        dtype = self.dtype(name)
+        if dtype not in DTYPES:
+            raise ModelFolderError(f"{os.path.join(self.directory, WEIGHTS_STEM)}: {name} has dtype {dtype}, not one "
+                                   f"of {sorted(DTYPES)}")
+        return TensorSpec(name, dtype, self.shape(name))
 
     def load(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self.read(name)
 
 
 def plan_shards(specs: Sequence[TensorSpec], max_bytes: int) -> list:

@@ -1,29 +1,29 @@
 """A trainer's whole state to and from a layout-free checkpoint, at any (dp, tp, pp) and either engine.
 
-Saving (collective, every rank): each rank takes its stage's parameters as full tensors under
-mamba_ssm's names (gathered over TP; under ZeRO the fp32 masters and Adam moments gathered over DP
-from the partitions: tensor collectives on the accelerator). Global rank 0 creates the staging
-directory and broadcasts its path; each stage's representative (dp 0, cp 0, tp 0: context-parallel
-ranks hold the same parameters) writes its stage's model and optimizer shards there itself, and
-every rank its RNG file (megamamba.checkpoint.writer).
-Object collectives carry only the path, each rank's file records (size, sha256) and the outcome:
-rank 0 writes the rest and the manifest, commits atomically, and every rank returns or raises with
-it. Rank 0 holds no more than its own stage's state.
+Saving (collective, every rank): every rank writes the part of its stage's state that only it
+holds (`shard_state`), under mamba_ssm's names, with no tensor collective: under ZeRO its fragment
+of the fp32 masters and Adam moments (the partition it updates), without ZeRO the first data
+rank's TP rows; context-parallel ranks hold the same parameters, so only ZeRO partitions them.
+Global rank 0 creates the staging directory and broadcasts its path; every rank writes its files
+there (megamamba.checkpoint.writer) and its RNG file. Object collectives carry only the path, each
+rank's file records (size, sha256) and the outcome: rank 0 checks from the headers that every
+element is stored once, writes the rest and the manifest, commits atomically, and every rank
+returns or raises with it.
 
 Locking (collective, at start-up): `lock_save_dir` has global rank 0 take --save's lock for the
 job's life; a second job fails on every rank with the holder's name.
 
 Loading (collective): global rank 0 resolves `--load` and verifies the checksums, every rank opens
-the same checkpoint, checks the model config, reads only its stage's tensors and cuts its TP slice
-and ZeRO partition out of them; optimizer state lands where torch's AdamW keeps it (the
+the same checkpoint, checks the model config, reads only the stored pieces its own TP slices
+overlap and sets its ZeRO partition from them; optimizer state lands where torch's AdamW keeps it (the
 parameter's device and dtype; `step` on the device when fused). The data position is the
 consumed-sample count the trainer records in `extra` (megamamba.checkpoint.run_record), not the
 step. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's ZeRO-1/2
 optimizer over it; anything else is refused before training.
 
 Test hook: MEGAMAMBA_TEST_KILL_SAVE="STEP:N" makes every rank SIGKILL itself at its own N-th file
-primitive (write, fsync of a directory, rename, delete) of the save of STEP: ranks write their RNG
-file, stage representatives their shards, rank 0 also the staging directory, manifest and commit.
+primitive (write, fsync of a directory, rename, delete) of the save of STEP: ranks write their
+pieces and RNG file, rank 0 also the staging directory, indexes, manifest and commit.
 """
 import os
 import signal
@@ -45,21 +45,22 @@ from megamamba.checkpoint import (
     check_save_dir,
     files,
     finish,
-    load_optimizer_tensors,
     load_scheduler_state,
     optimizer_groups,
-    optimizer_tensors,
     resolve_load,
+    restore_optimizer_state,
     restore_rng,
     scheduler_state,
+    whole,
     write_rng,
-    write_stage,
+    write_shard,
 )
 from megamamba.checkpoint.lock import SaveDirLock, describe
 from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags
 from megamamba.config import MambaConfig
-from megamamba.parallel import full_key, full_tensors, local_shard
-from megamamba.pipelines.names import EMBEDDING, load_full_state, to_mamba
+from megamamba.parallel import full_key
+from megamamba.pipelines.names import EMBEDDING, to_mamba
+from megamamba.tensor_pieces import Cut, Piece
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KILL_HOOK = "MEGAMAMBA_TEST_KILL_SAVE"
@@ -97,49 +98,76 @@ def _link_moments(zero) -> None:
         lazy_init_hp_params_optimizer_state(lp_group, flat, zero.optimizer.state)
 
 
-def _gather_full(trainer, select) -> dict:
-    """Full tensors of this stage by module full name: `select(param)` gathered over TP."""
-    if trainer.tp is not None:
-        return full_tensors(trainer.module, trainer.tp, select=select)
-    return {full_key(n, p): select(p) for n, p in trainer.module.named_parameters()}
+def _cut(param, tp) -> tuple:
+    """(full shape, this rank's `Cut` of it) of a parameter's full tensor."""
+    shard, shape = getattr(param, "tp_shard", None), tuple(param.shape)
+    if shard is None or shard.dim is None:
+        return shape, Cut.whole(shape)
+    size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+    full = shape[:shard.dim] + (sum(c.size for c in shard.components),) + shape[shard.dim + 1:]
+    return full, Cut(shard.dim, tuple(shard.full_rows(size, rank)), shape)
 
 
-def stage_state(trainer, config: MambaConfig, keep: bool = True) -> tuple:
-    """(parameters, optimizer tensors, optimizer groups) of this rank's stage under mamba_ssm names.
-
-    Collective over TP (and DP under ZeRO). keep: return host copies (the stage's writer); False
-    takes part in the gathers and returns empty dicts, so only writers hold the stage on the host.
-    """
+def _stage_parameters(trainer, config: MambaConfig) -> list:
+    """(mamba_ssm name, parameter) of this rank's stage that its checkpoint holds (a tied embedding on a later
+    stage is the first stage's)."""
     rename = _rename(trainer, config)
+    named = [(rename(full_key(n, p)), p) for n, p in trainer.module.named_parameters()]
+    return [(name, p) for name, p in named if trainer.groups.pipe_rank == 0 or name != EMBEDDING]
+
+
+def shard_state(trainer, config: MambaConfig) -> tuple:
+    """This rank's distinct part of its stage: (parameters, optimizer state, optimizer groups) as `Held`
+    entries under mamba_ssm names (optimizer state "<name>/<key>").
+
+    Without ZeRO the first data rank writes its TP rows of each sharded tensor (a replicated one on TP
+    rank 0 only), with AdamW's per-parameter state. Under ZeRO every data rank writes its fragment of
+    the fp32 masters and Adam moments, the partition it updates. The stage's representative (first
+    data rank, TP rank 0) adds the 0-d states (`step`) and the optimizer groups. No communication.
+    """
     zero = _zero(trainer)
+    first_data = trainer.dp_rank == 0 and trainer.groups.context_rank == 0
+    tp_first = trainer.groups.tensor_rank == 0
+    representative = first_data and tp_first
+    stepped = zero is not None and any("step" in s for s in zero.optimizer.state.values())
+    if stepped:
+        _link_moments(zero)
+    params, optimizer, scalars = [], [], {}
+    for name, p in _stage_parameters(trainer, config):
+        shard = getattr(p, "tp_shard", None)
+        if not (tp_first or (shard is not None and shard.sharded)):
+            continue
+        shape, cut = _cut(p, trainer.tp)
+        if zero is not None:
+            fragment = p._hp_mapping
+            if fragment is None:
+                continue
+            start = fragment.lp_fragment_address.start
+            flat = (start, start + fragment.lp_fragment_address.numel)
+            params.append((name, Piece(name, shape, cut, flat), fragment.get_hp_fragment()))
+            optimizer += [(f"{name}/{key}", Piece(f"{name}/{key}", shape, cut, flat), fragment.get_hp_fragment(key))
+                          for key in (MOMENTS if stepped else ())]
+        elif first_data:
+            params.append((name, Piece(name, shape, cut), p.detach()))
+            for key, value in trainer.engine.optimizer.state.get(p, {}).items():
+                state_name = f"{name}/{key}"
+                if value.dim() == 0:
+                    scalars.setdefault(state_name, value.detach())
+                else:
+                    optimizer.append((state_name, Piece(state_name, shape, cut), value.detach()))
+    if not representative:
+        return params, optimizer, []
+    if stepped:
+        (step,) = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
+        scalars = {f"{name}/step": torch.tensor(step, dtype=torch.float32)
+                   for name, _ in _stage_parameters(trainer, config)}
     if zero is None:
-        params = _gather_full(trainer, lambda p: p.detach())
-        optimizer = optimizer_tensors(trainer.engine.optimizer, trainer.module, trainer.tp)
         groups = optimizer_groups(trainer.engine.optimizer, trainer.module)
     else:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        params = _gather_full(trainer, safe_get_full_fp32_param)
-        optimizer = {}
-        steps = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
-        if steps:
-            _link_moments(zero)
-            for key in MOMENTS:
-                gathered = _gather_full(trainer, lambda p, key=key: safe_get_full_optimizer_state(p, key))
-                optimizer.update({f"{n}/{key}": t for n, t in gathered.items()})
-            (step,) = steps
-            optimizer.update({f"{n}/step": torch.tensor(step, dtype=torch.float32) for n in params})
         groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
-    if not keep:
-        return {}, {}, []
-
-    def mamba(name: str) -> str:  # "<parameter>/<state key>"
-        base, _, key = name.rpartition("/")
-        return f"{rename(base)}/{key}"
-
+    rename = _rename(trainer, config)
     groups = [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
-    return ({rename(n): t.detach().cpu().clone() for n, t in params.items()},
-            {mamba(n): t.detach().cpu().clone() for n, t in optimizer.items()}, groups)
+    return params, optimizer + whole(scalars), groups
 
 
 def _install_kill_hook(step: int) -> None:
@@ -177,12 +205,9 @@ def _shared(outcome: tuple):
     return value
 
 
-def _write_part(trainer, staging: str, rank: int, part: Optional[tuple]) -> dict:
-    """This rank's files of a save: its stage's (params, optimizer, groups) when it writes the stage, its RNG state."""
-    records = {}
-    if part is not None:
-        records = write_stage(staging, trainer.groups.pipe_rank, trainer.groups.pipeline_parallel_size, *part)
-    return records | write_rng(staging, rank, capture_rng())
+def _write_part(trainer, config: MambaConfig, staging: str, rank: int) -> dict:
+    """This rank's files of a save: its distinct part of the stage (when it has one) and its RNG state."""
+    return write_shard(staging, rank, *shard_state(trainer, config)) | write_rng(staging, rank, capture_rng())
 
 
 def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, extra: dict, tokenizer=None,
@@ -194,18 +219,9 @@ def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, e
     CheckpointError on every rank, with the same message, when any rank failed to write its part.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    writer = trainer.dp_rank == 0 and trainer.groups.context_rank == 0 and trainer.groups.tensor_rank == 0
-    params, optimizer, groups = stage_state(trainer, config, keep=writer)
-    if trainer.groups.pipe_rank > 0:  # a tied embedding lives on the last stage too: the first stage writes it
-        params.pop(EMBEDDING, None)
-        optimizer = {k: t for k, t in optimizer.items() if k.rpartition("/")[0] != EMBEDDING}
     _install_kill_hook(step)
     staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if rank == 0 else None)
-
-    part = (params, optimizer, groups) if writer else None
-    del params, optimizer  # held by `part` alone
-    mine = _outcome(partial(_write_part, trainer, staging, rank, part))
-    del part  # on disk now: rank 0 finishes without its stage's host copies
+    mine = _outcome(partial(_write_part, trainer, config, staging, rank))
     parts = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
     outcome = None
@@ -265,39 +281,44 @@ def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConf
     return checkpoint
 
 
-def _local(trainer, full: torch.Tensor, param) -> torch.Tensor:
-    shard = getattr(param, "tp_shard", None)
-    if trainer.tp is not None and shard is not None and full.dim() > 0:
-        return local_shard(full, shard, trainer.tp.size, trainer.tp.rank)
-    return full
-
-
 def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool = True, load_rng: bool = True) -> int:
     """Restore parameters, masters, optimizer state, scheduler and RNG of this rank; returns the step.
 
-    load_optim False (Megatron's --no-load-optim): the weights only; optimizer state and LR schedule
-    stay fresh (moments zero, scheduler at its step 0). load_rng False (--no-load-rng): the RNG states
-    stay as they are. The step count continues either way.
+    Each parameter reads only the stored pieces its own cut overlaps. load_optim False (Megatron's
+    --no-load-optim): the weights only; optimizer state and LR schedule stay fresh (moments zero,
+    scheduler at its step 0). load_rng False (--no-load-rng): the RNG states stay as they are. The
+    step count continues either way.
     """
     rename = _rename(trainer, config)
-    names = {full_key(n, p): rename(full_key(n, p)) for n, p in trainer.module.named_parameters()}
-    mine = sorted(set(names.values()))
-    params = checkpoint.model_tensors(mine)
-    optimizer = checkpoint.optimizer_tensors(mine) if load_optim else {}
-    saved_groups = [{**g, "params": [n for n in g["params"] if n in names.values()]}
-                    for g in checkpoint.optimizer_groups] if load_optim else None
-    load_full_state(trainer.module, params, trainer.tp, rename)
+    cuts = {n: (rename(full_key(n, p)), _cut(p, trainer.tp)[1]) for n, p in trainer.module.named_parameters()}
+    values = checkpoint.model_cuts(cuts)
+    with torch.no_grad():
+        for n, p in trainer.module.named_parameters():
+            if values[n].shape != p.shape:
+                raise CheckpointError(f"{checkpoint.path}: {cuts[n][0]} gives shape {tuple(values[n].shape)} for "
+                                      f"parameter {n} of shape {tuple(p.shape)}")
+            p.copy_(values[n])
+    optimizer, saved_groups = {}, None
+    if load_optim:
+        mine = {name for name, _ in cuts.values()}
+        stored = {}
+        for key in checkpoint.optimizer_names():
+            name, _, state_key = key.rpartition("/")
+            if name in mine:
+                stored.setdefault(name, []).append(state_key)
+        requests = {f"{n}/{k}": (f"{name}/{k}", cut) for n, (name, cut) in cuts.items() for k in stored.get(name, ())}
+        found = checkpoint.optimizer_cuts(requests)
+        for key, t in found.items():
+            n, _, state_key = key.rpartition("/")
+            optimizer.setdefault(n, {})[state_key] = t
+        saved_groups = [{**g, "params": [m for m in g["params"] if m in mine]} for g in checkpoint.optimizer_groups]
     zero = _zero(trainer)
     if zero is not None:
-        _load_zero(trainer, zero, optimizer, saved_groups, names)
+        _load_zero(trainer, zero, values, optimizer, saved_groups, rename)
     elif load_optim:
-        inverse = {m: n for n, m in names.items()}
-        tensors = {}
-        for key, t in optimizer.items():
-            name, _, state_key = key.rpartition("/")
-            tensors[f"{inverse[name]}/{state_key}"] = t
-        saved_groups = [{**g, "params": [inverse[n] for n in g["params"]]} for g in saved_groups]
-        load_optimizer_tensors(trainer.engine.optimizer, trainer.module, tensors, saved_groups, trainer.tp)
+        module_names = {rename(full_key(n, p)): full_key(n, p) for n, p in trainer.module.named_parameters()}
+        saved_groups = [{**g, "params": [module_names[m] for m in g["params"]]} for g in saved_groups]
+        restore_optimizer_state(trainer.engine.optimizer, trainer.module, optimizer, saved_groups)
     if load_optim:
         _restore_scheduler(trainer.lr_scheduler, checkpoint.scheduler, checkpoint.step)
     if load_rng:
@@ -318,8 +339,9 @@ def _restore_scheduler(scheduler, state: Optional[dict], step: int) -> None:
     scheduler._last_lr = lrs
 
 
-def _load_zero(trainer, zero, optimizer: dict, saved_groups: Optional[list], names: dict) -> None:
-    """ZeRO: fresh flat Adam state at the saved step, linked, then each parameter's master and moments set.
+def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Optional[list], rename) -> None:
+    """ZeRO: fresh flat Adam state at the saved step, linked, then each parameter's fp32 master and moments set
+    from this rank's cuts (`masters`, `optimizer`: by module parameter name).
 
     saved_groups None: no optimizer state is loaded (`optimizer` empty), only the masters are set.
     """
@@ -327,22 +349,25 @@ def _load_zero(trainer, zero, optimizer: dict, saved_groups: Optional[list], nam
 
     if saved_groups is not None:
         run_groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
-        check_optimizer_groups(saved_groups, [{**g, "params": [names[n] for n in g["params"]]} for g in run_groups])
-    steps = {t.item() for k, t in optimizer.items() if k.endswith("/step")}
+        check_optimizer_groups(saved_groups, [{**g, "params": [rename(n) for n in g["params"]]} for g in run_groups])
+    steps = {t.item() for state in optimizer.values() for key, t in state.items() if key == "step"}
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")
     for flat in zero.single_partition_of_fp32_groups if steps else ():
         group = next(g for g in zero.optimizer.param_groups if any(p is flat for p in g["params"]))
         zero.optimizer.state[flat] = {"step": adam_step(next(iter(steps)), flat, group),
                                       "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+    missing = sorted(n for n, _ in trainer.module.named_parameters()
+                     if any(m not in optimizer.get(n, {}) for m in MOMENTS))
+    if steps and missing:
+        raise CheckpointError(f"checkpoint optimizer state has no Adam moments for {missing[:5]}")
     if steps:
         _link_moments(zero)
     with torch.no_grad():
         for name, p in trainer.module.named_parameters():
-            safe_set_full_fp32_param(p, p.detach().float())
-            key = names[full_key(name, p)]
+            safe_set_full_fp32_param(p, masters[name].float())
             for moment in MOMENTS if steps else ():
-                safe_set_full_optimizer_state(p, _local(trainer, optimizer[f"{key}/{moment}"], p), moment)
+                safe_set_full_optimizer_state(p, optimizer[name][moment], moment)
 
 
 def check_flags(save: Optional[str], load: Optional[str], save_interval: int, keep_last: Optional[int]) -> None:

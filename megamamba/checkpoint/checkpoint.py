@@ -3,25 +3,27 @@
     <save>/step_000123/
         config.json            the model config (mamba_ssm form)
         model.safetensors      parameters: mamba_ssm names, full shapes, the padded vocab of the
-                               config (no TP padding); a tied head is left out. A pipeline writes
-                               one shard per stage instead, model-00001-of-0000S.safetensors, ...,
-                               listed by model.safetensors.index.json (transformers' sharded form)
-        optimizer.safetensors  per-parameter optimizer state, "<name>/<key>" (state.py); sharded
-                               per stage the same way (optimizer-*.safetensors + its index)
+                               config (no TP padding); a tied head is left out. Saved by several
+                               ranks: model-rank-NNNNN.safetensors, one per rank holding a distinct
+                               shard, each with the pieces it holds (its TP rows, its ZeRO fragment;
+                               megamamba.tensor_pieces), listed by model.safetensors.index.json
+        optimizer.safetensors  per-parameter optimizer state, "<name>/<key>" (state.py), in pieces
+                               the same way (optimizer-rank-*.safetensors + its index)
         rng-rank-00000.safetensors ...  each rank's RNG states, one file per rank (rng.py)
         trainer_state.json     {"format_version", "step", "optimizer": {"param_groups"},
                                "scheduler", "extra": whatever the trainer adds (args, layout, data position)}
         tokenizer files        when a tokenizer is given (tokenizer.json / tokenizer.model / tokenizer_config.json)
         manifest.json          written last: sizes and sha256 of all the above (manifest.py)
 
-Which file holds a tensor depends on the number of stages that wrote it, never its names or
-shapes, so any layout reads it; config.json + the model weights (+ tokenizer) also make it a
-model folder (`megamamba.model_folder`). Everything is read without unpickling: safetensors and
-JSON only. Format version 1 (one model and optimizer file, every rank's RNG in rng.safetensors)
-is still read.
+Which files hold a tensor, and in how many pieces, depends on the layout that wrote it, never its
+names or full shapes, so any layout reads it, each rank only the pieces its own cut overlaps;
+config.json + the model weights (+ tokenizer) also make it a model folder
+(`megamamba.model_folder`). Everything is read without unpickling: safetensors and JSON only.
+Format versions 1 (one model and optimizer file, every rank's RNG in rng.safetensors) and 2 (one
+model and optimizer file per pipeline stage, whole tensors) are still read.
 
-Several processes write one checkpoint, each its own files (writer.py): a writer per pipeline
-stage its shards, every rank its RNG file, one process the rest and the manifest.
+Several processes write one checkpoint, each its own files (writer.py): every rank holding a
+distinct shard its pieces, every rank its RNG file, one process the rest and the manifest.
 """
 import dataclasses
 import functools
@@ -39,16 +41,16 @@ from megamamba.checkpoint.files import CheckpointError, read_json
 from megamamba.checkpoint.manifest import verify
 from megamamba.checkpoint.store import resolve_load
 from megamamba.config import ConfigError, MambaConfig
+from megamamba.folder_tensors import FolderTensors, ModelFolderError
 from megamamba.lm import EMBEDDING, HEAD, MambaLM
-from megamamba.model_folder import ModelFolderError
 
 CONFIG_FILE = model_folder.CONFIG_FILE
 MODEL, OPTIMIZER = model_folder.WEIGHTS_STEM, "optimizer"
 RNG_V1_FILE = "rng.safetensors"
 _RNG_FILE = re.compile(r"rng-rank-(\d{5})\.safetensors")
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 2
-READS = (1, 2)
+FORMAT_VERSION = 3
+READS = (1, 2, 3)
 
 
 def rng_file(rank: int) -> str:
@@ -133,37 +135,51 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: the model config differs from the run's: {'; '.join(diff)}. "
                                   "Resume with the checkpoint's config.json, or start a new run (--load unset)")
 
-    def _read(self, stem: str, names: Optional[Iterable[str]]) -> dict:
+    def _tensors(self, stem: str) -> FolderTensors:
         try:
-            return model_folder.read_folder_tensors(self.path, stem, names)
+            return FolderTensors(self.path, stem)
         except ModelFolderError as e:
             raise CheckpointError(str(e)) from None
 
-    def _names(self, stem: str) -> list:
+    def _read(self, stem: str, requests: Mapping[str, tuple]) -> dict:
+        """key -> for each key's (name, cut): the local tensor `cut` (None: the full tensor) of the stored `name`."""
         try:
-            return list(model_folder.weight_map(self.path, stem))
+            with self._tensors(stem) as tensors:
+                return {key: tensors.read(name, cut) for key, (name, cut) in requests.items()}
         except ModelFolderError as e:
             raise CheckpointError(str(e)) from None
 
     def model_tensors(self, names: Optional[Iterable[str]] = None) -> dict:
         """Full parameters by mamba_ssm name (all, or `names`: e.g. one pipeline stage's), on the CPU.
 
-        Only the files holding them are read. With tie_embeddings, asking for lm_head.weight gives the embedding.
+        With tie_embeddings, asking for lm_head.weight gives the embedding.
         """
         if names is None:
-            return check_model_tensors(self._read(MODEL, None), self.config, self.path)
-        names = list(names)
-        tied = self.config.tie_embeddings and HEAD in names
-        source = {n: EMBEDDING if tied and n == HEAD else n for n in names}
-        tensors = self._read(MODEL, set(source.values()))
-        return {n: tensors[source[n]] for n in names}
+            with self._tensors(MODEL) as tensors:
+                every = tensors.names()
+            return check_model_tensors(self._read(MODEL, {n: (n, None) for n in every}), self.config, self.path)
+        return self.model_cuts({n: (n, None) for n in names})
+
+    def model_cuts(self, requests: Mapping[str, tuple]) -> dict:
+        """key -> the local tensor `cut` of parameter `name` for each key's (name, cut) (cut None: the full one),
+        reading only the stored pieces it overlaps. With tie_embeddings lm_head.weight is the embedding."""
+        tied = self.config.tie_embeddings
+        return self._read(MODEL, {k: (EMBEDDING if tied and n == HEAD else n, c) for k, (n, c) in requests.items()})
+
+    def optimizer_names(self) -> list:
+        """Every "<parameter>/<state key>" stored."""
+        with self._tensors(OPTIMIZER) as tensors:
+            return tensors.names()
 
     def optimizer_tensors(self, names: Optional[Iterable[str]] = None) -> dict:
-        """Optimizer state "<name>/<key>" of all parameters, or of the parameters in `names`."""
-        if names is None:
-            return self._read(OPTIMIZER, None)
-        wanted = set(names)
-        return self._read(OPTIMIZER, [k for k in self._names(OPTIMIZER) if k.rpartition("/")[0] in wanted])
+        """Full optimizer state "<name>/<key>" of all parameters, or of the parameters in `names`."""
+        wanted = None if names is None else set(names)
+        return self._read(OPTIMIZER, {k: (k, None) for k in self.optimizer_names()
+                                      if wanted is None or k.rpartition("/")[0] in wanted})
+
+    def optimizer_cuts(self, requests: Mapping[str, tuple]) -> dict:
+        """key -> for each key's ("<name>/<state key>", cut): the local tensor `cut` (a 0-d state whole)."""
+        return self._read(OPTIMIZER, requests)
 
     @property
     def optimizer_groups(self) -> list:

@@ -145,42 +145,50 @@ def check_optimizer_groups(saved: list, run: list) -> None:
                           + "; ".join(changed), CheckpointWarning, stacklevel=3)
 
 
-def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel], what: str) -> torch.Tensor:
-    """This rank's part of a saved optimizer state tensor (0-d ones whole), never shared between parameters
-    (the sharded and replicated parts of one tensor read the same saved `step`; AdamW increments it in place)."""
-    if t.dim() == 0:
-        return t.clone()
+def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel]) -> torch.Tensor:
+    """This rank's part of a saved optimizer state tensor (a 0-d one whole)."""
     shard = getattr(param, "tp_shard", None)
-    local = local_shard(t, shard, tp.size, tp.rank) if _split(tp) and shard is not None else t
-    if local.shape != param.shape:
-        raise CheckpointError(f"checkpoint optimizer state {what} has shape {tuple(t.shape)}, which does not fit "
-                              f"the parameter {tuple(param.shape)}")
-    return local
+    return local_shard(t, shard, tp.size, tp.rank) if t.dim() and _split(tp) and shard is not None else t
 
 
 def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, tensors: Mapping[str, torch.Tensor],
                            saved_groups: list, tp: Optional[TensorParallel] = None) -> None:
     """Restore the state `optimizer_tensors` saved (this rank's shards under TP), keeping the run's hyperparameters."""
-    check_optimizer_groups(saved_groups, optimizer_groups(optimizer, model))
     saved: dict = {}
     for key_name, t in tensors.items():
         name, _, key = key_name.rpartition("/")
         saved.setdefault(name, {})[key] = t
-    if not saved:  # saved before the first step
+    named = _named(model)
+    unexpected = sorted(set(saved) - {full_key(n, p) for n, p in named.items()})
+    if unexpected:
+        raise CheckpointError(f"checkpoint optimizer state does not match the model: unexpected {unexpected[:5]}")
+    restore_optimizer_state(optimizer, model, {
+        n: {key: _local(t, p, tp) for key, t in saved.get(full_key(n, p), {}).items()}
+        for n, p in named.items()}, saved_groups)
+
+
+def restore_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, state: Mapping[str, dict],
+                            saved_groups: list) -> None:
+    """Restore per-parameter state, `state[local parameter name] = {key: tensor shaped like that parameter, or
+    0-d}`, for every parameter or none (saved before the first step), keeping the run's hyperparameters.
+    A 0-d state is copied per parameter: AdamW increments `step` in place, and the sharded and replicated
+    parts of one tensor may be given the same one."""
+    check_optimizer_groups(saved_groups, optimizer_groups(optimizer, model))
+    if not any(state.values()):
         return
     named = _named(model)
-    full_names = {n: full_key(n, p) for n, p in named.items()}
-    missing = sorted(set(full_names.values()) - set(saved))
-    unexpected = sorted(set(saved) - set(full_names.values()))
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint optimizer state does not match the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+    missing = sorted(n for n in named if not state.get(n))
+    if missing:
+        raise CheckpointError(f"checkpoint optimizer state does not match the model: missing {missing[:5]}")
+    for n, p in named.items():
+        for key, t in state[n].items():
+            if t.dim() and t.shape != p.shape:
+                raise CheckpointError(f"checkpoint optimizer state {n}/{key} has shape {tuple(t.shape)}, which does "
+                                      f"not fit the parameter {tuple(p.shape)}")
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {
-        index[id(p)]: {key: _local(t, p, tp, f"{full_names[n]}/{key}") for key, t in saved[full_names[n]].items()}
-        for n, p in named.items()
-    }
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+    restored = {index[id(p)]: {key: t.clone() if t.dim() == 0 else t for key, t in state[n].items()}
+                for n, p in named.items()}
+    optimizer.load_state_dict({"state": restored, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 def adam_step(step: float, param: torch.Tensor, group: dict) -> torch.Tensor:

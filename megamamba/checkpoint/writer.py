@@ -1,20 +1,23 @@
 """Writing a checkpoint (the format: checkpoint.py), in steps that several processes share.
 
     staging = begin(save_dir, step, keep_last)                         # the committing process
-    records = write_stage(staging, stage, stages, model, optimizer, groups)   # one writer per stage
+    records = write_shard(staging, rank, model, optimizer, groups)     # every rank holding a distinct shard
     records |= write_rng(staging, rank, capture_rng())                 # every rank
     path = finish(save_dir, staging, step, config, all_records, ...)   # the committing process
 
-Each writer hands back only records {file: {"size", "sha256"}}, a few hundred bytes whatever the
-model's size: the committing process takes names, shapes and optimizer groups from the shards'
-safetensors headers, writes the shard indexes, config and trainer state, and commits with the
-writers' hashes in the manifest (it reads no tensor data). Every disk change goes through `files`.
+Each writer writes the pieces it holds (megamamba.tensor_pieces: its TP rows, its ZeRO fragment)
+one tensor at a time, so it holds one host copy of one tensor beyond its own state, and hands
+back only records {file: {"size", "sha256"}}, a few hundred bytes whatever the model's size. The
+committing process reads the files' headers only: it checks that the pieces hold every element
+of every tensor exactly once with the config's full shapes, takes the optimizer groups from the
+metadata, writes the indexes, config and trainer state, and commits with the writers' hashes in
+the manifest. Every disk change goes through `files`.
 """
 import json
 import os
 import re
 import struct
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -34,7 +37,8 @@ from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.manifest import sha256_of
 from megamamba.checkpoint.store import check_keep_last, commit, stage, tag_for
 from megamamba.config import MambaConfig
-from megamamba.model_folder import index_file, shard_file
+from megamamba.folder_tensors import PIECES_KEY, FolderTensors, ModelFolderError, index_file
+from megamamba.tensor_pieces import Piece
 
 GROUPS_KEY = "param_groups"  # safetensors metadata of an optimizer shard: its stage's groups as JSON
 
@@ -57,16 +61,45 @@ def _check_visible(staging: str) -> None:
                               "--save must be a directory that every node shares")
 
 
-def write_stage(staging: str, index: int, stages: int, model: Mapping[str, torch.Tensor],
-                optimizer: Mapping[str, torch.Tensor], groups: list) -> dict:
-    """Write stage `index` of `stages`: its full parameters and optimizer state by mamba_ssm name and its
-    optimizer groups (`state.optimizer_groups`, in the optimizer shard's metadata); their records."""
+Held = tuple[str, Optional[Piece], torch.Tensor]
+"""(full tensor name, where the tensor sits in it: None when it is the whole tensor, the tensor)."""
+
+
+def whole(tensors: Mapping[str, torch.Tensor]) -> list:
+    """Whole tensors by name as `Held` entries."""
+    return [(name, None, t) for name, t in tensors.items()]
+
+
+def set_file(stem: str, writer: Optional[int]) -> str:
+    """The file of the tensor set `stem` a writer writes: `stem`.safetensors for the only writer (None)."""
+    return f"{stem}.safetensors" if writer is None else f"{stem}-rank-{writer:05d}.safetensors"
+
+
+def write_shard(staging: str, writer: Optional[int], model: Sequence[Held], optimizer: Sequence[Held],
+                groups: list) -> dict:
+    """Write one writer's parameters and optimizer state (`Held` entries under mamba_ssm names; optimizer
+    state "<name>/<key>") and its optimizer groups (`state.optimizer_groups`, [] when another writer
+    gives them); their records. writer: this writer's number (its global rank), None for the only one.
+    A writer with nothing of a set writes no file of it."""
     _check_visible(staging)
     records = {}
-    for stem, tensors, metadata in ((MODEL, model, {"format": "pt"}),
-                                    (OPTIMIZER, optimizer, {GROUPS_KEY: json.dumps(groups)})):
-        file = f"{stem}.safetensors" if stages == 1 else shard_file(stem, index, stages)
-        files.write_tensors(os.path.join(staging, file), dict(tensors), metadata=metadata)
+    for stem, held, metadata in ((MODEL, model, {"format": "pt"}),
+                                 (OPTIMIZER, optimizer, {GROUPS_KEY: json.dumps(groups)} if groups else {})):
+        if writer is not None and not held and not metadata.get(GROUPS_KEY):
+            continue
+        tensors, pieces = {}, {}
+        for name, piece, tensor in held:
+            key = name
+            if piece is not None:
+                key = f"{name}@{writer or 0}.{sum(r['name'] == name for r in pieces.values())}"
+                pieces[key] = piece.record()
+            if key in tensors:
+                raise CheckpointError(f"save: writer {writer} holds {name} twice")
+            tensors[key] = tensor
+        if pieces:
+            metadata = {**metadata, PIECES_KEY: json.dumps(pieces)}
+        file = set_file(stem, writer)
+        files.write_tensors(os.path.join(staging, file), tensors, metadata=metadata)
         records.update(_record(staging, file))
     return records
 
@@ -88,44 +121,47 @@ def _header(path: str) -> tuple:
     return {n: (tuple(e["shape"]), e["data_offsets"][1] - e["data_offsets"][0]) for n, e in header.items()}, metadata
 
 
-def _shards(stem: str, names) -> list:
-    """The files of the tensor set `stem` among `names`: `stem`.safetensors alone, or shards 1..N of N."""
+def _set_files(stem: str, names) -> list:
+    """The files of the tensor set `stem` among the reported `names`: `stem`.safetensors alone, or writers' files."""
     single = f"{stem}.safetensors"
-    found = sorted(n for n in names if re.fullmatch(rf"{stem}-\d{{5}}-of-\d{{5}}\.safetensors", n))
-    if not found:
-        if single not in names:
-            raise CheckpointError(f"save: no writer reported {single} or shards of it")
-        return [single]
-    count = max(int(n[-17:-12]) for n in found)  # "...-of-NNNNN.safetensors"
-    expected = [shard_file(stem, i, count) for i in range(count)]
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing or unexpected or single in names:
-        unexpected += [single] if single in names else []
-        raise CheckpointError(f"save: {stem} shards missing {missing}, unexpected {unexpected} (every stage's writer "
-                              "must report its shard)")
-    return expected
+    found = sorted(n for n in names if re.fullmatch(rf"{stem}-rank-\d{{5}}\.safetensors", n))
+    if single in names and found:
+        raise CheckpointError(f"save: both {single} and {found[0]} were reported; one writer, or writers by rank")
+    return found or ([single] if single in names else [])
 
 
-def _index(staging: str, stem: str, shards: list) -> tuple:
-    """(weight map, shapes, metadata per shard) of the tensor set `stem`, written as its index when sharded."""
-    weight_map, shapes, metadata, total = {}, {}, [], 0
-    for file in shards:
+def _index(staging: str, stem: str, set_files: list) -> list:
+    """Check the tensor set `stem` (each element of each tensor stored once), writing its index when there are
+    writers' files; the metadata of each file."""
+    weight_map, metadata, total = {}, [], 0
+    for file in set_files:
         tensors, meta = _header(os.path.join(staging, file))
         twice = sorted(set(tensors) & set(weight_map))
         if twice:
-            raise CheckpointError(f"save: {twice[:5]} written by two stages ({weight_map[twice[0]]} and {file})")
+            raise CheckpointError(f"save: {twice[:5]} written by two writers ({weight_map[twice[0]]} and {file})")
         weight_map.update(dict.fromkeys(tensors, file))
-        shapes.update({n: shape for n, (shape, _) in tensors.items()})
         total += sum(size for _, size in tensors.values())
         metadata.append(meta)
-    if len(shards) > 1:
+    if set_files and set_files != [f"{stem}.safetensors"]:
         files.write_json(os.path.join(staging, index_file(stem)),
                          {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-    return weight_map, shapes, metadata
+    return metadata
+
+
+def _shapes(staging: str, stem: str) -> dict:
+    """name -> full shape of every tensor of the set `stem`, checked to be stored whole or in pieces that hold
+    each element once."""
+    try:
+        with FolderTensors(staging, stem, check=True) as tensors:
+            return {name: tensors.shape(name) for name in tensors.names()}
+    except ModelFolderError as e:
+        raise CheckpointError(f"save: {e}") from None
 
 
 def merge_groups(stage_groups: list) -> list:
     """One list of optimizer groups from every stage's: hyperparameters of the first, member names united."""
+    if not stage_groups:
+        return []
     merged = [dict(g, params=list(g["params"])) for g in stage_groups[0]]
     for groups in stage_groups[1:]:
         if len(groups) != len(merged):
@@ -144,10 +180,15 @@ def finish(save_dir: str, staging: str, step: int, config: MambaConfig, records:
     position). tokenizer: anything with `save(directory)`. keep_last: checkpoints to keep (None: all);
     protect: the tag of a checkpoint that retention must keep whatever keep_last says.
     """
-    _, shapes, _ = _index(staging, MODEL, _shards(MODEL, records))
-    check_model_shapes(shapes, config, f"save of step {step}")
-    _, _, metadata = _index(staging, OPTIMIZER, _shards(OPTIMIZER, records))
-    groups = merge_groups([json.loads(m.get(GROUPS_KEY, "[]")) for m in metadata])
+    model_files, optimizer_files = _set_files(MODEL, records), _set_files(OPTIMIZER, records)
+    if not model_files:
+        raise CheckpointError(f"save: no writer reported {MODEL}.safetensors or writers' files of it")
+    _index(staging, MODEL, model_files)
+    check_model_shapes(_shapes(staging, MODEL), config, f"save of step {step}")
+    metadata = _index(staging, OPTIMIZER, optimizer_files)
+    if optimizer_files:
+        _shapes(staging, OPTIMIZER)
+    groups = merge_groups([json.loads(m[GROUPS_KEY]) for m in metadata if GROUPS_KEY in m])
     state = {"format_version": FORMAT_VERSION, "step": step, "optimizer": {"param_groups": groups},
              "scheduler": scheduler, "extra": extra or {}}
     try:
@@ -173,7 +214,7 @@ def save_checkpoint(save_dir: str, step: int, config: MambaConfig, model: Mappin
     """
     model = check_model_tensors(model, config, "save_checkpoint")
     staging = begin(save_dir, step, keep_last)
-    records = write_stage(staging, 0, 1, model, optimizer or {}, optimizer_groups or [])
+    records = write_shard(staging, None, whole(model), whole(optimizer or {}), optimizer_groups or [])
     for rank, state in enumerate(rng if rng is not None else [rng_files.capture_rng()]):
         records.update(write_rng(staging, rank, state))
     return finish(save_dir, staging, step, config, records, scheduler=scheduler, extra=extra, tokenizer=tokenizer,

@@ -1,5 +1,5 @@
-"""A checkpoint written by several stage writers (one shard per stage) reads like a one-file one, everywhere:
-`Checkpoint`, a model folder (generation), HF export. A format-version-1 checkpoint still reads."""
+"""A checkpoint written by several writers, each the pieces it holds (TP rows, ZeRO fragments), reads like a
+one-file one everywhere: `Checkpoint`, a model folder (generation), HF export. Format versions 1 and 2 still read."""
 import os
 
 import pytest
@@ -16,79 +16,136 @@ from megamamba.checkpoint import (
     model_tensors,
     optimizer_groups,
     write_rng,
-    write_stage,
+    write_shard,
 )
 from megamamba.checkpoint import rng as rng_files
 from megamamba.checkpoint.manifest import write_manifest
 from megamamba.convert import export_hf
+from megamamba.folder_tensors import FolderTensors
 from megamamba.model_folder import load_model_folder
+from megamamba.tensor_pieces import Cut, Piece
 
 CONFIG = tiny("Mamba2", tie_embeddings=False)
+MOMENTS = (("exp_avg", 0.5), ("exp_avg_sq", 0.25))
 
 
-def stages() -> tuple:
-    """(full model tensors, [(params, optimizer, groups) of stage 0 and stage 1]): layer 0 and the embedding
-    in stage 0, the rest in stage 1, with stand-in Adam moments."""
+def _rows(name: str, t: torch.Tensor, half: int) -> list:
+    """The first (half 0) or second half of `t`'s rows as a held piece (TP-like); [] when it has none."""
+    split = t.shape[0] // 2
+    start, stop = (0, split) if half == 0 else (split, t.shape[0])
+    if start == stop:
+        return []
+    return [(name, Piece(name, tuple(t.shape), Cut(0, ((start, stop),), (stop - start, *t.shape[1:]))), t[start:stop])]
+
+
+def _fragment(name: str, t: torch.Tensor, part: int) -> list:
+    """The first (part 0) or second third... of `t` flattened, as a held piece (ZeRO-like)."""
+    split = t.numel() // 3
+    start, stop = (0, split) if part == 0 else (split, t.numel())
+    if start == stop:
+        return []
+    return [(name, Piece(name, tuple(t.shape), Cut.whole(t.shape), (start, stop)), t.reshape(-1)[start:stop])]
+
+
+def writers() -> tuple:
+    """(full model tensors, [(params, optimizer, groups) of writers 0..3]): layer 0 and the embedding split in
+    rows between writers 0 and 1, the rest in flat fragments between writers 2 and 3, with stand-in Adam
+    moments; the first writer of each pair adds `step` and its stage's optimizer groups."""
     model = perturbed_model(CONFIG, 3)
     full = model_tensors(model)
     (group,) = optimizer_groups(torch.optim.AdamW(model.parameters()), model)
-    split = []
-    for first in (True, False):
+    out = []
+    for first, cut in ((True, _rows), (False, _fragment)):
         names = [n for n in full if ("layers.0." in n or "embedding" in n) == first]
-        optimizer = {f"{n}/{k}": full[n] * s for n in names for k, s in (("exp_avg", 0.5), ("exp_avg_sq", 0.25))}
-        split.append(({n: full[n] for n in names}, optimizer, [{**group, "params": names}]))
-    return full, split
+        for part in (0, 1):
+            params = [h for n in names for h in cut(n, full[n], part)]
+            optimizer = [h for n in names for k, scale in MOMENTS for h in cut(f"{n}/{k}", full[n] * scale, part)]
+            steps = [(f"{n}/step", None, torch.tensor(4.0)) for n in names] if part == 0 else []
+            out.append((params, optimizer + steps, [{**group, "params": names}] if part == 0 else []))
+    return full, out
 
 
-def save_in_stages(save_dir: str, split: list) -> str:
+def save_by_writers(save_dir: str, parts: list) -> str:
     staging = begin(save_dir, 4)
     records = {}
-    for index, (params, optimizer, groups) in enumerate(split):
-        records |= write_stage(staging, index, len(split), params, optimizer, groups)
-        records |= write_rng(staging, index, capture_rng())
-    return finish(save_dir, staging, 4, CONFIG, records, extra={"note": "two stages"})
+    for rank, part in enumerate(parts):
+        records |= write_shard(staging, rank, *part)
+        records |= write_rng(staging, rank, capture_rng())
+    return finish(save_dir, staging, 4, CONFIG, records, extra={"note": "four writers"})
 
 
-def test_stage_shards_read_as_one_checkpoint_model_folder_and_hf_export(tmp_path):
-    full, split = stages()
-    path = save_in_stages(str(tmp_path / "save"), split)
+def test_writers_pieces_read_as_one_checkpoint_model_folder_and_hf_export(tmp_path):
+    full, parts = writers()
+    path = save_by_writers(str(tmp_path / "save"), parts)
     assert sorted(n for n in os.listdir(path) if n.startswith(("model", "optimizer"))) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
-        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors",
-        "optimizer.safetensors.index.json"]
+        *[f"model-rank-0000{r}.safetensors" for r in range(4)], "model.safetensors.index.json",
+        *[f"optimizer-rank-0000{r}.safetensors" for r in range(4)], "optimizer.safetensors.index.json"]
     ckpt = Checkpoint(path)
     loaded = ckpt.model_tensors()
     assert loaded.keys() == full.keys() and all(torch.equal(loaded[k], full[k]) for k in full)
     assert ckpt.model_tensors(["backbone.norm_f.weight"]).keys() == {"backbone.norm_f.weight"}
     moments = ckpt.optimizer_tensors(["backbone.layers.1.mixer.D"])
     assert torch.equal(moments["backbone.layers.1.mixer.D/exp_avg"], full["backbone.layers.1.mixer.D"] * 0.5)
-    assert len(ckpt.optimizer_tensors()) == 2 * len(full)
+    assert len(ckpt.optimizer_tensors()) == 3 * len(full)
     assert [sorted(g["params"]) for g in ckpt.optimizer_groups] == [sorted(full)]
-    assert ckpt.rng_state(1, 2)["torch"].shape == capture_rng()["torch"].shape
+    assert ckpt.rng_state(1, 4)["torch"].shape == capture_rng()["torch"].shape
     model = load_model_folder(path)
     assert all(torch.equal(model.state_dict()[k], full[k]) for k in full)
     assert os.path.isfile(os.path.join(export_hf(path, str(tmp_path / "hf")), "model.safetensors"))
 
 
-def test_a_tensor_written_by_two_stages_is_refused_and_nothing_is_committed(tmp_path):
-    _, split = stages()
-    params, optimizer, groups = split[1]
-    split[1] = ({**params, "backbone.embedding.weight": split[0][0]["backbone.embedding.weight"]}, optimizer, groups)
-    with pytest.raises(CheckpointError, match=r"\['backbone.embedding.weight'\] written by two stages"):
-        save_in_stages(str(tmp_path), split)
+def test_a_cut_reads_only_the_pieces_it_overlaps(tmp_path, monkeypatch):
+    full, parts = writers()
+    path = save_by_writers(str(tmp_path / "save"), parts)
+    name = "backbone.embedding.weight"
+    opened = []
+    handle = FolderTensors._handle
+    monkeypatch.setattr(FolderTensors, "_handle", lambda self, file: opened.append(file) or handle(self, file))
+    rows, width = full[name].shape
+    (cut,) = Checkpoint(path).model_cuts({"mine": (name, Cut(0, ((0, rows // 2),), (rows // 2, width)))}).values()
+    assert torch.equal(cut, full[name][:rows // 2])
+    assert opened[-1] == "model-rank-00000.safetensors"
+
+
+def test_a_piece_written_by_two_writers_is_refused_and_nothing_is_committed(tmp_path):
+    _, parts = writers()
+    params, optimizer, groups = parts[1]
+    parts[1] = (params + [h for h in parts[0][0] if h[0] == "backbone.embedding.weight"], optimizer, groups)
+    with pytest.raises(CheckpointError, match=r"backbone.embedding.weight: the local tensor with rows .* is stored 2"):
+        save_by_writers(str(tmp_path), parts)
     assert not [n for n in os.listdir(tmp_path) if not n.startswith(".tmp-")]
 
 
-def test_a_stage_missing_from_the_shards_is_refused(tmp_path):
-    _, split = stages()
-    with pytest.raises(CheckpointError, match=r"model shards missing \['model-00002-of-00002.safetensors'\]"):
-        staging = begin(str(tmp_path), 4)
-        records = write_stage(staging, 0, 2, *split[0])
-        finish(str(tmp_path), staging, 4, CONFIG, records)
+def test_a_missing_writer_is_refused(tmp_path):
+    _, parts = writers()
+    with pytest.raises(CheckpointError, match=r"backbone.embedding.weight: the pieces' rows \[\(0, \d+\)\] along "
+                                              "dim 0 do not cover"):
+        save_by_writers(str(tmp_path), [parts[0], parts[2], parts[3]])
+
+
+def test_a_format_version_2_checkpoint_with_one_file_per_stage_reads(tmp_path):
+    full, _ = writers()
+    path = tmp_path / "step_000004"
+    path.mkdir()
+    stage = {n: "model-00001-of-00002.safetensors" if "layers.0." in n else "model-00002-of-00002.safetensors"
+             for n in full}
+    for file in sorted(set(stage.values())):
+        files.write_tensors(str(path / file), {n: t for n, t in full.items() if stage[n] == file})
+    files.write_json(str(path / "model.safetensors.index.json"), {"metadata": {}, "weight_map": stage})
+    files.write_tensors(str(path / "optimizer.safetensors"), {f"{n}/exp_avg": t for n, t in full.items()})
+    files.write_tensors(str(path / "rng-rank-00000.safetensors"), *rng_files.to_file([capture_rng()]))
+    files.write_json(str(path / "config.json"), CONFIG.to_dict())
+    files.write_json(str(path / "trainer_state.json"), {"format_version": 2, "step": 4, "scheduler": None,
+                                                       "optimizer": {"param_groups": []}, "extra": {}})
+    write_manifest(str(path), "step_000004", 4)
+    ckpt = Checkpoint(str(path))
+    assert all(torch.equal(ckpt.model_tensors()[k], full[k]) for k in full)
+    assert torch.equal(ckpt.optimizer_tensors(["backbone.norm_f.weight"])["backbone.norm_f.weight/exp_avg"],
+                       full["backbone.norm_f.weight"])
 
 
 def test_a_format_version_1_checkpoint_reads(tmp_path):
-    full, _ = stages()
+    full, _ = writers()
     path = tmp_path / "step_000004"
     path.mkdir()
     states = [capture_rng(), capture_rng()]
@@ -104,6 +161,6 @@ def test_a_format_version_1_checkpoint_reads(tmp_path):
     assert len(ckpt.optimizer_tensors(["backbone.norm_f.weight"])) == 1
     assert torch.equal(ckpt.rng_state(1, 2)["torch"], states[1]["torch"])
     text = (path / "trainer_state.json").read_text()
-    (path / "trainer_state.json").write_text(text.replace('"format_version": 1', '"format_version": 3'))
-    with pytest.raises(CheckpointError, match=r"format version 3, this code reads \(1, 2\)"):
+    (path / "trainer_state.json").write_text(text.replace('"format_version": 1', '"format_version": 4'))
+    with pytest.raises(CheckpointError, match=r"format version 4, this code reads \(1, 2, 3\)"):
         Checkpoint(str(path), hashes=False)

@@ -1,8 +1,8 @@
 """Checkpoints do not depend on the tensor-parallel size: saved at TP 2, resumed at TP 2 and at TP 1, and back.
 
 On two spawned gloo ranks a TP-2 run trains 2 steps, gathers its parameters and optimizer state
-to full tensors (`model_tensors` / `optimizer_tensors` with `tp`), rank 0 writes them and each
-rank its RNG state (the writer's steps, as a distributed trainer takes them), and the run goes
+to full tensors (`model_tensors` / `optimizer_tensors` with `tp`), rank 0 writes them as the only
+writer and each rank its RNG state (the writer's steps), and the run goes
 on 2 steps. A fresh TP-2 run (another seed) loads the checkpoint: its next 2 losses,
 shards and optimizer state are bit-identical to the uninterrupted run's. The single process
 then resumes the same checkpoint at TP 1 (and the ranks resume a TP-1 checkpoint at TP 2): the
@@ -30,8 +30,9 @@ from megamamba.checkpoint import (
     restore_rng,
     save_training_checkpoint,
     scheduler_state,
+    whole,
     write_rng,
-    write_stage,
+    write_shard,
 )
 from megamamba.parallel import TensorParallel
 
@@ -63,7 +64,7 @@ def tp_ranks(case: str, save_dir: str, tp1_checkpoint: str) -> dict:
     dist.broadcast_object_list(staging, src=0)
     records = write_rng(staging[0], rank, capture_rng())
     if rank == 0:
-        records.update(write_stage(staging[0], 0, 1, full, state, optimizer_groups(optimizer, model)))
+        records.update(write_shard(staging[0], None, whole(full), whole(state), optimizer_groups(optimizer, model)))
     parts = [None, None] if rank == 0 else None
     dist.gather_object(records, parts, dst=0)
     if rank == 0:

@@ -33,20 +33,20 @@ def refused(runs, argv, directory, match):
 
 
 def test_truncated_checkpoint_file(runs, save):
-    path = save / "step_000008" / "optimizer.safetensors"
+    path = save / "step_000008" / "optimizer-rank-00000.safetensors"
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 7)
     refused(runs, lambda out: runs.argv(out, zero=0, flags=["--load", str(save / "step_000008"), "--save", str(save)]),
-            save, "optimizer.safetensors: ")
+            save, "optimizer-rank-00000.safetensors: ")
 
 
 def test_corrupt_checkpoint_file_of_the_right_size(runs, save):
-    path = save / "step_000008" / "model.safetensors"
+    path = save / "step_000008" / "model-rank-00000.safetensors"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     refused(runs, lambda out: runs.argv(out, zero=0, flags=["--load", str(save), "--save", str(save)]),
-            save, "model.safetensors: sha256 differs from manifest.json")
+            save, "model-rank-00000.safetensors: sha256 differs from manifest.json")
 
 
 def test_checkpoint_of_another_model_config(runs, save):

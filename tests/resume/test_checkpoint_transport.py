@@ -1,11 +1,12 @@
-"""How a checkpoint travels at (2,1,2) with ZeRO-1: files per stage and per rank, object collectives carry metadata.
+"""How a checkpoint travels at (2,1,2) with ZeRO-1: files per rank, object collectives carry metadata.
 
 Four spawned ranks run launch/train.py with every object collective wrapped: during a save or a
 load each payload is pickled and measured (under NCCL an object collective is copied onto the
 device, and its destination allocates world size x the largest payload). Every write of tensors
-is counted per rank. Then: no payload above CAP; global rank 0 writes its own stage's shards and
-its RNG file, nothing of stage 1; a second run resumes bit-identically and finds every optimizer
-state tensor where torch's AdamW keeps it for its (flat ZeRO) parameter.
+is counted per rank. Then: no payload above CAP; each rank writes the ZeRO partition it updates
+(its fragments of the fp32 masters and moments) and its RNG file, and the ranks' writes add up
+to the checkpoint; a second run resumes bit-identically and finds every optimizer state tensor
+where torch's AdamW keeps it for its (flat ZeRO) parameter.
 """
 import pickle
 
@@ -117,7 +118,7 @@ def saved(runs, tmp_path_factory):
     return ranks, save
 
 
-def test_a_pipeline_save_moves_tensors_through_files_and_rank_0_writes_only_its_stage(saved):
+def test_a_pipeline_save_moves_tensors_through_files_and_each_rank_writes_only_its_partition(saved):
     ranks, save = saved
     payloads = [p for r in ranks for p in r["payloads"]]
     print(f"object collectives during 2 saves: {len(payloads)} payloads, largest {max(n for _, n in payloads)} B")
@@ -126,14 +127,14 @@ def test_a_pipeline_save_moves_tensors_through_files_and_rank_0_writes_only_its_
     path = str(save / "step_000002")
     ckpt = Checkpoint(path)  # every sha256 checked
     assert ckpt.model_tensors().keys() and len(ckpt.optimizer_tensors()) > 0
-    stage0 = ["model-00001-of-00002.safetensors", "optimizer-00001-of-00002.safetensors", "rng-rank-00000.safetensors"]
-    stage1 = ["model-00002-of-00002.safetensors", "optimizer-00002-of-00002.safetensors", "rng-rank-00002.safetensors"]
-    per_save = [[name for name, _ in r["written"][:len(r["written"]) // 2]] for r in ranks]
-    assert per_save == [stage0, ["rng-rank-00001.safetensors"], stage1, ["rng-rank-00003.safetensors"]]
-    rank0_bytes = sum(n for _, n in ranks[0]["written"][:3])
-    total = _stage_bytes(path, stage0 + stage1)
-    print(f"rank 0 wrote {rank0_bytes} tensor bytes per save, the checkpoint holds {total}")
-    assert rank0_bytes == _stage_bytes(path, stage0) < total
+    per_save = [r["written"][:len(r["written"]) // 2] for r in ranks]
+    assert [[name for name, _ in files] for files in per_save] == [
+        [f"model-rank-{r:05d}.safetensors", f"optimizer-rank-{r:05d}.safetensors", f"rng-rank-{r:05d}.safetensors"]
+        for r in range(4)]
+    written = [sum(n for _, n in files[:2]) for files in per_save]
+    total = _stage_bytes(path, [name for files in per_save for name, _ in files[:2]])
+    print(f"tensor bytes written per rank per save: {written}; the checkpoint holds {total}")
+    assert sum(written) == total and max(written) < total / 2
 
 
 def test_a_pipeline_resume_is_exact_and_puts_optimizer_state_where_torch_adamw_keeps_it(runs, saved):
