@@ -47,7 +47,7 @@ from megamamba.parallel.context_parallel import ContextParallel, sequence_window
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines import clipping
 from megamamba.pipelines.agreement import agree, to_device
-from megamamba.pipelines.host_memory import unmap_freed_tensors
+from megamamba.pipelines.host_memory import reuse_freed_tensors, unmap_freed_tensors
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
 from megamamba.pipelines.names import load_mamba_state_dict
@@ -192,6 +192,9 @@ def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, sett
     tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
     cp = groups.context_parallel() if layout.cp > 1 else None
     if layout.pp > 1:
-        return PipelineTrainer(groups, tp, cp, config, engine_config, settings, seed, partition_method,
-                               checkpoint_interval)
-    return PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)
+        trainer = PipelineTrainer(groups, tp, cp, config, engine_config, settings, seed, partition_method,
+                                  checkpoint_interval)
+    else:
+        trainer = PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)
+    reuse_freed_tensors()
+    return trainer
