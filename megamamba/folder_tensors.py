@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -161,9 +161,3 @@ def read_folder_tensors(directory: str, stem: str, names: Optional[Iterable[str]
     """The full tensors of the set `stem` (all, or `names`), on the CPU."""
     with FolderTensors(directory, stem) as tensors:
         return tensors.read_all(names)
-
-
-def read_cuts(directory: str, stem: str, cuts: Mapping[str, Optional[Cut]]) -> dict:
-    """name -> the local tensor `cuts[name]` (None: the full tensor), reading only the pieces each overlaps."""
-    with FolderTensors(directory, stem) as tensors:
-        return {name: tensors.read(name, cut) for name, cut in cuts.items()}
