@@ -150,7 +150,12 @@ class FolderTensors(contextlib.ExitStack):
                 return self._handle(file).get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
             return read
 
-        return assemble([(p, reader(f, k)) for p, f, k in stored], cut or Cut.whole(piece.shape))
+        try:
+            return assemble([(p, reader(f, k)) for p, f, k in stored], cut or Cut.whole(piece.shape))
+        except ModelFolderError:
+            raise
+        except ValueError as e:  # the stored pieces cannot give this cut
+            raise ModelFolderError(f"{os.path.join(self.directory, self.stem)}: {name}: {e}") from None
 
     def read_all(self, names: Optional[Iterable[str]] = None) -> dict:
         """Full tensors by name (all, or `names`)."""

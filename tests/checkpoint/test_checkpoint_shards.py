@@ -107,6 +107,15 @@ def test_a_cut_reads_only_the_pieces_it_overlaps(tmp_path, monkeypatch):
     assert opened[-1] == "model-rank-00000.safetensors"
 
 
+
+def test_a_cut_the_pieces_cannot_give_is_a_checkpoint_error_naming_the_tensor(tmp_path):
+    full, parts = writers()
+    path = save_by_writers(str(tmp_path / "save"), parts)
+    name = "backbone.embedding.weight"
+    rows, width = full[name].shape
+    with pytest.raises(CheckpointError, match=rf"model: {name}: cannot cut {name}: local shape \(2, {width + 1}\)"):
+        Checkpoint(path).model_cuts({"mine": (name, Cut(0, ((0, 2),), (2, width + 1)))})
+
 def test_a_piece_written_by_two_writers_is_refused_and_nothing_is_committed(tmp_path):
     _, parts = writers()
     params, optimizer, groups = parts[1]
