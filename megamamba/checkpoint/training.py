@@ -1,7 +1,7 @@
 """Save and resume a plain PyTorch training run (a `MambaLM`, a torch optimizer, an LR scheduler).
 
 This is the whole protocol in one process, and the reference the distributed trainer follows:
-the same contents, gathered from the ranks instead of read from one model (package docstring).
+the same contents, written by the ranks in the pieces each holds instead of from one model (package docstring).
 A resume restores parameters, optimizer state, scheduler and RNG bit for bit, so training on
 continues exactly as an uninterrupted run would.
 """
