@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,31 +37,46 @@ def index_file(stem: str) -> str:
 
 def weight_map(directory: str, stem: str) -> dict:
     """Key -> file (in `directory`) of the tensor set `stem`: its shard index, else `stem`.safetensors alone."""
+    return _read_index(directory, stem)[0]
+
+
+def _read_index(directory: str, stem: str) -> tuple:
+    """(key -> file, key -> record or None) of the tensor set `stem`; the records when its index carries them."""
     index = os.path.join(directory, index_file(stem))
     if not os.path.isfile(index):
         single = os.path.join(directory, f"{stem}.safetensors")
         try:
             with safe_open(single, framework="pt") as f:
-                return dict.fromkeys(f.keys(), os.path.basename(single))
+                return dict.fromkeys(f.keys(), os.path.basename(single)), None
         except FileNotFoundError:
             raise ModelFolderError(f"{single}: no such file (nor {index_file(stem)})") from None
         except (SafetensorError, OSError) as e:
             raise ModelFolderError(f"{single}: not a readable safetensors file ({e})") from None
     try:
         with open(index, encoding="utf-8") as f:
-            mapping = json.load(f).get("weight_map")
+            content = json.load(f)
+        mapping, records = content.get("weight_map"), content.get(PIECES_KEY)
     except (OSError, ValueError, AttributeError) as e:
         raise ModelFolderError(f"{index}: not a shard index ({e})") from None
     if not isinstance(mapping, dict) or not all(isinstance(v, str) and os.sep not in v for v in mapping.values()):
         raise ModelFolderError(f"{index}: its weight_map is not {{tensor name: file in this folder}}")
-    return mapping
+    if records is not None and (not isinstance(records, dict) or set(records) != set(mapping)):
+        raise ModelFolderError(f"{index}: its {PIECES_KEY!r} does not describe exactly the tensors of its weight_map")
+    return mapping, records
+
+
+def index_record(key: str, shape: Sequence[int], record: Optional[dict]) -> dict:
+    """The index's record of a stored tensor: its piece record, or {name, shape} for a whole tensor."""
+    return record if record is not None else {"name": key, "shape": list(shape)}
 
 
 class FolderTensors(contextlib.ExitStack):
     """The tensor set `stem` of `directory` by tensor name (pieces put together); use it as a context manager.
 
-    Opening reads every file's header; each piece's record is checked, and with `check=True` that
-    every tensor's pieces hold each of its elements exactly once.
+    Opening reads the index's records when it has them (a checkpoint's: no file is opened until a
+    tensor is read, and then only the files holding the pieces asked for), else every file's
+    header; each piece's record is checked, and with `check=True` that every tensor's pieces hold
+    each of its elements exactly once.
     """
 
     def __init__(self, directory: str, stem: str, check: bool = False):
@@ -69,12 +84,17 @@ class FolderTensors(contextlib.ExitStack):
         self.directory, self.stem = directory, stem
         self._handles: dict = {}
         self.stored: dict[str, list] = {}  # name -> [(piece, file, key)]; piece None: a 0-d tensor, whole
+        mapping, records = _read_index(directory, stem)
         by_file: dict[str, list] = {}
-        for key, file in weight_map(directory, stem).items():
+        for key, file in mapping.items():
             by_file.setdefault(file, []).append(key)
         try:
             for file, keys in sorted(by_file.items()):
-                self._add_file(file, keys)
+                if records is None:
+                    self._add_file(file, keys)
+                else:
+                    for key in keys:
+                        self._add(key, file, records[key], None, os.path.join(directory, index_file(stem)))
             if check:
                 for name, stored in self.stored.items():
                     pieces = [piece for piece, _, _ in stored]
@@ -112,14 +132,22 @@ class FolderTensors(contextlib.ExitStack):
             raise ModelFolderError(f"{path}: its {PIECES_KEY!r} metadata is not JSON ({e})") from None
         for key in keys:
             shape = tuple(f.get_slice(key).get_shape())
-            if key in records:
-                piece = Piece.from_record(records[key], f"{path}: {key}")
-                if piece.stored_shape != shape:
-                    raise ValueError(f"{path}: {key} has shape {shape}, its record says {piece.stored_shape}")
-            else:
-                piece = Piece(key, shape, Cut.whole(shape)) if shape else None
-            name = piece.name if piece is not None else key
-            self.stored.setdefault(name, []).append((piece, file, key))
+            self._add(key, file, index_record(key, shape, records.get(key)), shape, path)
+
+    def _add(self, key: str, file: str, record: dict, stored_shape: Optional[tuple], where: str) -> None:
+        """Note the tensor stored under `key` in `file` from its record (checked against `stored_shape` when known)."""
+        if "dim" in record:
+            piece = Piece.from_record(record, f"{where}: {key}")
+        else:
+            try:
+                shape = tuple(int(n) for n in record["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{where}: {key}: record {record!r} is neither a piece nor {{name, shape}}") from None
+            piece = Piece(key, shape, Cut.whole(shape)) if shape else None
+        expected = piece.stored_shape if piece is not None else ()
+        if stored_shape is not None and stored_shape != expected:
+            raise ValueError(f"{where}: {key} has shape {stored_shape}, its record says {expected}")
+        self.stored.setdefault(piece.name if piece is not None else key, []).append((piece, file, key))
 
     def names(self) -> list:
         return sorted(self.stored)
@@ -145,13 +173,17 @@ class FolderTensors(contextlib.ExitStack):
         if piece is None:
             return self._handle(file).get_tensor(key)
 
-        def reader(file: str, key: str):
+        def reader(piece: Piece, file: str, key: str):
             def read(dim: int, start: int, stop: int) -> torch.Tensor:
-                return self._handle(file).get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+                sliced = self._handle(file).get_slice(key)
+                if tuple(sliced.get_shape()) != piece.stored_shape:
+                    raise ModelFolderError(f"{os.path.join(self.directory, file)}: {key} has shape "
+                                           f"{tuple(sliced.get_shape())}, its record says {piece.stored_shape}")
+                return sliced[(slice(None),) * dim + (slice(start, stop),)]
             return read
 
         try:
-            return assemble([(p, reader(f, k)) for p, f, k in stored], cut or Cut.whole(piece.shape))
+            return assemble([(p, reader(p, f, k)) for p, f, k in stored], cut or Cut.whole(piece.shape))
         except ModelFolderError:
             raise
         except ValueError as e:  # the stored pieces cannot give this cut

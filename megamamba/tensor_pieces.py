@@ -156,7 +156,7 @@ def _local_rows(cut: Cut, fragments: Sequence[tuple[Piece, Read]], first: int, l
         start, stop = max(piece.flat[0], lo), min(piece.flat[1], hi)
         if start < stop:
             part = read(0, start - piece.flat[0], stop - piece.flat[0])
-            out = part.new_empty(hi - lo) if out is None else out
+            out = part.new_zeros(hi - lo) if out is None else out
             out[start - lo:stop - lo] = part
     return out.view(last - first, *cut.shape[1:])
 

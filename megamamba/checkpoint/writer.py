@@ -37,7 +37,7 @@ from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.manifest import sha256_of
 from megamamba.checkpoint.store import check_keep_last, commit, stage, tag_for
 from megamamba.config import MambaConfig
-from megamamba.folder_tensors import PIECES_KEY, FolderTensors, ModelFolderError, index_file
+from megamamba.folder_tensors import PIECES_KEY, FolderTensors, ModelFolderError, index_file, index_record
 from megamamba.tensor_pieces import Piece
 
 GROUPS_KEY = "param_groups"  # safetensors metadata of an optimizer shard: its stage's groups as JSON
@@ -131,20 +131,30 @@ def _set_files(stem: str, names) -> list:
 
 
 def _index(staging: str, stem: str, set_files: list) -> list:
-    """Check the tensor set `stem` (each element of each tensor stored once), writing its index when there are
-    writers' files; the metadata of each file."""
-    weight_map, metadata, total = {}, [], 0
+    """Write the index of the tensor set `stem` when there are writers' files, with every stored tensor's record
+    (readers then open only the files they read from); the metadata of each file."""
+    weight_map, records, metadata, total = {}, {}, [], 0
     for file in set_files:
         tensors, meta = _header(os.path.join(staging, file))
         twice = sorted(set(tensors) & set(weight_map))
         if twice:
             raise CheckpointError(f"save: {twice[:5]} written by two writers ({weight_map[twice[0]]} and {file})")
-        weight_map.update(dict.fromkeys(tensors, file))
-        total += sum(size for _, size in tensors.values())
+        pieces = json.loads(meta.get(PIECES_KEY, "{}"))
+        for key, (shape, size) in tensors.items():
+            record = index_record(key, shape, pieces.get(key))
+            try:
+                stored = Piece.from_record(record, f"save: {file}").stored_shape if "dim" in record else shape
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            if stored != shape:
+                raise CheckpointError(f"save: {file}: {key} has shape {shape}, its record says {stored}")
+            weight_map[key], records[key] = file, record
+            total += size
         metadata.append(meta)
     if set_files and set_files != [f"{stem}.safetensors"]:
-        files.write_json(os.path.join(staging, index_file(stem)),
-                         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        files.write_json(os.path.join(staging, index_file(stem)), {
+            "metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items())),
+            PIECES_KEY: dict(sorted(records.items()))})
     return metadata
 
 
@@ -156,6 +166,17 @@ def _shapes(staging: str, stem: str) -> dict:
             return {name: tensors.shape(name) for name in tensors.names()}
     except ModelFolderError as e:
         raise CheckpointError(f"save: {e}") from None
+
+
+def _check_state_complete(state: set, parameters: set, step: int) -> None:
+    """CheckpointError unless every parameter has the same optimizer state keys ("<name>/<key>"), or none any."""
+    keys = {name.rpartition("/")[2] for name in state}
+    missing = sorted(f"{n}/{k}" for n in parameters for k in keys if f"{n}/{k}" not in state)
+    unexpected = sorted(name for name in state if name.rpartition("/")[0] not in parameters)
+    if missing or unexpected:
+        raise CheckpointError(f"save of step {step}: optimizer state missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]} (every parameter needs state under every key, e.g. after its "
+                              "first optimizer step)")
 
 
 def merge_groups(stage_groups: list) -> list:
@@ -184,10 +205,11 @@ def finish(save_dir: str, staging: str, step: int, config: MambaConfig, records:
     if not model_files:
         raise CheckpointError(f"save: no writer reported {MODEL}.safetensors or writers' files of it")
     _index(staging, MODEL, model_files)
-    check_model_shapes(_shapes(staging, MODEL), config, f"save of step {step}")
+    model_shapes = _shapes(staging, MODEL)
+    check_model_shapes(model_shapes, config, f"save of step {step}")
     metadata = _index(staging, OPTIMIZER, optimizer_files)
     if optimizer_files:
-        _shapes(staging, OPTIMIZER)
+        _check_state_complete(set(_shapes(staging, OPTIMIZER)), set(model_shapes), step)
     groups = merge_groups([json.loads(m[GROUPS_KEY]) for m in metadata if GROUPS_KEY in m])
     state = {"format_version": FORMAT_VERSION, "step": step, "optimizer": {"param_groups": groups},
              "scheduler": scheduler, "extra": extra or {}}

@@ -104,7 +104,7 @@ def test_a_cut_reads_only_the_pieces_it_overlaps(tmp_path, monkeypatch):
     rows, width = full[name].shape
     (cut,) = Checkpoint(path).model_cuts({"mine": (name, Cut(0, ((0, rows // 2),), (rows // 2, width)))}).values()
     assert torch.equal(cut, full[name][:rows // 2])
-    assert opened[-1] == "model-rank-00000.safetensors"
+    assert opened == ["model-rank-00000.safetensors"], "the index describes the pieces: only the one read is opened"
 
 
 
@@ -130,6 +130,14 @@ def test_a_missing_writer_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"backbone.embedding.weight: the pieces' rows \[\(0, \d+\)\] along "
                                               "dim 0 do not cover"):
         save_by_writers(str(tmp_path), [parts[0], parts[2], parts[3]])
+
+
+def test_a_save_missing_one_parameters_optimizer_state_is_refused(tmp_path):
+    _, parts = writers()
+    parts = [(params, [h for h in optimizer if h[0] != "backbone.embedding.weight/exp_avg"], groups)
+             for params, optimizer, groups in parts]
+    with pytest.raises(CheckpointError, match=r"optimizer state missing \['backbone.embedding.weight/exp_avg'\]"):
+        save_by_writers(str(tmp_path), parts)
 
 
 def test_a_format_version_2_checkpoint_with_one_file_per_stage_reads(tmp_path):
