@@ -151,6 +151,10 @@ def shard_state(trainer, config: MambaConfig) -> tuple:
             params.append((name, Piece(name, shape, cut), p.detach()))
             for key, value in trainer.engine.optimizer.state.get(p, {}).items():
                 state_name = f"{name}/{key}"
+                if not torch.is_tensor(value) or (value.dim() and value.shape != p.shape):
+                    raise CheckpointError(f"optimizer state {state_name} is {type(value).__name__} "
+                                          f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
+                                          f"parameter {tuple(p.shape)} or 0-d tensors can be saved")
                 if value.dim() == 0:
                     scalars.setdefault(state_name, value.detach())
                 else:
@@ -158,7 +162,11 @@ def shard_state(trainer, config: MambaConfig) -> tuple:
     if not representative:
         return params, optimizer, []
     if stepped:
-        (step,) = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
+        steps = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
+        if len(steps) != 1:
+            raise CheckpointError(f"ZeRO's parameter groups are at different optimizer steps {sorted(steps)}; a "
+                                  "checkpoint records one")
+        (step,) = steps
         scalars = {f"{name}/step": torch.tensor(step, dtype=torch.float32)
                    for name, _ in _stage_parameters(trainer, config)}
     if zero is None:
