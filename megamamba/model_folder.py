@@ -146,15 +146,21 @@ class FolderWeights:
             shapes.pop(HEAD, None)
         return shapes
 
-    def tensors(self, names) -> dict:
-        """Full tensors by our name for `names`, on the CPU (the head is the embedding when tied)."""
+    def each(self, names):
+        """(name, full tensor) for each of `names`, one at a time, on the CPU (the head is the embedding when tied):
+        a caller that keeps only its slice of each holds one full tensor at a time."""
         source = {n: EMBEDDING if self.config.tie_embeddings and n == HEAD else n for n in names}
-        wanted = {self._file_name(n) for n in source.values()}
         if self._bin is not None:
-            absent = sorted(wanted - set(self._bin))
+            absent = sorted({self._file_name(s) for s in source.values()} - set(self._bin))
             if absent:
                 raise ModelFolderError(f"{self._torch_file}: has no tensors {absent[:5]}")
-            found = {n: self._bin[n] for n in wanted}
-        else:
-            found = read_folder_tensors(self.directory, WEIGHTS_STEM, wanted)
-        return {n: found[self._file_name(s)] for n, s in source.items()}
+            for n, s in source.items():
+                yield n, self._bin[self._file_name(s)]
+            return
+        with FolderTensors(self.directory, WEIGHTS_STEM) as tensors:
+            for n, s in source.items():
+                yield n, tensors.read(self._file_name(s))
+
+    def tensors(self, names) -> dict:
+        """Full tensors by our name for `names`, on the CPU (the head is the embedding when tied)."""
+        return dict(self.each(names))

@@ -127,42 +127,54 @@ def _copy_zero3_masters(optimizer, flag: str) -> None:
 
 
 def load_weights(trainer, source: InitSource, config: MambaConfig) -> None:
-    """Set every parameter of this rank (and its optimizer master) from the folder; collective."""
+    """Set every parameter of this rank (and its optimizer master) from the folder, reading one full tensor at a
+    time and keeping only this rank's slice of it; collective."""
     pipeline = isinstance(trainer.engine, PipelineEngine)
     # a TP parameter may come in parts under one full name (`in_proj.weight` and `in_proj.weight_replicated`)
-    params = [(full_key(n, p), p) for n, p in trainer.module.named_parameters()]
-    names = {key: to_mamba(key, config) if pipeline else key for key, _ in params}
-    error, full = None, {}
+    by_name: dict = {}
+    for n, p in trainer.module.named_parameters():
+        key = full_key(n, p)
+        by_name.setdefault(to_mamba(key, config) if pipeline else key, []).append((key, p))
+    zero_stage = trainer.engine.zero_optimization_stage()
+    error = None
     try:
-        full = source.weights.tensors(sorted(set(names.values())))
+        for name, full in source.weights.each(sorted(by_name)):
+            for key, param in by_name[name]:
+                _set_parameter(trainer, param, _slice(trainer, full, param, name, key, source.flag), zero_stage)
     except ModelFolderError as e:
         error = f"{source.flag}: rank {dist.get_rank()}: {e}"
+    except CheckpointError as e:
+        error = str(e)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
         raise CheckpointError(first)
-    zero_stage = trainer.engine.zero_optimization_stage()
-    from deepspeed.utils import safe_set_full_fp32_param
-
-    with torch.no_grad():
-        for key, param in params:
-            value = full[names[key]]
-            shard = getattr(param, "tp_shard", None)
-            if trainer.tp is not None and shard is not None:
-                value = local_shard(value, shard, trainer.tp.size, trainer.tp.rank)
-            shape = tuple(getattr(param, "ds_shape", param.shape))
-            if tuple(value.shape) != shape:
-                raise CheckpointError(f"{source.flag}: {names[key]} gives shape {tuple(value.shape)} for parameter "
-                                      f"{key} of shape {shape}")
-            if zero_stage == 3:
-                _set_zero3_partition(param, value)
-            else:
-                param.copy_(value)
-                if zero_stage:
-                    safe_set_full_fp32_param(param, param.detach().float())
     if zero_stage == 3:
         _copy_zero3_masters(trainer.engine.optimizer, source.flag)
+
+
+def _slice(trainer, full: torch.Tensor, param, name: str, key: str, flag: str) -> torch.Tensor:
+    """This rank's part of the full tensor `name` for the parameter `key`, its shape checked."""
+    shard = getattr(param, "tp_shard", None)
+    value = local_shard(full, shard, trainer.tp.size, trainer.tp.rank) if trainer.tp is not None and shard else full
+    shape = tuple(getattr(param, "ds_shape", param.shape))
+    if tuple(value.shape) != shape:
+        raise CheckpointError(f"{flag}: {name} gives shape {tuple(value.shape)} for parameter {key} of shape {shape}")
+    return value
+
+
+@torch.no_grad()
+def _set_parameter(trainer, param, value: torch.Tensor, zero_stage: int) -> None:
+    """A parameter (its ZeRO-3 partition, or its ZeRO-1/2 fp32 master too) set from this rank's part of its tensor."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    if zero_stage == 3:
+        _set_zero3_partition(param, value)
+        return
+    param.copy_(value)
+    if zero_stage:
+        safe_set_full_fp32_param(param, value.float())
 
 
 def startup_line(source: InitSource) -> str:
