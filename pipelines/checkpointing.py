@@ -128,54 +128,63 @@ def shard_state(trainer, config: MambaConfig) -> tuple:
     zero = _zero(trainer)
     first_data = trainer.dp_rank == 0 and trainer.groups.context_rank == 0
     tp_first = trainer.groups.tensor_rank == 0
-    representative = first_data and tp_first
-    stepped = zero is not None and any("step" in s for s in zero.optimizer.state.values())
-    if stepped:
-        _link_moments(zero)
-    params, optimizer, scalars = [], [], {}
-    for name, p in _stage_parameters(trainer, config):
-        shard = getattr(p, "tp_shard", None)
-        if not (tp_first or (shard is not None and shard.sharded)):
-            continue
-        shape, cut = _cut(p, trainer.tp)
-        if zero is not None:
-            fragment = p._hp_mapping
-            if fragment is None:
-                continue
-            start = fragment.lp_fragment_address.start
-            flat = (start, start + fragment.lp_fragment_address.numel)
-            params.append((name, Piece(name, shape, cut, flat), fragment.get_hp_fragment()))
-            optimizer += [(f"{name}/{key}", Piece(f"{name}/{key}", shape, cut, flat), fragment.get_hp_fragment(key))
-                          for key in (MOMENTS if stepped else ())]
-        elif first_data:
-            params.append((name, Piece(name, shape, cut), p.detach()))
-            for key, value in trainer.engine.optimizer.state.get(p, {}).items():
-                state_name = f"{name}/{key}"
-                if not torch.is_tensor(value) or (value.dim() and value.shape != p.shape):
-                    raise CheckpointError(f"optimizer state {state_name} is {type(value).__name__} "
-                                          f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
-                                          f"parameter {tuple(p.shape)} or 0-d tensors can be saved")
-                if value.dim() == 0:
-                    scalars.setdefault(state_name, value.detach())
-                else:
-                    optimizer.append((state_name, Piece(state_name, shape, cut), value.detach()))
-    if not representative:
+    held = [(name, p, *_cut(p, trainer.tp)) for name, p in _stage_parameters(trainer, config)
+            if tp_first or (getattr(p, "tp_shard", None) is not None and p.tp_shard.sharded)]
+    if zero is not None:
+        params, optimizer, step = _zero_pieces(zero, held)
+        scalars = {} if step is None else {f"{name}/step": torch.tensor(step, dtype=torch.float32)
+                                           for name, _ in _stage_parameters(trainer, config)}
+    else:
+        params, optimizer, scalars = _adamw_pieces(trainer.engine.optimizer, held) if first_data else ([], [], {})
+    if not (first_data and tp_first):
         return params, optimizer, []
-    if stepped:
-        steps = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
-        if len(steps) != 1:
-            raise CheckpointError(f"ZeRO's parameter groups are at different optimizer steps {sorted(steps)}; a "
-                                  "checkpoint records one")
-        (step,) = steps
-        scalars = {f"{name}/step": torch.tensor(step, dtype=torch.float32)
-                   for name, _ in _stage_parameters(trainer, config)}
     if zero is None:
         groups = optimizer_groups(trainer.engine.optimizer, trainer.module)
     else:
         groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
     rename = _rename(trainer, config)
-    groups = [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
-    return params, optimizer + whole(scalars), groups
+    return params, optimizer + whole(scalars), [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
+
+
+def _zero_pieces(zero, held: list) -> tuple:
+    """(master pieces, moment pieces, the optimizer step or None before the first) of this rank's ZeRO
+    partition, for `held` (name, parameter, full shape, cut): the fragments this rank updates."""
+    steps = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"ZeRO's parameter groups are at different optimizer steps {sorted(steps)}; a "
+                              "checkpoint records one")
+    if steps:
+        _link_moments(zero)
+    params, optimizer = [], []
+    for name, p, shape, cut in held:
+        fragment = p._hp_mapping
+        if fragment is None:  # no element of this parameter is in this rank's partition
+            continue
+        start = fragment.lp_fragment_address.start
+        flat = (start, start + fragment.lp_fragment_address.numel)
+        params.append((name, Piece(name, shape, cut, flat), fragment.get_hp_fragment()))
+        optimizer += [(f"{name}/{key}", Piece(f"{name}/{key}", shape, cut, flat), fragment.get_hp_fragment(key))
+                      for key in (MOMENTS if steps else ())]
+    return params, optimizer, next(iter(steps), None)
+
+
+def _adamw_pieces(optimizer: torch.optim.Optimizer, held: list) -> tuple:
+    """(parameter pieces, state pieces, 0-d states by "<name>/<key>") of torch AdamW for `held`
+    (name, parameter, full shape, cut)."""
+    params, state, scalars = [], [], {}
+    for name, p, shape, cut in held:
+        params.append((name, Piece(name, shape, cut), p.detach()))
+        for key, value in optimizer.state.get(p, {}).items():
+            state_name = f"{name}/{key}"
+            if not torch.is_tensor(value) or (value.dim() and value.shape != p.shape):
+                raise CheckpointError(f"optimizer state {state_name} is {type(value).__name__} "
+                                      f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
+                                      f"parameter {tuple(p.shape)} or 0-d tensors can be saved")
+            if value.dim() == 0:
+                scalars.setdefault(state_name, value.detach())
+            else:
+                state.append((state_name, Piece(state_name, shape, cut), value.detach()))
+    return params, state, scalars
 
 
 def _install_kill_hook(step: int) -> None:
