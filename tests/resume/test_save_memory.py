@@ -2,7 +2,8 @@
 checkpoint loaded at (1,1,1) holds every tensor bit-identical to the (2,2,2) run's assembled state.
 
 Each of 8 spawned ranks runs launch/train.py (a Mamba-2 of d_model 512, 4 layers, so a shard is
-megabytes, far above the noise) with `checkpointing.save` wrapped: before the save the rank resets
+megabytes, far above the noise; 257 vocabulary rows, so TP 2 pads one, and one B/C group, so TP
+keeps them in a replicated partner parameter) with `checkpointing.save` wrapped: before the save the rank resets
 its peak resident memory (writing 5 to /proc/self/clear_refs resets VmHWM), after it reads the
 peak; the growth is that peak minus the resident memory before. Its own shard is the state it
 updates: the fp32 masters and both Adam moments of its ZeRO partition (12 bytes per element of
@@ -105,7 +106,7 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
 def test_a_2_2_2_save_grows_no_rank_by_more_than_its_shard_and_loads_at_1_1_1_bit_identically(runs):
     out = runs.new_dir()
     save = out / "ckpt"
-    config = ["--model-config", runs.model_config(d_model=512)]
+    config = ["--model-config", runs.model_config(d_model=512, pad_vocab_size_multiple=1)]
     argv = runs.argv(out, LAYOUT, 1, ["--train-iters", "2", "--save", str(save)])
     argv[argv.index("--model-config"):argv.index("--model-config") + 2] = config
     ranks = run_ranks(_saving_rank, 8, args=(argv, runs.extensions_dir, str(out)), init_process_group=False,
