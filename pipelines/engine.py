@@ -9,7 +9,8 @@ Initial weights do not depend on the layout: they are those of `MambaLM(config)`
 `torch.manual_seed(seed)`, whose pieces (embedding, each block, final norm, head) draw from their
 own seeded streams. The plain engine builds its `MambaLM` (its TP shards) that way; a pipeline
 stage copies its parameters out of `InitialState`, which draws one full piece at a time, so no
-rank ever holds more than its own stage and one full layer.
+rank ever holds more than its own stage and one full layer. The stage's layers are built without
+their own initialisation (`pipelines.uninitialised`), which these copies would overwrite.
 
 Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
 pipeline stages and tied weights). The optimizer is torch's fused AdamW over

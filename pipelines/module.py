@@ -1,9 +1,12 @@
 """The Mamba LM as a DeepSpeed PipelineModule.
 
 Layers (global indices, see `pipelines.names`): 0 embedding, 1..n blocks, n+1 final norm,
-n+2 head. With tie_embeddings the embedding and the head are one `TiedLayerSpec` ("embed"):
+n+2 head. With tie_embeddings the embedding and the head are one tied layer spec ("embed"):
 the first and the last stage each hold the weight and DeepSpeed all-reduces its gradient
 between them. The loss runs on the last stage.
+
+Layers are built without their default initialisation (`pipelines.uninitialised`): the caller
+copies the stage's weights in, the initial ones or a checkpoint's.
 
 Partitioning (`partition_method`): "uniform" (equal layer counts, embedding/norm/head counted as
 layers), "parameters" (balanced parameter counts) or "type:<regex>" (balanced count of layers
@@ -17,7 +20,7 @@ import functools
 from typing import Optional
 
 import torch.utils.checkpoint
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MambaConfig
@@ -34,6 +37,7 @@ from megamamba.pipelines.layers import (
     TiedHead,
 )
 from megamamba.pipelines.names import TIED_KEY
+from megamamba.pipelines.uninitialised import UninitialisedLayerSpec, UninitialisedTiedLayerSpec
 
 PARTITION_METHODS = ("uniform", "parameters", "type:<regex>")
 
@@ -48,23 +52,23 @@ def check_partition_method(method: str) -> None:
 def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None,
                 cp: Optional[ContextParallel] = None) -> list:
     """[embedding, n blocks, final norm, head] as DeepSpeed layer specs (split across `tp` when given;
-    blocks on a slice of every sequence under `cp`)."""
+    blocks on a slice of every sequence under `cp`), built with uninitialised parameters."""
     embedding = EmbeddingPipe if tp is None else ParallelEmbeddingPipe
     if config.tie_embeddings:
-        first = TiedLayerSpec(TIED_KEY, embedding, config, tp)
-        last = TiedLayerSpec(TIED_KEY, embedding, config, tp, forward_fn=TiedHead(tp))
+        first = UninitialisedTiedLayerSpec(TIED_KEY, embedding, config, tp)
+        last = UninitialisedTiedLayerSpec(TIED_KEY, embedding, config, tp, forward_fn=TiedHead(tp))
     else:
-        first = LayerSpec(embedding, config, tp)
-        last = LayerSpec(HeadPipe if tp is None else ParallelHeadPipe, config, tp)
-    blocks = [LayerSpec(BlockPipe, config, tp=tp, cp=cp) for _ in range(config.n_layer)]
-    return [first, *blocks, LayerSpec(FinalNormPipe, config, tp), last]
+        first = UninitialisedLayerSpec(embedding, config, tp)
+        last = UninitialisedLayerSpec(HeadPipe if tp is None else ParallelHeadPipe, config, tp)
+    blocks = [UninitialisedLayerSpec(BlockPipe, config, tp=tp, cp=cp) for _ in range(config.n_layer)]
+    return [first, *blocks, UninitialisedLayerSpec(FinalNormPipe, config, tp), last]
 
 
 def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = "type:Block",
                           checkpoint_interval: int = 0, tp: Optional[TensorParallel] = None,
                           cp: Optional[ContextParallel] = None) -> PipelineModule:
     """This rank's stage of the model (needs torch.distributed initialised; `tp` and `cp` from the same
-    topology)."""
+    topology), its parameters uninitialised: load them (`pipelines.names.load_mamba_state_dict`) before use."""
     check_partition_method(partition_method)
     return PipelineModule(
         layers=layer_specs(config, tp, cp),
