@@ -317,17 +317,8 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
             p.copy_(values[n])
     optimizer, saved_groups = {}, None
     if load_optim:
+        optimizer = checkpoint.optimizer_cuts(cuts)
         mine = {name for name, _ in cuts.values()}
-        stored = {}
-        for key in checkpoint.optimizer_names():
-            name, _, state_key = key.rpartition("/")
-            if name in mine:
-                stored.setdefault(name, []).append(state_key)
-        requests = {f"{n}/{k}": (f"{name}/{k}", cut) for n, (name, cut) in cuts.items() for k in stored.get(name, ())}
-        found = checkpoint.optimizer_cuts(requests)
-        for key, t in found.items():
-            n, _, state_key = key.rpartition("/")
-            optimizer.setdefault(n, {})[state_key] = t
         saved_groups = [{**g, "params": [m for m in g["params"] if m in mine]} for g in checkpoint.optimizer_groups]
     zero = _zero(trainer)
     if zero is not None:
@@ -370,15 +361,15 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
     steps = {t.item() for state in optimizer.values() for key, t in state.items() if key == "step"}
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")
-    for flat in zero.single_partition_of_fp32_groups if steps else ():
-        group = next(g for g in zero.optimizer.param_groups if any(p is flat for p in g["params"]))
-        zero.optimizer.state[flat] = {"step": adam_step(next(iter(steps)), flat, group),
-                                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-    missing = sorted(n for n, _ in trainer.module.named_parameters()
-                     if any(m not in optimizer.get(n, {}) for m in MOMENTS))
-    if steps and missing:
-        raise CheckpointError(f"checkpoint optimizer state has no Adam moments for {missing[:5]}")
     if steps:
+        missing = sorted(n for n, _ in trainer.module.named_parameters()
+                         if any(m not in optimizer.get(n, {}) for m in MOMENTS))
+        if missing:
+            raise CheckpointError(f"checkpoint optimizer state has no Adam moments for {missing[:5]}")
+        for flat in zero.single_partition_of_fp32_groups:
+            group = next(g for g in zero.optimizer.param_groups if any(p is flat for p in g["params"]))
+            zero.optimizer.state[flat] = {"step": adam_step(next(iter(steps)), flat, group),
+                                          "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
         _link_moments(zero)
     with torch.no_grad():
         for name, p in trainer.module.named_parameters():

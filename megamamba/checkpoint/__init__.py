@@ -39,7 +39,7 @@ file sizes and hashes, an error message).
     load:  rank 0: path = resolve_load(load, save_dir) (verifies hashes), broadcast path; every rank:
            ckpt = Checkpoint(path, hashes=False); ckpt.check_config(run_config);
            ckpt.model_cuts({key: (mamba name, its Cut)}) -> each parameter's local tensor, reading only
-           the pieces it overlaps (under ZeRO also safe_set_full_fp32_param); ckpt.optimizer_cuts(...)
+           the pieces it overlaps (under ZeRO also safe_set_full_fp32_param); ckpt.optimizer_cuts(same)
            -> restore_optimizer_state, or for ZeRO: create the flat AdamW state (adam_step for `step`),
            link, safe_set_full_optimizer_state; load_scheduler_state; restore_rng(ckpt.rng_state(rank, world)).
 

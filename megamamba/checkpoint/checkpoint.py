@@ -135,17 +135,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: the model config differs from the run's: {'; '.join(diff)}. "
                                   "Resume with the checkpoint's config.json, or start a new run (--load unset)")
 
-    def _tensors(self, stem: str) -> FolderTensors:
+    def _read(self, stem: str, select) -> dict:
+        """key -> local tensor, for `select(stored names)` = {key: (stored name, cut)} (cut None: the full tensor);
+        the set's index (or headers) is read once."""
         try:
-            return FolderTensors(self.path, stem)
-        except ModelFolderError as e:
-            raise CheckpointError(str(e)) from None
-
-    def _read(self, stem: str, requests: Mapping[str, tuple]) -> dict:
-        """key -> for each key's (name, cut): the local tensor `cut` (None: the full tensor) of the stored `name`."""
-        try:
-            with self._tensors(stem) as tensors:
-                return {key: tensors.read(name, cut) for key, (name, cut) in requests.items()}
+            with FolderTensors(self.path, stem) as tensors:
+                return {key: tensors.read(name, cut) for key, (name, cut) in select(tensors.names()).items()}
         except ModelFolderError as e:
             raise CheckpointError(str(e)) from None
 
@@ -155,31 +150,37 @@ class Checkpoint:
         With tie_embeddings, asking for lm_head.weight gives the embedding.
         """
         if names is None:
-            with self._tensors(MODEL) as tensors:
-                every = tensors.names()
-            return check_model_tensors(self._read(MODEL, {n: (n, None) for n in every}), self.config, self.path)
+            return check_model_tensors(self._read(MODEL, lambda stored: {n: (n, None) for n in stored}),
+                                       self.config, self.path)
         return self.model_cuts({n: (n, None) for n in names})
 
     def model_cuts(self, requests: Mapping[str, tuple]) -> dict:
         """key -> the local tensor `cut` of parameter `name` for each key's (name, cut) (cut None: the full one),
         reading only the stored pieces it overlaps. With tie_embeddings lm_head.weight is the embedding."""
         tied = self.config.tie_embeddings
-        return self._read(MODEL, {k: (EMBEDDING if tied and n == HEAD else n, c) for k, (n, c) in requests.items()})
-
-    def optimizer_names(self) -> list:
-        """Every "<parameter>/<state key>" stored."""
-        with self._tensors(OPTIMIZER) as tensors:
-            return tensors.names()
+        return self._read(MODEL, lambda _: {k: (EMBEDDING if tied and n == HEAD else n, c)
+                                            for k, (n, c) in requests.items()})
 
     def optimizer_tensors(self, names: Optional[Iterable[str]] = None) -> dict:
         """Full optimizer state "<name>/<key>" of all parameters, or of the parameters in `names`."""
         wanted = None if names is None else set(names)
-        return self._read(OPTIMIZER, {k: (k, None) for k in self.optimizer_names()
-                                      if wanted is None or k.rpartition("/")[0] in wanted})
+        return self._read(OPTIMIZER, lambda stored: {k: (k, None) for k in stored
+                                                     if wanted is None or k.rpartition("/")[0] in wanted})
 
     def optimizer_cuts(self, requests: Mapping[str, tuple]) -> dict:
-        """key -> for each key's ("<name>/<state key>", cut): the local tensor `cut` (a 0-d state whole)."""
-        return self._read(OPTIMIZER, requests)
+        """key -> {state key: local tensor} for each key's (parameter name, cut): every optimizer state stored
+        for that parameter, cut like it (a 0-d state whole); {} for a parameter without state."""
+        def select(stored) -> dict:
+            keys: dict = {}
+            for name in stored:
+                parameter, _, state_key = name.rpartition("/")
+                keys.setdefault(parameter, []).append(state_key)
+            return {(key, k): (f"{name}/{k}", cut) for key, (name, cut) in requests.items() for k in keys.get(name, ())}
+
+        out: dict = {key: {} for key in requests}
+        for (key, state_key), t in self._read(OPTIMIZER, select).items():
+            out[key][state_key] = t
+        return out
 
     @property
     def optimizer_groups(self) -> list:
