@@ -1,7 +1,8 @@
 """Session-wide test environment.
 
 Without a GPU, Triton kernels run under its interpreter; the variable is read when
-`@triton.jit` runs, so it is set here, before any test module imports a kernel. Each
+`@triton.jit` runs, so it is set here, before any test module imports a kernel, and the
+interpreter is made to compute bf16 as a GPU does (tests/interpreter_bf16.py). Each
 virtual environment gets its own torch-extension cache (DeepSpeed JIT-builds an op on
 `init_distributed`), so two environments never rebuild it for each other. Every Python process
 a test starts runs in strict-collectives mode (tests/strict_collectives.py) through
@@ -14,8 +15,12 @@ import time
 import pytest
 import torch
 
+import interpreter_bf16
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    interpreter_bf16.install()
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ["MEGAMAMBA_STRICT_COLLECTIVES"] = "1"
