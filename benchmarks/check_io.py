@@ -204,6 +204,7 @@ def load_mamba_ssm(src: str):
         from mamba_ssm.models.config_mamba import MambaConfig
         from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
         from mamba_ssm.ops.selective_scan_interface import selective_scan_ref
+        from mamba_ssm.ops.triton.layer_norm import rms_norm_fn
         from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except Exception as exc:  # noqa: BLE001 - reported as the reason, the check goes on without it
@@ -217,8 +218,8 @@ def load_mamba_ssm(src: str):
     cap_autotuning(tuners, choices)
     picked = ", ".join(f"{name} #{index}" for name, index in sorted(choices.items()) if index) or "none"
     return types.SimpleNamespace(mamba_chunk_scan_combined=mamba_chunk_scan_combined, rmsnorm_fn=rmsnorm_fn,
-                                 selective_scan_ref=selective_scan_ref, MambaLMHeadModel=MambaLMHeadModel,
-                                 MambaConfig=MambaConfig), \
+                                 rms_norm_fn=rms_norm_fn, selective_scan_ref=selective_scan_ref,
+                                 MambaLMHeadModel=MambaLMHeadModel, MambaConfig=MambaConfig), \
         f"imported; {len(tuners)} autotuned kernels capped to one config each, the first except: {picked}" \
         + ("" if choices else f" (no {path})")
 

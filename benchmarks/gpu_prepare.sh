@@ -5,8 +5,9 @@
 #   - what launch/train.py and mamba_ssm import beyond torch and DeepSpeed: safetensors, tokenizers,
 #     sentencepiece, einops (wheels for its Python 3.12; whatever it has is shadowed by them);
 #   - setuptools (this venv's version): gpu_check.sh builds the package there offline with it;
-#   - the Python files of mamba_ssm 2.3.2.post1's source release (.whl/mamba_ssm-src/), which the
-#     benchmarks compare against (its CUDA extension is never built: the benchmarks stub it);
+#   - the Python files of mamba_ssm 2.3.2.post1's source release (.whl/mamba_ssm-src/, copied from the one
+#     scripts/setup.sh fetched), which the benchmarks compare against (its CUDA extension is never built:
+#     the benchmarks stub it);
 #   - Triton's cache, pre-filled for sm_90 with Triton 3.6 (.venv/triton-3.6) for every kernel the
 #     check launches (benchmarks/triton_cache.py; rebuilt each time: it follows the kernel sources).
 # Then one device call carrying .whl runs every check: `bash benchmarks/gpu_check.sh`.
@@ -19,13 +20,8 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
   -d .whl "safetensors==0.8.0" "tokenizers==0.23.3" "sentencepiece==0.2.3" "einops==0.8.2" \
   "setuptools==$(python -c 'import setuptools; print(setuptools.__version__)')"
 if [ ! -d .whl/mamba_ssm-src/mamba_ssm ]; then
-  tmp=$(mktemp -d)
-  MAMBA_SKIP_CUDA_BUILD=TRUE python -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
-    "mamba_ssm==2.3.2.post1" -d "$tmp"
-  tar xzf "$tmp/mamba_ssm-2.3.2.post1.tar.gz" -C "$tmp"
   mkdir -p .whl/mamba_ssm-src
-  cp -r "$tmp/mamba_ssm-2.3.2.post1/mamba_ssm" .whl/mamba_ssm-src/
-  rm -rf "$tmp"
+  cp -r .venv/mamba_ssm-src/mamba_ssm .whl/mamba_ssm-src/
 fi
 rm -f .whl/triton-cache-*.tar.gz
 env -u TRITON_INTERPRET PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py --out .whl/triton-cache-3.6.0.tar.gz

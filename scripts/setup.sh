@@ -24,4 +24,15 @@ python -m pip install -q --no-build-isolation -e ".[dev]"
 # Triton 3.6, our H200 benchmark machine's, beside the venv's own: the kernels are compiled with it for
 # sm_90 on this machine (tests/kernels/test_triton_compile.py); only its compiler is used.
 [ -d .venv/triton-3.6/triton ] || python -m pip install -q --no-deps --target .venv/triton-3.6 "triton==3.6.0"
+# mamba_ssm 2.3.2.post1's Python files from its source release (its CUDA extension is never built): the kernel
+# tests and benchmarks run its Triton kernels and PyTorch references beside ours on the same inputs.
+if [ ! -d .venv/mamba_ssm-src/mamba_ssm ]; then
+  tmp=$(mktemp -d)
+  MAMBA_SKIP_CUDA_BUILD=TRUE python -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+    "mamba_ssm==2.3.2.post1" -d "$tmp"
+  tar xzf "$tmp/mamba_ssm-2.3.2.post1.tar.gz" -C "$tmp"
+  mkdir -p .venv/mamba_ssm-src
+  cp -r "$tmp/mamba_ssm-2.3.2.post1/mamba_ssm" .venv/mamba_ssm-src/
+  rm -rf "$tmp"
+fi
 python -c "import torch, triton, deepspeed, megamamba; print('megamamba ready: torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep -v 'Setting accelerator'

@@ -1,0 +1,45 @@
+"""mamba_ssm's Triton kernels and PyTorch references, to run beside ours under Triton's interpreter.
+
+Its source release's Python files (scripts/setup.sh fetches them into .venv/mamba_ssm-src;
+MAMBA_SSM_SRC names another folder holding mamba_ssm/) load through the GPU check's loader, which
+stubs the CUDA extension and keeps one configuration per autotuned kernel. On the CPU its kernels
+also need a CUDA device context and an SM count, which `cpu_stand_ins` provides.
+"""
+import contextlib
+import os
+import sys
+import types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_SRC = os.path.join(ROOT, ".venv", "mamba_ssm-src")
+
+
+def source_folder() -> str:
+    return os.environ.get("MAMBA_SSM_SRC") or DEFAULT_SRC
+
+
+@contextlib.contextmanager
+def cpu_stand_ins():
+    """torch.cuda.device as a no-op and a two-SM device, while mamba_ssm's kernels run on CPU tensors."""
+    saved = torch.cuda.device, torch.cuda.get_device_properties
+    torch.cuda.device = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(
+        multi_processor_count=2, name="cpu", gcnArchName="")
+    try:
+        yield
+    finally:
+        torch.cuda.device, torch.cuda.get_device_properties = saved
+
+
+def load():
+    """(namespace of mamba_ssm's entry points, None) or (None, why it is not available)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from check_io import load_mamba_ssm
+    finally:
+        sys.path.pop(0)
+    theirs, why = load_mamba_ssm(source_folder())
+    return (theirs, None) if theirs is not None else (None, f"mamba_ssm's source release: {why}; "
+                                                            "scripts/setup.sh fetches it")
