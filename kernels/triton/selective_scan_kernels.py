@@ -22,7 +22,11 @@ def _combine(a1, b1, a2, b2):
 
 @triton.jit
 def _softplus(v):
-    return tl.maximum(v, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(v)))
+    """log(1 + exp(v)) to float32 round-off: log1p(e) as log(w) * e / (w - 1), w = 1 + e, keeps the
+    low bits of e that w drops (Goldberg 1991), which log(1 + e) loses for small delta."""
+    e = tl.exp(-tl.abs(v))
+    w = 1.0 + e
+    return tl.maximum(v, 0.0) + tl.where(w == 1.0, e, tl.log(w) * (e / (w - 1.0)))
 
 
 @triton.jit
