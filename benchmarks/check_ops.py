@@ -53,15 +53,22 @@ def theirs_table(theirs):
 
 
 def stand_in():
-    """mamba_ssm's op entry points played by our reference (the dry run)."""
+    """mamba_ssm's op entry points played by our reference, and its model by ours (the dry run)."""
+    from check_train import stand_in_models
+    from megamamba.kernels.reference.add_norm import add_rmsnorm
     from megamamba.kernels.reference.norm import rmsnorm_gated
     from megamamba.kernels.reference.selective_scan import selective_scan
     from megamamba.kernels.reference.ssd import ssd_chunk_scan
 
     def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
         return rmsnorm_gated(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+
+    def rms_norm_fn(x, weight, bias, residual=None, eps=1e-6, prenorm=False, residual_in_fp32=False):
+        out = add_rmsnorm(x, residual, weight, eps=eps, residual_dtype=torch.float32 if residual_in_fp32 else None)
+        return out if prenorm else out[0]
     return types.SimpleNamespace(mamba_chunk_scan_combined=ssd_chunk_scan, rmsnorm_fn=rmsnorm_fn,
-                                 selective_scan_ref=selective_scan)
+                                 rms_norm_fn=rms_norm_fn, selective_scan_ref=selective_scan,
+                                 **vars(stand_in_models()))
 
 
 def error_cases(bench, dry):
@@ -85,13 +92,15 @@ def error_cases(bench, dry):
 
 
 def forward_backward(fn, tensors, kwargs, dtype):
-    """Output and the gradient of every float input, for one fixed random output gradient rounded
-    to `dtype` (the same values whatever the output's own dtype)."""
+    """The outputs (a tuple) and the gradient of every float input, for fixed random output gradients
+    rounded to `dtype` (the same values whatever the outputs' own dtypes)."""
     leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items() if v.is_floating_point()}
-    out = fn(**{**tensors, **leaves}, **kwargs)
-    gen = torch.Generator(device=out.device).manual_seed(1)
-    out.backward(torch.randn(out.shape, generator=gen, device=out.device).to(dtype).to(out.dtype))
-    return out.detach(), {k: v.grad for k, v in leaves.items()}
+    outs = fn(**{**tensors, **leaves}, **kwargs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator(device=outs[0].device).manual_seed(1)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen, device=o.device).to(dtype).to(o.dtype)
+                                   for o in outs])
+    return tuple(o.detach() for o in outs), {k: v.grad for k, v in leaves.items()}
 
 
 def errors(results, device, theirs, dry):
@@ -117,8 +126,8 @@ def errors(results, device, theirs, dry):
             except Exception as exc:  # noqa: BLE001 - one failing op must not hide the others
                 results.write("error_failed", op=op, dtype=name, shape=label, error=repr(exc)[:500])
                 continue
-            for quantity, ref in [("out", ref_out), *((f"d{k}", g) for k, g in ref_grads.items())]:
-                pick = (lambda res: res[0]) if quantity == "out" else (lambda res, k=quantity[1:]: res[1][k])
+            for quantity, ref in [("out", ref_out[0]), *((f"d{k}", g) for k, g in ref_grads.items())]:
+                pick = (lambda res: res[0][0]) if quantity == "out" else (lambda res, k=quantity[1:]: res[1][k])
                 err_ours = relative_error(pick(mine), ref)
                 err_theirs = relative_error(pick(other), ref) if other else None
                 results.write("error", op=op, dtype=name, shape=label, quantity=quantity, ours=err_ours,

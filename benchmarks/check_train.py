@@ -170,7 +170,7 @@ class StandInConfig(types.SimpleNamespace):
 
 class StandInLMHeadModel(torch.nn.Module):
     """mamba_ssm's MambaLMHeadModel in the dry run: our MambaLM, its output under .logits, the same
-    state-dict keys (it is loaded unprefixed)."""
+    state-dict keys and parameter names (unprefixed)."""
 
     def __init__(self, config, device=None, dtype=None):
         super().__init__()
@@ -182,6 +182,9 @@ class StandInLMHeadModel(torch.nn.Module):
 
     def load_state_dict(self, state, strict=True):
         return self.model.load_state_dict(state, strict=strict)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.model.named_parameters(*args, **kwargs)
 
 
 def stand_in_models():
