@@ -4,7 +4,10 @@ mamba_ssm's on the same inputs (inputs and layer shapes from benchmarks/kernels.
 errors   ssd_chunk_scan, selective_scan, causal_conv1d, rmsnorm_gated at a Mamba-2 / Mamba-1 130M
          layer's training shape (2 x 2048 tokens), in float32 (TF32 off) and bfloat16: the relative
          error of the output and of each input's gradient (one fixed output gradient) against our
-         PyTorch reference in float64 on the same rounded inputs, for ours and for theirs.
+         PyTorch reference in float64 on the same rounded inputs, for ours and for theirs. Then
+         benchmarks/bf16_errors.py's comparison: each op's bf16 error at seqlens 128, 512, 2048 at a
+         small layer's shape, and a small Mamba-2 LM's loss and gradients in bf16 autocast, ours,
+         theirs and the ratio against float64.
 timings  forward and forward+backward milliseconds at the Mamba-2 130M/370M/1.3B and Mamba-1 layer
          shapes (16K tokens, bf16), ours then theirs for each shape, with the bytes and FLOPs each
          call must move at least and the fraction of the roofline its forward and backward reach,
@@ -133,7 +136,30 @@ def errors(results, device, theirs, dry):
                 results.write("error", op=op, dtype=name, shape=label, quantity=quantity, ours=err_ours,
                               theirs=err_theirs, theirs_impl=impl,
                               ratio=err_ours / err_theirs if err_theirs else None)
+    bf16_comparison(results, device, theirs, dry)
     torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def bf16_comparison(results, device, theirs, dry):
+    """benchmarks/bf16_errors.py's tables: one record per (op, seqlen, quantity), then one per
+    quantity of the small LM (ours on Triton, on the reference in the dry run)."""
+    import bf16_errors
+    seqlens = bf16_errors.SEQLENS[:1] if dry else bf16_errors.SEQLENS
+    for op in bf16_errors.OPS:
+        try:
+            rows = bf16_errors.op_rows(device, theirs, [op], seqlens)
+        except Exception as exc:  # noqa: BLE001 - one failing op must not hide the others
+            results.write("bf16_failed", op=op, error=repr(exc)[:500])
+            continue
+        for row in rows:
+            results.write("bf16_error", **row)
+    try:
+        rows = bf16_errors.model_rows(device, theirs, backend="reference" if dry else "triton")
+    except Exception as exc:  # noqa: BLE001
+        results.write("bf16_failed", op="model", error=repr(exc)[:500])
+        return
+    for row in rows:
+        results.write("bf16_model", **row)
 
 
 def relative_error(value, ref) -> float:

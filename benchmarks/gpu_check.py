@@ -9,7 +9,8 @@ within one time budget, each measurement appended to <out>/results.jsonl as it i
 imports      every megamamba subpackage, from --site (the installed copy) and not from the checkout;
              versions of python, torch, Triton, DeepSpeed, CUDA and the GPU
 nccl_smoke   `deepspeed --num_gpus 1 launch/train.py` with a save and a resume (check_train.py)
-errors       each op's fp32 and bf16 error against float64, ours next to mamba_ssm's (check_ops.py)
+errors       each op's fp32 and bf16 error against float64, ours next to mamba_ssm's, and the bf16
+             comparison per seqlen and of a small LM (check_ops.py, bf16_errors.py)
 timings      op timings against the roofline measured in the same run, ours and mamba_ssm's
              interleaved per shape (check_ops.py)
 throughput:* training tokens/s at 130m, 370m, 1.3b, ours then mamba_ssm's (check_train.py)
@@ -42,7 +43,7 @@ from check_io import (
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # (section, seconds at most); the budget may cut a later one shorter.
-SECTIONS = [("imports", 60), ("nccl_smoke", 100), ("errors", 75), ("timings", 75), ("throughput:130m", 70),
+SECTIONS = [("imports", 60), ("nccl_smoke", 100), ("errors", 120), ("timings", 75), ("throughput:130m", 70),
             ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60), ("memory_plan:130m", 45),
             ("memory_plan:1.3b", 60)]
 PACKAGES = ["megamamba", "megamamba.kernels", "megamamba.kernels.reference", "megamamba.kernels.triton",
@@ -257,6 +258,7 @@ def summary(out: str) -> str:
         details = {k: v for k, v in r.items() if k not in ("section", "kind", "t", "ok")}
         lines.append(f"resume: {'ok' if r['ok'] else 'FAILED'} " + json.dumps(details))
     lines += error_table(by_kind.get("error", []) + by_kind.get("error_failed", []))
+    lines += bf16_tables(by_kind.get("bf16_error", []), by_kind.get("bf16_model", []), by_kind.get("bf16_failed", []))
     lines += timing_table(by_kind.get("timing", []) + by_kind.get("timing_failed", []), by_kind.get("ceilings", []))
     lines += memory_plan_lines(by_kind.get("memory_plan", []))
     lines += throughput_table(by_kind.get("throughput", []))
@@ -285,6 +287,16 @@ def error_table(rows) -> list:
     impls = sorted({(r["op"], r["theirs_impl"]) for r in rows if "theirs_impl" in r})
     lines += [f"  theirs for {op}: {impl}" for op, impl in impls]
     return lines
+
+
+def bf16_tables(ops, model, failed) -> list:
+    """bf16_errors.py's markdown tables of the errors section's bf16 records."""
+    if not (ops or model or failed):
+        return []
+    import bf16_errors
+    lines = ["", "bf16 error vs float64 (relative norm): ours, mamba_ssm, ours/theirs (benchmarks/bf16_errors.py)"]
+    lines += bf16_errors.op_tables(ops) + bf16_errors.model_table(model)
+    return lines + [f"bf16 {r['op']}: FAILED: {r['error'][:160]}" for r in failed]
 
 
 def timing_table(rows, ceilings) -> list:

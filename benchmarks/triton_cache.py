@@ -43,7 +43,8 @@ OUR_OPS = ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated",
 
 def op_work(table):
     """(case, thunk) for every call of the check's errors and timings sections to the ops in
-    `table` (op name -> function)."""
+    `table` (op name -> function), bf16_errors.py's included."""
+    import bf16_errors
     import check_ops
     bench = check_ops.load_kernel_benchmark()
     gen = torch.Generator().manual_seed(0)
@@ -54,6 +55,11 @@ def op_work(table):
                 tensors, kwargs = make(dtype, "cpu", gen)
                 work.append((f"errors {op} {dtype}", lambda f=table[op], t=tensors, k=kwargs, d=dtype:
                              check_ops.forward_backward(f, t, k, d)))
+    for op, seqlen, make in bf16_errors.op_cases(bench, bf16_errors.OPS, bf16_errors.SEQLENS):
+        if op in table:
+            tensors, kwargs = make(torch.bfloat16, "cpu", gen)
+            work.append((f"bf16 errors {op} {seqlen}", lambda f=table[op], t=tensors, k=kwargs:
+                         check_ops.forward_backward(f, t, k, torch.bfloat16)))
     for op, layer, make in check_ops.timing_cases(bench, dry=False):
         if op in table:
             tensors, kwargs = make("cpu", gen)
@@ -71,7 +77,9 @@ def timed_calls(fn, tensors, kwargs):
 
 def model_work(theirs=None):
     """(case, thunk) for a bf16-autocast training step of two layers of each size at its micro-batch
-    (and the NCCL smoke's and the parity's): ours with and without documents, or mamba_ssm's."""
+    (and the NCCL smoke's and the parity's), and of bf16_errors.py's small LM: ours with and without
+    documents, or mamba_ssm's."""
+    import bf16_errors
     from megamamba import MambaConfig, MambaLM
     work = []
     for size in SIZES:
@@ -89,6 +97,10 @@ def model_work(theirs=None):
             for docs in documents:
                 work.append((f"step {size} batch {batch}{' docs' if docs else ''}{' mamba_ssm' if theirs else ''}",
                              lambda m=model, b=batch, d=docs: train_step(m, b, 2048, d)))
+    ours, theirs_model, ids = bf16_errors.models("cpu", theirs)
+    model = ours if theirs is None else theirs_model
+    work.append((f"bf16 errors model{' mamba_ssm' if theirs else ''}",
+                 lambda: bf16_errors.lm_step(model, ids, bf16_errors.MODEL["vocab_size"], True)))
     return work
 
 
@@ -104,9 +116,9 @@ def train_step(model, batch, seqlen, docs):
 def mamba_ssm_work(theirs):
     """(case, thunk) for mamba_ssm's Triton kernels in the check: its SSD and gated norm at the
     errors and timings shapes, and training steps of its model (throughput and parity)."""
-    import check_ops
-    table = {op: fn for op, (fn, _) in check_ops.theirs_table(theirs).items()
-             if op in ("ssd_chunk_scan", "rmsnorm_gated")}
+    import bf16_errors
+    table = {op: fn for op, (fn, _) in bf16_errors.theirs_ops(theirs).items()
+             if op in ("ssd_chunk_scan", "rmsnorm_gated", "add_rmsnorm")}
     return [(case, lambda thunk=thunk: without_device_switch(thunk))
             for case, thunk in op_work(table) + model_work(theirs)]
 
