@@ -12,18 +12,19 @@ cumulative sum of dt*A (non-positive and non-increasing when A <= 0). Forward ke
 Only differences cs_l - cs_s with s <= l (or cs_last - cs_s, cs_l) are exponentiated and
 masked ones are set to -inf before exp, so no decay overflows whatever dt is.
 
-The backward recomputes dt, cs, the states and the scan output instead of storing them,
-then (dy = the gradient of the scan output y):
-  _gate_bwd_kernel       dz, dy, dD partials, and dy_l . y_l (y without its diagonal term)
+The backward recomputes dt, cs, the states (and, with a gate, the output before it) instead of
+storing them, then (dy = the gradient of the scan output y):
+  _gate_bwd_kernel       dz, dy, dD partials
   _chunk_state_kernel    (mode 1) dS_c from the outputs: sum_l exp(cs_l) dy_l^T C_l
   _state_pass_bwd_kernel dS_c += exp(cs_last) dS_{c+1}; d initial state; exp(cs_last) <dS_{c+1}, S_c>
-  _dx_kernel             dx, the direct part of ddt, and the log-decay gradient pieces
+  _dx_kernel             dx, the direct part of ddt, and the end state's log-decay gradient
+  _dlogdecay_kernel      the outputs' log-decay gradient
   _dbc_kernel            dC, then dB in a second launch (summed over a group's heads in the program)
   _dt_bwd_kernel         the gradient of each step's log-decay dt*A -> ddt, dA, then through
                          the clamp / softplus to d dt and d dt_bias
-The log-decay gradient is assembled from sums that never cancel in float32 (the diagonal
-term, which does not depend on cs, is kept out of both sides; the state path uses an
-exclusive cumsum), so large dt costs no accuracy beyond that of float32 cs itself.
+The log-decay gradient of step t sums, over the output pairs (l, s) that t separates, terms
+computed once from float32 products: no difference of two separately rounded sums, which in
+bf16 cost dA and d dt_bias 20-50 times mamba_ssm's error.
 Document boundaries use per-position document counters (see common.document_counters).
 Offsets that scale with batch * seqlen are computed in 64 bits.
 """
@@ -168,20 +169,15 @@ def _state_pass_kernel(states_ptr, cs_ptr, init_ptr, doc_ptr, entering_ptr, fina
 
 @triton.jit
 def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, entering_ptr, doc_ptr, out_ptr,
-                       diag_ptr,
                        seqlen, nheads, heads_per_group, nchunks, chunk, headdim, dstate,
                        sxb, sxl, sxh, sxp, szb, szl, szh, szp, sbb, sbl, sbg, sbn,
                        scb, scl, scg, scn, sob, sol, soh, sop, sdb,
                        HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
-                       HAS_DOC: tl.constexpr, SCAN_ONLY: tl.constexpr, PREC: tl.constexpr,
+                       HAS_DOC: tl.constexpr, PRE_GATE: tl.constexpr, PREC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    """Output rows [BLOCK_M] x channels [BLOCK_P] of chunk c, head h.
-
-    SCAN_ONLY (for the backward): the scan without its diagonal term, without D and gate, in
-    float32, and diag[b, t, h] = dt_t C_t.B_t (so the diagonal term is diag * x). Keeping the
-    diagonal apart lets the dA gradient skip it exactly instead of cancelling it in float32.
-    """
+    """Output rows [BLOCK_M] x channels [BLOCK_P] of chunk c, head h; PRE_GATE (for the
+    backward's gate gradient): the output before the gate, scan + D x, in out's dtype."""
     b, c, h = _chunk_ids(tl.program_id(0), nheads, nchunks)
     g = h // heads_per_group
     pid_m = tl.program_id(1)
@@ -215,10 +211,7 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
         cb = tl.dot(cl, bs, input_precision=PREC)
         cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
         dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
-        if SCAN_ONLY:
-            keep = (s[None, :] < l_idx[:, None]) & s_mask[None, :]
-        else:
-            keep = (s[None, :] <= l_idx[:, None]) & s_mask[None, :]
+        keep = (s[None, :] <= l_idx[:, None]) & s_mask[None, :]
         if HAS_DOC:
             doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-2)
             keep = keep & (doc_s[None, :] == doc_l[:, None])
@@ -227,40 +220,31 @@ def _chunk_scan_kernel(x_ptr, z_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, enter
                      mask=s_mask[:, None] & p_mask[None, :], other=0.0)
         acc += tl.dot(cb.to(xs.dtype), xs, input_precision=PREC)
     tile_mask = l_mask[:, None] & p_mask[None, :]
-    if SCAN_ONLY:
-        bl = tl.load(b_ptr + b * sbb + (t0 + l_idx)[:, None] * sbl + g * sbg + n[None, :] * sbn,
-                     mask=l_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-        dt_l = tl.load(dtp_ptr + cs_base + l_idx, mask=l_mask, other=0.0)
-        tl.store(diag_ptr + (b * seqlen + t0 + l_idx) * nheads + h, dt_l * tl.sum(cl.to(tl.float32) * bl, axis=1),
-                 mask=l_mask)
-    else:
-        if HAS_D:
-            xl = tl.load(x_ptr + b * sxb + (t0 + l_idx)[:, None] * sxl + h * sxh + p[None, :] * sxp,
-                         mask=tile_mask, other=0.0).to(tl.float32)
-            if D_PER_CHANNEL:
-                dd = tl.load(d_ptr + h * headdim + p, mask=p_mask, other=0.0).to(tl.float32)
-                acc += xl * dd[None, :]
-            else:
-                acc += xl * tl.load(d_ptr + h).to(tl.float32)
-        if HAS_Z:
-            zl = tl.load(z_ptr + b * szb + (t0 + l_idx)[:, None] * szl + h * szh + p[None, :] * szp,
-                         mask=tile_mask, other=0.0).to(tl.float32)
-            acc = acc * zl * tl.sigmoid(zl)
+    if HAS_D:
+        xl = tl.load(x_ptr + b * sxb + (t0 + l_idx)[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                     mask=tile_mask, other=0.0).to(tl.float32)
+        if D_PER_CHANNEL:
+            dd = tl.load(d_ptr + h * headdim + p, mask=p_mask, other=0.0).to(tl.float32)
+            acc += xl * dd[None, :]
+        else:
+            acc += xl * tl.load(d_ptr + h).to(tl.float32)
+    if HAS_Z and not PRE_GATE:
+        zl = tl.load(z_ptr + b * szb + (t0 + l_idx)[:, None] * szl + h * szh + p[None, :] * szp,
+                     mask=tile_mask, other=0.0).to(tl.float32)
+        acc = acc * zl * tl.sigmoid(zl)
     tl.store(out_ptr + b * sob + (t0 + l_idx)[:, None] * sol + h * soh + p[None, :] * sop,
              acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit
-def _gate_bwd_kernel(dout_ptr, y_ptr, diag_ptr, x_ptr, z_ptr, d_ptr, dy_ptr, dz_ptr, dd_ptr, ydot_ptr,
+def _gate_bwd_kernel(dout_ptr, pre_ptr, x_ptr, z_ptr, dy_ptr, dz_ptr, dd_ptr,
                      seqlen, nheads, headdim,
                      sxb, sxl, sxh, sxp, szb, szl, szh, szp, sgb, sgl, sgh, sgp,
-                     HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+                     HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                      BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
-    """From the gradient of out = (y + diag x + D x) * silu(z), y being the scan without its
-    diagonal term: dy (float32), dz, dD partials (row b * n_time_blocks + block, head, channel)
-    and ydot[b, t, h] = dy_t . y_t (diagonal left out).
-
-    y, dy and dz are contiguous (batch, seqlen, nheads, headdim); dout has strides sg*.
+    """From the gradient of out = pre * silu(z), pre = scan + D x (or out = pre without z): dy,
+    the gradient of the scan (float32), dz and dD partials (row b * n_time_blocks + block, head,
+    channel). pre, dy and dz are contiguous (batch, seqlen, nheads, headdim); dout has strides sg*.
     """
     b = tl.program_id(0).to(tl.int64)
     pid_l = tl.program_id(1)
@@ -270,27 +254,19 @@ def _gate_bwd_kernel(dout_ptr, y_ptr, diag_ptr, x_ptr, z_ptr, d_ptr, dy_ptr, dz_
     t_mask = t < seqlen
     p_mask = p < headdim
     mask = t_mask[:, None] & p_mask[None, :]
-    yoffs = ((b * seqlen + t[:, None]) * nheads + h) * headdim + p[None, :]
-    y = tl.load(y_ptr + yoffs, mask=mask, other=0.0)
+    offs = ((b * seqlen + t[:, None]) * nheads + h) * headdim + p[None, :]
     dy = tl.load(dout_ptr + b * sgb + t[:, None] * sgl + h * sgh + p[None, :] * sgp,
                  mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + b * sxb + t[:, None] * sxl + h * sxh + p[None, :] * sxp,
                 mask=mask, other=0.0).to(tl.float32)
     if HAS_Z:
-        pre = y + x * tl.load(diag_ptr + (b * seqlen + t) * nheads + h, mask=t_mask, other=0.0)[:, None]
-        if HAS_D:
-            if D_PER_CHANNEL:
-                pre += x * tl.load(d_ptr + h * headdim + p, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            else:
-                pre += x * tl.load(d_ptr + h).to(tl.float32)
+        pre = tl.load(pre_ptr + offs, mask=mask, other=0.0)
         z = tl.load(z_ptr + b * szb + t[:, None] * szl + h * szh + p[None, :] * szp,
                     mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(z)
-        tl.store(dz_ptr + ((b * seqlen + t[:, None]) * nheads + h) * headdim + p[None, :],
-                 (dy * pre * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_ptr + offs, (dy * pre * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask)
         dy = dy * z * sig
-    tl.store(dy_ptr + yoffs, dy, mask=mask)
-    tl.store(ydot_ptr + (b * seqlen + t) * nheads + h, tl.sum(dy * y, axis=1), mask=t_mask)
+    tl.store(dy_ptr + offs, dy, mask=mask)
     if HAS_D:
         row = b * tl.num_programs(1) + pid_l
         tl.store(dd_ptr + (row * nheads + h) * headdim + p, tl.sum(dy * x, axis=0), mask=p_mask)
@@ -334,7 +310,7 @@ def _state_pass_bwd_kernel(cs_ptr, doc_ptr, entering_ptr, dfinal_ptr,
 
 @triton.jit
 def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dstates_ptr,
-               dx_ptr, ddt_ptr, dcs_ptr, wstate_ptr,
+               dx_ptr, ddt_ptr, wstate_ptr,
                seqlen, nheads, heads_per_group, nchunks, chunk, headdim, dstate,
                sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, scb, scl, scg, scn, sdb,
                HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_DOC: tl.constexpr,
@@ -343,9 +319,9 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
     """dx for rows s of chunk c, head h: dt_s (g_state + g_diag + g_intra) + D dy_s with
     g_state = exp(cs_last - cs_s) B_s dS_{c+1}^T, g_diag = (B_s.C_s) dy_s and
     g_intra = sum_{l>s} (B_s.C_l) exp(cs_l - cs_s) dy_l.
-    Also, in the (batch, nheads, nchunks, chunk) layout: ddt_s (direct part) = x_s . (sum of g),
-    dcs_s = -dt_s x_s . g_intra and wstate_s = dt_s x_s . g_state (the log-decay gradients,
-    the diagonal left out since it does not depend on cs). dx, dy: contiguous (b, seqlen, h, p).
+    Also, in the (batch, nheads, nchunks, chunk) layout: ddt_s (direct part) = x_s . (sum of g)
+    and wstate_s = dt_s x_s . g_state (the chunk's end state's share of the log-decay gradient).
+    dx, dy: contiguous (b, seqlen, h, p).
     The products over dstate run in slices of SLICE_N states (float32 dots, done with FMAs, spill
     on sm_90 when they hold all 128 states' operands at once)."""
     b, c, h = _chunk_ids(tl.program_id(0), nheads, nchunks)
@@ -409,7 +385,6 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
     dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
     grad = g_state + g_diag + g_intra
     tl.store(ddt_ptr + cs_base + s, tl.sum(grad * xs, axis=1), mask=s_mask)
-    tl.store(dcs_ptr + cs_base + s, -dt_s * tl.sum(g_intra * xs, axis=1), mask=s_mask)
     tl.store(wstate_ptr + cs_base + s, dt_s * tl.sum(g_state * xs, axis=1), mask=s_mask)
     dx = grad * dt_s[:, None]
     if HAS_D:
@@ -419,6 +394,88 @@ def _dx_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, dst
             dx += dys * tl.load(d_ptr + h).to(tl.float32)
     tl.store(dx_ptr + ((b * seqlen + t0 + s[:, None]) * nheads + h) * headdim + p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _dlogdecay_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, entering_ptr, part_ptr,
+                      seqlen, nheads, heads_per_group, nchunks, chunk, headdim, dstate,
+                      sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, scb, scl, scg, scn, sdb,
+                      HAS_DOC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_P: tl.constexpr, SLICE_N: tl.constexpr):
+    """The log-decay gradient through the outputs of rows l of chunk c, head h, as a sum of terms
+    that share a sign pattern instead of a difference of two sums. a_t = dt_t A moves cs_l - cs_s
+    for s < t <= l, and cs_l for t <= l, so with M[l, s] = (dy_l.x_s)(C_l.B_s) exp(cs_l - cs_s) dt_s
+    (s < l, one document) and ystate_l = exp(cs_l) dy_l.(C_l S_c):
+
+        part[t] = sum_{l in the block, l >= t} (ystate_l + sum_{s < t} M[l, s])
+
+    for t before the block's end (row prefix sums over s, a running carry across tiles of s),
+    in the (batch, nheads, nchunks, row block, chunk) layout. Products over headdim and dstate run
+    in slices of SLICE_P and SLICE_N (float32 dots, done with FMAs, spill on sm_90 otherwise)."""
+    b, c, h = _chunk_ids(tl.program_id(0), nheads, nchunks)
+    g = h // heads_per_group
+    pid_m = tl.program_id(1)
+    l_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, SLICE_P)
+    n = tl.arange(0, SLICE_N)
+    t0 = c * chunk
+    clen = tl.minimum(chunk, seqlen - t0)
+    l_mask = l_idx < clen
+    cs_base = ((b * nheads + h) * nchunks + c) * chunk
+    cs_l = tl.load(cs_ptr + cs_base + l_idx, mask=l_mask, other=0.0)
+    from_start = l_mask
+    if HAS_DOC:
+        doc_prev, doc_last = _doc_bounds(doc_ptr, b, sdb, t0, clen)
+        doc_l = tl.load(doc_ptr + b * sdb + t0 + l_idx, mask=l_mask, other=-1)
+        from_start = from_start & (doc_l == doc_prev)
+    dy_rows = dy_ptr + ((b * seqlen + t0 + l_idx[:, None]) * nheads + h) * headdim
+    enter_base = entering_ptr + ((b * nchunks + c) * nheads + h) * headdim * dstate
+    ystate = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, BLOCK_N, SLICE_N):
+        n_mask = n0 + n < dstate
+        dy_s = tl.zeros((BLOCK_M, SLICE_N), dtype=tl.float32)
+        for p0 in range(0, BLOCK_P, SLICE_P):
+            p_mask = p0 + p < headdim
+            dyl = tl.load(dy_rows + (p0 + p)[None, :], mask=l_mask[:, None] & p_mask[None, :], other=0.0)
+            enter = tl.load(enter_base + (p0 + p)[:, None] * dstate + (n0 + n)[None, :],
+                            mask=p_mask[:, None] & n_mask[None, :], other=0.0)
+            dy_s += tl.dot(dyl.to(x_ptr.dtype.element_ty), enter.to(x_ptr.dtype.element_ty), input_precision=PREC)
+        cl = tl.load(c_ptr + b * scb + (t0 + l_idx)[:, None] * scl + g * scg + (n0 + n)[None, :] * scn,
+                     mask=l_mask[:, None] & n_mask[None, :], other=0.0)
+        ystate += tl.sum(dy_s * cl.to(tl.float32), axis=1)
+    ystate = ystate * tl.exp(tl.where(from_start, cs_l, float("-inf")))
+    carry = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, clen)
+    part = part_ptr + (((b * nheads + h) * nchunks + c) * tl.num_programs(1) + pid_m) * chunk
+    for k0 in range(0, hi, BLOCK_K):
+        s = k0 + tl.arange(0, BLOCK_K)
+        s_mask = s < clen
+        m = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for p0 in range(0, BLOCK_P, SLICE_P):
+            p_mask = p0 + p < headdim
+            dyl = tl.load(dy_rows + (p0 + p)[None, :], mask=l_mask[:, None] & p_mask[None, :], other=0.0)
+            xst = tl.load(x_ptr + b * sxb + (t0 + s)[None, :] * sxl + h * sxh + (p0 + p)[:, None] * sxp,
+                          mask=p_mask[:, None] & s_mask[None, :], other=0.0)
+            m += tl.dot(dyl.to(x_ptr.dtype.element_ty), xst, input_precision=PREC)
+        cb = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, BLOCK_N, SLICE_N):
+            n_mask = n0 + n < dstate
+            cl = tl.load(c_ptr + b * scb + (t0 + l_idx)[:, None] * scl + g * scg + (n0 + n)[None, :] * scn,
+                         mask=l_mask[:, None] & n_mask[None, :], other=0.0)
+            bst = tl.load(b_ptr + b * sbb + (t0 + s)[None, :] * sbl + g * sbg + (n0 + n)[:, None] * sbn,
+                          mask=n_mask[:, None] & s_mask[None, :], other=0.0)
+            cb += tl.dot(cl, bst, input_precision=PREC)
+        cs_s = tl.load(cs_ptr + cs_base + s, mask=s_mask, other=0.0)
+        dt_s = tl.load(dtp_ptr + cs_base + s, mask=s_mask, other=0.0)
+        keep = (s[None, :] < l_idx[:, None]) & s_mask[None, :] & l_mask[:, None]
+        if HAS_DOC:
+            doc_s = tl.load(doc_ptr + b * sdb + t0 + s, mask=s_mask, other=-2)
+            keep = keep & (doc_s[None, :] == doc_l[:, None])
+        m = m * cb * tl.exp(tl.where(keep, cs_l[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
+        before = carry[:, None] + tl.cumsum(m, axis=1) - m
+        reaches = (l_idx[:, None] >= s[None, :]) & l_mask[:, None]
+        tl.store(part + s, tl.sum(tl.where(reaches, before + ystate[:, None], 0.0), axis=0), mask=s < hi)
+        carry += tl.sum(m, axis=1)
 
 
 @triton.jit
@@ -512,14 +569,15 @@ def _dbc_kernel(x_ptr, w_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, state_ptr, out_p
 
 
 @triton.jit
-def _dt_bwd_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, ydot_ptr, ddt_direct_ptr, dcs_ptr, wstate_ptr, sdot_ptr,
+def _dt_bwd_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, part_ptr, ddt_direct_ptr, wstate_ptr, sdot_ptr,
                    ddt_ptr, da_ptr, dbias_ptr,
-                   seqlen, nheads, nchunks, chunk, sdtb, sdtl, sdth, sgb, sgl, sgh, dt_lo, dt_hi,
+                   seqlen, nheads, nchunks, chunk, row_blocks, rows, sdtb, sdtl, sdth, sgb, sgl, sgh, dt_lo, dt_hi,
                    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The gradient of a_t = dt_t A (the log-decay of step t), each part summed without cancelling:
-    da_t = sum_{l>=t} (dy_l.y_l - dt_l x_l.g_intra_l) + sum_{s<t} wstate_s + sdot_c.
-    Then ddt = direct + da * A, dA partials (b, c, head), and through clamp and softplus to
-    d dt (strides sg*) and d dt_bias partials (b, c, head)."""
+    """The gradient of a_t = dt_t A (the log-decay of step t) from its three paths: the chunk's
+    outputs (_dlogdecay_kernel's parts, one per block of `rows` rows), its end state
+    (sum_{s<t} wstate_s) and the state crossing it (sdot_c). Then ddt = direct + da * A, dA
+    partials (b, c, head), and through clamp and softplus to d dt (strides sg*) and d dt_bias
+    partials (b, c, head)."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -528,9 +586,10 @@ def _dt_bwd_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, ydot_ptr, ddt_direct_ptr, d
     h_mask = h < nheads
     valid = h_mask[:, None] & ((q < chunk) & (t < seqlen))[None, :]
     offs = ((b * nheads + h[:, None]) * nchunks + c) * chunk + q[None, :]
-    dcs = tl.load(ydot_ptr + (b * seqlen + t[None, :]) * nheads + h[:, None], mask=valid, other=0.0)
-    dcs += tl.load(dcs_ptr + offs, mask=valid, other=0.0)
-    da = tl.cumsum(dcs, axis=1, reverse=True)
+    da = tl.zeros((BLOCK_H, BLOCK_Q), dtype=tl.float32)
+    parts = ((b * nheads + h[:, None]) * nchunks + c) * row_blocks * chunk + q[None, :]
+    for j in range(0, row_blocks):
+        da += tl.load(part_ptr + parts + j * chunk, mask=valid & (q < (j + 1) * rows)[None, :], other=0.0)
     before = valid & (q >= 1)[None, :]
     da += tl.cumsum(tl.load(wstate_ptr + offs - 1, mask=before, other=0.0), axis=1)
     da += tl.load(sdot_ptr + (b * nheads + h) * nchunks + c, mask=h_mask, other=0.0)[:, None]
@@ -580,6 +639,7 @@ class _Sizes:
         fp32 = x.dtype == torch.float32
         self.scan_stages, self.dbc_stages = (2, 3) if fp32 else (3, 2)
         self.slice_n = min(self.block_n, 32) if fp32 else self.block_n
+        self.slice_p = min(self.block_p, 32) if fp32 else self.block_p
 
     def dims(self):
         return (self.seqlen, self.nheads, self.per_group, self.nchunks, self.chunk, self.headdim, self.dstate)
@@ -622,15 +682,15 @@ def _chunk_states(sz, xs, ws, dtp, cs, doc, out, mode):
         MODE=mode, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=sz.block_m)
 
 
-def _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, diag=None):
-    """The scan output into `out`; with `diag`, the backward's split form (see _chunk_scan_kernel)."""
+def _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, pre_gate=False):
+    """The scan output into `out`; pre_gate: before the gate (see _chunk_scan_kernel)."""
     block_p = common.block(sz.headdim, hi=64)
     grid = (sz.batch * sz.nchunks * sz.nheads, triton.cdiv(sz.chunk, sz.block_m), triton.cdiv(sz.headdim, block_p))
     _chunk_scan_kernel[grid](
-        x, z, B, C, D, dtp, cs, entering, doc, out, diag, *sz.dims(), *x.stride(), *_strides(z, 4), *B.stride(),
+        x, z, B, C, D, dtp, cs, entering, doc, out, *sz.dims(), *x.stride(), *_strides(z, 4), *B.stride(),
         *C.stride(), *out.stride(), doc.stride(0) if doc is not None else 0,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
-        HAS_DOC=doc is not None, SCAN_ONLY=diag is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
+        HAS_DOC=doc is not None, PRE_GATE=pre_gate, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
         BLOCK_P=block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.scan_stages)
 
 
@@ -654,20 +714,20 @@ class _SSDChunkScan(torch.autograd.Function):
         sdb = doc.stride(0) if doc is not None else 0
         dtp, cs, states, entering, _ = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
                                                        dt_softplus, dt_limit)
-        y = _empty((sz.batch, sz.seqlen, sz.nheads, sz.headdim), x)
-        diag = _empty((sz.batch, sz.seqlen, sz.nheads), x)
-        _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, y, diag)
-
+        pre = None
+        if z is not None:
+            pre = _empty(x.shape, x)
+            _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, pre, pre_gate=True)
         block_l = 32
         n_lblocks = triton.cdiv(sz.seqlen, block_l)
-        dy = _empty(y.shape, x)
+        dy = _empty(x.shape, x)
         dz = _empty(z.shape, z, z.dtype) if z is not None else None
         dd_part = _empty((sz.batch * n_lblocks, sz.nheads, sz.headdim), x) if D is not None else None
-        ydot = _empty((sz.batch, sz.seqlen, sz.nheads), x)
         _gate_bwd_kernel[(sz.batch, n_lblocks, sz.nheads)](
-            dout, y, diag, x, z, D, dy, dz, dd_part, ydot, sz.seqlen, sz.nheads, sz.headdim, *x.stride(),
-            *_strides(z, 4), *dout.stride(), HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
-            HAS_Z=z is not None, BLOCK_L=block_l, BLOCK_P=sz.block_p)
+            dout, pre, x, z, dy, dz, dd_part, sz.seqlen, sz.nheads, sz.headdim, *x.stride(),
+            *_strides(z, 4), *dout.stride(), HAS_D=D is not None, HAS_Z=z is not None, BLOCK_L=block_l,
+            BLOCK_P=sz.block_p)
+        del pre
 
         dout_states = _empty(states.shape, x)
         _chunk_states(sz, dy, C, dtp, cs, doc, dout_states, mode=1)
@@ -683,14 +743,21 @@ class _SSDChunkScan(torch.autograd.Function):
 
         dx = _empty(x.shape, x, x.dtype)
         ddt_direct = _empty(dtp.shape, x)
-        dcs = _empty(dtp.shape, x)
         wstate = _empty(dtp.shape, x)
         grid = (sz.batch * sz.nchunks * sz.nheads, triton.cdiv(sz.chunk, sz.block_m))
         _dx_kernel[grid](
-            x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, dcs, wstate, *sz.dims(), *x.stride(), *B.stride(),
+            x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, wstate, *sz.dims(), *x.stride(), *B.stride(),
             *C.stride(), sdb, HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
             HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
             BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, SLICE_N=sz.slice_n, num_warps=sz.warps)
+
+        row_blocks = triton.cdiv(sz.chunk, sz.block_m)
+        dlogdecay_parts = _empty((sz.batch, sz.nheads, sz.nchunks, row_blocks, sz.chunk), x)
+        _dlogdecay_kernel[(sz.batch * sz.nchunks * sz.nheads, row_blocks)](
+            x, B, C, dtp, cs, doc, dy, entering, dlogdecay_parts, *sz.dims(), *x.stride(), *B.stride(), *C.stride(),
+            sdb, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
+            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, SLICE_P=sz.slice_p, SLICE_N=sz.slice_n, num_warps=sz.warps,
+            num_stages=sz.scan_stages)
 
         dB = _empty(B.shape, B, B.dtype)
         dC = _empty(C.shape, C, C.dtype)
@@ -705,10 +772,10 @@ class _SSDChunkScan(torch.autograd.Function):
         dbias_part = _empty(da_part.shape, x) if dt_bias is not None else None
         # 8 warps: 109 registers, 16 resident warps per SM on sm_90 (4 warps need 233: 8 per SM).
         _dt_bwd_kernel[(sz.batch, sz.nchunks, triton.cdiv(sz.nheads, sz.block_h))](
-            dt, dt_bias, A, dtp, ydot, ddt_direct, dcs, wstate, sdot_part.sum(-1), ddt, da_part, dbias_part,
-            sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, *dt.stride(), *ddt.stride(), float(dt_limit[0]),
-            float(dt_limit[1]), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, BLOCK_H=sz.block_h,
-            BLOCK_Q=sz.block_q, num_warps=8)
+            dt, dt_bias, A, dtp, dlogdecay_parts, ddt_direct, wstate, sdot_part.sum(-1), ddt, da_part, dbias_part,
+            sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, row_blocks, sz.block_m, *dt.stride(), *ddt.stride(),
+            float(dt_limit[0]), float(dt_limit[1]), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+            BLOCK_H=sz.block_h, BLOCK_Q=sz.block_q, num_warps=8)
 
         dA = da_part.sum((0, 1)).to(A.dtype)
         dD = None

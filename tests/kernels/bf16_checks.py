@@ -27,16 +27,27 @@ def _outputs(result):
 def errors(fn, oracle, tensors, seed, names=("out",), **options) -> dict:
     """{output name or 'd<input>': relative error} of fn(**tensors, **options) against
     oracle(**float64 copies, **options); `names` labels fn's outputs in order."""
-    ours_in = {k: v.detach().clone().requires_grad_() if v.is_floating_point() else v for k, v in tensors.items()}
+    return errors_of({"fn": fn}, oracle, tensors, seed, names, **options)["fn"]
+
+
+def errors_of(fns: dict, oracle, tensors, seed, names=("out",), **options) -> dict:
+    """{key: errors(fn, ...)} for each fn of `fns`, the oracle run once; every fn gets the
+    cotangents rounded to the first one's output dtypes."""
     exact_in = {k: v.detach().double().requires_grad_() if v.is_floating_point() else v for k, v in tensors.items()}
-    outs, refs = _outputs(fn(**ours_in, **options)), _outputs(oracle(**exact_in, **options))
-    gen = torch.Generator().manual_seed(seed + 1)
-    cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
-    float_names = [k for k, v in ours_in.items() if v.is_floating_point()]
-    grads = torch.autograd.grad(outs, [ours_in[k] for k in float_names], cotangents)
-    ref_grads = torch.autograd.grad(refs, [exact_in[k] for k in float_names], [c.double() for c in cotangents])
-    found = {name: rel_err(o, r) for name, o, r in zip(names, outs, refs)}
-    found.update({f"d{k}": rel_err(g, r) for k, g, r in zip(float_names, grads, ref_grads)})
+    float_names = [k for k, v in exact_in.items() if v.is_floating_point()]
+    refs = _outputs(oracle(**exact_in, **options))
+    found, cotangents, ref_grads = {}, None, None
+    for key, fn in fns.items():
+        ins = {k: v.detach().clone().requires_grad_() if v.is_floating_point() else v for k, v in tensors.items()}
+        outs = _outputs(fn(**ins, **options))
+        if cotangents is None:
+            gen = torch.Generator().manual_seed(seed + 1)
+            cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
+            ref_grads = torch.autograd.grad(refs, [exact_in[k] for k in float_names], [c.double() for c in cotangents])
+        grads = torch.autograd.grad(outs, [ins[k] for k in float_names],
+                                    [c.to(o.dtype) for c, o in zip(cotangents, outs)])
+        found[key] = {name: rel_err(o, r) for name, o, r in zip(names, outs, refs)}
+        found[key].update({f"d{k}": rel_err(g, r) for k, g, r in zip(float_names, grads, ref_grads)})
     return found
 
 
