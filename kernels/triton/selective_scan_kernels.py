@@ -13,20 +13,13 @@ as a reverse scan. Nothing divides by a decay: a_t h_{t-1} is taken as h_t - b_t
 import triton
 import triton.language as tl
 
+from . import common
+
 
 @triton.jit
 def _combine(a1, b1, a2, b2):
     """Step (a1, b1) then step (a2, b2): h -> a2 (a1 h + b1) + b2."""
     return a1 * a2, a2 * b1 + b2
-
-
-@triton.jit
-def _softplus(v):
-    """log(1 + exp(v)) to float32 round-off: log1p(e) as log(w) * e / (w - 1), w = 1 + e, keeps the
-    low bits of e that w drops (Goldberg 1991), which log(1 + e) loses for small delta."""
-    e = tl.exp(-tl.abs(v))
-    w = 1.0 + e
-    return tl.maximum(v, 0.0) + tl.where(w == 1.0, e, tl.log(w) * (e / (w - 1.0)))
 
 
 @triton.jit
@@ -40,7 +33,7 @@ def _delta(delta_ptr, bias, b, d, d_mask, t, t_mask, sdb, sdd, sdl, HAS_BIAS: tl
         raw += bias[None, :]
     dl = raw
     if SOFTPLUS:
-        dl = _softplus(raw)
+        dl = common.softplus(raw)
     return raw, tl.where(mask, dl, 0.0)
 
 

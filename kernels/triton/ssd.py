@@ -37,12 +37,6 @@ from . import common
 
 
 @triton.jit
-def _softplus(v):
-    """log(1 + exp(v)) without overflow."""
-    return tl.maximum(v, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(v)))
-
-
-@triton.jit
 def _chunk_ids(pid, nheads, nchunks):
     """(batch, chunk, head) of a program over batch * nchunks * nheads, in 64 bits."""
     pid = pid.to(tl.int64)
@@ -79,7 +73,7 @@ def _dt_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, cs_ptr, seqlen, nheads, nchunks
     if HAS_BIAS:
         v += tl.load(bias_ptr + h, mask=h_mask, other=0.0).to(tl.float32)[:, None]
     if SOFTPLUS:
-        v = _softplus(v)
+        v = common.softplus(v)
     v = tl.minimum(tl.maximum(v, dt_lo), dt_hi)
     v = tl.where(valid, v, 0.0)
     a = tl.load(a_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
@@ -602,7 +596,7 @@ def _dt_bwd_kernel(dt_ptr, bias_ptr, a_ptr, dtp_ptr, part_ptr, ddt_direct_ptr, w
     if HAS_BIAS:
         v += tl.load(bias_ptr + h, mask=h_mask, other=0.0).to(tl.float32)[:, None]
     if SOFTPLUS:
-        sp = _softplus(v)
+        sp = common.softplus(v)
         ddt = tl.where((sp >= dt_lo) & (sp <= dt_hi), ddt, 0.0) * tl.sigmoid(v)
     else:
         ddt = tl.where((v >= dt_lo) & (v <= dt_hi), ddt, 0.0)
