@@ -100,11 +100,12 @@ class ContextSlice:
         reaches = self._reaches(u.shape[0], u.shape[2], u.device)
         decay = checkpoint(_selective_decay, delta, delta_bias, A, reaches, delta_softplus, use_reentrant=False)
         h0 = initial_state(decay, final, self.cp) * reaches[:, 0, None, None]
-        contribution = checkpoint(selective_scan, u.new_zeros(()).expand_as(u), delta, A, B, C, z=z,
-                                  delta_bias=delta_bias, delta_softplus=delta_softplus, seq_idx=self.seq_idx,
-                                  initial_state=h0, use_reentrant=False)
         ct = _compute_dtype(u)
-        return (y.to(ct) + contribution.to(ct)).to(y.dtype)
+        zeros = torch.zeros((), dtype=ct, device=u.device).expand_as(u)  # the contribution comes back in ct
+        contribution = checkpoint(selective_scan, zeros, delta, A, B, C, z=z, delta_bias=delta_bias,
+                                  delta_softplus=delta_softplus, seq_idx=self.seq_idx, initial_state=h0,
+                                  use_reentrant=False)
+        return (y.to(ct) + contribution).to(y.dtype)
 
 
 # The pieces below run under `checkpoint`: the backward keeps their inputs (which the scan keeps
