@@ -73,7 +73,7 @@ def test_no_specialization_spills_registers(report):
 
 
 # The SSD's tensor-core kernels: compute-bound, their float32 accumulators fill one block per SM.
-MATMUL_KERNELS = {"_chunk_state_kernel", "_chunk_scan_kernel", "_dx_kernel", "_dbc_kernel"}
+MATMUL_KERNELS = {"_chunk_state_kernel", "_chunk_scan_kernel", "_dx_kernel", "_dlogdecay_kernel", "_dbc_kernel"}
 # Each thread of the selective scan backward holds its chunk's 16 steps of about a dozen float32
 # tiles through the reverse scan; capped at 168 or 128 registers it spills (benchmarks/RESULTS.md).
 BELOW_16_WARPS = {"_scan_bwd_kernel"}
