@@ -62,18 +62,15 @@ def test_ssd_chunk_scan_per_channel_D_dt_limit_without_softplus_matches_oracle()
     check_against_oracle(ssd_chunk_scan, t, seed, dt_limit=(0.05, 1.5))
 
 
-def test_ssd_chunk_scan_large_dt_stays_finite():
-    """dt up to ~1e3 after softplus: decays underflow to 0 instead of overflowing, nothing is NaN,
-    and all but dA and d dt_bias stay within 1e-4.
-
-    float32 within-chunk cumulative sums of dt*A reach ~1e4 here, so decays between later
-    positions of a chunk lose ~1e-4 absolute accuracy in their exponent, which the sums over
-    positions in dA (only checked finite) and d dt_bias (1e-3) amplify; the same algorithm with
-    float64 buffers is exact, so this is float32's limit for chunked scans, not a wrong term.
+def test_ssd_chunk_scan_large_dt_keeps_every_gradient_accurate():
+    """dt up to ~1e3 after softplus: decays underflow to 0 instead of overflowing, and every
+    gradient, dA and d dt_bias included, stays within 1e-4. float32 within-chunk cumulative sums
+    of dt*A reach ~1e4 here; the log-decay gradient sums only the pairs of positions a step
+    separates, so no cancellation amplifies their rounding (measured: dA 2.8e-5, d dt_bias 3.8e-6).
     """
     seed = 30
     check_against_oracle(ssd_chunk_scan, inputs(seed, dt_scale=300.0, initial_states=True), seed,
-                         tol_by_grad={"A": float("inf"), "dt_bias": 1e-3}, dt_softplus=True, seq_idx=documents())
+                         dt_softplus=True, seq_idx=documents())
 
 
 def test_ssd_chunk_scan_moderately_large_dt_keeps_dA_accurate():
