@@ -376,7 +376,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     except CheckpointError as e:
         fail(e)
     stop = StopRequest()
-    guard = NonFiniteGuard(trainer.engine, trainer.module, args.max_skipped_steps, args.loss_spike_factor)
+    guard = NonFiniteGuard(trainer.engine, args.max_skipped_steps, args.loss_spike_factor)
     newest = resume.path if resume else None  # the newest checkpoint of this run
     last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
     watchdog = Watchdog(args.step_timeout)

@@ -20,13 +20,8 @@ parameter's device and dtype; `step` on the device when fused). The data positio
 consumed-sample count the trainer records in `extra` (megamamba.checkpoint.run_record), not the
 step. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's ZeRO-1/2
 optimizer over it; anything else is refused before training.
-
-Test hook: MEGAMAMBA_TEST_KILL_SAVE="STEP:N" makes every rank SIGKILL itself at its own N-th file
-primitive (write, fsync of a directory, rename, delete) of the save of STEP: ranks write their
-pieces and RNG file, rank 0 also the staging directory, indexes, manifest and commit.
 """
 import os
-import signal
 from functools import partial
 from typing import Optional
 
@@ -43,7 +38,6 @@ from megamamba.checkpoint import (
     capture_rng,
     check_optimizer_groups,
     check_save_dir,
-    files,
     finish,
     load_scheduler_state,
     optimizer_groups,
@@ -63,8 +57,6 @@ from megamamba.pipelines.names import EMBEDDING, to_mamba
 from megamamba.tensor_pieces import Cut, Piece
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-KILL_HOOK = "MEGAMAMBA_TEST_KILL_SAVE"
-_PRIMITIVES = ("write_file", "write_tensors", "write_bytes", "sync_dir", "rename", "remove_tree")
 
 
 def _zero(trainer):
@@ -187,23 +179,6 @@ def _adamw_pieces(optimizer: torch.optim.Optimizer, held: list) -> tuple:
     return params, state, scalars
 
 
-def _install_kill_hook(step: int) -> None:
-    spec = os.environ.get(KILL_HOOK)
-    if not spec or int(spec.split(":")[0]) != step:
-        return
-    at, calls = int(spec.split(":")[1]), []
-    for name in _PRIMITIVES:
-        original = getattr(files, name)
-
-        def primitive(*args, _original=original, **kwargs):
-            calls.append(1)
-            if len(calls) == at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return _original(*args, **kwargs)
-
-        setattr(files, name, primitive)
-
-
 def _outcome(fn) -> tuple:
     """("ok", fn()) or ("error", message) for a CheckpointError or OSError, to share with the other ranks."""
     try:
@@ -236,7 +211,6 @@ def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, e
     CheckpointError on every rank, with the same message, when any rank failed to write its part.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    _install_kill_hook(step)
     staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if rank == 0 else None)
     mine = _outcome(partial(_write_part, trainer, config, staging, rank))
     parts = [None] * world if rank == 0 else None

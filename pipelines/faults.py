@@ -26,9 +26,6 @@ Stalls: `Watchdog` ends the process (exit 1) when no step boundary is reached wi
 seconds, so a rank stuck in a collective with a vanished peer cannot hang the job; it is armed
 after the first step (first-time op builds happen before) and paused around saves (an evaluation
 counts toward the step it follows).
-
-Test hook: MEGAMAMBA_TEST_NAN_STEPS="3,4" turns the gradient of the first parameter of global
-rank 0 to NaN in those (0-based) steps.
 """
 import contextlib
 import math
@@ -46,7 +43,6 @@ import torch.distributed as dist
 
 from megamamba.pipelines.agreement import agree
 
-NAN_HOOK = "MEGAMAMBA_TEST_NAN_STEPS"
 SPIKE_WINDOW, SPIKE_MIN_HISTORY = 32, 8  # losses the median runs over; none is judged before this many
 
 
@@ -123,7 +119,7 @@ class LossSpikes:
 class NonFiniteGuard:
     """Skips non-finite steps, flags loss spikes (see module docstring) and counts both in a row."""
 
-    def __init__(self, engine, module: torch.nn.Module, max_in_a_row: int, spike_factor: Optional[float] = None):
+    def __init__(self, engine, max_in_a_row: int, spike_factor: Optional[float] = None):
         check_max_skipped_steps(max_in_a_row)
         self.engine, self.max_in_a_row, self.in_a_row = engine, max_in_a_row, 0
         self.spikes = LossSpikes(spike_factor)
@@ -131,7 +127,6 @@ class NonFiniteGuard:
         self._found_inf = None
         if isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization():
             self._wrap_step(engine.optimizer)
-        self._install_nan_hook(module)
 
     def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not optimizer.defaults.get("fused"):
@@ -158,14 +153,6 @@ class NonFiniteGuard:
         skipped = self.engine.skipped_steps > self._skipped_before
         self._skipped_before = self.engine.skipped_steps
         return skipped
-
-    def _install_nan_hook(self, module: torch.nn.Module) -> None:
-        spec = os.environ.get(NAN_HOOK)
-        if not spec or dist.get_rank() != 0:
-            return
-        steps = {int(s) for s in spec.split(",")}
-        first = next(p for p in module.parameters() if p.requires_grad)
-        first.register_hook(lambda g: torch.full_like(g, math.nan) if self.engine.global_steps in steps else g)
 
     def after_step(self, step: int, outcome: StepOutcome) -> bool:
         """Whether `step` counts as skipped (non-finite, or a loss spike); warns on rank 0;

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import fault_injection
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = ROOT / "launch" / "train.py"
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
@@ -24,9 +26,12 @@ def load_train_script():
     return sys.modules["megamamba_train_script"]
 
 
-def run_train(argv, extensions_dir):
-    """One rank of a training run; returns that rank's summary (records, optimizer-state bytes, ...)."""
+def run_train(argv, extensions_dir, faults=None):
+    """One rank of a training run, with `faults` (tests/fault_injection.py's `install` keywords) injected;
+    returns that rank's summary (records, optimizer-state bytes, ...)."""
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
+    if faults:
+        fault_injection.install(**faults)
     return load_train_script().main(list(argv))
 
 

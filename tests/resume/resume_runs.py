@@ -15,6 +15,8 @@ from pathlib import Path
 from distributed import free_port, run_ranks
 from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 
+FAULT_INJECTION_PY = str(ROOT / "tests" / "fault_injection.py")
+
 STEPS, SAVE_AT = 8, 4
 COMMON = ["--train-iters", str(STEPS), "--seq-length", "32", "--log-interval", "1", "--lr", "1e-3", "--min-lr",
           "1e-4", "--lr-warmup-iters", "1", "--seed", "1234"]
@@ -79,17 +81,18 @@ class Runs:
     def env(self, **extra) -> dict:
         return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": self.extensions_dir, **extra}
 
-    def direct_env(self, env=None) -> dict:
+    def direct_env(self) -> dict:
         """The environment of `python launch/train.py` as rank 0 of 1."""
-        rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port())}
-        return self.env(**rank_env, **(env or {}))
+        return self.env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(free_port()))
 
-    def direct(self, argv, env=None, out=None) -> dict:
-        """`python launch/train.py ARGV` as rank 0 of 1: exit code, output, JSONL records."""
+    def direct(self, argv, out=None, faults=None) -> dict:
+        """`python launch/train.py ARGV` as rank 0 of 1, with `faults` (tests/fault_injection.py's `install`
+        keywords) injected: exit code, output, JSONL records."""
         out = out or self.new_dir()
-        proc = subprocess.run([sys.executable, str(TRAIN_PY), *argv], cwd=out, capture_output=True, text=True,
-                              timeout=300, env=self.direct_env(env))
+        script = [str(TRAIN_PY)] if faults is None else [FAULT_INJECTION_PY, json.dumps(faults)]
+        proc = subprocess.run([sys.executable, *script, *argv], cwd=out, capture_output=True, text=True,
+                              timeout=300, env=self.direct_env())
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
                 "records": read_metrics(out / "metrics.jsonl"), "dir": out}
 

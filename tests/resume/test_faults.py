@@ -85,7 +85,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resum
     out = runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--save-interval", "2"]
-    killed = runs.direct(runs.argv(out, zero=0, flags=flags), env={"MEGAMAMBA_TEST_KILL_SAVE": f"4:{at}"}, out=out)
+    killed = runs.direct(runs.argv(out, zero=0, flags=flags), out=out, faults={"kill_save": [4, at]})
     assert killed["returncode"] == -signal.SIGKILL, killed["stderr"][-3000:]
     assert Checkpoint(find_latest(str(save))).step == 2
     out2 = runs.new_dir()
@@ -102,7 +102,7 @@ def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(runs, 
     save = out / "ckpt"
     run = runs.direct(runs.argv(out, zero=zero, flags=["--train-iters", "4", "--save", str(save),
                                                        "--save-interval", "1"]),
-                      env={"MEGAMAMBA_TEST_NAN_STEPS": "2"}, out=out)
+                      out=out, faults={"nan_steps": [2]})
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert "train.py: warning: step 2: non-finite loss or gradients" in run["stdout"], run["stdout"][-2000:]
     assert all(r["loss"] == r["loss"] for r in run["records"])
@@ -116,7 +116,7 @@ def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(runs, 
 def test_too_many_non_finite_steps_in_a_row_abort_with_one_message(runs):
     out = runs.new_dir()
     run = runs.direct(runs.argv(out, zero=0, flags=["--max-skipped-steps", "2"]),
-                      env={"MEGAMAMBA_TEST_NAN_STEPS": "1,2"}, out=out)
+                      out=out, faults={"nan_steps": [1, 2]})
     assert run["returncode"] == 1
     assert errors(run["stderr"]) == ["train.py: error: 2 steps in a row up to step 2 had non-finite loss or "
                                      "gradients or a loss spike; lower the learning rate and resume from step 0 "

@@ -56,7 +56,7 @@ def test_a_blow_up_writes_and_prunes_nothing_and_the_good_checkpoint_survives_ke
     out = runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--save-interval", "1", "--keep-last", "1", "--max-skipped-steps", "3"]
-    run = runs.direct(runs.argv(out, zero=0, flags=flags), env={"MEGAMAMBA_TEST_NAN_STEPS": "4,5,6"}, out=out)
+    run = runs.direct(runs.argv(out, zero=0, flags=flags), out=out, faults={"nan_steps": [4, 5, 6]})
     assert run["returncode"] == 1, run["stderr"][-3000:]
     good = save / "step_000004"
     assert errors(run["stderr"]) == [
@@ -73,7 +73,7 @@ def test_after_a_recovered_blow_up_keep_last_still_keeps_the_checkpoint_from_bef
     out = runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--save-interval", "1", "--keep-last", "1"]
-    run = runs.direct(runs.argv(out, zero=0, flags=flags), env={"MEGAMAMBA_TEST_NAN_STEPS": "2"}, out=out)
+    run = runs.direct(runs.argv(out, zero=0, flags=flags), out=out, faults={"nan_steps": [2]})
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert checkpoints(save) == ["step_000002", "step_000008"]
     assert find_latest(str(save)) == str(save / "step_000008")

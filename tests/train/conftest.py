@@ -54,14 +54,15 @@ class Runs:
         return ["--deepspeed_config", ds_config or str(DS_CONFIG), "--model-config", self.model_config(mixer),
                 "--metrics-jsonl", str(out / "metrics.jsonl"), *COMMON, *flags]
 
-    def spawned(self, world: int, mixer: str, flags=(), ds_config=None) -> list:
-        """Rank summaries of a run on `world` directly spawned ranks."""
-        key = ("spawned", world, mixer, tuple(flags), ds_config)
+    def spawned(self, world: int, mixer: str, flags=(), ds_config=None, faults=None) -> list:
+        """Rank summaries of a run on `world` directly spawned ranks, with `faults` (tests/fault_injection.py's
+        `install` keywords) injected."""
+        key = ("spawned", world, mixer, tuple(flags), ds_config, json.dumps(faults, sort_keys=True))
         if key not in self._cache:
             out = self.root / f"run{len(self._cache)}"
             out.mkdir()
             self._cache[key] = run_ranks(run_train, world, args=(self._argv(mixer, flags, ds_config, out),
-                                                                  self.extensions_dir),
+                                                                  self.extensions_dir, faults),
                                          init_process_group=False, timeout=300)
         return self._cache[key]
 
