@@ -38,6 +38,11 @@ def test_dry_run_writes_every_sections_records(tmp_path):
                                                                            "causal_conv1d", "rmsnorm_gated")
                                                       for dt in ("float32", "bfloat16")}
     assert all(r["ours"] < 1e-2 and r["theirs"] is not None for r in errors)
+    assert not kinds.get(("errors", "bf16_failed")), kinds.get(("errors", "bf16_failed"))
+    bf16_ops = {r["op"] for r in kinds[("errors", "bf16_error")]}
+    assert bf16_ops == {"ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated", "add_rmsnorm"}, bf16_ops
+    model = {r["quantity"] for r in kinds[("errors", "bf16_model")]}
+    assert {"loss", "A_log", "dt_bias", "D", "in_proj", "out_proj"} <= model, model
     timings = kinds[("timings", "timing")]
     assert [r["impl"].split(":")[0] for r in timings] == ["ours", "mamba_ssm"] * 3 + ["ours", "ours"]
     assert all(0 < r["fwd_roof"] and 0 < r["bwd_roof"] and r["fwd_bytes"] > 0 for r in timings)
