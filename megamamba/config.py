@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from megamamba.errors import MegamambaError
+
 MIXER_LAYERS = ("Mamba1", "Mamba2")
 
 
@@ -66,7 +68,7 @@ class Mamba2Options:
 MixerOptions = Union[Mamba1Options, Mamba2Options]
 
 
-class ConfigError(ValueError):
+class ConfigError(MegamambaError, ValueError):
     """A config field has a value the model cannot build; the message names the field."""
 
 

@@ -44,6 +44,7 @@ from megamamba.checkpoint.files import (
 )
 from megamamba.checkpoint.store import resolve_model_folder
 from megamamba.config import ConfigError, MambaConfig
+from megamamba.errors import MegamambaError
 from megamamba.hf import HFFormatError, config_from_hf, decode_special_floats, hf_config, hf_state, state_from_hf
 from megamamba.lm import EMBEDDING, HEAD, MambaLM
 from megamamba.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
@@ -56,7 +57,7 @@ SHARD_INDEX = "model.safetensors.index.json"
 TORCH_WEIGHTS = "pytorch_model.bin"
 
 
-class ConvertError(Exception):
+class ConvertError(MegamambaError):
     """Input that cannot be converted; the message names the file or field."""
 
 

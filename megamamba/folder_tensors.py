@@ -17,12 +17,13 @@ from typing import Iterable, Optional, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megamamba.errors import MegamambaError
 from megamamba.tensor_pieces import Cut, Piece, assemble, check_cover
 
 PIECES_KEY = "pieces"
 
 
-class ModelFolderError(ValueError):
+class ModelFolderError(MegamambaError, ValueError):
     """A model folder that cannot be loaded; the message names the file or tensor."""
 
 

@@ -22,6 +22,7 @@ import torch
 
 from megamamba.block import NORM_EPS
 from megamamba.config import Mamba1Options, MambaConfig
+from megamamba.errors import MegamambaError
 from megamamba.lm import EMBEDDING, HEAD
 
 HF_EMBEDDING = "backbone.embeddings.weight"
@@ -42,7 +43,7 @@ HF_DEFAULTS = {
 ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
 
 
-class HFFormatError(ValueError):
+class HFFormatError(MegamambaError, ValueError):
     """A config that the other format cannot represent; the message names the field."""
 
 

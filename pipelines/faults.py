@@ -41,6 +41,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megamamba.errors import MegamambaError
 from megamamba.pipelines.agreement import agree
 
 SPIKE_WINDOW, SPIKE_MIN_HISTORY = 32, 8  # losses the median runs over; none is judged before this many
@@ -91,7 +92,7 @@ def agree_step(loss: torch.Tensor, nonfinite: Union[bool, torch.Tensor], stop: b
     return StepOutcome(loss_sum, nonfinite_sum == 0, stops > 0)
 
 
-class NonFiniteSteps(RuntimeError):
+class NonFiniteSteps(MegamambaError, RuntimeError):
     """Too many consecutive steps were skipped for non-finite gradients or loss, or loss spikes."""
 
 

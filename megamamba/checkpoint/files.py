@@ -11,11 +11,12 @@ import os
 import shutil
 from typing import IO, Callable
 
+from megamamba.errors import MegamambaError
 from megamamba.model_folder import ModelFolderError, read_weights
 from megamamba.safetensors_stream import DTYPE_NAMES, TensorSpec, write_safetensors
 
 
-class CheckpointError(Exception):
+class CheckpointError(MegamambaError):
     """A checkpoint or save directory that cannot be used; the message says what and how to fix it."""
 
 

@@ -26,8 +26,10 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from megamamba.errors import MegamambaError
 
-class PlacementError(ValueError):
+
+class PlacementError(MegamambaError, ValueError):
     """The ranks' placement on nodes does not suit the layout."""
 
 

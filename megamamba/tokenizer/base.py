@@ -12,6 +12,7 @@ import os
 from typing import Protocol, Sequence
 
 from megamamba.byte_tokenizer import ByteTokenizer
+from megamamba.errors import MegamambaError
 
 CONFIG_FILE = "tokenizer_config.json"
 BYTES_MARKER = {"megamamba_tokenizer": "bytes"}
@@ -29,7 +30,7 @@ class Tokenizer(Protocol):
     def save(self, directory: str) -> None: ...
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegamambaError, ValueError):
     """A tokenizer file or spec that cannot be used; the message names it and the rule."""
 
 

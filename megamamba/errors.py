@@ -1,0 +1,15 @@
+"""The base class of every refusal a user can act on, and the one layout error.
+
+A refusal's message says what is wrong (the offending value and the rule) and how to fix it;
+entry points print it as one line and exit non-zero. Anything that is not a `MegamambaError`
+is a bug, not a refusal.
+"""
+
+
+class MegamambaError(Exception):
+    """Input (config, flags, data, tokenizer, checkpoint, layout) that cannot be used as it is."""
+
+
+class LayoutError(MegamambaError, ValueError):
+    """A model, parallel layout, DeepSpeed config and flags that cannot run together; the message
+    names the values and the rule they break."""
