@@ -23,17 +23,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megamamba.config import MambaConfig
+from megamamba.errors import LayoutError
 from megamamba.parallel.context_parallel import check_context_layout
-from megamamba.parallel.model_layout import LayoutError as ModelLayoutError
 from megamamba.parallel.model_layout import check_model_layout
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 DEFAULT_CLIP_GRAD = 1.0
 TRANSLATED_BLOCKS = ("tensorboard", "optimizer", "scheduler", "bf16", "fp16")  # never handed to DeepSpeed
-
-
-class LayoutError(ValueError):
-    """An inconsistent run configuration; the message says which values break which rule."""
 
 
 @dataclass(frozen=True)
@@ -121,10 +117,7 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
         raise LayoutError(
             f"n_layer={model.n_layer} is smaller than pipeline parallel size {layout.pp}: every stage needs a block"
         )
-    try:
-        check_model_layout(model, layout.tp)
-    except ModelLayoutError as e:
-        raise LayoutError(str(e)) from None
+    check_model_layout(model, layout.tp)
     if sequence_parallel and layout.tp == 1:
         raise LayoutError("--sequence-parallel needs --tensor-parallel-size > 1 (it splits the sequence over TP ranks)")
     if sequence_parallel and seq_length % layout.tp:
@@ -134,7 +127,7 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
         )
     try:
         check_context_layout(seq_length, layout.cp, model.mixer_options.d_conv, layout.tp, sequence_parallel)
-    except ModelLayoutError as e:
+    except LayoutError as e:
         raise LayoutError(f"--seq-length {seq_length}: {e}") from None
     if clip_grad is not None and "gradient_clipping" in ds_config:
         raise LayoutError(

@@ -15,10 +15,9 @@ layer, a tenth of ZeRO's default reduce bucket.
 from dataclasses import replace
 from typing import Optional
 
-from megamamba.parallel.model_layout import LayoutError as ModelLayoutError
+from megamamba.errors import LayoutError
 from megamamba.parallel.model_layout import check_model_layout
 from megamamba.pipelines.agreement import agree
-from megamamba.pipelines.layout import LayoutError
 from megamamba.pipelines.memory_plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
 
 RESERVED = 2 * GiB
@@ -43,7 +42,7 @@ def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
     layout, model = shape.layout, shape.model
     try:
         check_model_layout(model, tp)
-    except ModelLayoutError:
+    except LayoutError:
         return None
     if model.n_layer < pp or (shape.sequence_parallel and shape.seq_length % tp):
         return None

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megamamba.errors import LayoutError
 from megamamba.parallel.collectives import reduce_from_tp_region, start_all_reduce
-from megamamba.parallel.model_layout import LayoutError
 
 
 @dataclass(frozen=True)

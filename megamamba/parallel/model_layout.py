@@ -11,10 +11,7 @@ Each refusal names the rule and the numbers. The rules:
 from __future__ import annotations
 
 from megamamba.config import Mamba1Options, MambaConfig, MixerOptions
-
-
-class LayoutError(ValueError):
-    """A model config, sequence length and TP size that cannot be laid out together."""
+from megamamba.errors import LayoutError
 
 
 def check_model_layout(config: MambaConfig, tp_size: int) -> None:
