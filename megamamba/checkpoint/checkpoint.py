@@ -1,29 +1,8 @@
 """One checkpoint: what it holds and `Checkpoint` to read it (writer.py writes it).
 
-    <save>/step_000123/
-        config.json            the model config (mamba_ssm form)
-        model.safetensors      parameters: mamba_ssm names, full shapes, the padded vocab of the
-                               config (no TP padding); a tied head is left out. Saved by several
-                               ranks: model-rank-NNNNN.safetensors, one per rank holding a distinct
-                               shard, each with the pieces it holds (its TP rows, its ZeRO fragment;
-                               megamamba.tensor_pieces), listed by model.safetensors.index.json
-        optimizer.safetensors  per-parameter optimizer state, "<name>/<key>" (state.py), in pieces
-                               the same way (optimizer-rank-*.safetensors + its index)
-        rng-rank-00000.safetensors ...  each rank's RNG states, one file per rank (rng.py)
-        trainer_state.json     {"format_version", "step", "optimizer": {"param_groups"},
-                               "scheduler", "extra": whatever the trainer adds (args, layout, data position)}
-        tokenizer files        when a tokenizer is given (tokenizer.json / tokenizer.model / tokenizer_config.json)
-        manifest.json          written last: sizes and sha256 of all the above (manifest.py)
-
-Which files hold a tensor, and in how many pieces, depends on the layout that wrote it, never its
-names or full shapes, so any layout reads it, each rank only the pieces its own cut overlaps;
-config.json + the model weights (+ tokenizer) also make it a model folder
-(`megamamba.model_folder`). Everything is read without unpickling: safetensors and JSON only.
-Format versions 1 (one model and optimizer file, every rank's RNG in rng.safetensors) and 2 (one
-model and optimizer file per pipeline stage, whole tensors) are still read.
-
-Several processes write one checkpoint, each its own files (writer.py): every rank holding a
-distinct shard its pieces, every rank its RNG file, one process the rest and the manifest.
+Any layout reads any checkpoint, each rank only the pieces its own cut overlaps; safetensors and
+JSON only, no unpickling; format versions 1 and 2 are still read. The directory's files:
+docs/checkpoints.md ("The format and its code").
 """
 import dataclasses
 import functools

@@ -1,16 +1,7 @@
 """Random-number-generator states of every rank: Python's, NumPy's global, torch's CPU and CUDA ones.
 
-A state is a dict {"python": [...], "numpy": {...}, "torch": uint8 tensor, "cuda": [uint8 tensors]}
-(`capture_rng`). In a checkpoint each rank writes its own safetensors file (format version 1: one
-file of all ranks): the tensors under "<i>.torch", "<i>.cuda.<j>", "<i>.numpy" (i: the state's
-place in the file), the Python and NumPy scalars as JSON in its header metadata.
-
-Which state a rank restores (`Checkpoint.rng_state`): with as many ranks as were saved, rank r gets
-rank r's; otherwise every rank gets rank 0's. Training draws no random numbers after initialisation
-(no dropout; the data comes from the seed and the consumed-sample count the checkpoint records),
-so this choice does not change the loss curve; it matters to user code that draws random numbers.
-CUDA states are restored when the run has as many CUDA devices as were saved, and skipped otherwise
-(e.g. a CPU resume).
+Each rank writes its own file; which state a rank restores at another world size, and why that
+does not change the loss curve: docs/checkpoints.md.
 """
 import json
 import random

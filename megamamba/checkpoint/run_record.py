@@ -1,19 +1,8 @@
 """What a run consumed and planned, recorded in each checkpoint and checked when it resumes.
 
-    extra["stream"]  = {"consumed_samples": 32, "global_batch_size": 8, "seq_length": 32, "seed": 1234,
-                        "reset_at_documents": true, "tokenizer": {"name", "identity", "vocab_size"},
-                        "data": [{"weight": "7/10", "prefix", "documents", "tokens", "fingerprint"}, ...]}
-    extra["lr_plan"] = {"schedule": {"kind": "LRSchedule", ...its fields}, "global_batch_size": 8,
-                        "position": "4"}   # the plan's step the next optimizer step runs (a fraction)
-
-The data stream is addressed by consumed samples (megamamba.data.batches), so a resume at another
-global batch size continues where the stream stopped. What would change the stream itself (other
-data, tokenizer, sequence length, seed, document resets) is refused with one message naming
-every difference and OVERRIDE_DATA_CHECK. A dataset is known by its weight, documents, tokens and
-a sampled fingerprint (megamamba.data.batches.fingerprint), not its path, so moved data still
-resumes. A changed LR plan is refused the same way, naming Megatron's OVERRIDE_SCHEDULE.
-Checkpoints written before these records resume with the position assumed from step x global
-batch, with a warning.
+The data stream (addressed by consumed samples, so another global batch size continues it) and
+the LR plan: a change to either is refused with one message naming every difference and the
+override (OVERRIDE_DATA_CHECK, Megatron's OVERRIDE_SCHEDULE). The records: docs/checkpoints.md.
 """
 import dataclasses
 from fractions import Fraction

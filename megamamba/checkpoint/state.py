@@ -1,23 +1,8 @@
 """Training state as layout-free, name-keyed contents, and back: model, optimizer, scheduler.
 
-Model: `model_tensors` gives every parameter under its single-device (mamba_ssm) name and
-full shape (under TP gathered with `megamamba.parallel.full_tensors`, which drops the rows
-added for TP vocab padding); a tied head appears once, as the embedding.
-
-Optimizer (any torch optimizer whose per-parameter state is tensors, e.g. AdamW): tensors keyed
-"<parameter name>/<state key>" ("backbone.layers.0.mixer.in_proj.weight/exp_avg"). A state
-tensor shaped like its parameter is gathered to the full shape like the parameter; a 0-d one
-(AdamW's `step`) is stored as is. The groups' hyperparameters, with the member names, go to
-JSON (`optimizer_groups`). Loading keeps the RUN's hyperparameters (a resume at the same flags
-is exact; changed flags take effect, with a warning naming them) and restores the state where
-torch keeps it: through `Optimizer.load_state_dict`, tensors shaped like a parameter on its
-device in its dtype, AdamW's `step` float32 on the parameter's device when the group is fused or
-capturable and on the host otherwise (`adam_step`, for optimizers whose state is built by hand).
-
-Scheduler: torch's `state_dict()` as JSON; loading also sets every group's lr to the restored
-last lr, which the next optimizer step uses.
-
-Functions taking `tp` are collective over its group when tp.size > 1 (every TP rank calls them).
+Parameters under their mamba_ssm names and full shapes, optimizer state as "<name>/<key>",
+the scheduler as JSON; loading keeps the run's hyperparameters. Functions taking `tp` are
+collective over its group when tp.size > 1. Details: docs/checkpoints.md.
 """
 import json
 import warnings

@@ -1,27 +1,8 @@
 """A save directory of checkpoints that a crash at any moment cannot corrupt.
 
-    <save>/step_000123/     one complete checkpoint (its manifest.json written last)
-    <save>/latest           the tag of the checkpoint to resume from ("step_000123")
-
-A save writes into `<save>/.tmp-<tag>-<job>` (`<job>`: the JOB_TOKEN of the process that created
-it; its writers, one process or several, fsync every file they write), then that process writes
-the manifest, renames
-the directory to `<save>/<tag>` (a checkpoint of the same tag, left by an abandoned run, is moved
-aside first and deleted after), then replaces `latest` atomically (latest.tmp, fsync, rename,
-fsync the directory), and only then deletes checkpoints beyond `keep_last` (never a `protect`ed
-one) and the leftovers of interrupted saves of this job or of dead jobs on this host (the
-job token names the pid and host; a live job's staging folder, or another host's, is never
-touched). Whenever a crash strikes, the previous checkpoints are intact and `latest`
-names a complete checkpoint, with one exception: when a tag is saved again (a run resumed from an
-older checkpoint reaches it), a crash between moving the old one aside and renaming the new one
-in leaves `latest` naming a missing directory, and `find_latest` warns and takes the newest
-complete one. One job writes a save directory at a time (lock.py).
-
-`find_latest` (what `--load auto` means) takes the checkpoint `latest` names when it is
-complete; when `latest` is missing, malformed or names a damaged checkpoint, it warns and takes
-the newest complete one. `resolve_load` turns a `--load` value into a verified checkpoint path,
-`resolve_model_folder` a model-folder argument (generation, conversion) into a folder that is
-verified whenever it is a checkpoint.
+Staging, fsync, rename, `latest` switched atomically, pruning; `find_latest`, `resolve_load` and
+`resolve_model_folder` turn what the user gave into a verified checkpoint. One job writes a save
+directory at a time (lock.py). The commit order and its one crash window: docs/checkpoints.md.
 """
 import os
 import re

@@ -5,13 +5,8 @@
     records |= write_rng(staging, rank, capture_rng())                 # every rank
     path = finish(save_dir, staging, step, config, all_records, ...)   # the committing process
 
-Each writer writes the pieces it holds (megamamba.tensor_pieces: its TP rows, its ZeRO fragment)
-one tensor at a time, so it holds one host copy of one tensor beyond its own state, and hands
-back only records {file: {"size", "sha256"}}, a few hundred bytes whatever the model's size. The
-committing process reads the files' headers only: it checks that the pieces hold every element
-of every tensor exactly once with the config's full shapes, takes the optimizer groups from the
-metadata, writes the indexes, config and trainer state, and commits with the writers' hashes in
-the manifest. Every disk change goes through `files`.
+Writers hand back only file sizes and hashes; the committing process checks from the headers that
+every element is stored once. Memory and checks: docs/checkpoints.md.
 """
 import json
 import os
