@@ -1,16 +1,8 @@
 """The pre-norm residual block around a mixer, as mamba_ssm's `Block`.
 
-mamba_ssm writes the block as Add -> Norm -> Mixer: it takes the running residual and the
-previous block's mixer output, adds them, normalises, and returns the new mixer output with
-the updated residual. The model is the usual x + mixer(norm(x)); this order only lets a fused
-kernel do the add and the norm together. Keys: `norm.weight` (+ `norm.bias` for LayerNorm),
-`mixer.*`.
-
-Under tensor parallelism (`tp`) the mixer is split across the TP group and the norm replicated;
-with `tp.sequence_parallel` the block's input and output (hidden and residual) are this rank's
-shard of the sequence (batch, seqlen / TP, d_model): the mixer all-gathers the normed input and
-reduce-scatters its output, while seq_idx stays whole (batch, seqlen), as the conv and scan read
-it after the gather.
+Written as Add -> Norm -> Mixer (the model is x + mixer(norm(x))) so one fused kernel does the
+add and the norm; under sequence parallelism its hidden and residual are this rank's sequence
+shard. Keys: `norm.weight` (+ `norm.bias` for LayerNorm), `mixer.*`. More: docs/code.md.
 """
 from typing import Optional
 

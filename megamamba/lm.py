@@ -1,35 +1,9 @@
 """The Mamba language model on one device: embedding -> blocks -> final norm -> head.
 
-State-dict keys are mamba_ssm's `MambaLMHeadModel`: `backbone.embedding.weight`,
-`backbone.layers.{i}.norm.weight`, `backbone.layers.{i}.mixer.*`, `backbone.norm_f.weight`,
-`lm_head.weight` (the embedding's tensor when tie_embeddings). The vocabulary is padded to
-a multiple of `pad_vocab_size_multiple`; logits have the padded width, and the extra
-columns are for the caller to drop (`logits[..., :config.vocab_size]`).
-
-Initialisation is mamba_ssm's `_init_weights`: PyTorch's defaults for Linear and Conv1d,
-the mixers' SSM init, then every Linear bias zeroed (except dt_proj.bias), the embedding
-drawn from N(0, 0.02^2), and each mixer's out_proj re-drawn and scaled by
-1/sqrt(n_layer) (GPT-2's rescale of the residual branches; one residual per layer, no MLP).
-Each piece of the model (embedding, block i, final norm, head; `build_piece`) draws from its own
-random stream, seeded from one number taken from the global generator, so any piece can be
-drawn alone (`initial_piece`) with exactly the values it has in the whole model: a pipeline
-stage initialises its layers without building the others.
-
-Tensor parallelism: `MambaLM(config, tp=TensorParallel(...))` (from
-`megamamba.parallel.groups.ParallelGroups.tensor_parallel`) splits every mixer across the TP
-group (see `megamamba.mamba1`, `megamamba.mamba2`), the embedding and the head by vocabulary
-rows (the padded vocab rounded up to a multiple of TP; those extra rows exist only in the built
-model: `megamamba.parallel.full_tensors` drops them). Its forward returns this rank's block of
-the logits, and `loss` the cross-entropy without ever gathering them. With
-`tp.sequence_parallel` the activations between blocks are split along the sequence (seqlen %
-TP == 0); the head gathers them. The same seed gives the single-device model's full weights
-at any TP size: every full tensor is drawn as above, then sliced (`megamamba.parallel.from_full`).
-Context parallelism: `MambaLM(config, cp=ContextParallel(...))` runs each rank's consecutive slice
-of every sequence (input ids, seq_idx and labels sliced alike: `sequence_slice`) and returns the
-slice's logits; `loss` is the mean over the whole sequences, and the gradients summed over the CP
-group are the single-device ones (`megamamba.parallel.context`).
-The pieces a pipeline stage needs are here too: `make_embedding`, `Block`, `make_norm`,
-`make_head` / `head_logits` (tied), `lm_loss`.
+State-dict keys and initialisation are mamba_ssm's `MambaLMHeadModel`; each piece draws from
+its own seeded stream (`build_piece`), so a pipeline stage draws only its own. The same class
+runs tensor- and context-parallel (`tp=`, `cp=`), and holds the pieces a stage needs
+(`make_embedding`, `Block`, `make_norm`, `make_head`, `lm_loss`). Design: docs/code.md.
 """
 import contextlib
 import math

@@ -1,31 +1,9 @@
 """The Mamba-1 mixer: selective SSM with a short causal convolution (Gu & Dao, 2023).
 
 Parameter names, shapes and initialisation are mamba_ssm's `Mamba` (mamba_simple.py), so its
-state dicts load unchanged:
-
-    in_proj   (2*d_inner, d_model)          -> x, z
-    conv1d    weight (d_inner, 1, d_conv), bias (d_inner,)
-    x_proj    (dt_rank + 2*d_state, d_inner) -> dt, B, C
-    dt_proj   weight (d_inner, dt_rank), bias (d_inner,)  [bias = softplus^-1(dt)]
-    A_log     (d_inner, d_state)   A = -exp(A_log)
-    D         (d_inner,)
-    out_proj  (d_model, d_inner)
-
-Split sizes come from this module's own attributes (d_inner, d_state, dt_rank).
-
-Tensor parallelism (`tp` of size > 1; Megatron-style, see `megamamba.parallel`): the mixer is
-built as above, then `_shard` keeps this rank's d_inner / TP channels (d_inner below is the
-local width): in_proj column-parallel per component (x, z); conv1d, dt_proj, A_log, D split by
-channel; x_proj row-parallel, its small output (dt, B, C) all-reduced and then used by this
-rank's channels, so its gradient is all-reduced on the way back; out_proj row-parallel.
-Communication per call: forward 2 all-reduces (x_proj, out_proj), backward 2 (x_proj output,
-in_proj input); with sequence parallelism in_proj all-gathers its input and out_proj
-reduce-scatters instead (x_proj's all-reduce stays: inside the mixer the sequence is whole).
-
-Context parallelism (`cp` of size > 1): the mixer runs on this rank's consecutive slice of the
-sequence, its conv and scan continuing the previous ranks' (`megamamba.parallel.context`: a conv
-halo and one all-gather of state summaries per call); composes with TP and sequence parallelism.
-`forward` then takes its conv and scan from a `ContextSlice`, which has the kernels' signatures.
+state dicts load unchanged. With `tp` the mixer is built whole and `_shard` keeps this rank's
+channels; with `cp` its conv and scan come from a `ContextSlice`. Parameter table, sharding and
+communication: docs/code.md ("The model in code").
 """
 import math
 from typing import Optional

@@ -1,38 +1,9 @@
 """The Mamba-2 mixer: state-space duality (SSD) with scalar-times-identity A per head (Dao & Gu, 2024).
 
-Parameter names, shapes and initialisation are mamba_ssm's `Mamba2` (mamba2.py), so its
-state dicts load unchanged (conv_dim = d_inner + 2*ngroups*d_state):
-
-    in_proj   (2*d_inner + 2*ngroups*d_state + nheads, d_model) -> z, x, B, C, dt in that order
-    conv1d    weight (conv_dim, 1, d_conv), bias (conv_dim,)       over x, B, C together
-    dt_bias   (nheads,)    softplus^-1(dt) at init
-    A_log     (nheads,)    A = -exp(A_log)
-    D         (nheads,), or (d_inner,) with D_has_hdim
-    norm      weight (d_inner,)   gated RMSNorm per group of d_inner/ngroups channels (with rmsnorm)
-    out_proj  (d_model, d_inner)
-
-Split sizes come from this module's own attributes (d_inner, nheads, ngroups, d_state).
-
-Tensor parallelism (`tp` of size > 1; Megatron-style, see `megamamba.parallel`): the mixer is
-built as above, then `_shard` keeps this rank's nheads / TP heads (from then on d_inner and
-nheads are this rank's, ngroups the groups its B/C hold: ngroups / TP, or all when replicated):
-in_proj column-parallel per component (z, x, B, C, dt), so the full weight is the same at
-every TP size; conv1d split to match; dt_bias, A_log, D split by head; out_proj row-parallel.
-The B/C groups are split when ngroups % TP == 0; when TP % ngroups == 0 (ngroups = 1 in every
-published Mamba-2) they are computed whole on every rank (their in_proj rows and conv channels
-replicated, gradients all-reduced) and each rank's scan reads the one group its heads belong to.
-The gated norm always normalises over the model's groups of d_inner_full / ngroups channels:
-within a rank when its groups are whole, otherwise across the ranks sharing a group, its
-statistics travelling in out_proj's reduction (`megamamba.parallel.spanning_norm`).
-Communication per call: forward 1 all-reduce (out_proj), backward 1 (in_proj input), plus with
-replicated groups 1 all-reduce per replicated parameter gradient (in_proj weight [and bias],
-conv weight [and bias]); with sequence parallelism in_proj all-gathers its input and out_proj
-reduce-scatters instead.
-
-Context parallelism (`cp` of size > 1): the mixer runs on this rank's consecutive slice of the
-sequence, its conv and scan continuing the previous ranks' (`megamamba.parallel.context`: a conv
-halo and one all-gather of state summaries per call); composes with TP and sequence parallelism.
-`forward` then takes its conv and scan from a `ContextSlice`, which has the kernels' signatures.
+Parameter names, shapes and initialisation are mamba_ssm's `Mamba2`, so its state dicts load
+unchanged. With `tp` the mixer is built whole and `_shard` keeps this rank's heads; with `cp`
+its conv and scan come from a `ContextSlice`. Parameter table, sharding and communication:
+docs/code.md ("The model in code").
 """
 from typing import Optional
 

@@ -1,18 +1,8 @@
 """Mamba-1 selective scan in PyTorch, chunked.
 
-Each channel d and state n decays by its own exp(delta_t A[d, n]), so the state has
-batch*dim*dstate entries per step and a matrix (attention-like) form would multiply memory by
-the chunk length. Instead the sequence is cut into about sqrt(seqlen) chunks of about
-sqrt(seqlen) steps: the plain recurrence h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t runs
-inside all chunks at once (each from a zero state), then a loop over chunks carries the state
-and adds exp(cs_t) times the entering state, cs being the within-chunk cumulative sum of
-delta*A. That is about 2*sqrt(seqlen) Python steps, memory of the order of storing every
-state, and only products of decays and exps of sums that start at a chunk's first step:
-nothing divides by a decay, so tiny decays underflow to exact zeros, never inf or NaN.
-
-Document boundaries (seq_idx) zero the step decay where a document starts, and the entering
-state reaches only positions of the document the previous chunk ended in (so an initial state
-reaches only the first document).
+About sqrt(seqlen) chunks of sqrt(seqlen) steps: the recurrence runs inside all chunks at once
+from zero, then a loop carries the state between them. Nothing divides by a decay, so tiny decays
+underflow to zeros, never inf or NaN. The algorithm: docs/code.md ("How the kernels compute").
 """
 import math
 

@@ -1,17 +1,8 @@
 """Mamba-2 SSD scan in PyTorch: the chunked semi-separable algorithm.
 
-The sequence is cut into chunks of `chunk_size`. Inside a chunk the output is a masked
-matrix product (C_i . B_j) * exp(cs_i - cs_j) * dt_j x_j, where cs is the within-chunk
-cumulative sum of dt*A (each cs_i - cs_j summed directly from its terms, see
-segment_sums); each chunk also produces the state it ends in when started from zero. A
-short loop over chunks passes states forward, and every position adds the contribution of
-the state entering its chunk, C_i . S * exp(cs_i). Only sums of dt*A over stretches inside
-one chunk are exponentiated, masked before exp, so no step divides by a decay that may
-underflow.
-
-Document boundaries (seq_idx) mask the decay between positions of different documents
-inside a chunk; a state entering a chunk reaches only positions of the document the
-previous chunk ended in, and is dropped at the chunk end if a new document began inside.
+A masked matrix product inside each chunk, a short loop passing states between chunks; only sums
+of dt*A inside one chunk are exponentiated, masked before exp. The algorithm and its document
+masking: docs/code.md ("How the kernels compute").
 """
 import torch
 import torch.nn.functional as F

@@ -1,32 +1,8 @@
 """Mamba-2 SSD scan in Triton: the chunked semi-separable algorithm, forward and backward.
 
-Per (batch, head) the sequence is cut into chunks of Q positions; cs is the within-chunk
-cumulative sum of dt*A (non-positive and non-increasing when A <= 0). Forward kernels:
-
-  _dt_kernel           dt -> +dt_bias -> softplus -> clamp; cs = cumsum(dt*A) per chunk
-  _chunk_state_kernel  each chunk's end state from zero: sum_s x_s B_s^T dt_s exp(cs_last - cs_s)
-  _state_pass_kernel   S_{c+1} = exp(cs_last) S_c + state_c, from the initial state
-  _chunk_scan_kernel   y_l = exp(cs_l) C_l S_c + sum_{s<=l} (C_l.B_s) exp(cs_l - cs_s) dt_s x_s,
-                       then + D x and * silu(z)
-
-Only differences cs_l - cs_s with s <= l (or cs_last - cs_s, cs_l) are exponentiated and
-masked ones are set to -inf before exp, so no decay overflows whatever dt is.
-
-The backward recomputes dt, cs, the states (and, with a gate, the output before it) instead of
-storing them, then (dy = the gradient of the scan output y):
-  _gate_bwd_kernel       dz, dy, dD partials
-  _chunk_state_kernel    (mode 1) dS_c from the outputs: sum_l exp(cs_l) dy_l^T C_l
-  _state_pass_bwd_kernel dS_c += exp(cs_last) dS_{c+1}; d initial state; exp(cs_last) <dS_{c+1}, S_c>
-  _dx_kernel             dx, the direct part of ddt, and the end state's log-decay gradient
-  _dlogdecay_kernel      the outputs' log-decay gradient
-  _dbc_kernel            dC, then dB in a second launch (summed over a group's heads in the program)
-  _dt_bwd_kernel         the gradient of each step's log-decay dt*A -> ddt, dA, then through
-                         the clamp / softplus to d dt and d dt_bias
-The log-decay gradient of step t sums, over the output pairs (l, s) that t separates, terms
-computed once from float32 products: no difference of two separately rounded sums, which in
-bf16 cost dA and d dt_bias 20-50 times mamba_ssm's error.
-Document boundaries use per-position document counters (see common.document_counters).
-Offsets that scale with batch * seqlen are computed in 64 bits.
+Only within-chunk differences of cs = cumsum(dt*A) are exponentiated, masked ones set to -inf
+first, so no decay overflows; the backward recomputes dt, cs and the states. The kernels'
+formulas and the log-decay gradient's rounding: docs/code.md ("How the kernels compute").
 """
 import torch
 import triton

@@ -1,19 +1,8 @@
 """Tensor-parallel collectives: raw counted operations and Megatron-style autograd regions.
 
-Raw operations (`start_all_reduce`, `start_all_gather`, `start_reduce_scatter`) are issued
-asynchronously and return a `Pending` whose `wait()` gives the result, so a caller can compute
-while they travel; each one records itself in `comm_counter`. The autograd regions name what
-happens forward and backward:
-
-    copy_to_tp_region                  identity            | all-reduce
-    reduce_from_tp_region              all-reduce          | identity
-    gather_from_tp_region              all-gather last dim | keep own slice
-    scatter_to_tp_region               keep own slice      | all-gather last dim
-    gather_from_sequence_region        all-gather seq dim  | reduce-scatter seq dim
-    reduce_scatter_to_sequence_region  reduce-scatter seq  | all-gather seq dim
-    scatter_to_sequence_region         keep own seq slice  | all-gather seq dim
-
-At TP size 1 every one is the identity and nothing is counted. Inputs are never modified.
+Raw operations are asynchronous and return a `Pending`; each records itself in `comm_counter`.
+At TP size 1 every one is the identity and nothing is counted. The regions' forward and backward:
+docs/code.md ("Tensor and sequence parallelism").
 """
 from __future__ import annotations
 

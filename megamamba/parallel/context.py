@@ -1,33 +1,9 @@
 """Context parallelism by state passing: the conv and scan of one rank's slice of every sequence.
 
-A `ContextSlice` is built once per mixer call from the `ContextParallel` group and the slice's
-document ids; its `causal_conv1d`, `ssd_chunk_scan` (Mamba-2) and `selective_scan` (Mamba-1)
-take the kernels' arguments and return what the kernels would return for these positions of the
-whole sequence, so the mixers' `forward` calls them in place of the kernels. Communication per call
-(independent of the sequence length):
-
-    forward:  the conv halo, batch x conv channels x (d_conv - 1), to the next rank (`halo`);
-              with packed documents the last d_conv - 1 ids too;
-              one all-gather of C float32 summaries (decay, zero-start final state) (`state_passing`)
-    backward: the halo's gradient to the previous rank; one reduce-scatter of the summaries' gradients
-
-Each rank scans its slice from a zero state (the kernels' final state gives the summary), learns
-its true initial state h0 from the gathered summaries, and adds h0's contribution instead of
-re-running the scan from h0. The contribution is linear in h0 and reaches only the positions
-before the slice's first document change:
-
-    Mamba-2: y_t += C_t . h0 * exp(sum_{s <= t} dt_s A), per head, in PyTorch: one einsum of
-             (batch, seqlen, heads, headdim) work, much cheaper than a second chunked scan.
-    Mamba-1: the decay is per (channel, state), so the contribution is the scan of a zero input
-             from h0, which the selective-scan kernel computes without materializing
-             (batch, channels, d_state, seqlen) decays; it costs a second scan.
-
-Both are exact (the tests hold them to float32 round-off of the single-device model), and autograd
-differentiates them: the gradient of h0 reaches the other ranks' summaries through the
-reduce-scatter. The gate silu(z) multiplies the contribution as it multiplies the scan. The
-decays, the contributions and the halo conv run under `checkpoint`, so context parallelism keeps
-no sequence-sized tensor for the backward beyond what the scan keeps. Design and byte counts:
-docs/context-parallel.md.
+A `ContextSlice`, built once per mixer call, has the kernels' `causal_conv1d`, `ssd_chunk_scan`
+and `selective_scan` signatures and returns what they would for these positions of the whole
+sequence: a conv halo, a zero-start scan, and the true initial state's exact contribution added
+after. Design, derivation and byte counts: docs/context-parallel.md.
 """
 from __future__ import annotations
 

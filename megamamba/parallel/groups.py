@@ -1,21 +1,8 @@
 """Data x context x tensor x pipeline process groups: the one module that owns them.
 
-Ranks are laid out by DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model; the
-model = tensor rank varies fastest, so a TP group is adjacent ranks, on one node when slots are
-filled in order). DeepSpeed's pipeline engine builds its `PipelineParallelGrid` from the same
-topology, so our layers and the engine agree on every rank's coordinates.
-
-The topology has no context axis. Its data axis holds dp x cp ranks, and data-axis index i is
-context rank i % cp of data-parallel replica i // cp: the C ranks of a context-parallel group are
-consecutive on the data axis, so they are cp x tp adjacent global ranks with the TP groups (on one
-node when cp x tp fits one). DeepSpeed reduces gradients over the whole data axis (`data_group`,
-dp x cp ranks); `data_rank` and `data_parallel_size` count the replicas that read different
-samples.
-
-Every rank creates every group with `torch.distributed.new_group`, in the same order (tensor,
-data, pipe, context; within an axis in the topology's order), as torch requires. Layers get the
-tensor and context groups through `ParallelGroups.tensor_parallel()` and `context_parallel()`;
-DeepSpeed's plain engine gets `mpu()`.
+Laid out by DeepSpeed's `PipeModelDataParallelTopology`, which the pipeline engine builds its
+grid from too, so our layers and the engine agree on every rank's coordinates. The context axis
+lives inside DeepSpeed's data axis: docs/context-parallel.md; group creation: docs/code.md.
 """
 from __future__ import annotations
 

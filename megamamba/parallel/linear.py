@@ -2,14 +2,8 @@
 
     parallel_linear(x, weight, bias, tp) = x_total @ weight.T + bias
 
-`x` is replicated over TP, or with `tp.sequence_parallel` this rank's sequence shard, which is
-all-gathered here, asynchronously: this rank's own tokens are multiplied while the other shards
-travel (x_total is kept for backward, so backward communicates no more than the theoretical
-minimum). `weight` holds this rank's output rows. Backward starts the collective of
-the input gradient (all-reduce, or reduce-scatter along the sequence) asynchronously and
-computes the weight gradient while it travels, as Megatron's async gradient communication does.
-
-Under autocast the matmuls run in the autocast dtype, as `F.linear` would.
+A sequence-parallel `x` is all-gathered while this rank's own tokens are multiplied; backward
+computes the weight gradient while the input gradient's collective travels. More: docs/code.md.
 """
 from __future__ import annotations
 

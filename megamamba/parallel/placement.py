@@ -1,20 +1,8 @@
 """Which node holds which rank and (dp, tp, pp) coordinate; refuses tensor groups that span nodes.
 
-Tensor parallelism all-reduces activations in every layer, so a tensor-parallel group must live
-inside one node; pipeline neighbours (one activation per micro-batch) and data-parallel groups
-(one gradient reduction per step) may cross nodes. The DeepSpeed launcher fills each node's
-slots with consecutive global ranks and the topology makes a tensor group consecutive ranks, so
-the groups stay inside nodes exactly when every node's rank count is a multiple of the tensor
-size; the check below looks at the actual ranks rather than assuming that.
-
-A node is identified by its host name and the launcher's node rank (`CROSS_RANK`, set by
-`deepspeed.launcher.launch`), so two launchers started with `--no_ssh --node_rank 0/1` on one
-machine count as two nodes, as they would on two machines.
-
-`topology` is anything with DeepSpeed's `ProcessTopology` interface (`world_size()`,
-`get_coord(rank)` with fields `data`, `model`, `pipe`, `get_axis_comm_lists(axis)`): the
-caller passes the same topology the process groups are built from, and this module stays free
-of DeepSpeed.
+A node is its host name and the launcher's node rank (`CROSS_RANK`), so two launchers on one
+machine count as two nodes. `topology` is anything with DeepSpeed's `ProcessTopology` interface,
+so this module stays free of DeepSpeed. The rule and its report: docs/multinode.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
 """How each parameter of a parallel layer relates to its full, layout-free tensor.
 
-Every parameter built by `megamamba.parallel` carries:
-
-- `tensor_model_parallel` (bool): true when it holds a slice of its full tensor. DeepSpeed's
-  gradient norm reads it (`deepspeed.runtime.utils.is_model_parallel_parameter`) and counts
-  the other parameters on TP rank 0 only, so a replicated parameter is counted once.
-- `partition_dim` (int, -1 when not split): Megatron's name for the split dimension.
-- `tp_shard` (`Shard`): everything checkpoint code needs to rebuild the full tensor.
-
-A full tensor along its split dim may be a concatenation of COMPONENTS (Mamba-2's fused
-in_proj = [z, x, B, C, dt]), each split evenly on its own, so the full tensor is the same at
-every TP size. A component may instead be replicated on every rank (B, C when ngroups < TP):
-those rows live in a separate parameter (`replicated_part=True`) whose gradient is all-reduced
-over TP in backward, so DeepSpeed counts them once. Vocabulary rows added so the vocab divides
-by TP (`pad`) exist only in the built model; gathering drops them, sharding adds zeros.
-
-`local_shard` and `assemble_full` are exact inverses; `gather_full` / `full_tensors` gather
-across the TP group (for checkpoints, tests) and `load_full_tensors` slices a full state dict.
+Every parameter built by `megamamba.parallel` carries `tensor_model_parallel`, `partition_dim`
+and `tp_shard` (a `Shard`); `local_shard` and `assemble_full` are exact inverses, `gather_full` /
+`full_tensors` gather across the TP group, `load_full_tensors` slices a full state dict.
+Components, replicated parts and vocab padding: docs/code.md.
 """
 from __future__ import annotations
 

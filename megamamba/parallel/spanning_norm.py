@@ -1,23 +1,10 @@
 """Mamba-2's gated RMSNorm followed by out_proj when a norm group spans several TP ranks.
 
-The norm divides each group of `group_size = d_inner / ngroups` channels by its RMS. When
-ngroups < TP (every published Mamba-2 has ngroups = 1) a group spans TP / ngroups ranks, so no
-rank can normalise alone. The RMS is one scalar per token and group, so it commutes with the
-row-parallel out_proj:
+The RMS is one scalar per token and group, so it commutes with the row-parallel out_proj:
 
     out_proj(norm(u)) = sum_g  rsqrt(mean_g(u^2) + eps) * sum_{ranks r of g} W_r (w_r * u_r)
 
-Each rank reduces its partial products (in the activations' dtype, as out_proj's reduction
-would) and, beside them, its share of each group's mean square in float32: one scalar per token
-and group, so the statistics cost a small second reduction (none backward without sequence
-parallelism; with it, a small all-gather) and keep the norm's scale exact under bf16 autocast,
-where rounding them to bf16 before the sum was off by about 0.4%. For ngroups > 1 each rank fills
-only its group's slot, so the reductions carry ngroups partial results.
-
-The gating and the mean square are one autograd Function (`_GatedScale`) that keeps only y and z
-in their own dtype (bf16 under autocast) and recomputes its float32 intermediates backward.
-Left to autograd, the float32 copies of y and z, the gate and the gated y would be kept: four
-float32 tensors of d_inner / TP per token, more than a rank without TP keeps in all.
+The mean squares travel in float32 beside out_proj's reduction. Why, and the memory: docs/code.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Each context-parallel rank's true initial SSM state, from one all-gather of segment summaries.
 
-A rank's slice maps the state entering it, h0, to the state leaving it affinely:
-
-    h_end = decay * h0 + h_zero
-
-h_zero is the final state of the slice scanned from zero (the kernels' final state) and decay
-the product of the step decays over the slice: per head for Mamba-2 (exp of the summed dt*A),
-per (channel, state) for Mamba-1; 0 when a document starts anywhere in the slice, including at
-its first position (the previous rank's last id differs). The ranks all-gather their
-(decay, h_zero) in float32 and rank r folds ranks 0 .. r-1 in order (`initial_state`: forward
-one all-gather, backward one reduce-scatter of the summaries' gradients). The bytes do not depend
-on the sequence length.
+A slice maps its entering state affinely, h_end = decay * h0 + h_zero; the ranks all-gather
+(decay, h_zero) in float32 and rank r folds ranks 0 .. r-1 (backward: one reduce-scatter).
+Details: docs/context-parallel.md.
 """
 from __future__ import annotations
 
