@@ -76,6 +76,7 @@ def test_mamba_ssm_loads_where_transformers_is_missing(bench, tmp_path, monkeypa
     (pkg / "ops" / "triton").mkdir(parents=True)
     for module, entry in (("ops/__init__.py", ""), ("ops/triton/__init__.py", ""),
                           ("ops/selective_scan_interface.py", "def selective_scan_ref(*a):\n    pass\n"),
+                          ("ops/triton/layer_norm.py", "def rms_norm_fn(*a):\n    pass\n"),
                           ("ops/triton/layernorm_gated.py", "def rmsnorm_fn(*a):\n    pass\n"),
                           ("ops/triton/ssd_combined.py", "def mamba_chunk_scan_combined(*a):\n    pass\n")):
         (pkg / module).write_text(entry)
