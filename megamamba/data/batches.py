@@ -1,18 +1,7 @@
 """The training data path: blended, packed global batches that do not depend on the parallel layout.
 
-The stream is addressed by global sample number j (0, 1, 2, ... across the whole run): sample j
-comes from the dataset and sample number the `BlendSchedule` assigns, packed by that dataset's
-`DocumentPacker`, so it depends only on (seed, data, seq_length), never on the batch size. A global
-batch is G consecutive samples from the run's consumed-sample count (`micro_batches_at`); at a
-constant G, step s starts at sample s * G (`micro_batches`). Data-parallel rank r of d takes the
-contiguous rows [r*G/d, (r+1)*G/d) and cuts them into micro-batches in order: the concatenation
-over ranks is the global batch for any (dp, tp, pp), and a run resumed after c samples, at any
-global batch size, reads exactly the samples an uninterrupted run would read from c on,
-computing nothing for the samples before.
-
-Every batch is (inputs, labels, seq_idx): int64 (rows, seq_length) ids and next-token labels,
-and int32 (rows, seq_length) document ids for the model's `seq_idx` (state reset at document
-boundaries, see packing.py), or None when `reset_at_documents` is off.
+Addressed by global sample number, so the samples depend only on (seed, data, seq_length), and a
+resume at any global batch size reads what an uninterrupted run would. Details: docs/data.md.
 """
 import hashlib
 from fractions import Fraction

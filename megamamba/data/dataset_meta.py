@@ -1,20 +1,7 @@
 """What a dataset was made with and what it holds, recorded beside its `.idx` and checked before training.
 
-    <prefix>.meta.json   {"format": "megamamba-dataset", "version": 1,
-                          "tokenizer": {"name": spec given to preprocess, "identity": tokenizer.identity,
-                                        "vocab_size": ...},
-                          "tokens": {"bin_bytes": ..., "bin_mtime_ns": ..., "min_id": ..., "max_id": ...}}
-
-Token ids mean nothing without their tokenizer, and data made with another one trains without
-any error as long as its ids fit the vocabulary. Preprocessing writes this record; training
-refuses a dataset whose tokenizer differs from the run's (unless told to allow it), and accepts
-datasets made before records existed (or by Megatron) with a warning.
-
-"tokens" holds the smallest and largest id of `<prefix>.bin`, valid only for a .bin of exactly
-that size and modification time (vocab_check.py). Preprocessing records it as it writes the
-tokens; for a dataset without it, the first training start-up scans the .bin once and adds it,
-so a Megatron dataset gets a record holding "tokens" alone. Records are written under a
-temporary name and renamed, so a reader sees a whole record or the previous one.
+`<prefix>.meta.json` names the tokenizer (token ids mean nothing without it) and the .bin's id
+range; written under a temporary name and renamed. The record: docs/data.md ("The data code").
 """
 import json
 import os

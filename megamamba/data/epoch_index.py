@@ -1,16 +1,7 @@
 """The packer's per-epoch arrays of a large dataset, built once and memory-mapped by every rank.
 
-An epoch of packing needs three arrays as long as the dataset: the shuffled document order, each
-ordered document's offset in the packed stream, and the shuffled sample order (packing.py). Held
-in every rank's memory they cost about 24 bytes per document per rank — gigabytes per rank at
-10^8 documents, times the ranks of a node. Megatron builds such indices once and memory-maps
-them; so do we, for datasets of at least INDEX_DOCUMENTS documents: the arrays are written as .npy
-files in `<prefix>.epochs/` beside the dataset, named by everything they depend on, and every
-rank maps them, sharing one page-cache copy per node.
-
-The first process to take an exclusive `flock` on the folder's lock file builds an epoch's files
-(renamed into place whole) while the others wait, then read them. A folder that cannot be written
-(read-only data) leaves the arrays in memory, as for small datasets and the built-in corpus.
+About 24 bytes per document per rank otherwise; the first process to lock the folder builds an
+epoch's files, the others wait and map them. Details: docs/data.md ("The data code").
 """
 import os
 from typing import Callable, Optional

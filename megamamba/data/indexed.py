@@ -1,23 +1,8 @@
 """Token datasets in Megatron-LM's memory-mapped indexed-dataset layout (`.bin` + `.idx`).
 
-`.bin` holds the tokens of all sequences back to back. `.idx` (little-endian):
-
-    9 bytes   magic b"MMIDIDX\\x00\\x00"
-    u64       version (1)
-    u8        token dtype code (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16)
-    u64       S, number of sequences
-    u64       D, number of entries in the document index (documents + 1)
-    i32 x S   sequence lengths, in tokens
-    i64 x S   sequence pointers, byte offsets into .bin
-    i64 x D   document index: sequence numbers where documents start, 0 first, S last
-   [i8 x S    sequence modes: only in multimodal datasets, ignored here]
-
-We write one sequence per document (Megatron's `preprocess_data.py` without sentence
-splitting), so datasets made here load in Megatron and Megatron's text datasets load here.
-Reading validates everything it relies on and names the file and the rule a corrupt, truncated
-or empty dataset breaks. Both files are memory-mapped: a rank reads the tokens of the documents
-it packs and, from the index, what the document offsets need (8 bytes a document of its own
-memory); ranks of a node share one page-cache copy of each file.
+Datasets made here load in Megatron and Megatron's text datasets load here; reading validates
+everything it relies on and names the file and the rule a corrupt, truncated or empty dataset
+breaks. The `.idx` layout: docs/data.md ("The data code").
 """
 import math
 import os

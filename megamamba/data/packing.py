@@ -1,18 +1,8 @@
 """Packing one dataset's documents into fixed-length samples, with document ids per position.
 
-Each epoch shuffles the documents (a permutation seeded by (seed, dataset key, epoch)),
-concatenates them into one stream and cuts it into samples of seq_length + 1 tokens that
-overlap by one token: sample k covers stream[k*L, k*L + L + 1) — inputs are its first L
-tokens, labels its last L. The tail shorter than a sample is left out of that epoch. Samples
-are visited in a seeded random order, so consecutive samples do not come from one stretch.
-
-Document ids (`segment_ids`): a document's segment begins at the end-of-document token that
-closes the document before it — the position whose label is the document's first token. The
-model's state resets there, so a document is predicted from that token alone, as if it were a
-BOS, and never sees the document packed before it.
-
-Permutations use NumPy's legacy RandomState, whose streams NumPy keeps fixed across versions.
-A large dataset's epoch arrays are built once and memory-mapped by every rank (epoch_index.py).
+Each epoch shuffles the documents and cuts their concatenation into samples of seq_length + 1
+tokens; a document's segment begins at the end-of-document token before it, so it never sees the
+document packed before it. Details: docs/data.md ("The data code").
 """
 from collections import OrderedDict
 from typing import Optional

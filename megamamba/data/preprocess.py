@@ -1,19 +1,10 @@
 """Tokenize text into memory-mapped token datasets (Megatron's .bin/.idx layout).
 
-    python -m megamamba.data.preprocess --input corpus.jsonl --tokenizer data/spm.model \\
+    python -m megamamba.data.preprocess --input corpus.jsonl --tokenizer data/spm.model \
         --output-prefix data/corpus --workers 4 --valid-fraction 0.02
 
-Every document's tokens are followed by the tokenizer's end-of-document id; empty documents
-are skipped. Worker processes tokenize chunks of documents while the main process writes the
-results in input order, so the files depend only on the input, the tokenizer and the options,
-never on the number of workers. With a validation fraction f, document number i (counting the documents
-kept) goes to the validation set when frac(i * 0.618...) < f — a low-discrepancy rule that
-spreads the held-out documents evenly over the input — and the output is `<prefix>_train` and
-`<prefix>_valid`; without it, `<prefix>`. Beside each `.idx`, `<prefix>.meta.json` records the
-tokenizer and the smallest and largest token id (dataset_meta.py), which training checks — the
-ids without reading the tokens again (vocab_check.py). Invalid UTF-8 in the input is refused with
-its file and line or byte offset, or replaced with U+FFFD under --replace-invalid-utf8
-(documents.py). Progress (rate and ETA) goes to stderr.
+The files depend only on the input, the tokenizer and the options, never on the worker count.
+Usage: docs/data.md; the held-out rule: its "The data code".
 """
 import argparse
 import multiprocessing

@@ -1,21 +1,7 @@
 """A training run's data from its flags: the tokenizer and the train and validation global batches.
 
-    --data 0.7 a 0.3 b  (or one prefix)   preprocessed datasets, blended (megamamba.data.blend)
-    --valid-data PREFIX ...               the validation blend (e.g. the `_valid` sets of preprocess)
-    --split 969,30,1                      or Megatron's: validation carved from --data by document
-                                          ranges (megamamba.data.split; its test part is unused)
-    no --data                             the built-in corpus (megamamba.corpus), tokenized in memory
-                                          with --tokenizer; preprocess's held-out rule puts every
-                                          ~20th document (BUILTIN_VALID_FRACTION) in validation
-
-Validation batches are the same blend machinery under seed + 1; an evaluation reads the
-validation global batches 0..eval_iters-1, so successive evaluations measure the same tokens.
-Everything here runs before any process group exists and fails with one message naming the
-offending value: an unreadable tokenizer, a dataset made with another tokenizer (its recorded
-tokenizer differs, dataset_meta.py, unless allowed; or an id beyond the tokenizer's vocabulary),
-a model vocabulary smaller than the tokenizer's, data too short for one sample. What is accepted
-with reservations (datasets without a tokenizer record, an allowed mismatch) is listed in
-`TrainingData.warnings` for the trainer to print once.
+Runs before any process group exists; each refusal is one message naming the offending value,
+and reservations go to `TrainingData.warnings`. The flags: docs/data.md and docs/flags.md.
 """
 from dataclasses import dataclass, field
 from typing import Optional, Sequence

@@ -1,26 +1,8 @@
 """The dataset vocabulary check, done once per dataset and remembered beside its index.
 
-Every id of a dataset must lie in [0, vocab_size): an id beyond it means data made with another
-tokenizer. Finding the smallest and largest id reads the whole `.bin`, which for terabytes of
-data on hundreds of ranks must not happen at every start-up. So the range is kept in the
-dataset's record (`<prefix>.meta.json`, dataset_meta.py) with the .bin's size and modification
-time: preprocessing records it as it writes the tokens, and a dataset without it (made by
-Megatron, or before the record existed) is scanned once by the first start-up, which records it.
-A start-up then checks the vocabulary against the record without reading any token. A record
-whose size or mtime differ from the .bin's describes another file: it is ignored and the .bin
-scanned again.
-
-Who scans: the process that gets an exclusive `flock` on the lock file `<prefix>.lock` first
-(opened for writing: NFS emulates flock with fcntl locks, which refuse an exclusive lock on a
-read-only descriptor, such as the .bin's). The others wait on the lock and then find the record
-it wrote (renamed into place whole). No process group is needed, so this runs in train.py's
-checks before any exists: ranks sharing a filesystem scan a dataset once in all — once per node
-where each node has its own copy. Where the lock file cannot be created or the filesystem
-refuses the lock, every rank scans and writes the same record. The lock file stays: removing it
-would let a process lock a new file while another holds the old one. Where the dataset's
-directory is not writable, nothing can be recorded and every start-up scans (its progress line
-says so).
-Scans of large files show progress (progress.py: plain lines when stderr is not a terminal).
+Every id must lie in [0, vocab_size); the id range is scanned once, under a file lock so ranks
+sharing a filesystem scan a dataset once in all, and kept in the dataset's record with the .bin's
+size and mtime. Why and how (NFS locks, read-only data): docs/data.md ("The data code").
 """
 import os
 import sys
