@@ -4,24 +4,8 @@
                                       [--max-shard-size 5GB] [--no-tokenizer]
     python -m megamamba.convert import --from hf|mamba_ssm --input DIR --output MODEL_DIR
 
-export: DIR is a checkpoint (step_N), a save directory (its `latest`, or --tag) or a model
-folder; a checkpoint's sizes and checksums are verified first, a model folder without a manifest
-is read as such (with a note); HF_DIR gets transformers' config.json and weights, loadable by
-`MambaForCausalLM` / `Mamba2ForCausalLM` (`megamamba.hf` maps the names and fields and refuses,
-by name, what transformers cannot represent). The weights stream tensor by tensor into
-model.safetensors, or above --max-shard-size into shards with model.safetensors.index.json
-(megamamba.safetensors_stream). The source's tokenizer becomes a tokenizer.json (+ config) that
-`AutoTokenizer` loads, checked to encode and decode sample text as ours does; when it cannot be
-(the refusal says why), --no-tokenizer exports without tokenizer files.
-
-import: DIR holds transformers' config.json + model.safetensors (or sharded, with
-model.safetensors.index.json), or mamba_ssm's config.json + pytorch_model.bin / model.safetensors;
-MODEL_DIR becomes our model folder (config.json + model.safetensors + tokenizer files), from
-which training, generation and export start. pytorch_model.bin is read with weights_only=True.
-
-Nothing is read by unpickling code, and nothing is overwritten: the output must not exist (or be
-an empty directory); it is written beside it, fsynced, and renamed into place. Refusals are one
-line, exit status 2.
+Nothing is unpickled and nothing overwritten; refusals are one line, exit status 2.
+Usage and formats: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 import argparse
 import dataclasses

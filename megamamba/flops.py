@@ -1,17 +1,7 @@
 """FLOPs of a Mamba LM, for TFLOP/s and MFU in the training log.
 
-Counted per token of a forward pass, a multiply-add as 2 FLOPs: the projections, the depthwise
-causal conv, the SSM itself and the LM head. Norms, gates, softplus, the embedding lookup and the
-loss are left out (elementwise, well under 1% at useful widths). Training is 3x the forward (the
-backward computes gradients of inputs and of weights); recomputation by activation
-checkpointing is not counted, as for MFU (model FLOPs, not hardware FLOPs).
-
-Mamba-1 selective scan: 9 FLOPs per (channel, state) per token (Gu & Dao, 2023, sec. 3.3:
-discretise A and B, update the state, read it out with C).
-Mamba-2 SSD, as the chunked algorithm computes it with chunk length Q = min(chunk_size, seqlen):
-C B^T inside a chunk (2 Q N per group), its product with x (2 Q P per head), the chunk states
-B^T x and the output from the passed states C h (2 N P per head each). The Q x Q blocks are
-counted whole, as the matmuls run them.
+Per token of a forward pass, a multiply-add as 2 FLOPs; training is 3x the forward, recomputation
+not counted. What is counted, and the scans' formulas: docs/code.md.
 """
 from megamamba.config import Mamba1Options, MambaConfig
 

@@ -1,19 +1,7 @@
 """Hugging Face transformers' Mamba / Mamba2 format <-> ours: config fields and parameter names.
 
-transformers' `MambaForCausalLM` (model_type "mamba") and `Mamba2ForCausalLM` ("mamba2") hold the
-same tensors as mamba_ssm under the same names, except `backbone.embeddings.weight` for our
-`backbone.embedding.weight`; a tied head is left out of the file. Their `vocab_size` is the
-number of embedding rows, i.e. our padded vocabulary (our `vocab_size`, the real one, is not
-stored: an imported model trains over all rows).
-
-Config fields (ours -> HF): d_model -> hidden_size, n_layer -> num_hidden_layers, d_state ->
-state_size, d_conv -> conv_kernel, bias -> use_bias, conv_bias -> use_conv_bias, tie_embeddings
--> tie_word_embeddings, residual_in_fp32; Mamba-1: dt_rank -> time_step_rank, dt_scale / dt_min /
-dt_max / dt_init / dt_init_floor -> time_step_{scale,min,max,init_scheme,floor}; Mamba-2: nheads
--> num_heads, headdim -> head_dim, ngroups -> n_groups, dt_limit -> time_step_limit, chunk_size,
-dt_min / dt_max / dt_init_floor -> time_step_{min,max,floor}. Options that only choose an
-initialisation HF lacks (A_init_range, conv_init) are not carried; options that change the
-function HF cannot compute are refused, by name (`HFFormatError`).
+Options transformers cannot compute are refused by name (`HFFormatError`). The name and field
+mapping: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 import math
 from typing import Optional

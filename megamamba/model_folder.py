@@ -1,19 +1,8 @@
 """A model folder: `config.json` + the weights (+ the tokenizer's files), read without unpickling.
 
-The weights are `model.safetensors`, or shards `model-00001-of-00002.safetensors`, ... listed by
-`model.safetensors.index.json` (transformers' sharded form: {"metadata": {"total_size"},
-"weight_map": {name: file}}); a checkpoint saved by several ranks stores the pieces each held
-(megamamba.folder_tensors puts them together).
-
-The weights carry mamba_ssm's names and full shapes (`backbone.embedding.weight`, ...,
-`lm_head.weight`), the vocabulary padded as mamba_ssm pads it. With tied embeddings the head
-is the embedding and `lm_head.weight` may be left out (safetensors stores no shared tensors);
-when present it must equal the embedding. Tokenizer files are whatever `tokenizer.save`
-writes (tokenizer.model, tokenizer.json, tokenizer_config.json); `load_tokenizer(folder)` reads them.
-
 `FolderWeights` reads any folder whose weights training may start from, one stage's tensors at a
-time: ours (a model folder or a checkpoint), mamba_ssm's (its config.json + pytorch_model.bin or
-safetensors) and transformers' Mamba / Mamba2 exports (config.json with a `model_type`).
+time: ours (a model folder or a checkpoint), mamba_ssm's and transformers' Mamba / Mamba2 exports.
+The folder's format: docs/checkpoints.md.
 """
 import json
 import os

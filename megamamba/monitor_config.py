@@ -1,15 +1,8 @@
 """Where metrics go besides the console and --metrics-jsonl: the DeepSpeed config's monitor blocks.
 
-DeepSpeed users name their monitors in the JSON; we honour the blocks with DeepSpeed's keys,
-defaults and meaning (deepspeed.monitor.config) but write our metric names ourselves, so DeepSpeed
-never sees the blocks (`MONITOR_BLOCKS`: the caller drops them from the engine's config):
-  - "tensorboard": event files in output_path/job_name (defaults "" and "DeepSpeedJobName", so
-    ./DeepSpeedJobName); --log-dir, when given, takes its place.
-  - "csv_monitor": one CSV per metric, output_path/job_name/<name>.csv with the header `step,<name>`.
-  - "wandb": one wandb run, `wandb.init(project=project, group=group, entity=team)` (project
-    defaults to "deepspeed"); refused when enabled and wandb is not installed.
-  - "comet": refused when enabled (not supported); a disabled block is ignored.
-As DeepSpeed does, a block is off unless "enabled" is true and unknown keys are refused.
+We honour the `tensorboard`, `csv_monitor`, `wandb` and `comet` blocks with DeepSpeed's keys,
+defaults and meaning but write our metric names ourselves, so DeepSpeed never sees the blocks
+(`MONITOR_BLOCKS`: the caller drops them). Each block's behaviour: docs/flags.md, docs/training.md.
 """
 import importlib.util
 import os

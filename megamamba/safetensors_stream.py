@@ -1,19 +1,8 @@
 """safetensors read and written one tensor at a time, sharded above a size limit as transformers shards.
 
-`TensorReader(folder)` describes every tensor of a folder's set (model.safetensors, or shards with
-an index) from the file headers alone and loads one tensor per call. `write_sharded(folder,
-specs, load, max_shard_size)` writes a set the same way: the shards are planned from the specs
-(name, dtype, shape), each file's header is written first, then each tensor's bytes as `load(name)`
-returns it, which is dropped before the next is loaded. So the writer holds one tensor, never a
-shard; transformers' own save holds a whole shard (its 5GB default).
-
-Shards fill in the order of the specs: a tensor that would take a shard past the limit starts
-the next one, and a tensor above the limit gets a shard of its own (transformers' rule). One
-shard is written as `model.safetensors`; more as `model-00001-of-0000N.safetensors`, ... listed
-by `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map": {name: file}}).
-In a file the widest dtypes come first, so every tensor starts at a multiple of its element size,
-and the header is padded with spaces to a multiple of 8 bytes, as the safetensors library does.
-The caller makes the files durable (fsync) and the folder's appearance atomic.
+`TensorReader` loads one tensor per call from a folder's set; `write_sharded` writes headers
+first, then each tensor as it is loaded, so it holds one tensor, never a shard. Sharding and file
+layout rules: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 import json
 import os

@@ -1,16 +1,7 @@
 """Pieces of full tensors as the ranks hold them, and the full (or any other rank's) tensor put back from them.
 
-Under tensor parallelism a rank holds some rows of each full, layout-free tensor along one
-dimension: several ranges when the tensor is a concatenation of components each split on its own
-(Mamba-2's in_proj), followed by padding rows (vocabulary rows added so the vocabulary divides by
-TP). That local tensor is a `Cut`. Under ZeRO a rank holds a contiguous fragment of its local
-tensor flattened. A `Piece` records both, so tensors saved by each rank for itself are read back
-at any layout: `assemble` builds the cut another layout needs from the stored pieces that overlap
-it: of a stored local tensor only the rows needed, of a ZeRO fragment only its elements inside those
-rows when the cut is along dim 0 (along another dim the whole fragments of the overlapping local tensors).
-
-Stored, a piece is a tensor under a key of its own with `record()` in its file's metadata; a
-tensor stored under its name without a record is the whole tensor.
+A `Cut` is a rank's TP rows of a full tensor, a `Piece` also its ZeRO fragment; `assemble` builds
+any layout's cut from the stored pieces that overlap it. Details: docs/checkpoints.md.
 """
 from __future__ import annotations
 

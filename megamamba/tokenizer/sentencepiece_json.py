@@ -1,23 +1,8 @@
 """A SentencePiece model rebuilt with the `tokenizers` library, to encode and decode as SentencePiece does.
 
-transformers reads `tokenizer.json` (the `tokenizers` library's format), not `.model` files, so
-an export must describe SentencePiece's algorithm in that library's terms:
-
-- normalisation: the model's precompiled character map (none for ours, trained with "identity"),
-  SentencePiece's removal of leading, trailing and repeated spaces when the model asks for it, its
-  dummy "▁" before the text, and every space as "▁";
-- user-defined pieces (ours: "\n") as added tokens, split off before the model as SentencePiece
-  matches them whole; control pieces (</s>, <s>) and <unk> as special added tokens, which the
-  export's config tells transformers not to look for in text (SentencePiece never does);
-- the model: BPE merges rank by the score of the piece they make, as SentencePiece merges the
-  highest-scoring pair first; unigram keeps the scores, but the pieces SentencePiece never
-  matches in text (control, unknown, byte, unused) get a score no segmentation picks;
-- byte fallback: characters outside the vocabulary become <0xNN> pieces;
-- decoding: "▁" back to spaces, byte pieces to UTF-8 (U+FFFD per invalid byte), <unk> as
-  SentencePiece's " ⁇ ", control pieces as nothing, the dummy prefix's space removed.
-
-`TokenizerError` names a model option that cannot be expressed (e.g. word/char models, whitespace
-as suffix); the export then checks the result against SentencePiece on sample text anyway.
+transformers reads `tokenizer.json`, not `.model` files, so an export describes SentencePiece's
+normalisation, pieces, model, byte fallback and decoding in that library's terms (docs/checkpoints.md);
+`TokenizerError` names a model option that cannot be expressed.
 """
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, Regex, decoders, models, normalizers

@@ -1,17 +1,7 @@
 """SentencePiece tokenizers: train one from documents (reproducibly) and load `.model` files.
 
-Training settings keep text lossless: no normalisation, whitespace kept as is, newlines as
-their own piece, and bytes as fallback pieces for characters outside the vocabulary, so
-decode(encode(text)) == text for any text. `</s>` (id 1) is the end-of-document token, `<unk>`
-is 0; there is no BOS or padding piece. The result depends only on the documents, the options,
-the seed and the thread count (SentencePiece splits work by thread), never on the machine's
-core count, so the same input gives a byte-identical `.model`.
-
-Unigram piece scores are rounded to multiples of 1/64: SentencePiece sums them in float32,
-transformers' tokenizers in float64, and segmentations of equal score (a run of 27 "*" as
-16 + 11 or 11 + 16) would otherwise be told apart by rounding error, differently by each. On the
-grid, sums are exact in both up to 2**18 in magnitude (some 20,000 tokens into one text), so
-ties break by the same rule and an export encodes as SentencePiece does.
+Lossless settings (decode(encode(text)) == text), a byte-identical `.model` from the same input,
+and unigram scores on a 1/64 grid so transformers breaks ties as SentencePiece does: docs/data.md.
 """
 import hashlib
 import io

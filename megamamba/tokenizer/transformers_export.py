@@ -1,17 +1,8 @@
 """Our tokenizer as transformers loads it: tokenizer.json, tokenizer_config.json, special_tokens_map.json, checked.
 
-`write_transformers_tokenizer(tokenizer, directory)` writes our own files (so `load_tokenizer`
-reads the same tokenizer back from the folder) and beside them a `tokenizer.json` that
-`AutoTokenizer.from_pretrained` loads: the SentencePiece model rebuilt (sentencepiece_json.py),
-our tokenizer.json as it is, or the byte tokenizer built (bytes_json.py). The config makes
-transformers encode as ours does: no BOS/EOS added, special tokens looked for in text only where
-ours looks for them (a tokenizer.json's own; SentencePiece and bytes never), no clean-up of
-spaces in decoding, and the `PreTrainedTokenizerFast` class, which reads tokenizer.json as it is
-(the class of the Mamba model type would rebuild GPT-NeoX's pipeline around our vocabulary).
-
-Then it encodes SAMPLES and built-in corpus snippets with ours and with the written files, and
-decodes each encoding (with the end-of-document id appended); `TokenizerError` names the first
-text whose ids or decoding differ.
+Writes our own files and a `tokenizer.json` that `AutoTokenizer` loads, configured to encode as
+ours does, then checks both on sample text; `TokenizerError` names the first text that differs.
+Details: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 import json
 import os
