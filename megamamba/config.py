@@ -1,15 +1,8 @@
 """Model configuration in mamba_ssm's config.json form.
 
-`MambaConfig` has exactly the fields and defaults of mamba_ssm's `MambaConfig`, so a
-config.json written by mamba_ssm (or next to a state-spaces checkpoint) loads unchanged.
-`ssm_cfg["layer"]` picks the mixer ("Mamba1", the default, or "Mamba2"); the other
-`ssm_cfg` keys are the mixer's own constructor options, with mamba_ssm's names and
-defaults (`Mamba1Options`, `Mamba2Options`).
-
-Accepted but without effect on the math: `fused_add_norm`, `use_fast_path` (Mamba1) and
-`use_mem_eff_path` (Mamba2) only select fused kernels in mamba_ssm; the model computes the
-same function either way. Options we do not implement (attention layers, MLP blocks,
-Mamba3, a partial SSM width `d_ssm`, ...) are refused by name, never silently ignored.
+`MambaConfig` has exactly mamba_ssm's fields and defaults, so its config.json loads unchanged;
+options that only pick mamba_ssm's fused kernels are accepted, options we do not implement are
+refused by name. More: docs/code.md ("The model in code").
 """
 import dataclasses
 import json

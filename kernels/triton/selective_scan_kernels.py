@@ -1,14 +1,8 @@
 """Triton kernels of the Mamba-1 selective scan, parallel over time inside chunks.
 
-A program owns BLOCK_D channels (of one B/C group) of one batch row and walks the sequence in
-chunks of CHUNK steps. Inside a chunk the recurrence h_t = a_t h_{t-1} + b_t (a_t = exp(delta_t A),
-0 where a document starts; b_t = delta_t B_t u_t) is one tl.associative_scan over the time axis
-of a (CHUNK, BLOCK_D, BLOCK_N) float32 tile: every step's loads, exps and products are
-independent, only the scan is sequential, and time is the tile's first axis so that the default
-layout keeps it inside each thread. The state entering a chunk is carried from the previous one.
-The forward saves each chunk's entering state; the backward walks the chunks last to first,
-recomputes their states from it and runs the adjoint recurrence dh_t = g_t C_t + a_{t+1} dh_{t+1}
-as a reverse scan. Nothing divides by a decay: a_t h_{t-1} is taken as h_t - b_t.
+Inside a chunk the recurrence is one tl.associative_scan over time; the backward recomputes each
+chunk's states from its saved entering state and runs the adjoint as a reverse scan. Nothing
+divides by a decay. The tiling and the recurrences: docs/code.md ("How the kernels compute").
 """
 import triton
 import triton.language as tl

@@ -1,15 +1,8 @@
 """Blending datasets by weight: the `--data` list and the schedule that mixes samples.
 
-`parse_blend(["0.7", "a", "0.3", "b"])` -> [(7/10, "a"), (3/10, "b")] (weights normalised to sum
-to 1, kept exact as fractions); a single prefix without a weight means weight 1.
-
-`BlendSchedule` decides which dataset serves global sample j, and which of that dataset's own
-samples it is, without any randomness: dataset i's q-th sample sits at time (q + 1/2) / w_i,
-and global samples are all datasets' samples in order of time (ties: lower dataset first).
-This is the Sainte-Laguë (Webster) divisor method. Computed in exact rational arithmetic, any
-range of global samples is found in closed form — no replay from step 0 — and every prefix of
-J samples holds w_i * J of dataset i up to less than n + 1 samples (n datasets): a deviation
-bounded by the number of datasets, not a random sampling error.
+Weights kept exact as fractions; `BlendSchedule` places samples by the Sainte-Laguë divisor
+method, in closed form and without randomness, so every prefix holds each dataset's share within
+n + 1 samples. The derivation: docs/data.md ("The data code").
 """
 import math
 from fractions import Fraction
