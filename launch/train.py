@@ -53,6 +53,7 @@ from megamamba.parallel.groups import init_distributed, shutdown_distributed, to
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines import checkpointing, init_from
 from megamamba.pipelines.agreement import agree
+from megamamba.pipelines.deepspeed_internals import full_numel
 from megamamba.pipelines.ds_translate import optimizer_settings
 from megamamba.pipelines.engine import OptimizerSettings, build_trainer
 from megamamba.pipelines.faults import (
@@ -385,7 +386,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
     logger = MetricsLogger(rank == 0, args.metrics_jsonl, total_steps=train_iters, **plan.monitors._asdict())
     tokens_per_step = layout.global_batch_size * args.seq_length
     flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
-    stage_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.module.parameters())  # ZeRO-3: full size
+    stage_params = sum(full_numel(p) for p in trainer.module.parameters())
     low, high = agree([-stage_params, stage_params], op="max")
     if rank == 0:
         print_line("\n".join(startup_summary(

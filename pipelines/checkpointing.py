@@ -53,6 +53,17 @@ from megamamba.checkpoint.lock import SaveDirLock, describe
 from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags
 from megamamba.config import MambaConfig
 from megamamba.parallel import full_key
+from megamamba.pipelines.deepspeed_internals import (
+    fragment_range,
+    fragment_values,
+    is_zero_optimizer,
+    link_zero_moments,
+    set_global_steps,
+    set_scheduler_lrs,
+    zero_flat_masters,
+    zero_fragment,
+    zero_param_groups,
+)
 from megamamba.pipelines.names import EMBEDDING, to_mamba
 from megamamba.tensor_pieces import Cut, Piece
 
@@ -64,7 +75,7 @@ def _zero(trainer):
     optimizer = trainer.engine.optimizer
     if isinstance(optimizer, torch.optim.AdamW):
         return None
-    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups"):
+    if is_zero_optimizer(optimizer):
         return optimizer
     raise CheckpointError(f"checkpoints support torch AdamW without ZeRO and DeepSpeed's ZeRO-1/2 optimizer, not "
                           f"{type(optimizer).__name__} (ZeRO-3 or a bf16 optimizer wrapper): run without --save/--load")
@@ -80,14 +91,6 @@ def _rename(trainer, config: MambaConfig):
     if isinstance(trainer.engine, PipelineEngine):
         return lambda name: to_mamba(name, config)
     return lambda name: name
-
-
-def _link_moments(zero) -> None:
-    """Link ZeRO's flat Adam moments to each parameter (DeepSpeed 0.19.8 links only the first group by itself)."""
-    from deepspeed.utils import lazy_init_hp_params_optimizer_state
-
-    for lp_group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
-        lazy_init_hp_params_optimizer_state(lp_group, flat, zero.optimizer.state)
 
 
 def _cut(param, tp) -> tuple:
@@ -133,7 +136,7 @@ def shard_state(trainer, config: MambaConfig) -> tuple:
     if zero is None:
         groups = optimizer_groups(trainer.engine.optimizer, trainer.module)
     else:
-        groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
+        groups = optimizer_groups(zero.optimizer, trainer.module, members=zero_param_groups(zero))
     rename = _rename(trainer, config)
     return params, optimizer + whole(scalars), [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
 
@@ -146,16 +149,15 @@ def _zero_pieces(zero, held: list) -> tuple:
         raise CheckpointError(f"ZeRO's parameter groups are at different optimizer steps {sorted(steps)}; a "
                               "checkpoint records one")
     if steps:
-        _link_moments(zero)
+        link_zero_moments(zero)
     params, optimizer = [], []
     for name, p, shape, cut in held:
-        fragment = p._hp_mapping
+        fragment = zero_fragment(p)
         if fragment is None:  # no element of this parameter is in this rank's partition
             continue
-        start = fragment.lp_fragment_address.start
-        flat = (start, start + fragment.lp_fragment_address.numel)
-        params.append((name, Piece(name, shape, cut, flat), fragment.get_hp_fragment()))
-        optimizer += [(f"{name}/{key}", Piece(f"{name}/{key}", shape, cut, flat), fragment.get_hp_fragment(key))
+        flat = fragment_range(fragment)
+        params.append((name, Piece(name, shape, cut, flat), fragment_values(fragment)))
+        optimizer += [(f"{name}/{key}", Piece(f"{name}/{key}", shape, cut, flat), fragment_values(fragment, key))
                       for key in (MOMENTS if steps else ())]
     return params, optimizer, next(iter(steps), None)
 
@@ -305,7 +307,7 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
         _restore_scheduler(trainer.lr_scheduler, checkpoint.scheduler, checkpoint.step)
     if load_rng:
         restore_rng(checkpoint.rng_state(dist.get_rank(), dist.get_world_size()))
-    trainer.engine.global_steps = checkpoint.step
+    set_global_steps(trainer.engine, checkpoint.step)
     return checkpoint.step
 
 
@@ -318,7 +320,7 @@ def _restore_scheduler(scheduler, state: Optional[dict], step: int) -> None:
     lrs = [base * rule(scheduler.last_epoch) for rule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs
+    set_scheduler_lrs(scheduler, lrs)
 
 
 def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Optional[list], rename) -> None:
@@ -330,7 +332,7 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     if saved_groups is not None:
-        run_groups = optimizer_groups(zero.optimizer, trainer.module, members=zero.bit16_groups)
+        run_groups = optimizer_groups(zero.optimizer, trainer.module, members=zero_param_groups(zero))
         check_optimizer_groups(saved_groups, [{**g, "params": [rename(n) for n in g["params"]]} for g in run_groups])
     steps = {t.item() for state in optimizer.values() for key, t in state.items() if key == "step"}
     if len(steps) > 1:
@@ -340,11 +342,11 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
                          if any(m not in optimizer.get(n, {}) for m in MOMENTS))
         if missing:
             raise CheckpointError(f"checkpoint optimizer state has no Adam moments for {missing[:5]}")
-        for flat in zero.single_partition_of_fp32_groups:
+        for flat in zero_flat_masters(zero):
             group = next(g for g in zero.optimizer.param_groups if any(p is flat for p in g["params"]))
             zero.optimizer.state[flat] = {"step": adam_step(next(iter(steps)), flat, group),
                                           "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        _link_moments(zero)
+        link_zero_moments(zero)
     with torch.no_grad():
         for name, p in trainer.module.named_parameters():
             safe_set_full_fp32_param(p, masters[name].float())

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
 
 from megamamba.pipelines.agreement import device
+from megamamba.pipelines.deepspeed_internals import is_pipe_replicated, replace_fp32_clipping, set_global_grad_norm
 
 
 def counted_here(param: torch.nn.Parameter, tp_rank: int) -> bool:
     """Whether this rank's copy of `param` enters the global norm."""
-    if getattr(param, "ds_pipe_replicated", False):
+    if is_pipe_replicated(param):
         return False
     return tp_rank == 0 or is_model_parallel_parameter(param)
 
@@ -53,7 +54,7 @@ def install(engine, tp_rank: int, model_parallel_group: Optional[dist.ProcessGro
     """Make a ZeRO-0 engine clip (and record, as a device tensor read at log steps) the correct global norm."""
 
     def clip_and_record():
-        engine._global_grad_norm = clip_(engine.module.parameters(), engine.gradient_clipping(), tp_rank,
-                                         model_parallel_group)
+        set_global_grad_norm(engine, clip_(engine.module.parameters(), engine.gradient_clipping(), tp_rank,
+                                           model_parallel_group))
 
-    engine.clip_fp32_gradients = clip_and_record
+    replace_fp32_clipping(engine, clip_and_record)

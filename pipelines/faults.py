@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from megamamba.errors import MegamambaError
 from megamamba.pipelines.agreement import agree
+from megamamba.pipelines.deepspeed_internals import set_found_inf, skipped_steps, wrap_optimizer_step
 
 SPIKE_WINDOW, SPIKE_MIN_HISTORY = 32, 8  # losses the median runs over; none is judged before this many
 
@@ -124,7 +125,7 @@ class NonFiniteGuard:
         check_max_skipped_steps(max_in_a_row)
         self.engine, self.max_in_a_row, self.in_a_row = engine, max_in_a_row, 0
         self.spikes = LossSpikes(spike_factor)
-        self._skipped_before = engine.skipped_steps
+        self._skipped_before = skipped_steps(engine)
         self._found_inf = None
         if isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization():
             self._wrap_step(engine.optimizer)
@@ -133,26 +134,25 @@ class NonFiniteGuard:
         if not optimizer.defaults.get("fused"):
             raise ValueError(f"skipping non-finite steps without ZeRO needs a fused optimizer (found_inf), got "
                              f"{type(optimizer).__name__} with fused={optimizer.defaults.get('fused')}")
-        original = optimizer.step
         params = [p for g in optimizer.param_groups for p in g["params"]]
 
-        def step(*args, **kwargs):
+        def flag_nonfinite():
             grads = [p.grad for p in params if p.grad is not None]
             norms = torch.stack(torch._foreach_norm(grads)) if grads else torch.zeros(1, device=params[0].device)
             found_inf = norms.isfinite().all().logical_not().float()
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-            optimizer.found_inf = self._found_inf = found_inf
-            return original(*args, **kwargs)
+            set_found_inf(optimizer, found_inf)
+            self._found_inf = found_inf
 
-        optimizer.step = step
+        wrap_optimizer_step(optimizer, flag_nonfinite)
 
     def nonfinite(self) -> Union[bool, torch.Tensor]:
         """Whether this step was skipped: ZeRO's count (host), else the flag the fused step used (device)."""
         if self._found_inf is not None:
             found_inf, self._found_inf = self._found_inf, None
             return found_inf
-        skipped = self.engine.skipped_steps > self._skipped_before
-        self._skipped_before = self.engine.skipped_steps
+        skipped = skipped_steps(self.engine) > self._skipped_before
+        self._skipped_before = skipped_steps(self.engine)
         return skipped
 
     def after_step(self, step: int, outcome: StepOutcome) -> bool:

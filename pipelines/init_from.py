@@ -29,6 +29,7 @@ from megamamba.checkpoint.manifest import verify
 from megamamba.config import MambaConfig
 from megamamba.model_folder import FolderWeights, ModelFolderError
 from megamamba.parallel import full_key, local_shard
+from megamamba.pipelines.deepspeed_internals import full_shape, zero3_masters, zero3_partition
 from megamamba.pipelines.names import to_mamba
 
 
@@ -110,9 +111,8 @@ def open_source(flag: str, path: str, run: MambaConfig) -> InitSource:
 @torch.no_grad()
 def _set_zero3_partition(param, value: torch.Tensor) -> None:
     """This rank's ZeRO-3 partition of `param` (zero padding past the end) cut from its full value."""
-    part = param.ds_tensor
-    start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
-    piece = value.reshape(-1)[start:start + part.ds_numel]
+    part, start, end = zero3_partition(param)
+    piece = value.reshape(-1)[start:end]
     part.data.zero_()
     part.data[:piece.numel()].copy_(piece)
 
@@ -120,7 +120,7 @@ def _set_zero3_partition(param, value: torch.Tensor) -> None:
 @torch.no_grad()
 def _copy_zero3_masters(optimizer, flag: str) -> None:
     """ZeRO-3's float32 master partitions set from the parameter partitions, as DeepSpeed builds them."""
-    for master, partition in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat):
+    for master, partition in zero3_masters(optimizer):
         if partition is None or master.numel() != partition.numel():
             raise CheckpointError(f"{flag}: ZeRO-3 with parameters or optimizer state swapped to NVMe is not supported")
         master.copy_(partition)
@@ -158,7 +158,7 @@ def _slice(trainer, full: torch.Tensor, param, name: str, key: str, flag: str) -
     """This rank's part of the full tensor `name` for the parameter `key`, its shape checked."""
     shard = getattr(param, "tp_shard", None)
     value = local_shard(full, shard, trainer.tp.size, trainer.tp.rank) if trainer.tp is not None and shard else full
-    shape = tuple(getattr(param, "ds_shape", param.shape))
+    shape = tuple(full_shape(param))
     if tuple(value.shape) != shape:
         raise CheckpointError(f"{flag}: {name} gives shape {tuple(value.shape)} for parameter {key} of shape {shape}")
     return value

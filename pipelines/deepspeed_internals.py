@@ -1,0 +1,121 @@
+"""Every DeepSpeed 0.19.8 internal the trainer relies on, in one module.
+
+Private or undocumented attributes of DeepSpeed's engine, ZeRO optimizers and parameters, the
+engine methods we replace, and the torch internals those paths hand to DeepSpeed, each behind one
+small function. tests/train/test_deepspeed_internals.py checks that each still has the shape used
+here: upgrading DeepSpeed means reading this file and running that test.
+"""
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def replace_fp32_clipping(engine, clip: Callable[[], None]) -> None:
+    """`DeepSpeedEngine.clip_fp32_gradients`, which `_take_model_step` calls without ZeRO, replaced by `clip`."""
+    engine.clip_fp32_gradients = clip
+
+
+def set_global_grad_norm(engine, norm: torch.Tensor) -> None:
+    """`DeepSpeedEngine._global_grad_norm`, what `get_global_grad_norm()` returns (stage 0 never sets it)."""
+    engine._global_grad_norm = norm
+
+
+def skipped_steps(engine) -> int:
+    """`DeepSpeedEngine.skipped_steps`: the steps its optimizer skipped on overflow (there is no getter)."""
+    return engine.skipped_steps
+
+
+def set_global_steps(engine, steps: int) -> None:
+    """`DeepSpeedEngine.global_steps`, its optimizer-step counter, set when resuming from our own checkpoint."""
+    engine.global_steps = steps
+
+
+def wrap_optimizer_step(optimizer: torch.optim.Optimizer, before: Callable[[], None]) -> None:
+    """`optimizer.step`, which `DeepSpeedEngine._take_model_step` calls without ZeRO, made to run `before()` first."""
+    original = optimizer.step
+
+    def step(*args, **kwargs):
+        before()
+        return original(*args, **kwargs)
+
+    optimizer.step = step
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """torch fused AdamW's `found_inf` (as GradScaler sets it): its step skips the update where the flag is 1."""
+    optimizer.found_inf = flag
+
+
+def is_zero_optimizer(optimizer) -> bool:
+    """Whether `optimizer` is DeepSpeed's ZeRO-1/2 `DeepSpeedZeroOptimizer` (it has the two fields below)."""
+    return hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups")
+
+
+def zero_param_groups(zero) -> list:
+    """`DeepSpeedZeroOptimizer.bit16_groups`: each group's model parameters (its inner optimizer steps flat tensors)."""
+    return zero.bit16_groups
+
+
+def zero_flat_masters(zero) -> list:
+    """`DeepSpeedZeroOptimizer.single_partition_of_fp32_groups`: this rank's flat fp32 master of each group."""
+    return zero.single_partition_of_fp32_groups
+
+
+def link_zero_moments(zero) -> None:
+    """`deepspeed.utils.lazy_init_hp_params_optimizer_state` for every group: links each parameter's fragment to the
+    flat Adam moments (DeepSpeed 0.19.8 links only the first group by itself)."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    for lp_group, flat in zip(zero_param_groups(zero), zero_flat_masters(zero)):
+        lazy_init_hp_params_optimizer_state(lp_group, flat, zero.optimizer.state)
+
+
+def zero_fragment(param):
+    """`param._hp_mapping`: the `tensor_fragment` of `param` in this rank's ZeRO-1/2 partition, None if it has none."""
+    return param._hp_mapping
+
+
+def fragment_range(fragment) -> tuple[int, int]:
+    """`tensor_fragment.lp_fragment_address`: the fragment's [start, end) in the parameter's flattened elements."""
+    start = fragment.lp_fragment_address.start
+    return start, start + fragment.lp_fragment_address.numel
+
+
+def fragment_values(fragment, key: Optional[str] = None) -> torch.Tensor:
+    """`tensor_fragment.get_hp_fragment`: the fragment's fp32 master (key None) or its optimizer state `key`."""
+    return fragment.get_hp_fragment(key)
+
+
+def zero3_masters(optimizer) -> list:
+    """(fp32 master, parameter partition) of each group: `DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat`
+    and `fp16_partitioned_groups_flat` (a partition is None when swapped to NVMe)."""
+    return list(zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat))
+
+
+def zero3_partition(param) -> tuple[torch.Tensor, int, int]:
+    """(`param.ds_tensor`, the [start, end) it covers in the flattened parameter): this rank's ZeRO-3 partition,
+    `ds_tensor.ds_numel` elements per rank of `param.ds_process_group` (the last one padded)."""
+    part = param.ds_tensor
+    start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+    return part, start, start + part.ds_numel
+
+
+def full_shape(param) -> torch.Size:
+    """`param.ds_shape`, a ZeRO-3 parameter's full shape (its own is empty); any other parameter's shape."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def full_numel(param) -> int:
+    """`param.ds_numel`, a ZeRO-3 parameter's full element count (its own is 0); any other parameter's."""
+    return getattr(param, "ds_numel", param.numel())
+
+
+def is_pipe_replicated(param) -> bool:
+    """`ds_pipe_replicated`: `PipelineModule`'s mark on a tied weight's copy on a stage other than the first owner."""
+    return getattr(param, "ds_pipe_replicated", False)
+
+
+def set_scheduler_lrs(scheduler, lrs: list) -> None:
+    """torch `LRScheduler._last_lr`, what `get_last_lr()` returns (to our logs and DeepSpeed's), set on restore."""
+    scheduler._last_lr = lrs
