@@ -51,7 +51,7 @@ from megamamba.metrics import MetricsLogger
 from megamamba.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
-from megamamba.pipelines import checkpointing, init_from
+from megamamba.pipelines import checkpointing, console_log, init_from
 from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.deepspeed_internals import full_numel
 from megamamba.pipelines.ds_translate import optimizer_settings
@@ -324,6 +324,7 @@ def print_line(text: str) -> None:
 def main(argv=None) -> dict:
     """Train; returns this rank's summary: logged records, optimizer-state bytes, stage parameter count."""
     job_start = time.perf_counter()
+    console_log.configure()
     args = parse_args(argv)
     try:
         plan = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))

@@ -21,6 +21,7 @@ consumed-sample count the trainer records in `extra` (megamamba.checkpoint.run_r
 step. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's ZeRO-1/2
 optimizer over it; anything else is refused before training.
 """
+import logging
 import os
 from functools import partial
 from typing import Optional
@@ -66,6 +67,8 @@ from megamamba.pipelines.deepspeed_internals import (
 )
 from megamamba.pipelines.names import EMBEDDING, to_mamba
 from megamamba.tensor_pieces import Cut, Piece
+
+log = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -238,8 +241,7 @@ def lock_save_dir(save_dir: str) -> Optional[SaveDirLock]:
     lock = SaveDirLock(save_dir, JOB_TOKEN) if dist.get_rank() == 0 else None
     previous = _shared(_outcome(lock.acquire) if lock else None)
     if previous and dist.get_rank() == 0:
-        print(f"train.py: note: took over the lock of {save_dir} from a job that did not release it: "
-              f"{describe(previous)}", flush=True)
+        log.info(f"note: took over the lock of {save_dir} from a job that did not release it: {describe(previous)}")
     return lock
 
 
@@ -258,16 +260,18 @@ def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConf
         try:
             answer = ("ok", ("path", resolve_load(load, save_dir)))
         except NoCheckpointError as e:
-            answer = ("ok", ("none", f"--load auto: nothing to resume ({e})")) if load == "auto" else ("error", str(e))
+            answer = ("ok", ("none", (logging.INFO, f"--load auto: nothing to resume ({e})"))) if load == "auto" \
+                else ("error", str(e))
         except CheckpointError as e:
             answer = ("error", str(e))
             if save_dir and os.path.realpath(load) == os.path.realpath(save_dir) and not checkpoint_tags(save_dir):
-                answer = ("ok", ("none", f"warning: --load {load} is the --save directory and holds no checkpoint "
-                                         "yet"))
+                answer = ("ok", ("none", (logging.WARNING, f"--load {load} is the --save directory and holds no "
+                                                           "checkpoint yet")))
     kind, value = _shared(answer)
     if kind == "none":
         if dist.get_rank() == 0:
-            print(f"train.py: {value}; starting from step 0", flush=True)
+            level, text = value
+            log.log(level, f"{text}; starting from step 0")
         return None
     checkpoint = Checkpoint(value, hashes=False)
     checkpoint.check_config(config)

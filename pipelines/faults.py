@@ -28,11 +28,11 @@ after the first step (first-time op builds happen before) and paused around save
 counts toward the step it follows).
 """
 import contextlib
+import logging
 import math
 import os
 import signal
 import statistics
-import sys
 import threading
 import time
 from collections import deque
@@ -45,6 +45,7 @@ from megamamba.errors import MegamambaError
 from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.deepspeed_internals import set_found_inf, skipped_steps, wrap_optimizer_step
 
+log = logging.getLogger(__name__)
 SPIKE_WINDOW, SPIKE_MIN_HISTORY = 32, 8  # losses the median runs over; none is judged before this many
 
 
@@ -167,8 +168,8 @@ class NonFiniteGuard:
             what = (f"non-finite loss or gradients (loss {outcome.loss}); step skipped" if nonfinite else
                     f"loss spike: {outcome.loss:.4g} > {limit:.4g} (--loss-spike-factor x the running median); "
                     "counted as skipped")
-            print(f"train.py: warning: step {step}: {what}, {self.in_a_row} in a row (limit --max-skipped-steps "
-                  f"{self.max_in_a_row})", flush=True)
+            log.warning(f"step {step}: {what}, {self.in_a_row} in a row (limit --max-skipped-steps "
+                        f"{self.max_in_a_row})")
         if self.in_a_row >= self.max_in_a_row:
             raise NonFiniteSteps(f"{self.in_a_row} steps in a row up to step {step} had non-finite loss or "
                                  "gradients or a loss spike; lower the learning rate and resume")
@@ -202,7 +203,6 @@ class Watchdog:
             time.sleep(min(self.timeout / 4, 5.0))
             last = self._last
             if last is not None and not self._paused and time.monotonic() - last > self.timeout:
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                print(f"train.py: error: rank {rank}: no training step finished in {self.timeout:g} s "
-                      "(--step-timeout): a peer has probably died; exiting", file=sys.stderr, flush=True)
+                log.error(f"no training step finished in {self.timeout:g} s (--step-timeout): a peer has "
+                          "probably died; exiting")
                 os._exit(1)

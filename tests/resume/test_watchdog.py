@@ -10,7 +10,9 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import time
+from megamamba.pipelines import console_log
 from megamamba.pipelines.faults import Watchdog
+console_log.configure()
 w = Watchdog(0.5)
 w.beat()
 {body}

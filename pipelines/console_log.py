@@ -1,0 +1,37 @@
+"""The trainer's console: library modules log through `logging`, and `configure()` shows each
+record as `train.py: message`, `train.py: warning: message` (both on stdout) or
+`train.py: error: rank R: message` (stderr), one write per line so that ranks sharing a pipe
+never interleave within a line."""
+import logging
+import sys
+
+import torch.distributed as dist
+
+PROGRAM = "train.py"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class _Console(logging.Handler):
+    """Writes to the current sys.stdout / sys.stderr (not the ones of when it was made)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            stream, line = sys.stderr, f"{PROGRAM}: error: rank {_rank()}: {message}"
+        elif record.levelno >= logging.WARNING:
+            stream, line = sys.stdout, f"{PROGRAM}: warning: {message}"
+        else:
+            stream, line = sys.stdout, f"{PROGRAM}: {message}"
+        stream.write(line + "\n")
+        stream.flush()
+
+
+def configure() -> None:
+    """Route the package's records (logger `megamamba`, INFO and up) to the console, once."""
+    logger = logging.getLogger("megamamba")
+    logger.handlers = [h for h in logger.handlers if not isinstance(h, _Console)] + [_Console()]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
