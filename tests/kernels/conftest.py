@@ -15,8 +15,7 @@ def mamba_ssm():
     """mamba_ssm's kernels and references (tests/mamba_ssm_source.py), with the CPU stand-ins they
     need in place for the test module; its tests skip, saying why, when its source release is absent."""
     import mamba_ssm_source
-    theirs, why = mamba_ssm_source.load()
-    if theirs is None:
-        pytest.skip(why)
-    with mamba_ssm_source.cpu_stand_ins():
+    with mamba_ssm_source.loaded() as (theirs, why):
+        if theirs is None:
+            pytest.skip(why)
         yield theirs
