@@ -372,8 +372,8 @@ def _dlogdecay_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, ent
                       sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, scb, scl, scg, scn, sdb,
                       HAS_DOC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SLICE_P: tl.constexpr, SLICE_N: tl.constexpr):
-    """The log-decay gradient through the outputs of rows l of chunk c, head h, as a sum of terms
-    that share a sign pattern instead of a difference of two sums. a_t = dt_t A moves cs_l - cs_s
+    """The log-decay gradient through the outputs of rows l of chunk c, head h, as one sum over the
+    output pairs each step separates (not a difference of two larger sums). a_t = dt_t A moves cs_l - cs_s
     for s < t <= l, and cs_l for t <= l, so with M[l, s] = (dy_l.x_s)(C_l.B_s) exp(cs_l - cs_s) dt_s
     (s < l, one document) and ystate_l = exp(cs_l) dy_l.(C_l S_c):
 
@@ -395,7 +395,7 @@ def _dlogdecay_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, cs_ptr, doc_ptr, dy_ptr, ent
     cs_l = tl.load(cs_ptr + cs_base + l_idx, mask=l_mask, other=0.0)
     from_start = l_mask
     if HAS_DOC:
-        doc_prev, doc_last = _doc_bounds(doc_ptr, b, sdb, t0, clen)
+        doc_prev, _ = _doc_bounds(doc_ptr, b, sdb, t0, clen)
         doc_l = tl.load(doc_ptr + b * sdb + t0 + l_idx, mask=l_mask, other=-1)
         from_start = from_start & (doc_l == doc_prev)
     dy_rows = dy_ptr + ((b * seqlen + t0 + l_idx[:, None]) * nheads + h) * headdim
