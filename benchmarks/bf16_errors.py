@@ -262,18 +262,15 @@ def model_table(rows) -> list:
 def load_theirs(device, src):
     """(mamba_ssm's namespace or None, how it loaded, the context its kernels run in). Without a GPU:
     Triton's interpreter with the tests' bf16 fix, and their CPU stand-ins."""
-    if device.type == "cuda":
-        from check_io import load_mamba_ssm
-        theirs, how = load_mamba_ssm(src or os.path.join(REPO, ".venv", "mamba_ssm-src"))
-        return theirs, how, contextlib.nullcontext()
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    import interpreter_bf16
     import mamba_ssm_source
+    from check_io import load_mamba_ssm
+    theirs, how = load_mamba_ssm(src or mamba_ssm_source.source_folder())
+    if device.type == "cuda":
+        return theirs, how, contextlib.nullcontext()
+    import interpreter_bf16
     interpreter_bf16.install()
-    if src:
-        os.environ["MAMBA_SSM_SRC"] = src
-    theirs, why = mamba_ssm_source.load()
-    return theirs, why or f"loaded from {mamba_ssm_source.source_folder()}", mamba_ssm_source.cpu_stand_ins()
+    return theirs, how, mamba_ssm_source.cpu_stand_ins()
 
 
 def parse_args(argv=None):
