@@ -374,7 +374,7 @@ def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: 
         if resume:
             checkpointing.load(trainer, resume, model_config, not args.no_load_optim, not args.no_load_rng)
         if start:
-            init_from.load_weights(trainer, start, model_config)
+            init_from.load_weights(trainer, start)
     except CheckpointError as e:
         fail(e)
     stop = StopRequest()

@@ -1,8 +1,8 @@
 """The pre-norm residual block around a mixer, as mamba_ssm's `Block`.
 
-Written as Add -> Norm -> Mixer (the model is x + mixer(norm(x))) so one fused kernel does the
-add and the norm; under sequence parallelism its hidden and residual are this rank's sequence
-shard. Keys: `norm.weight` (+ `norm.bias` for LayerNorm), `mixer.*`. More: docs/code.md.
+A block takes and returns the residual stream (`megamamba.stream`); under sequence parallelism
+the stream is this rank's sequence shard. Keys: `norm.weight` (+ `norm.bias` for LayerNorm),
+`mixer.*`. More: docs/code.md.
 """
 from typing import Optional
 
@@ -15,6 +15,7 @@ from megamamba.mamba2 import Mamba2
 from megamamba.norm import LayerNorm, RMSNorm
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.stream import pack, to_stream, unpack
 
 NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
 
@@ -36,31 +37,31 @@ def make_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[Tensor
 
 
 class Block(nn.Module):
-    """residual += hidden; hidden = mixer(norm(residual)). Residual in float32 (or wider) when residual_in_fp32."""
+    """One layer of the stream: s -> s + mixer(norm(s)) (the stream in float32 when residual_in_fp32)."""
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None):
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
+                 device=None, dtype=None):
         super().__init__()
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = make_norm(config, device=device, dtype=dtype, tp=tp)
         self.mixer = make_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp)
 
-    def _add_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
-        dtype = hidden_states.dtype if residual is None else torch.promote_types(hidden_states.dtype, residual.dtype)
-        if self.residual_in_fp32:  # float32 at least: a float64 model keeps float64
-            dtype = torch.promote_types(dtype, torch.float32)
-        if isinstance(self.norm, RMSNorm):  # one fused pass on the Triton kernels
-            return self.norm.add_forward(hidden_states, residual, dtype)
-        residual = hidden_states if residual is None else hidden_states + residual
-        return self.norm(residual.to(dtype=self.norm.weight.dtype)), residual.to(dtype)
+    def _norm(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(stream) in the norm's dtype, the stream in its own dtype)."""
+        stream = to_stream(stream, self.residual_in_fp32)
+        if isinstance(self.norm, RMSNorm):
+            return self.norm.stream_forward(stream), stream
+        return self.norm(stream.to(dtype=self.norm.weight.dtype)), stream
 
-    def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                seq_idx: Optional[torch.Tensor] = None, inference_state: Optional[tuple] = None):
-        """(hidden_states, residual) of the previous block (residual None for the first) -> the pair for the next."""
-        normed, residual = self._add_norm(hidden_states, residual)
-        return self.mixer(normed, seq_idx=seq_idx, inference_state=inference_state), residual
+    def forward(self, x, inference_state: Optional[tuple] = None):
+        """stream [, seq_idx] -> the next stream [, seq_idx]; with `inference_state` (a prefill) the
+        mixer's state after the last position is written into it."""
+        stream, seq_idx = unpack(x)
+        normed, stream = self._norm(stream)
+        hidden = self.mixer(normed, seq_idx=seq_idx, inference_state=inference_state)
+        return pack(hidden + stream, seq_idx)
 
-    def step(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor], inference_state: tuple):
-        """One token, (batch, d_model) tensors: as forward, through the mixer's recurrent step."""
-        normed, residual = self._add_norm(hidden_states, residual)
-        return self.mixer.step(normed, inference_state), residual
+    def step(self, stream: torch.Tensor, inference_state: tuple) -> torch.Tensor:
+        """One token, (batch, d_model): as forward, through the mixer's recurrent step."""
+        normed, stream = self._norm(stream)
+        return self.mixer.step(normed, inference_state) + stream

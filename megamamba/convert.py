@@ -30,7 +30,8 @@ from megamamba.checkpoint.store import resolve_model_folder
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.hf import HFFormatError, config_from_hf, decode_special_floats, hf_config, hf_state, state_from_hf
-from megamamba.lm import EMBEDDING, HEAD, MambaLM
+from megamamba.layers import EMBEDDING, HEAD, tie
+from megamamba.lm import MambaLM
 from megamamba.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
 from megamamba.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, DTYPES, TensorReader, parse_size, write_sharded
 from megamamba.tokenizer import TokenizerError, find_tokenizer, load_tokenizer
@@ -184,7 +185,7 @@ def import_weights(source_format: str, directory: str, output: str) -> str:
         model = MambaLM(config)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
-        model.lm_head.weight = model.backbone.embedding.weight
+        tie(model.lm_head, model.backbone.embedding)
     staging = _staging(output)
     save_model_folder(model, staging)
     _finish(staging, output, directory)

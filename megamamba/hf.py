@@ -11,7 +11,7 @@ import torch
 from megamamba.block import NORM_EPS
 from megamamba.config import Mamba1Options, MambaConfig
 from megamamba.errors import MegamambaError
-from megamamba.lm import EMBEDDING, HEAD
+from megamamba.layers import EMBEDDING, HEAD
 
 HF_EMBEDDING = "backbone.embeddings.weight"
 

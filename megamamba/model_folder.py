@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
 from megamamba.hf import ARCHITECTURES, HF_EMBEDDING, HFFormatError, config_from_hf, decode_special_floats
-from megamamba.lm import EMBEDDING, HEAD, MambaLM
+from megamamba.layers import EMBEDDING, HEAD, tie
+from megamamba.lm import MambaLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_STEM = "model"
@@ -75,7 +76,7 @@ def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] 
     _check_keys(weights_path, state, model)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
-        model.lm_head.weight = model.backbone.embedding.weight
+        tie(model.lm_head, model.backbone.embedding)
     return model.to(device=device, dtype=dtype).eval()
 
 

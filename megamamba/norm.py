@@ -46,11 +46,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm_gated(x, _summed_over(self.weight, self.sequence_tp), eps=self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], residual_dtype: torch.dtype):
-        """(self(r.to(weight dtype)), r.to(residual_dtype)) for r = x + residual (x when None), in one
-        pass on the Triton kernels (the pre-norm of a block)."""
-        return add_rmsnorm(x, residual, _summed_over(self.weight, self.sequence_tp), eps=self.eps,
-                           residual_dtype=residual_dtype)
+    def stream_forward(self, stream: torch.Tensor) -> torch.Tensor:
+        """self(stream) in the weight's dtype, normalised from the stream's own precision (not first
+        rounded to the weight's dtype), in one pass on the Triton kernels: a block's pre-norm."""
+        normed, _ = add_rmsnorm(stream, None, _summed_over(self.weight, self.sequence_tp), eps=self.eps,
+                                residual_dtype=stream.dtype)
+        return normed
 
 
 class LayerNorm(nn.LayerNorm):

@@ -7,21 +7,16 @@ is, and when it will end.
 import time
 from typing import Optional, Sequence, Union
 
-from megamamba.block import Block, make_norm
 from megamamba.config import MambaConfig
 from megamamba.data.progress import clock
 from megamamba.data.training_data import BUILTIN_NAME, TrainingData
-from megamamba.lm import make_embedding, make_head
+from megamamba.lm import MambaLM
 from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 
 
 def count_parameters(config: MambaConfig) -> int:
     """The whole model's parameters (padded vocabulary, a tied head counted once), built on the meta device."""
-    pieces = [make_embedding(config, device="meta"), make_norm(config, device="meta")]
-    if not config.tie_embeddings:
-        pieces.append(make_head(config, device="meta"))
-    block = sum(p.numel() for p in Block(config, device="meta").parameters())
-    return sum(p.numel() for m in pieces for p in m.parameters()) + block * config.n_layer
+    return sum(p.numel() for p in MambaLM(config, device="meta").parameters())
 
 
 def _count(n: float) -> str:

@@ -28,7 +28,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megamamba.checkpoint import (
     Checkpoint,
@@ -65,7 +64,7 @@ from megamamba.pipelines.deepspeed_internals import (
     zero_fragment,
     zero_param_groups,
 )
-from megamamba.pipelines.names import EMBEDDING, to_mamba
+from megamamba.pipelines.names import EMBEDDING
 from megamamba.tensor_pieces import Cut, Piece
 
 log = logging.getLogger(__name__)
@@ -89,13 +88,6 @@ def check_trainer(trainer) -> None:
     _zero(trainer)
 
 
-def _rename(trainer, config: MambaConfig):
-    """Module full parameter name -> mamba_ssm name (the pipeline's layer names are mapped)."""
-    if isinstance(trainer.engine, PipelineEngine):
-        return lambda name: to_mamba(name, config)
-    return lambda name: name
-
-
 def _cut(param, tp) -> tuple:
     """(full shape, this rank's `Cut` of it) of a parameter's full tensor."""
     shard, shape = getattr(param, "tp_shard", None), tuple(param.shape)
@@ -106,15 +98,14 @@ def _cut(param, tp) -> tuple:
     return full, Cut(shard.dim, tuple(shard.full_rows(size, rank)), shape)
 
 
-def _stage_parameters(trainer, config: MambaConfig) -> list:
+def _stage_parameters(trainer) -> list:
     """(mamba_ssm name, parameter) of this rank's stage that its checkpoint holds (a tied embedding on a later
     stage is the first stage's)."""
-    rename = _rename(trainer, config)
-    named = [(rename(full_key(n, p)), p) for n, p in trainer.module.named_parameters()]
+    named = [(trainer.mamba_name(full_key(n, p)), p) for n, p in trainer.module.named_parameters()]
     return [(name, p) for name, p in named if trainer.groups.pipe_rank == 0 or name != EMBEDDING]
 
 
-def shard_state(trainer, config: MambaConfig) -> tuple:
+def shard_state(trainer) -> tuple:
     """This rank's distinct part of its stage: (parameters, optimizer state, optimizer groups) as `Held`
     entries under mamba_ssm names (optimizer state "<name>/<key>").
 
@@ -126,12 +117,12 @@ def shard_state(trainer, config: MambaConfig) -> tuple:
     zero = _zero(trainer)
     first_data = trainer.dp_rank == 0 and trainer.groups.context_rank == 0
     tp_first = trainer.groups.tensor_rank == 0
-    held = [(name, p, *_cut(p, trainer.tp)) for name, p in _stage_parameters(trainer, config)
+    held = [(name, p, *_cut(p, trainer.tp)) for name, p in _stage_parameters(trainer)
             if tp_first or (getattr(p, "tp_shard", None) is not None and p.tp_shard.sharded)]
     if zero is not None:
         params, optimizer, step = _zero_pieces(zero, held)
         scalars = {} if step is None else {f"{name}/step": torch.tensor(step, dtype=torch.float32)
-                                           for name, _ in _stage_parameters(trainer, config)}
+                                           for name, _ in _stage_parameters(trainer)}
     else:
         params, optimizer, scalars = _adamw_pieces(trainer.engine.optimizer, held) if first_data else ([], [], {})
     if not (first_data and tp_first):
@@ -140,7 +131,7 @@ def shard_state(trainer, config: MambaConfig) -> tuple:
         groups = optimizer_groups(trainer.engine.optimizer, trainer.module)
     else:
         groups = optimizer_groups(zero.optimizer, trainer.module, members=zero_param_groups(zero))
-    rename = _rename(trainer, config)
+    rename = trainer.mamba_name
     return params, optimizer + whole(scalars), [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
 
 
@@ -202,9 +193,9 @@ def _shared(outcome: tuple):
     return value
 
 
-def _write_part(trainer, config: MambaConfig, staging: str, rank: int) -> dict:
+def _write_part(trainer, staging: str, rank: int) -> dict:
     """This rank's files of a save: its distinct part of the stage (when it has one) and its RNG state."""
-    return write_shard(staging, rank, *shard_state(trainer, config)) | write_rng(staging, rank, capture_rng())
+    return write_shard(staging, rank, *shard_state(trainer)) | write_rng(staging, rank, capture_rng())
 
 
 def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, extra: dict, tokenizer=None,
@@ -217,7 +208,7 @@ def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, e
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if rank == 0 else None)
-    mine = _outcome(partial(_write_part, trainer, config, staging, rank))
+    mine = _outcome(partial(_write_part, trainer, staging, rank))
     parts = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
     outcome = None
@@ -286,7 +277,7 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
     scheduler at its step 0). load_rng False (--no-load-rng): the RNG states stay as they are. The
     step count continues either way.
     """
-    rename = _rename(trainer, config)
+    rename = trainer.mamba_name
     cuts = {n: (rename(full_key(n, p)), _cut(p, trainer.tp)[1]) for n, p in trainer.module.named_parameters()}
     values = checkpoint.model_cuts(cuts)
     with torch.no_grad():

@@ -6,10 +6,10 @@ Process groups come from `megamamba.parallel.groups.ParallelGroups`, laid out by
 DeepSpeed topology the pipeline engine builds its grid from, so both agree on every rank.
 
 Initial weights do not depend on the layout: they are those of `MambaLM(config)` built under
-`torch.manual_seed(seed)`, whose pieces (embedding, each block, final norm, head) draw from their
-own seeded streams. The plain engine builds its `MambaLM` (its TP shards) that way; a pipeline
-stage copies its parameters out of `InitialState`, which draws one full piece at a time, so no
-rank ever holds more than its own stage and one full layer. The stage's layers are built without
+`torch.manual_seed(seed)`, whose layers draw from their own seeded streams. The plain engine
+builds its `MambaLM` (its TP shards) that way; a pipeline stage copies its parameters out of
+`InitialState`, which draws one full layer at a time, so no rank ever holds more than its own
+stage and one full layer. The stage's layers are built without
 their own initialisation (`pipelines.uninitialised`), which these copies would overwrite.
 
 Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
@@ -40,7 +40,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.config import MambaConfig
-from megamamba.lm import MambaLM, draw_seed, initial_piece, piece_of
+from megamamba.layers import draw_seed, initial_layer, layer_of
+from megamamba.lm import MambaLM
 from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
@@ -51,7 +52,7 @@ from megamamba.pipelines.agreement import agree, to_device
 from megamamba.pipelines.host_memory import reuse_freed_tensors, unmap_freed_tensors
 from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
-from megamamba.pipelines.names import load_mamba_state_dict
+from megamamba.pipelines.names import load_mamba_state_dict, to_mamba
 from megamamba.pipelines.plain import PlainLM
 
 
@@ -65,23 +66,23 @@ class OptimizerSettings:
 
 class InitialState:
     """`MambaLM(config)`'s initial full tensors built under `torch.manual_seed(seed)`, by mamba_ssm name,
-    drawn one piece at a time when first asked for (ask in model order: one piece is kept)."""
+    drawn one layer at a time when first asked for (ask in model order: one layer is kept)."""
 
     def __init__(self, config: MambaConfig, seed: int):
         torch.manual_seed(seed)
         self.config, self.seed = config, draw_seed()
-        self._piece, self._tensors = None, {}
+        self._layer, self._tensors = None, {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        piece = piece_of(name, self.config)
-        if piece != self._piece:
-            self._piece, self._tensors = None, {}  # the previous piece goes before the next is drawn
-            self._tensors, self._piece = initial_piece(self.config, piece, self.seed), piece
+        layer = layer_of(name, self.config)
+        if layer != self._layer:
+            self._layer, self._tensors = None, {}  # the previous layer goes before the next is drawn
+            self._tensors, self._layer = initial_layer(self.config, layer, self.seed), layer
         return self._tensors[name]
 
     def __contains__(self, name: str) -> bool:
         try:
-            piece_of(name, self.config)
+            layer_of(name, self.config)
         except KeyError:
             return False
         return True
@@ -123,11 +124,15 @@ class PipelineTrainer(_Trainer):
                                                                  config=engine_config)
         self.lr_scheduler = settings.schedule.scheduler(optimizer)
         self.dp_rank = groups.data_rank
-        self.module = module
+        self.module, self.config = module, config
         self.groups, self.tp, self.cp = groups, tp, cp
         if not self.engine.zero_optimization():
             clipping.install(self.engine, self.engine.grid.get_slice_parallel_rank(),
                              self.engine.grid.get_model_parallel_group())
+
+    def mamba_name(self, name: str) -> str:
+        """The mamba_ssm name of a stage parameter's full name (`megamamba.parallel.full_key`)."""
+        return to_mamba(name, self.config)
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; the global batch's mean loss (device, every rank)."""
@@ -162,6 +167,10 @@ class PlainTrainer(_Trainer):
         self.module = module
         if not self.engine.zero_optimization():
             clipping.install(self.engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
+
+    def mamba_name(self, name: str) -> str:
+        """The mamba_ssm name of a parameter's full name: the plain module's names are mamba_ssm's."""
+        return name
 
     def _forward(self, inputs, labels, seq_idx) -> torch.Tensor:
         return self.engine(to_device(inputs), to_device(labels), None if seq_idx is None else to_device(seq_idx))

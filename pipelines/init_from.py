@@ -21,7 +21,6 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megamamba.checkpoint import CheckpointError, config_differences, resolve_model_folder
 from megamamba.checkpoint.checkpoint import check_model_shapes
@@ -30,7 +29,6 @@ from megamamba.config import MambaConfig
 from megamamba.model_folder import FolderWeights, ModelFolderError
 from megamamba.parallel import full_key, local_shard
 from megamamba.pipelines.deepspeed_internals import full_shape, zero3_masters, zero3_partition
-from megamamba.pipelines.names import to_mamba
 
 
 class InitSource(NamedTuple):
@@ -126,15 +124,14 @@ def _copy_zero3_masters(optimizer, flag: str) -> None:
         master.copy_(partition)
 
 
-def load_weights(trainer, source: InitSource, config: MambaConfig) -> None:
+def load_weights(trainer, source: InitSource) -> None:
     """Set every parameter of this rank (and its optimizer master) from the folder, reading one full tensor at a
     time and keeping only this rank's slice of it; collective."""
-    pipeline = isinstance(trainer.engine, PipelineEngine)
     # a TP parameter may come in parts under one full name (`in_proj.weight` and `in_proj.weight_replicated`)
     by_name: dict = {}
     for n, p in trainer.module.named_parameters():
         key = full_key(n, p)
-        by_name.setdefault(to_mamba(key, config) if pipeline else key, []).append((key, p))
+        by_name.setdefault(trainer.mamba_name(key), []).append((key, p))
     zero_stage = trainer.engine.zero_optimization_stage()
     error = None
     try:

@@ -29,9 +29,8 @@ from typing import Optional
 import torch
 from deepspeed.runtime import utils as ds_utils
 
-from megamamba.block import Block, make_norm
 from megamamba.config import MambaConfig
-from megamamba.lm import make_embedding, make_head
+from megamamba.layers import layer_class
 from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
 from megamamba.pipelines.activation_memory import ActivationShape, stage_activation_bytes
@@ -117,12 +116,10 @@ def layer_parameters(model: MambaConfig, tp_size: int, sequence_parallel: bool =
     """(decayed, not decayed) parameters of TP rank 0 for each pipeline layer: embedding, blocks, final
     norm, head (a tied head holds the embedding's weight)."""
     tp = _fake_tp(tp_size, sequence_parallel)
+    n = model.n_layer
     with torch.device("meta"):
-        embedding = _groups(make_embedding(model, tp=tp))
-        block = _groups(Block(model, tp=tp))
-        norm = _groups(make_norm(model, tp=tp))
-        head = embedding if model.tie_embeddings else _groups(make_head(model, tp=tp))
-    return [embedding, *[block] * model.n_layer, norm, head]
+        embedding, block, norm, head = [_groups(layer_class(model, i, tp)(model, tp=tp)) for i in (0, 1, n + 1, n + 2)]
+    return [embedding, *[block] * n, norm, embedding if model.tie_embeddings else head]
 
 
 def stage_bounds(model: MambaConfig, pp: int, partition_method: str, counts: list, tp_size: int) -> list:

@@ -1,9 +1,8 @@
-"""The Mamba LM as a DeepSpeed PipelineModule.
+"""The model's layer list (`megamamba.layers`) as a DeepSpeed PipelineModule, one spec per layer.
 
-Layers (global indices, see `pipelines.names`): 0 embedding, 1..n blocks, n+1 final norm,
-n+2 head. With tie_embeddings the embedding and the head are one tied layer spec ("embed"):
-the first and the last stage each hold the weight and DeepSpeed all-reduces its gradient
-between them. The loss runs on the last stage.
+With tie_embeddings the embedding and the head are one tied layer spec ("embed"): the first and
+the last stage each hold the weight and DeepSpeed all-reduces its gradient between them. The
+loss runs on the last stage.
 
 Layers are built without their default initialisation (`pipelines.uninitialised`): the caller
 copies the stage's weights in, the initial ones or a checkpoint's.
@@ -24,18 +23,10 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MambaConfig
+from megamamba.layers import layer_class, layer_count, split, tied_head
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context_parallel import ContextParallel
-from megamamba.pipelines.layers import (
-    BlockPipe,
-    EmbeddingPipe,
-    FinalNormPipe,
-    HeadPipe,
-    LMLoss,
-    ParallelEmbeddingPipe,
-    ParallelHeadPipe,
-    TiedHead,
-)
+from megamamba.pipelines.layers import LMLoss
 from megamamba.pipelines.names import TIED_KEY
 from megamamba.pipelines.uninitialised import UninitialisedLayerSpec, UninitialisedTiedLayerSpec
 
@@ -51,17 +42,16 @@ def check_partition_method(method: str) -> None:
 
 def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None,
                 cp: Optional[ContextParallel] = None) -> list:
-    """[embedding, n blocks, final norm, head] as DeepSpeed layer specs (split across `tp` when given;
-    blocks on a slice of every sequence under `cp`), built with uninitialised parameters."""
-    embedding = EmbeddingPipe if tp is None else ParallelEmbeddingPipe
+    """The layer list as DeepSpeed layer specs (split across `tp` when given; blocks on a slice of every
+    sequence under `cp`), built with uninitialised parameters."""
+    tp = split(tp)
+    specs = [UninitialisedLayerSpec(layer_class(config, i, tp), config, tp=tp, cp=cp)
+             for i in range(layer_count(config))]
     if config.tie_embeddings:
-        first = UninitialisedTiedLayerSpec(TIED_KEY, embedding, config, tp)
-        last = UninitialisedTiedLayerSpec(TIED_KEY, embedding, config, tp, forward_fn=TiedHead(tp))
-    else:
-        first = UninitialisedLayerSpec(embedding, config, tp)
-        last = UninitialisedLayerSpec(HeadPipe if tp is None else ParallelHeadPipe, config, tp)
-    blocks = [UninitialisedLayerSpec(BlockPipe, config, tp=tp, cp=cp) for _ in range(config.n_layer)]
-    return [first, *blocks, UninitialisedLayerSpec(FinalNormPipe, config, tp), last]
+        embedding = layer_class(config, 0, tp)
+        specs[0] = UninitialisedTiedLayerSpec(TIED_KEY, embedding, config, tp=tp)
+        specs[-1] = UninitialisedTiedLayerSpec(TIED_KEY, embedding, config, tp=tp, forward_fn=tied_head)
+    return specs
 
 
 def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = "type:Block",

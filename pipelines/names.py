@@ -1,14 +1,9 @@
 """Parameter names: the pipeline module's <-> mamba_ssm's.
 
-DeepSpeed names a pipeline layer's parameters `<global layer index>.<name>` and a tied module's
-`tied_modules.<key>.<name>`. With n = n_layer, the layer list of `pipelines.module` gives
-
-    tied_modules.embed.weight  (tied)   <-> backbone.embedding.weight  (and lm_head.weight)
-    0.weight                   (untied) <-> backbone.embedding.weight
-    {i+1}.<rest>                        <-> backbone.layers.{i}.<rest>      0 <= i < n
-    {n+1}.norm.<rest>                   <-> backbone.norm_f.<rest>
-    {n+2}.weight               (untied) <-> lm_head.weight
-
+DeepSpeed names a pipeline layer's parameters `<layer index>.<name>` and a tied module's
+`tied_modules.<key>.<name>`; the index is the model's layer number (`megamamba.layers`), whose
+`layer_prefix` gives the mamba_ssm name: `{i}.<rest>` <-> `layer_prefix(i) + <rest>`, and
+`tied_modules.embed.weight` <-> backbone.embedding.weight (and lm_head.weight) when tied.
 Indices are global, so the names do not depend on the number of stages; a stage holds a subset.
 Anything saved uses mamba_ssm's names (docs/architecture.md), whatever the engine. Under tensor parallelism a
 parameter may be a slice of its full tensor or a part of it under another local name
@@ -22,24 +17,10 @@ import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.lm import EMBEDDING, HEAD
+from megamamba.layers import EMBEDDING, HEAD, layer_of, layer_prefix
 from megamamba.parallel import TensorParallel, full_key, full_tensors, local_shard
 
 TIED_KEY = "embed"
-EMBEDDING_LAYER = 0
-
-
-def block_layer(i: int) -> int:
-    """Global layer index of block i."""
-    return i + 1
-
-
-def final_norm_layer(n_layer: int) -> int:
-    return n_layer + 1
-
-
-def head_layer(n_layer: int) -> int:
-    return n_layer + 2
 
 
 def to_mamba(name: str, config: MambaConfig) -> str:
@@ -51,29 +32,22 @@ def to_mamba(name: str, config: MambaConfig) -> str:
         raise KeyError(f"{name!r} is not a pipeline layer parameter name")
     index, rest = int(m.group(1)), m.group(2)
     n = config.n_layer
-    if index == EMBEDDING_LAYER and rest == "weight" and not config.tie_embeddings:
-        return EMBEDDING
-    if 1 <= index <= n:
-        return f"backbone.layers.{index - 1}.{rest}"
-    if index == final_norm_layer(n) and rest.startswith("norm."):
-        return f"backbone.norm_f.{rest[len('norm.'):]}"
-    if index == head_layer(n) and rest == "weight" and not config.tie_embeddings:
-        return HEAD
-    raise KeyError(f"{name!r} names no parameter of a {n}-layer model (tie_embeddings={config.tie_embeddings})")
+    whole = {0: ("weight",), n + 1: ("weight", "bias"), n + 2: ("weight",)}  # parameters of non-block layers
+    if rest in whole.get(index, (rest,)) and not (index == 0 and config.tie_embeddings):
+        try:
+            return layer_prefix(config, index) + rest
+        except KeyError:
+            pass
+    raise KeyError(f"{name!r} names no parameter of a {n}-layer model "
+                   f"(tie_embeddings={config.tie_embeddings})")
 
 
 def to_pipe(name: str, config: MambaConfig) -> str:
     """mamba_ssm name -> pipeline-module parameter name (lm_head.weight is the tied embedding when tied)."""
-    if name == EMBEDDING or (name == HEAD and config.tie_embeddings):
-        return f"tied_modules.{TIED_KEY}.weight" if config.tie_embeddings else f"{EMBEDDING_LAYER}.weight"
-    if name == HEAD:
-        return f"{head_layer(config.n_layer)}.weight"
-    m = re.fullmatch(r"backbone\.layers\.(\d+)\.(.+)", name)
-    if m is not None and int(m.group(1)) < config.n_layer:
-        return f"{block_layer(int(m.group(1)))}.{m.group(2)}"
-    if name.startswith("backbone.norm_f."):
-        return f"{final_norm_layer(config.n_layer)}.norm.{name[len('backbone.norm_f.'):]}"
-    raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
+    index = layer_of(name, config)
+    if index == 0 and config.tie_embeddings:
+        return f"tied_modules.{TIED_KEY}.weight"
+    return f"{index}.{name[len(layer_prefix(config, index)):]}"
 
 
 def mamba_state_dict(pipe: nn.Module, config: MambaConfig, tp: Optional[TensorParallel] = None) -> dict:

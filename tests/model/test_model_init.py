@@ -106,19 +106,19 @@ def test_parameter_dtypes_follow_mamba_ssm(tiny_config, layer, fp32):
 
 
 @pytest.mark.parametrize("layer,tied", [("Mamba1", True), ("Mamba2", False)])
-def test_each_piece_drawn_alone_equals_the_whole_model_bit_for_bit(tiny_config, layer, tied):
-    from megamamba.lm import draw_seed, initial_piece
+def test_each_layer_drawn_alone_equals_the_whole_model_bit_for_bit(tiny_config, layer, tied):
+    from megamamba.layers import draw_seed, initial_layer
 
     cfg = tiny_config(layer, {}, n_layer=3, tie_embeddings=tied)
     torch.manual_seed(5)
     whole = MambaLM(cfg).state_dict()
     torch.manual_seed(5)
     seed = draw_seed()
-    pieces = {}
-    for piece in reversed(range(cfg.n_layer + (2 if cfg.tie_embeddings else 3))):  # any order
-        pieces.update(initial_piece(cfg, piece, seed))
-    assert sorted(pieces) == sorted(whole)
-    assert [n for n in whole if not torch.equal(pieces[n], whole[n])] == []
+    layers = {}
+    for index in reversed(range(cfg.n_layer + (2 if cfg.tie_embeddings else 3))):  # any order
+        layers.update(initial_layer(cfg, index, seed))
+    assert sorted(layers) == sorted(whole)
+    assert [n for n in whole if not torch.equal(layers[n], whole[n])] == []
 
 
 def test_building_a_model_takes_one_draw_from_the_global_stream(tiny_config):

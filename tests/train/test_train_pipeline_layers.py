@@ -13,6 +13,7 @@ from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
 from megamamba import MambaConfig, MambaLM
+from megamamba.lm import layer_list
 from megamamba.pipelines.layers import LMLoss
 from megamamba.pipelines.module import layer_specs
 from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict, to_mamba
@@ -64,6 +65,23 @@ def _reference(model, config, ids, labels):
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_pipeline_specs_are_the_models_own_layer_list(tied):
+    config, model, _, _ = _setup(CONFIGS[1], tied)
+    types = [type(layer) for layer in layer_list(model)]
+    specs = layer_specs(config)
+    assert [spec.typename for spec in specs[:-1]] == types[:-1]
+    assert specs[-1].typename is (types[0] if tied else types[-1])  # a tied head is the embedding layer
+
+
+def test_the_chained_pipeline_layers_give_the_models_logits_bit_for_bit():
+    config, model, ids, _ = _setup(CONFIGS[0])
+    chain = ChainedSpecs(config)
+    load_mamba_state_dict(chain, model.state_dict(), config)
+    with torch.no_grad():
+        assert torch.equal(chain(ids), model(ids)), f"seed {SEED}"
 
 
 @pytest.mark.parametrize("path, tied", [

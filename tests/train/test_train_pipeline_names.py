@@ -30,7 +30,7 @@ def test_names_follow_the_global_layer_index():
     assert to_pipe("lm_head.weight", config) == "tied_modules.embed.weight"
     assert to_pipe("backbone.layers.0.mixer.in_proj.weight", config) == "1.mixer.in_proj.weight"
     assert to_pipe("backbone.layers.4.norm.weight", config) == "5.norm.weight"
-    assert to_pipe("backbone.norm_f.weight", config) == "6.norm.weight"
+    assert to_pipe("backbone.norm_f.weight", config) == "6.weight"
     untied = _config(CONFIGS[1], n_layer=5, tie_embeddings=False)
     assert to_pipe("backbone.embedding.weight", untied) == "0.weight"
     assert to_pipe("lm_head.weight", untied) == "7.weight"

@@ -1,0 +1,248 @@
+"""The model as one list of layers, numbered 0 .. n_layer + 2, and how each is built.
+
+0 the embedding, i + 1 block i, n_layer + 1 the final norm, n_layer + 2 the head (with
+tie_embeddings, the embedding's weight). Every layer takes and returns the residual stream
+(`megamamba.stream`) and is built as `cls(config, tp=, cp=)`. A layer's number is its
+initialisation stream, its pipeline layer index and, through `layer_prefix`, its mamba_ssm names.
+"""
+import contextlib
+import math
+import re
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamamba.block import NORM_EPS, Block
+from megamamba.config import MambaConfig
+from megamamba.norm import LayerNorm, RMSNorm
+from megamamba.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    local_shard,
+    parallel_linear,
+)
+from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.parallel.from_full import sharded
+from megamamba.stream import pack, to_stream, unpack
+
+EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"  # mamba_ssm's keys
+EMBEDDING_INIT_STD = 0.02
+
+
+def split(tp: Optional[TensorParallel]) -> Optional[TensorParallel]:
+    """`tp` when it splits anything, None for no TP or a single rank (the plain model)."""
+    return tp if tp is not None and tp.size > 1 else None
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: Optional[TensorParallel] = None) -> torch.Tensor:
+    """hidden @ weight.T over the padded vocab; under TP `weight` is this rank's rows and the logits its
+    block of columns (with sequence parallelism the hidden shards are gathered first)."""
+    if tp is None:
+        return F.linear(hidden, weight)
+    return parallel_linear(hidden, weight, None, tp)
+
+
+class Embedding(nn.Embedding):
+    """Layer 0: token ids [, seq_idx] -> the stream [, seq_idx]; weight (padded vocab, d_model)."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+        super().__init__(config.padded_vocab_size, config.d_model, device=device, dtype=dtype)
+        self.residual_in_fp32, self.tp = config.residual_in_fp32, None
+
+    def forward(self, x):
+        ids, seq_idx = unpack(x)
+        return pack(to_stream(super().forward(ids), self.residual_in_fp32), seq_idx)
+
+
+class ParallelEmbedding(VocabParallelEmbedding):
+    """Embedding with the vocabulary rows split across TP (with sequence parallelism the stream is
+    this rank's sequence shard)."""
+
+    def __init__(self, config: MambaConfig, tp: TensorParallel, cp: Optional[ContextParallel] = None):
+        super().__init__(config.padded_vocab_size, config.d_model, tp)
+        self.residual_in_fp32 = config.residual_in_fp32
+
+    def forward(self, x):
+        ids, seq_idx = unpack(x)
+        return pack(to_stream(super().forward(ids), self.residual_in_fp32), seq_idx)
+
+
+class FinalRMSNorm(RMSNorm):
+    """Layer n_layer + 1 (mamba_ssm's norm_f): the stream [, seq_idx] -> the hidden states the head reads."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
+
+    def forward(self, x) -> torch.Tensor:
+        return super().forward(unpack(x)[0].to(dtype=self.weight.dtype))
+
+
+class FinalLayerNorm(LayerNorm):
+    """FinalRMSNorm for rms_norm = false (keys weight, bias)."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
+
+    def forward(self, x) -> torch.Tensor:
+        return super().forward(unpack(x)[0].to(dtype=self.weight.dtype))
+
+
+class Head(nn.Linear):
+    """Layer n_layer + 2: hidden -> logits over the padded vocabulary (mamba_ssm's lm_head)."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+        super().__init__(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+
+
+class ParallelHead(VocabParallelHead):
+    """Head with the vocabulary rows split across TP: this rank's block of the logits."""
+
+    def __init__(self, config: MambaConfig, tp: TensorParallel, cp: Optional[ContextParallel] = None):
+        super().__init__(config.d_model, config.padded_vocab_size, tp)
+
+
+def tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The head with tie_embeddings: the embedding layer's weight read as the head's."""
+    return head_logits(hidden, embedding.weight, embedding.tp)
+
+
+def tie(head: nn.Module, embedding: nn.Module) -> None:
+    """Make `head` read `embedding`'s weight (tie_embeddings), as `tied_head` does."""
+    head.weight = embedding.weight
+
+
+def layer_count(config: MambaConfig) -> int:
+    """Layers in the list, the head counted whether tied or not."""
+    return config.n_layer + 3
+
+
+def layer_class(config: MambaConfig, index: int, tp: Optional[TensorParallel] = None) -> type:
+    """The class of layer `index` (its TP form under `tp`)."""
+    n = config.n_layer
+    if index == 0:
+        return Embedding if split(tp) is None else ParallelEmbedding
+    if 1 <= index <= n:
+        return Block
+    if index == n + 1:
+        return FinalRMSNorm if config.rms_norm else FinalLayerNorm
+    if index == n + 2:
+        return Head if split(tp) is None else ParallelHead
+    raise ValueError(f"layer {index}: a {n}-layer model has layers 0 .. {n + 2}")
+
+
+def layer_prefix(config: MambaConfig, index: int) -> str:
+    """The mamba_ssm name prefix of layer `index`'s parameters."""
+    n = config.n_layer
+    if index == 0:
+        return "backbone.embedding."
+    if 1 <= index <= n:
+        return f"backbone.layers.{index - 1}."
+    if index == n + 1:
+        return NORM_F + "."
+    if index == n + 2 and not config.tie_embeddings:
+        return "lm_head."
+    raise KeyError(f"layer {index}: a {n}-layer model (tie_embeddings={config.tie_embeddings}) has parameters "
+                   f"in layers 0 .. {n + 1 if config.tie_embeddings else n + 2}")
+
+
+def layer_of(name: str, config: MambaConfig) -> int:
+    """The layer holding the mamba_ssm-named parameter `name` (a tied lm_head.weight is the embedding's)."""
+    if name == EMBEDDING or (name == HEAD and config.tie_embeddings):
+        return 0
+    if name == HEAD:
+        return config.n_layer + 2
+    if name.startswith(NORM_F + "."):
+        return config.n_layer + 1
+    m = re.fullmatch(r"backbone\.layers\.(\d+)\..+", name)
+    if m is None or int(m.group(1)) >= config.n_layer:
+        raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
+    return int(m.group(1)) + 1
+
+
+def draw_seed(device=None) -> int:
+    """The one number a model's initialisation takes from the global random stream; none for a model
+    built on the meta device (shapes only), so reading a config's shapes leaves the stream alone."""
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    if target.type == "meta":
+        return 0
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
+
+
+@contextlib.contextmanager
+def layer_stream(seed: int, index: int, device):
+    """The random stream of one layer: the CPU's (and the build device's, on CUDA) generator, seeded from
+    (seed, index); the global streams are left as they were."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        layer_seed = (seed * 1_000_003 + index) % 2**63
+        torch.random.default_generator.manual_seed(layer_seed)
+        if cuda:
+            torch.cuda.manual_seed(layer_seed)
+        yield
+
+
+def _redraw(param: nn.Parameter, full_shape: tuple, draw, tp: Optional[TensorParallel]) -> None:
+    """Re-initialise `param` with `draw`, applied under TP to the full tensor, then sliced."""
+    if tp is None:
+        draw(param)
+        return
+    full = draw(torch.empty(full_shape, device=param.device, dtype=param.dtype))
+    param.copy_(local_shard(full, param.tp_shard, tp.size, tp.rank))
+
+
+@torch.no_grad()
+def _zero_biases(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
+            for bias in (m.bias, getattr(m, "bias_replicated", None)):
+                if bias is not None and not getattr(bias, "_no_reinit", False):
+                    nn.init.zeros_(bias)
+
+
+def _construct(config: MambaConfig, index: int, device, dtype, tp: Optional[TensorParallel],
+               cp: Optional[ContextParallel]) -> nn.Module:
+    """Layer `index` with its constructor's draws; under TP the embedding and head draw their full tensors
+    as one device would, then keep this rank's rows."""
+    cls = layer_class(config, index, tp)
+    if cls in (ParallelEmbedding, ParallelHead):
+        full = layer_class(config, index)(config, device=device, dtype=dtype)
+        return sharded(full, lambda: cls(config, tp), tp)
+    return cls(config, tp=tp, cp=cp, device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def build_layer(config: MambaConfig, index: int, seed: int, device=None, dtype=None,
+                tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> nn.Module:
+    """Layer `index` initialised from `seed` as mamba_ssm initialises it (under `tp` this rank's shards of
+    the same values; a block built with `cp` works on a slice of the sequence, with the same values)."""
+    tp = split(tp)
+    with layer_stream(seed, index, device):
+        module = _construct(config, index, device, dtype, tp, cp)
+        if index == 0:
+            _redraw(module.weight, (config.padded_vocab_size, config.d_model),
+                    lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
+        elif isinstance(module, Block):
+            _zero_biases(module)
+            _redraw(module.mixer.out_proj.weight, (config.d_model, config.d_inner),
+                    lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)), tp)
+    return module
+
+
+def initial_layer(config: MambaConfig, index: int, seed: int) -> dict:
+    """The full single-device tensors of one layer, under mamba_ssm's names, as `MambaLM` built from
+    `seed` holds them."""
+    prefix = layer_prefix(config, index)
+    state = {prefix + k: v for k, v in build_layer(config, index, seed).state_dict().items()}
+    if index == 0 and config.tie_embeddings:
+        state[HEAD] = state[EMBEDDING]
+    return state
