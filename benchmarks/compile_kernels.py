@@ -116,7 +116,7 @@ def model_steps():
     """(case name, step function) for one training step of a two-layer Mamba-1 and Mamba-2 model (the
     second block adds the residual in its fused pre-norm)."""
     from megamamba.config import MambaConfig
-    from megamamba.lm import MambaLM
+    from megamamba.model.lm import MambaLM
     steps = []
     for layer, ssm in (("Mamba2", {"layer": "Mamba2"}), ("Mamba1", {"layer": "Mamba1"})):
         config = MambaConfig.from_dict(dict(d_model=256, n_layer=2, vocab_size=512, ssm_cfg=ssm))

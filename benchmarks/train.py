@@ -10,7 +10,7 @@ For each Mamba-2 size (launch/models/mamba2-<size>.json, batch split of launch/c
             trained with torch.autocast(bf16) + torch AdamW (fused) on float32 parameters, the same
             micro-batch, accumulation steps, sequence length and gradient clipping;
 then a few steps of --launch-size through `deepspeed --num_gpus 1 launch/train.py`.
-Reported per run: tokens/s, TFLOP/s (megamamba.flops, the same count for both), MFU against
+Reported per run: tokens/s, TFLOP/s (megamamba.model.flops, the same count for both), MFU against
 --peak-tflops, peak GPU memory; the first --warmup steps (compilation, autotuning) are left out.
 mamba_ssm comes from its unpacked source release (--mamba-ssm-src, the folder holding mamba_ssm/);
 its compiled extension and the modules of its package that only generation needs are stubbed.
@@ -135,7 +135,7 @@ def train_mamba_ssm(classes, ds_config, model_config, steps, warmup, seq_length,
     import torch.nn.functional as F
 
     from megamamba import MambaConfig as OurConfig
-    from megamamba.flops import training_flops_per_token
+    from megamamba.model.flops import training_flops_per_token
 
     MambaLMHeadModel, TheirConfig = classes
     device = torch.device(device)

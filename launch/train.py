@@ -45,9 +45,9 @@ from deepspeed.accelerator import get_accelerator
 from megamamba.checkpoint import CheckpointError, tag_for
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.data.training_data import TrainingData, training_data
-from megamamba.flops import training_flops_per_token
 from megamamba.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 from megamamba.metrics import MetricsLogger
+from megamamba.model.flops import training_flops_per_token
 from megamamba.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement

@@ -4,6 +4,6 @@
 and the plain single-device model; nothing here imports DeepSpeed.
 """
 from megamamba.config import MambaConfig
-from megamamba.lm import MambaLM
+from megamamba.model.lm import MambaLM
 
 __all__ = ["MambaConfig", "MambaLM"]

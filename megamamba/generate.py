@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from megamamba.checkpoint import CheckpointError, resolve_model_folder
-from megamamba.lm import MambaLM
+from megamamba.model.lm import MambaLM
 from megamamba.model_folder import load_model_folder
 from megamamba.tokenizer import Tokenizer, check_vocab, find_tokenizer, load_tokenizer
 

@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from megamamba.block import NORM_EPS
 from megamamba.config import Mamba1Options, MambaConfig
 from megamamba.errors import MegamambaError
-from megamamba.layers import EMBEDDING, HEAD
+from megamamba.model.block import NORM_EPS
+from megamamba.model.layers import EMBEDDING, HEAD
 
 HF_EMBEDDING = "backbone.embeddings.weight"
 

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
 from megamamba.hf import ARCHITECTURES, HF_EMBEDDING, HFFormatError, config_from_hf, decode_special_floats
-from megamamba.layers import EMBEDDING, HEAD, tie
-from megamamba.lm import MambaLM
+from megamamba.model.layers import EMBEDDING, HEAD, tie
+from megamamba.model.lm import MambaLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_STEM = "model"

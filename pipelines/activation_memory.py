@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from megamamba.config import Mamba1Options, MambaConfig
-from megamamba.cross_entropy import CHUNK_ELEMENTS
+from megamamba.model.chunked_cross_entropy import CHUNK_ELEMENTS
 
 STREAM = 4  # the residual stream between blocks is float32 (float32 parameters)
 SCAN_CHECKPOINT_STEPS = 16  # Mamba-1's Triton scan keeps a float32 state every this many steps

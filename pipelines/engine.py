@@ -40,9 +40,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.config import MambaConfig
-from megamamba.layers import draw_seed, initial_layer, layer_of
-from megamamba.lm import MambaLM
 from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
+from megamamba.model.layers import draw_seed, initial_layer, layer_of
+from megamamba.model.lm import MambaLM
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context_parallel import ContextParallel, sequence_window

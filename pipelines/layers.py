@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from megamamba.lm import lm_loss
+from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context_parallel import ContextParallel
 

@@ -30,7 +30,7 @@ import torch
 from deepspeed.runtime import utils as ds_utils
 
 from megamamba.config import MambaConfig
-from megamamba.layers import layer_class
+from megamamba.model.layers import layer_class
 from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
 from megamamba.pipelines.activation_memory import ActivationShape, stage_activation_bytes

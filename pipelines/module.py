@@ -1,4 +1,4 @@
-"""The model's layer list (`megamamba.layers`) as a DeepSpeed PipelineModule, one spec per layer.
+"""The model's layer list (`megamamba.model.layers`) as a DeepSpeed PipelineModule, one spec per layer.
 
 With tie_embeddings the embedding and the head are one tied layer spec ("embed"): the first and
 the last stage each hold the weight and DeepSpeed all-reduces its gradient between them. The
@@ -23,7 +23,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MambaConfig
-from megamamba.layers import layer_class, layer_count, split, tied_head
+from megamamba.model.layers import layer_class, layer_count, split, tied_head
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.pipelines.layers import LMLoss

@@ -1,7 +1,7 @@
 """Parameter names: the pipeline module's <-> mamba_ssm's.
 
 DeepSpeed names a pipeline layer's parameters `<layer index>.<name>` and a tied module's
-`tied_modules.<key>.<name>`; the index is the model's layer number (`megamamba.layers`), whose
+`tied_modules.<key>.<name>`; the index is the model's layer number (`megamamba.model.layers`), whose
 `layer_prefix` gives the mamba_ssm name: `{i}.<rest>` <-> `layer_prefix(i) + <rest>`, and
 `tied_modules.embed.weight` <-> backbone.embedding.weight (and lm_head.weight) when tied.
 Indices are global, so the names do not depend on the number of stages; a stage holds a subset.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.layers import EMBEDDING, HEAD, layer_of, layer_prefix
+from megamamba.model.layers import EMBEDDING, HEAD, layer_of, layer_prefix
 from megamamba.parallel import TensorParallel, full_key, full_tensors, local_shard
 
 TIED_KEY = "embed"

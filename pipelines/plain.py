@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megamamba.lm import MambaLM, layer_list
+from megamamba.model.lm import MambaLM, layer_list
+from megamamba.model.stream import pack
 from megamamba.pipelines.layers import LMLoss
 from megamamba.pipelines.module import non_reentrant_checkpoint
-from megamamba.stream import pack
 
 
 class PlainLM(nn.Module):

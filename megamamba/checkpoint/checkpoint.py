@@ -21,8 +21,8 @@ from megamamba.checkpoint.manifest import verify
 from megamamba.checkpoint.store import resolve_load
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.folder_tensors import FolderTensors, ModelFolderError
-from megamamba.layers import EMBEDDING, HEAD
-from megamamba.lm import MambaLM
+from megamamba.model.layers import EMBEDDING, HEAD
+from megamamba.model.lm import MambaLM
 
 CONFIG_FILE = model_folder.CONFIG_FILE
 MODEL, OPTIMIZER = model_folder.WEIGHTS_STEM, "optimizer"

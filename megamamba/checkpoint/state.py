@@ -13,7 +13,7 @@ from torch import nn
 
 from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.store import CheckpointWarning
-from megamamba.layers import EMBEDDING, HEAD
+from megamamba.model.layers import EMBEDDING, HEAD
 from megamamba.parallel import TensorParallel, full_key, full_tensors, load_full_tensors, local_shard
 
 _LR_KEYS = ("lr", "initial_lr")

@@ -21,7 +21,7 @@ from megamamba.checkpoint.state import (
     scheduler_state,
 )
 from megamamba.checkpoint.writer import save_checkpoint
-from megamamba.lm import MambaLM
+from megamamba.model.lm import MambaLM
 
 
 def save_training_checkpoint(save_dir: str, step: int, model: MambaLM, optimizer: torch.optim.Optimizer,

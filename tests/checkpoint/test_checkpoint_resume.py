@@ -27,7 +27,7 @@ from megamamba.checkpoint import (
     save_checkpoint,
     save_training_checkpoint,
 )
-from megamamba.lm import MambaLM
+from megamamba.model.lm import MambaLM
 from megamamba.model_folder import load_model_folder
 
 STEPS, SAVE_AT = 8, 4

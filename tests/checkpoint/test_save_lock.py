@@ -12,7 +12,7 @@ from checkpoint_fixtures import tiny
 from megamamba.checkpoint import CheckpointError, model_tensors, save_checkpoint
 from megamamba.checkpoint.lock import LOCK_FILE, SaveDirLock, read_holder
 from megamamba.checkpoint.store import JOB_TOKEN
-from megamamba.lm import MambaLM
+from megamamba.model.lm import MambaLM
 
 
 def dead_pid() -> int:

@@ -1,11 +1,11 @@
-"""The chunked loss (megamamba.cross_entropy, behind lm_loss on one device) against
+"""The chunked loss (megamamba.model.chunked_cross_entropy, behind lm_loss on one device) against
 F.cross_entropy on the sliced float32 logits: loss and gradient within 1e-6 relative."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megamamba import cross_entropy
-from megamamba.lm import lm_loss
+from megamamba.model import chunked_cross_entropy as cross_entropy
+from megamamba.model.lm import lm_loss
 
 
 def rel_err(out, ref):

@@ -107,7 +107,7 @@ def test_parameter_dtypes_follow_mamba_ssm(tiny_config, layer, fp32):
 
 @pytest.mark.parametrize("layer,tied", [("Mamba1", True), ("Mamba2", False)])
 def test_each_layer_drawn_alone_equals_the_whole_model_bit_for_bit(tiny_config, layer, tied):
-    from megamamba.layers import draw_seed, initial_layer
+    from megamamba.model.layers import draw_seed, initial_layer
 
     cfg = tiny_config(layer, {}, n_layer=3, tie_embeddings=tied)
     torch.manual_seed(5)

@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
 from megamamba import MambaLM
-from megamamba.block import Block
-from megamamba.lm import lm_loss
+from megamamba.model.block import Block
+from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
 from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
 from model_cases import lm_config, lm_inputs

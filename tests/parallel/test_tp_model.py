@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megamamba import MambaLM
-from megamamba.block import Block
-from megamamba.lm import lm_loss
+from megamamba.model.block import Block
+from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
 from model_cases import lm_config, lm_inputs
 from model_checks import perturb, relative_error

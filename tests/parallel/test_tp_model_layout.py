@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.mamba2 import Mamba2
+from megamamba.model.mamba2 import Mamba2
 from megamamba.parallel import TensorParallel, comm_counter, full_key, local_shard
 from megamamba.parallel.model_layout import LayoutError, check_sequence_length
 

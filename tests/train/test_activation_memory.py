@@ -11,7 +11,7 @@ import torch
 
 from distributed import run_ranks
 from megamamba.config import MambaConfig
-from megamamba.lm import MambaLM
+from megamamba.model.lm import MambaLM
 from megamamba.pipelines.activation_memory import ActivationShape, kept_bytes, stage_activation_bytes
 from megamamba.pipelines.plain import PlainLM
 from saved_tensors import autograd_saved_bytes

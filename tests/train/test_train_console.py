@@ -2,8 +2,8 @@
 import json
 
 from megamamba.config import MambaConfig
-from megamamba.lm import MambaLM
 from megamamba.metrics import format_record
+from megamamba.model.lm import MambaLM
 from megamamba.pipelines.layout import Layout
 from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines
 from train_entry import ROOT

@@ -6,7 +6,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.flops import forward_flops_per_token, mamba1_layer_flops, mamba2_layer_flops, training_flops_per_token
+from megamamba.model.flops import (
+    forward_flops_per_token,
+    mamba1_layer_flops,
+    mamba2_layer_flops,
+    training_flops_per_token,
+)
 from train_entry import ROOT
 
 

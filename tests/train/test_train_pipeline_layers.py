@@ -13,7 +13,7 @@ from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.lm import layer_list
+from megamamba.model.lm import layer_list
 from megamamba.pipelines.layers import LMLoss
 from megamamba.pipelines.module import layer_specs
 from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict, to_mamba

@@ -8,7 +8,7 @@ rank. Without sequence parallelism every rank normalises the same tokens, so the
 same gradient everywhere and nothing is communicated. With sequence parallelism each rank
 normalises its own sequence shard, so the weight enters through `copy_to_tp_region` and its
 gradient is summed over the TP group inside backward (marked `grad_reduced`). Mamba-2's gated
-norm is split by channel with the mixer (see `megamamba.mamba2`).
+norm is split by channel with the mixer (see `megamamba.model.mamba2`).
 """
 from typing import Optional
 

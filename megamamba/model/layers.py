@@ -2,7 +2,7 @@
 
 0 the embedding, i + 1 block i, n_layer + 1 the final norm, n_layer + 2 the head (with
 tie_embeddings, the embedding's weight). Every layer takes and returns the residual stream
-(`megamamba.stream`) and is built as `cls(config, tp=, cp=)`. A layer's number is its
+(`megamamba.model.stream`) and is built as `cls(config, tp=, cp=)`. A layer's number is its
 initialisation stream, its pipeline layer index and, through `layer_prefix`, its mamba_ssm names.
 """
 import contextlib
@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamamba.block import NORM_EPS, Block
 from megamamba.config import MambaConfig
-from megamamba.norm import LayerNorm, RMSNorm
+from megamamba.model.block import NORM_EPS, Block
+from megamamba.model.norm import LayerNorm, RMSNorm
+from megamamba.model.stream import pack, to_stream, unpack
 from megamamba.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -28,7 +29,6 @@ from megamamba.parallel import (
 )
 from megamamba.parallel.context_parallel import ContextParallel
 from megamamba.parallel.from_full import sharded
-from megamamba.stream import pack, to_stream, unpack
 
 EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"  # mamba_ssm's keys
 EMBEDDING_INIT_STD = 0.02

@@ -14,8 +14,8 @@ from torch import nn
 from megamamba import kernels
 from megamamba.config import Mamba2Options
 from megamamba.kernels import causal_conv1d_update, selective_state_update
-from megamamba.mamba1 import fp32_or_wider, sample_dt_bias
-from megamamba.norm import RMSNormGated
+from megamamba.model.mamba1 import fp32_or_wider, sample_dt_bias
+from megamamba.model.norm import RMSNormGated
 from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
 from megamamba.parallel.context import ContextSlice
 from megamamba.parallel.context_parallel import ContextParallel

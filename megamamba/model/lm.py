@@ -1,4 +1,4 @@
-"""The Mamba language model on one device: the layer list of `megamamba.layers`, run in order.
+"""The Mamba language model on one device: the layer list of `megamamba.model.layers`, run in order.
 
 State-dict keys and initialisation are mamba_ssm's `MambaLMHeadModel`; each layer draws from its
 own seeded stream, so a pipeline stage draws only its own. The same class runs tensor- and
@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.cross_entropy import chunked_cross_entropy
-from megamamba.layers import build_layer, draw_seed, split, tie
+from megamamba.model.chunked_cross_entropy import chunked_cross_entropy
+from megamamba.model.layers import build_layer, draw_seed, split, tie
+from megamamba.model.stream import pack
 from megamamba.parallel import TensorParallel, vocab_parallel_cross_entropy
 from megamamba.parallel.context_parallel import ContextParallel, mean_over_context
 from megamamba.parallel.model_layout import check_model_layout, check_sequence_length
-from megamamba.stream import pack
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,

@@ -1,6 +1,6 @@
 """The pre-norm residual block around a mixer, as mamba_ssm's `Block`.
 
-A block takes and returns the residual stream (`megamamba.stream`); under sequence parallelism
+A block takes and returns the residual stream (`megamamba.model.stream`); under sequence parallelism
 the stream is this rank's sequence shard. Keys: `norm.weight` (+ `norm.bias` for LayerNorm),
 `mixer.*`. More: docs/code.md.
 """
@@ -10,19 +10,19 @@ import torch
 from torch import nn
 
 from megamamba.config import Mamba1Options, MambaConfig
-from megamamba.mamba1 import Mamba1
-from megamamba.mamba2 import Mamba2
-from megamamba.norm import LayerNorm, RMSNorm
+from megamamba.model.mamba1 import Mamba1
+from megamamba.model.mamba2 import Mamba2
+from megamamba.model.norm import LayerNorm, RMSNorm
+from megamamba.model.stream import pack, to_stream, unpack
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context_parallel import ContextParallel
-from megamamba.stream import pack, to_stream, unpack
 
 NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
 
 
 def make_norm(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None) -> nn.Module:
     """RMSNorm, or LayerNorm (with bias) when rms_norm is false; under sequence parallelism
-    (`tp.sequence_parallel`) it normalises this rank's sequence shard (see `megamamba.norm`)."""
+    (`tp.sequence_parallel`) it normalises this rank's sequence shard (see `megamamba.model.norm`)."""
     cls = RMSNorm if config.rms_norm else LayerNorm
     return cls(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
