@@ -17,7 +17,7 @@ DeepSpeed config is read as hjson as DeepSpeed reads it, and flags are never abb
 (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb, val_loss, mfu) go to
 the console of global rank 0, to --metrics-jsonl, to TensorBoard (--log-dir, else the JSON's
 "tensorboard" block) and to CSV files and wandb (the JSON's "csv_monitor" and "wandb" blocks;
-`megamamba.monitor_config`). Data (`megamamba.data.training_data`): --tokenizer,
+`megamamba.observe.monitor_config`). Data (`megamamba.data.training_data`): --tokenizer,
 --data / --valid-data blends of preprocessed datasets (default: the built-in corpus tokenized in
 memory), packed with document ids (seq_idx) unless --no-reset-at-documents; data made with another
 tokenizer is refused unless --allow-tokenizer-mismatch. With --save, global rank 0 holds the save
@@ -45,13 +45,14 @@ from deepspeed.accelerator import get_accelerator
 from megamamba.checkpoint import CheckpointError, tag_for
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.data.training_data import TrainingData, training_data
-from megamamba.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
-from megamamba.metrics import MetricsLogger
 from megamamba.model.flops import training_flops_per_token
-from megamamba.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
+from megamamba.observe import console_log
+from megamamba.observe.metrics import MetricsLogger
+from megamamba.observe.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
+from megamamba.observe.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
-from megamamba.pipelines import checkpointing, console_log, init_from
+from megamamba.pipelines import checkpointing, init_from
 from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.deepspeed_internals import full_numel
 from megamamba.pipelines.ds_translate import optimizer_settings
@@ -72,7 +73,7 @@ from megamamba.pipelines.memory_plan import RunShape, plan_memory
 from megamamba.pipelines.module import check_partition_method
 from megamamba.pipelines.optimizer_state import optimizer_state_bytes
 from megamamba.pipelines.resume import fresh, records, resume_line, resumed_run, run_stream
-from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
+from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 
 # DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
 # available (gloo); autograd then warns once per rank about a node it never differentiates.

@@ -26,14 +26,27 @@ from megamamba.checkpoint.files import (
     sync_dir,
     write_json,
 )
+from megamamba.checkpoint.hf import (
+    HFFormatError,
+    config_from_hf,
+    decode_special_floats,
+    hf_config,
+    hf_state,
+    state_from_hf,
+)
+from megamamba.checkpoint.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
+from megamamba.checkpoint.safetensors_stream import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    TensorReader,
+    parse_size,
+    write_sharded,
+)
 from megamamba.checkpoint.store import resolve_model_folder
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
-from megamamba.hf import HFFormatError, config_from_hf, decode_special_floats, hf_config, hf_state, state_from_hf
 from megamamba.model.layers import EMBEDDING, HEAD, tie
 from megamamba.model.lm import MambaLM
-from megamamba.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
-from megamamba.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, DTYPES, TensorReader, parse_size, write_sharded
 from megamamba.tokenizer import TokenizerError, find_tokenizer, load_tokenizer
 from megamamba.tokenizer.transformers_export import write_transformers_tokenizer
 

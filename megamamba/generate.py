@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from megamamba.checkpoint import CheckpointError, resolve_model_folder
+from megamamba.checkpoint.model_folder import load_model_folder
 from megamamba.model.lm import MambaLM
-from megamamba.model_folder import load_model_folder
 from megamamba.tokenizer import Tokenizer, check_vocab, find_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -51,6 +51,7 @@ from megamamba.checkpoint import (
 )
 from megamamba.checkpoint.lock import SaveDirLock, describe
 from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags
+from megamamba.checkpoint.tensor_pieces import Cut, Piece
 from megamamba.config import MambaConfig
 from megamamba.parallel import full_key
 from megamamba.pipelines.deepspeed_internals import (
@@ -65,7 +66,6 @@ from megamamba.pipelines.deepspeed_internals import (
     zero_param_groups,
 )
 from megamamba.pipelines.names import EMBEDDING
-from megamamba.tensor_pieces import Cut, Piece
 
 log = logging.getLogger(__name__)
 

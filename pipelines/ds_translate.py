@@ -8,7 +8,7 @@ torch's fused AdamW, and step our own schedule. Each setting has one value:
   - "optimizer": Adam or AdamW (any case). DeepSpeed runs "Adam" as AdamW unless "adam_w_mode": false;
     that L2 Adam is translated only with weight_decay 0, where it is AdamW.
   - "scheduler": WarmupLR, WarmupDecayLR, WarmupCosineLR, reproduced step for step
-    (`megamamba.lr_schedule.DeepSpeedSchedule`), missing params at DeepSpeed's defaults.
+    (`megamamba.schedule.lr_schedule.DeepSpeedSchedule`), missing params at DeepSpeed's defaults.
     total_num_steps ends the decay (our --lr-decay-iters); it may differ from --train-iters, the
     lr stays at the decay's end after it.
 Weight decay applies to our decayed parameter group (matrices), as with the flags.
@@ -16,9 +16,9 @@ Weight decay applies to our decayed parameter group (matrices), as with the flag
 import math
 from typing import NamedTuple, Optional
 
-from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 from megamamba.pipelines.engine import OptimizerSettings
 from megamamba.pipelines.layout import LayoutError
+from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
 DEFAULTS = {"lr": 3e-4, "min_lr": 3e-5, "lr_warmup_iters": 0, "lr_decay_style": "cosine", "weight_decay": 0.1,
             "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8}

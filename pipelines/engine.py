@@ -40,7 +40,6 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.config import MambaConfig
-from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 from megamamba.model.layers import draw_seed, initial_layer, layer_of
 from megamamba.model.lm import MambaLM
 from megamamba.optim import param_groups
@@ -54,6 +53,7 @@ from megamamba.pipelines.layout import Layout
 from megamamba.pipelines.module import build_pipeline_module
 from megamamba.pipelines.names import load_mamba_state_dict, to_mamba
 from megamamba.pipelines.plain import PlainLM
+from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
 
 @dataclass(frozen=True)

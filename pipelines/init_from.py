@@ -2,7 +2,7 @@
 
 DIR is one of our checkpoints (a step folder, or a save directory: its `latest`), a model folder
 (ours, or mamba_ssm's converted or original), or a transformers Mamba / Mamba2 export
-(`megamamba.model_folder.FolderWeights` reads them all). Global rank 0 resolves DIR and verifies a
+(`megamamba.checkpoint.model_folder.FolderWeights` reads them all). Global rank 0 resolves DIR and verifies a
 checkpoint's manifest (sizes and sha256 of every file); a folder without a manifest is read
 unverified, and the start-up line says so. The folder's model config must equal the run's (a
 transformers export stores only the padded vocabulary: its vocab_size counts as the run's when
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from megamamba.checkpoint import CheckpointError, config_differences, resolve_model_folder
 from megamamba.checkpoint.checkpoint import check_model_shapes
 from megamamba.checkpoint.manifest import verify
+from megamamba.checkpoint.model_folder import FolderWeights, ModelFolderError
 from megamamba.config import MambaConfig
-from megamamba.model_folder import FolderWeights, ModelFolderError
 from megamamba.parallel import full_key, local_shard
 from megamamba.pipelines.deepspeed_internals import full_shape, zero3_masters, zero3_partition
 

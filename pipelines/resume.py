@@ -5,7 +5,7 @@ and what its stream and LR plan were. A resume at another global batch size cont
 stream at the consumed count and the step counter at the checkpoint's step; a --train-samples run
 keeps its total samples (steps left = samples left / the new global batch), and its LR plan,
 written in steps of the batch it was planned at, moves on by the samples each step now consumes
-(megamamba.lr_continued). A changed stream or LR plan is refused unless overridden. Megatron's
+(megamamba.schedule.lr_continued). A changed stream or LR plan is refused unless overridden. Megatron's
 --no-load-optim starts a fresh optimizer and LR schedule; --no-load-rng keeps this run's RNG.
 """
 from fractions import Fraction
@@ -22,9 +22,9 @@ from megamamba.checkpoint.run_record import (
     saved_position,
     stream_record,
 )
-from megamamba.lr_continued import ContinuedSchedule, plan_position
 from megamamba.pipelines.ds_translate import optimizer_settings
 from megamamba.pipelines.layout import LayoutError
+from megamamba.schedule.lr_continued import ContinuedSchedule, plan_position
 
 
 class RunStart(NamedTuple):

@@ -1,8 +1,9 @@
-"""Layout-free checkpoints that a crash cannot corrupt.
+"""Weights and checkpoints on disk: layout-free checkpoints that a crash cannot corrupt, model
+folders, safetensors streams and the Hugging Face format (no DeepSpeed here).
 
-mamba_ssm names and full shapes in safetensors and JSON, written by every rank that holds a
-distinct shard and readable at any layout, committed atomically with a verified manifest. This
-package re-exports the API its modules define. Format, commit protocol and the distributed
+Checkpoints hold mamba_ssm names and full shapes in safetensors and JSON, written by every rank
+that holds a distinct shard and readable at any layout, committed atomically with a verified
+manifest. This package re-exports the checkpoint API its modules define. Format, commit protocol and the distributed
 save/load steps: docs/checkpoints.md ("The format and its code").
 """
 from megamamba.checkpoint.checkpoint import Checkpoint, config_differences, open_checkpoint, parameter_shapes

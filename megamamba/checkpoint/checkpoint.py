@@ -14,13 +14,13 @@ from typing import Iterable, Mapping, Optional
 import torch
 from safetensors import safe_open
 
-from megamamba import model_folder
+from megamamba.checkpoint import model_folder
 from megamamba.checkpoint import rng as rng_files
 from megamamba.checkpoint.files import CheckpointError, read_json
+from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError
 from megamamba.checkpoint.manifest import verify
 from megamamba.checkpoint.store import resolve_load
 from megamamba.config import ConfigError, MambaConfig
-from megamamba.folder_tensors import FolderTensors, ModelFolderError
 from megamamba.model.layers import EMBEDDING, HEAD
 from megamamba.model.lm import MambaLM
 

@@ -11,9 +11,9 @@ import os
 import shutil
 from typing import IO, Callable
 
+from megamamba.checkpoint.model_folder import ModelFolderError, read_weights
+from megamamba.checkpoint.safetensors_stream import DTYPE_NAMES, TensorSpec, write_safetensors
 from megamamba.errors import MegamambaError
-from megamamba.model_folder import ModelFolderError, read_weights
-from megamamba.safetensors_stream import DTYPE_NAMES, TensorSpec, write_safetensors
 
 
 class CheckpointError(MegamambaError):

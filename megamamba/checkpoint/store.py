@@ -15,7 +15,7 @@ from megamamba.checkpoint import files
 from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.lock import pid_alive
 from megamamba.checkpoint.manifest import MANIFEST, verify, write_manifest
-from megamamba.model_folder import CONFIG_FILE
+from megamamba.checkpoint.model_folder import CONFIG_FILE
 
 LATEST = "latest"
 STAGING_PREFIX = ".tmp-"

@@ -29,11 +29,11 @@ from megamamba.checkpoint.checkpoint import (
     rng_file,
 )
 from megamamba.checkpoint.files import CheckpointError
+from megamamba.checkpoint.folder_tensors import PIECES_KEY, FolderTensors, ModelFolderError, index_file, index_record
 from megamamba.checkpoint.manifest import sha256_of
 from megamamba.checkpoint.store import check_keep_last, commit, stage, tag_for
+from megamamba.checkpoint.tensor_pieces import Piece
 from megamamba.config import MambaConfig
-from megamamba.folder_tensors import PIECES_KEY, FolderTensors, ModelFolderError, index_file, index_record
-from megamamba.tensor_pieces import Piece
 
 GROUPS_KEY = "param_groups"  # safetensors metadata of an optimizer shard: its stage's groups as JSON
 

@@ -5,8 +5,8 @@ import os
 import torch
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.lr_schedule import LRSchedule
 from megamamba.optim import param_groups
+from megamamba.schedule.lr_schedule import LRSchedule
 
 SSM = {
     "Mamba1": {"layer": "Mamba1", "d_state": 5, "dt_rank": 3},

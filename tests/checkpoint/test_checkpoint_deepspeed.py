@@ -29,9 +29,9 @@ def engine(seed: int, dp: int):
     import deepspeed
 
     from megamamba import MambaLM
-    from megamamba.lr_schedule import LRSchedule
     from megamamba.optim import param_groups
     from megamamba.pipelines.plain import PlainLM
+    from megamamba.schedule.lr_schedule import LRSchedule
 
     torch.manual_seed(seed)
     module = PlainLM(MambaLM(tiny("Mamba2")))

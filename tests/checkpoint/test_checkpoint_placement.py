@@ -5,8 +5,8 @@ import torch
 
 from checkpoint_fixtures import tiny, train_step
 from megamamba.checkpoint import adam_step, load_training_checkpoint, open_checkpoint, save_training_checkpoint
-from megamamba.lr_schedule import LRSchedule
 from megamamba.model.lm import MambaLM
+from megamamba.schedule.lr_schedule import LRSchedule
 
 
 def run(seed: int, options: dict) -> tuple:

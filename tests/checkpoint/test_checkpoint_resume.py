@@ -27,8 +27,8 @@ from megamamba.checkpoint import (
     save_checkpoint,
     save_training_checkpoint,
 )
+from megamamba.checkpoint.model_folder import load_model_folder
 from megamamba.model.lm import MambaLM
-from megamamba.model_folder import load_model_folder
 
 STEPS, SAVE_AT = 8, 4
 

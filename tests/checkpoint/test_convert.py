@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 
 from checkpoint_fixtures import perturbed_model, snapshot, tiny
 from megamamba.checkpoint import model_tensors, save_checkpoint
+from megamamba.checkpoint.hf import HFFormatError, config_from_hf, hf_config
+from megamamba.checkpoint.model_folder import load_model_folder, save_model_folder
 from megamamba.convert import main
-from megamamba.hf import HFFormatError, config_from_hf, hf_config
-from megamamba.model_folder import load_model_folder, save_model_folder
 from megamamba.tokenizer import Bytes, load_tokenizer
 
 CASES = {

@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.checkpoint import model_tensors, save_checkpoint
+from megamamba.checkpoint.model_folder import ModelFolderError, load_model_folder, save_model_folder
 from megamamba.generate import main as generate_main
-from megamamba.model_folder import ModelFolderError, load_model_folder, save_model_folder
 from megamamba.tokenizer import load_tokenizer
 
 SSM = {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 8}

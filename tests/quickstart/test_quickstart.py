@@ -14,7 +14,7 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megamamba.model_folder import load_model_folder
+from megamamba.checkpoint.model_folder import load_model_folder
 from megamamba.tokenizer import find_tokenizer
 from train_entry import ROOT
 

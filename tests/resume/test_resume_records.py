@@ -23,8 +23,8 @@ from megamamba.checkpoint.run_record import (
 from megamamba.checkpoint.training import load_training_checkpoint
 from megamamba.data.batches import fingerprint
 from megamamba.data.training_data import DocumentTokens, training_data
-from megamamba.lr_continued import ContinuedSchedule
-from megamamba.lr_schedule import LRSchedule
+from megamamba.schedule.lr_continued import ContinuedSchedule
+from megamamba.schedule.lr_schedule import LRSchedule
 from train_entry import ROOT
 
 MODEL = MambaConfig.from_json(str(ROOT / "launch/models/tiny-mamba2.json"))

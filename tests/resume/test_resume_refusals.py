@@ -7,7 +7,7 @@ step count from the checkpoint's weights with a fresh optimizer and LR schedule.
 import pytest
 
 from megamamba.checkpoint import Checkpoint
-from megamamba.lr_schedule import LRSchedule
+from megamamba.schedule.lr_schedule import LRSchedule
 from resume_runs import SAVE_AT, STEPS, errors
 
 pytestmark = pytest.mark.slow

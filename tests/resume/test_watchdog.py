@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import time
-from megamamba.pipelines import console_log
+from megamamba.observe import console_log
 from megamamba.pipelines.faults import Watchdog
 console_log.configure()
 w = Watchdog(0.5)

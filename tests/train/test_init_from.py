@@ -17,10 +17,10 @@ import torch
 
 from conftest import COMMON
 from megamamba.checkpoint import CheckpointError, save_training_checkpoint
+from megamamba.checkpoint.model_folder import FolderWeights, load_model_folder
 from megamamba.config import MambaConfig
 from megamamba.convert import export_hf, import_weights
 from megamamba.model.lm import MambaLM, lm_loss
-from megamamba.model_folder import FolderWeights, load_model_folder
 from megamamba.optim import param_groups
 from megamamba.pipelines import init_from
 from train_entry import load_train_script

@@ -2,10 +2,10 @@
 import json
 
 from megamamba.config import MambaConfig
-from megamamba.metrics import format_record
 from megamamba.model.lm import MambaLM
+from megamamba.observe.metrics import format_record
+from megamamba.observe.run_console import StepClock, count_parameters, optimizer_state_lines
 from megamamba.pipelines.layout import Layout
-from megamamba.run_console import StepClock, count_parameters, optimizer_state_lines
 from train_entry import ROOT
 
 
@@ -47,8 +47,8 @@ def test_parameter_count_equals_the_built_models():
 
 def test_summary_names_a_deepspeed_schedule_bf16_and_warns_about_the_builtin_corpus():
     from megamamba.data.training_data import training_data
-    from megamamba.lr_schedule import DeepSpeedSchedule
-    from megamamba.run_console import startup_summary
+    from megamamba.observe.run_console import startup_summary
+    from megamamba.schedule.lr_schedule import DeepSpeedSchedule
 
     config = MambaConfig.from_dict(json.loads((ROOT / "launch/models/tiny-mamba2.json").read_text()))
     layout = Layout(world_size=2, dp=2, tp=1, pp=1, micro_batch_size=2, grad_accum=2)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
-from megamamba.lr_schedule import LRSchedule
 from megamamba.pipelines.layout import LayoutError
+from megamamba.schedule.lr_schedule import LRSchedule
 from train_entry import ROOT, load_train_script
 
 BATCH = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}

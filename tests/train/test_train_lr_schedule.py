@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megamamba.lr_schedule import LRSchedule
+from megamamba.schedule.lr_schedule import LRSchedule
 
 
 def test_warmup_rises_linearly_to_the_peak():

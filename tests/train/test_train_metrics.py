@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megamamba.metrics import MetricsLogger
+from megamamba.observe.metrics import MetricsLogger
 
 RECORDS = [
     {"step": 0, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_s": 100.0, "tflops_per_device": 0.5,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megamamba.metrics import MetricsLogger
-from megamamba.monitor_config import Monitors, monitors_from_config
+from megamamba.observe.metrics import MetricsLogger
+from megamamba.observe.monitor_config import Monitors, monitors_from_config
 from train_entry import ROOT, TRAIN_PY, load_train_script
 
 FAKE_WANDB = Path(__file__).parent / "fake_wandb"

@@ -1,5 +1,5 @@
 """Training metrics: one record per logged step to the console, a JSON-lines file, TensorBoard, CSV files
-and wandb (the writers of `megamamba.monitors`; which ones a run uses: `megamamba.monitor_config`).
+and wandb (the writers of `megamamba.observe.monitors`; which ones a run uses: `megamamba.observe.monitor_config`).
 
 Names (docs/architecture.md): step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb and,
 when known, val_loss and mfu, then elapsed_s (since the job started) and eta_s (of the remaining
@@ -11,7 +11,7 @@ a no-op, so callers need not branch on rank.
 from typing import Optional
 
 from megamamba.data.progress import clock
-from megamamba.monitors import CsvMonitor, JsonlMonitor, TensorBoardMonitor, WandbMonitor
+from megamamba.observe.monitors import CsvMonitor, JsonlMonitor, TensorBoardMonitor, WandbMonitor
 
 METRIC_NAMES = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_peak_gb",
                 "val_loss", "mfu", "elapsed_s", "eta_s")

@@ -12,9 +12,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
+from megamamba.checkpoint.hf import ARCHITECTURES, HF_EMBEDDING, HFFormatError, config_from_hf, decode_special_floats
 from megamamba.config import ConfigError, MambaConfig
-from megamamba.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
-from megamamba.hf import ARCHITECTURES, HF_EMBEDDING, HFFormatError, config_from_hf, decode_special_floats
 from megamamba.model.layers import EMBEDDING, HEAD, tie
 from megamamba.model.lm import MambaLM
 

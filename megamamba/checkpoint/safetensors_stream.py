@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from megamamba.folder_tensors import FolderTensors, ModelFolderError, index_file, shard_file
-from megamamba.model_folder import WEIGHTS_STEM
+from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError, index_file, shard_file
+from megamamba.checkpoint.model_folder import WEIGHTS_STEM
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

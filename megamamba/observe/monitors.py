@@ -1,4 +1,4 @@
-"""Writers of a step's metrics record (`megamamba.metrics`): JSON lines, TensorBoard, CSV files, wandb.
+"""Writers of a step's metrics record (`megamamba.observe.metrics`): JSON lines, TensorBoard, CSV files, wandb.
 
 Each takes the record as `write(record)` (`step` first, None values already left out) and is
 closed once. The CSV and wandb writers keep the layout and calls of DeepSpeed's csv_monitor and

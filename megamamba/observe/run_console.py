@@ -10,8 +10,8 @@ from typing import Optional, Sequence, Union
 from megamamba.config import MambaConfig
 from megamamba.data.progress import clock
 from megamamba.data.training_data import BUILTIN_NAME, TrainingData
-from megamamba.lr_schedule import DeepSpeedSchedule, LRSchedule
 from megamamba.model.lm import MambaLM
+from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
 
 def count_parameters(config: MambaConfig) -> int:

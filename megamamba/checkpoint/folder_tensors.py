@@ -3,7 +3,7 @@
 A set `stem` ("model", "optimizer") is `stem`.safetensors alone, or several files listed by
 `stem`.safetensors.index.json (transformers' form: {"metadata": {"total_size"}, "weight_map":
 {key: file}}). A key is a tensor's name, or, for a piece of a tensor that several ranks saved
-each for itself, a key of its own whose record (megamamba.tensor_pieces.Piece) is in its file's
+each for itself, a key of its own whose record (megamamba.checkpoint.tensor_pieces.Piece) is in its file's
 metadata under PIECES_KEY. `FolderTensors` reads headers only until asked for a tensor, then
 reads just the bytes of the pieces the request overlaps.
 """
@@ -17,8 +17,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megamamba.checkpoint.tensor_pieces import Cut, Piece, assemble, check_cover
 from megamamba.errors import MegamambaError
-from megamamba.tensor_pieces import Cut, Piece, assemble, check_cover
 
 PIECES_KEY = "pieces"
 

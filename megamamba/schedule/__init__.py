@@ -1,0 +1,1 @@
+"""Learning-rate schedules: the plan a run follows, and how it continues after a resume."""
