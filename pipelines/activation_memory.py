@@ -83,7 +83,7 @@ def mixer_bytes_per_token(shape: ActivationShape) -> int:
     conv_out = d_inner + 2 * bc
     norm_out = d_inner if opts.rmsnorm else 0
     kept = a * (d + in_proj_out + conv_out + d_inner + norm_out)
-    if replicated and opts.rmsnorm:  # the norm spans ranks (parallel.spanning_norm): per group the summed
+    if replicated and opts.rmsnorm:  # the norm spans ranks (parallel.tensor.spanning_norm): per group the summed
         # out_proj products and 1/rms (float32, and its bf16 copy under autocast), of this rank's sequence
         # shard under sequence parallelism
         per_group = a * d + 4 + (2 if shape.autocast else 0)

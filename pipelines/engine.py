@@ -44,7 +44,7 @@ from megamamba.model.layers import draw_seed, initial_layer, layer_of
 from megamamba.model.lm import MambaLM
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
-from megamamba.parallel.context_parallel import ContextParallel, sequence_window
+from megamamba.parallel.context.context_parallel import ContextParallel, sequence_window
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines import clipping
 from megamamba.pipelines.agreement import agree, to_device

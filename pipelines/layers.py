@@ -5,7 +5,7 @@ import torch
 
 from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel
-from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
 
 
 class LMLoss:

@@ -24,8 +24,8 @@ from typing import Optional
 
 from megamamba.config import MambaConfig
 from megamamba.errors import LayoutError
-from megamamba.parallel.context_parallel import check_context_layout
-from megamamba.parallel.model_layout import check_model_layout
+from megamamba.parallel.context.context_parallel import check_context_layout
+from megamamba.parallel.tensor.model_layout import check_model_layout
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 DEFAULT_CLIP_GRAD = 1.0

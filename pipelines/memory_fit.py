@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megamamba.errors import LayoutError
-from megamamba.parallel.model_layout import check_model_layout
+from megamamba.parallel.tensor.model_layout import check_model_layout
 from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.memory_plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
 

@@ -25,7 +25,7 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 from megamamba.config import MambaConfig
 from megamamba.model.layers import layer_class, layer_count, split, tied_head
 from megamamba.parallel import TensorParallel
-from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.pipelines.layers import LMLoss
 from megamamba.pipelines.names import TIED_KEY
 from megamamba.pipelines.uninitialised import UninitialisedLayerSpec, UninitialisedTiedLayerSpec

@@ -31,6 +31,6 @@ def test_every_error_class_of_the_package_is_a_megamamba_error():
 def test_one_layout_error_is_defined():
     defined = [f"{module}.{name}" for module, name, _ in _classes() if name == "LayoutError"]
     assert defined == ["megamamba.errors.LayoutError"], defined
-    from megamamba.parallel.model_layout import LayoutError as model_layout_error
+    from megamamba.parallel.tensor.model_layout import LayoutError as model_layout_error
     from megamamba.pipelines.layout import LayoutError as run_layout_error
     assert model_layout_error is run_layout_error is LayoutError

@@ -15,7 +15,7 @@ from megamamba.model.mamba2 import Mamba2
 from megamamba.model.norm import LayerNorm, RMSNorm
 from megamamba.model.stream import pack, to_stream, unpack
 from megamamba.parallel import TensorParallel
-from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
 
 NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
 

@@ -27,8 +27,8 @@ from megamamba.parallel import (
     local_shard,
     parallel_linear,
 )
-from megamamba.parallel.context_parallel import ContextParallel
-from megamamba.parallel.from_full import sharded
+from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.tensor.from_full import sharded
 
 EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"  # mamba_ssm's keys
 EMBEDDING_INIT_STD = 0.02

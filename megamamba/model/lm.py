@@ -14,8 +14,8 @@ from megamamba.model.chunked_cross_entropy import chunked_cross_entropy
 from megamamba.model.layers import build_layer, draw_seed, split, tie
 from megamamba.model.stream import pack
 from megamamba.parallel import TensorParallel, vocab_parallel_cross_entropy
-from megamamba.parallel.context_parallel import ContextParallel, mean_over_context
-from megamamba.parallel.model_layout import check_model_layout, check_sequence_length
+from megamamba.parallel.context.context_parallel import ContextParallel, mean_over_context
+from megamamba.parallel.tensor.model_layout import check_model_layout, check_sequence_length
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,

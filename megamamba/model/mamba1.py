@@ -22,11 +22,11 @@ from megamamba.parallel import (
     TensorParallel,
     copy_to_tp_region,
 )
-from megamamba.parallel.context import ContextSlice
-from megamamba.parallel.context_parallel import ContextParallel
-from megamamba.parallel.conv import ParallelDepthwiseConv1d
-from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
-from megamamba.parallel.model_layout import check_mixer_layout
+from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.context.context_slice import ContextSlice
+from megamamba.parallel.tensor.conv import ParallelDepthwiseConv1d
+from megamamba.parallel.tensor.from_full import shard_parameter, sharded, split_rows
+from megamamba.parallel.tensor.model_layout import check_mixer_layout
 
 
 def fp32_or_wider(t: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,12 @@ from megamamba.kernels import causal_conv1d_update, selective_state_update
 from megamamba.model.mamba1 import fp32_or_wider, sample_dt_bias
 from megamamba.model.norm import RMSNormGated
 from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
-from megamamba.parallel.context import ContextSlice
-from megamamba.parallel.context_parallel import ContextParallel
-from megamamba.parallel.conv import ParallelDepthwiseConv1d
-from megamamba.parallel.from_full import shard_parameter, sharded, split_rows
-from megamamba.parallel.model_layout import check_mixer_layout
-from megamamba.parallel.spanning_norm import gated_rmsnorm_row_parallel
+from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.context.context_slice import ContextSlice
+from megamamba.parallel.tensor.conv import ParallelDepthwiseConv1d
+from megamamba.parallel.tensor.from_full import shard_parameter, sharded, split_rows
+from megamamba.parallel.tensor.model_layout import check_mixer_layout
+from megamamba.parallel.tensor.spanning_norm import gated_rmsnorm_row_parallel
 
 
 class Mamba2(nn.Module):

@@ -1,9 +1,12 @@
-"""Tensor and sequence parallelism: layers, collectives, sharding metadata, communication counts.
+"""Parallelism inside a stage: tensor/sequence parallelism (`tensor/`), context parallelism
+(`context/`), the process groups, rank placement and communication counts.
 
-Nothing imported here touches DeepSpeed; the process groups live in
-`megamamba.parallel.groups` (the one module that may import DeepSpeed's topology classes).
+This package re-exports the tensor-parallel API. Nothing imported here touches DeepSpeed; the
+process groups live in `megamamba.parallel.groups` (the one module that may import DeepSpeed's
+topology classes).
 """
-from megamamba.parallel.collectives import (
+from megamamba.parallel.comm_counter import CommRecord, CommTotals, comm_counter
+from megamamba.parallel.tensor.collectives import (
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_tp_region,
@@ -13,17 +16,16 @@ from megamamba.parallel.collectives import (
     scatter_to_tp_region,
     start_sequence_gather,
 )
-from megamamba.parallel.comm_counter import CommRecord, CommTotals, comm_counter
-from megamamba.parallel.components import component_parameters, in_component_order
-from megamamba.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megamamba.parallel.layers import (
+from megamamba.parallel.tensor.components import component_parameters, in_component_order
+from megamamba.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from megamamba.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from megamamba.parallel.linear import parallel_linear
-from megamamba.parallel.sharding import (
+from megamamba.parallel.tensor.linear import parallel_linear
+from megamamba.parallel.tensor.sharding import (
     Component,
     Shard,
     assemble_full,
@@ -35,7 +37,7 @@ from megamamba.parallel.sharding import (
     mark,
     tp_padded_vocab_size,
 )
-from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel, divide
+from megamamba.parallel.tensor.tensor_parallel import SEQ_DIM, TensorParallel, divide
 
 __all__ = [
     "SEQ_DIM", "ColumnParallelLinear", "CommRecord", "CommTotals", "Component", "RowParallelLinear", "Shard",

@@ -12,8 +12,8 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from megamamba.parallel.context_parallel import ContextParallel
-from megamamba.parallel.tensor_parallel import TensorParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 
 def init_distributed(**kwargs) -> None:

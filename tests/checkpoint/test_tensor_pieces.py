@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megamamba.checkpoint.tensor_pieces import Cut, Piece, assemble, check_cover
-from megamamba.parallel.sharding import Component, Shard, local_shard
+from megamamba.parallel.tensor.sharding import Component, Shard, local_shard
 
 SHAPES = {  # full shape, shard
     "rows": ((12, 5), Shard("w", 0, (Component("rows", 12),))),

@@ -119,7 +119,7 @@ def test_bf16_selective_scan_initial_state_within_no_state_bar(mamba_ssm, with_s
 
 
 def zero_input_scan(scan, B):
-    """The contribution of an initial state as megamamba/parallel/context.py computes it: the scan
+    """The contribution of an initial state as megamamba/parallel/context/context_slice.py computes it: the scan
     of a zero input (a stride-0 expanded scalar, in delta's dtype) from initial_state, gated by z.
     B only scales the zero input (its gradient is zero): it is held fixed."""
     def run(delta, A, C, z, delta_bias, initial_state, seq_idx=None):

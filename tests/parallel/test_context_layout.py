@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megamamba.parallel.context_parallel import ContextParallel, check_context_layout, sequence_slice
-from megamamba.parallel.model_layout import LayoutError
+from megamamba.parallel.context.context_parallel import ContextParallel, check_context_layout, sequence_slice
+from megamamba.parallel.tensor.model_layout import LayoutError
 
 
 def test_a_sequence_not_divisible_by_the_context_size_is_refused():

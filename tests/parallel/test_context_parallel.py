@@ -30,7 +30,7 @@ from megamamba import MambaLM
 from megamamba.model.block import Block
 from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
-from megamamba.parallel.context_parallel import ContextParallel, sequence_slice
+from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from model_cases import lm_config, lm_inputs
 from model_checks import perturb, relative_error
 from saved_tensors import autograd_saved_bytes

@@ -1,7 +1,7 @@
 """The state-passing correction keeps float32 under bf16 autocast, as the scan kernels keep theirs."""
 import torch
 
-from megamamba.parallel.context import _ssd_contribution
+from megamamba.parallel.context.context_slice import _ssd_contribution
 
 SEED = 11
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megamamba.parallel import RowParallelLinear, TensorParallel
-from megamamba.parallel.spanning_norm import gated_rmsnorm_row_parallel
+from megamamba.parallel.tensor.spanning_norm import gated_rmsnorm_row_parallel
 from model_checks import relative_error
 
 SEED = 7

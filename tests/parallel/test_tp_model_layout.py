@@ -9,7 +9,7 @@ import torch
 from megamamba import MambaConfig, MambaLM
 from megamamba.model.mamba2 import Mamba2
 from megamamba.parallel import TensorParallel, comm_counter, full_key, local_shard
-from megamamba.parallel.model_layout import LayoutError, check_sequence_length
+from megamamba.parallel.tensor.model_layout import LayoutError, check_sequence_length
 
 NO_GROUP = object()  # stands in for a process group that is never used
 

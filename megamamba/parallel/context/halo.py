@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megamamba.kernels import causal_conv1d
 from megamamba.parallel.comm_counter import comm_counter
-from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
 
 
 def shift_along_ranks(x: torch.Tensor, cp: ContextParallel, step: int) -> torch.Tensor:

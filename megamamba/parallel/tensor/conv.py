@@ -14,16 +14,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from megamamba.parallel.components import component_parameters, in_component_order
-from megamamba.parallel.sharding import Component
-from megamamba.parallel.tensor_parallel import TensorParallel
+from megamamba.parallel.tensor.components import component_parameters, in_component_order
+from megamamba.parallel.tensor.sharding import Component
+from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 
 class ParallelDepthwiseConv1d(nn.Module):
     """This rank's channels of a depthwise Conv1d over `components` (full channel blocks, in order).
 
     Holds parameters only; `weight_and_bias()` gives them as the conv kernel takes them. The
-    values are loaded from the full weights (`megamamba.parallel.from_full.sharded`).
+    values are loaded from the full weights (`megamamba.parallel.tensor.from_full.sharded`).
     """
 
     def __init__(self, components: Sequence[Component], width: int, tp: TensorParallel, *, bias: bool = True):

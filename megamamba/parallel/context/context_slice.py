@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megamamba.kernels import selective_scan, ssd_chunk_scan
-from megamamba.parallel.context_parallel import ContextParallel
-from megamamba.parallel.halo import causal_conv1d_with_halo, previous_ids
-from megamamba.parallel.state_passing import initial_state, masked_exp, reaches_from_start
+from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.context.halo import causal_conv1d_with_halo, previous_ids
+from megamamba.parallel.context.state_passing import initial_state, masked_exp, reaches_from_start
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

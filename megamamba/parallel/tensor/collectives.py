@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megamamba.parallel.comm_counter import comm_counter
-from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel
+from megamamba.parallel.tensor.tensor_parallel import SEQ_DIM, TensorParallel
 
 
 def _all_gather_single(*args, **kwargs):

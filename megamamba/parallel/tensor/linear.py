@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megamamba.parallel.collectives import start_all_gather, start_all_reduce, start_reduce_scatter
-from megamamba.parallel.tensor_parallel import SEQ_DIM, TensorParallel
+from megamamba.parallel.tensor.collectives import start_all_gather, start_all_reduce, start_reduce_scatter
+from megamamba.parallel.tensor.tensor_parallel import SEQ_DIM, TensorParallel
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

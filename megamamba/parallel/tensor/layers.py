@@ -17,16 +17,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamamba.parallel.collectives import (
+from megamamba.parallel.tensor.collectives import (
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
-from megamamba.parallel.components import component_parameters, in_component_order
-from megamamba.parallel.linear import parallel_linear
-from megamamba.parallel.sharding import Component, Shard, assemble_full, load_full_tensors, mark, tp_padded_vocab_size
-from megamamba.parallel.tensor_parallel import TensorParallel, divide
+from megamamba.parallel.tensor.components import component_parameters, in_component_order
+from megamamba.parallel.tensor.linear import parallel_linear
+from megamamba.parallel.tensor.sharding import (
+    Component,
+    Shard,
+    assemble_full,
+    load_full_tensors,
+    mark,
+    tp_padded_vocab_size,
+)
+from megamamba.parallel.tensor.tensor_parallel import TensorParallel, divide
 
 
 def _linear_init(out_features: int, in_features: int, bias: bool) -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from megamamba.parallel.collectives import copy_to_tp_region
-from megamamba.parallel.sharding import Component, Shard, mark
-from megamamba.parallel.tensor_parallel import TensorParallel
+from megamamba.parallel.tensor.collectives import copy_to_tp_region
+from megamamba.parallel.tensor.sharding import Component, Shard, mark
+from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 
 def component_parameters(

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from megamamba.parallel.sharding import Component, Shard, full_key, local_shard, mark
-from megamamba.parallel.tensor_parallel import TensorParallel
+from megamamba.parallel.tensor.sharding import Component, Shard, full_key, local_shard, mark
+from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 CARRIED_MARKS = ("_no_weight_decay", "_no_reinit")
 

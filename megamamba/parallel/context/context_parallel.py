@@ -3,7 +3,7 @@
 Rank r of a group of size C holds positions [r L/C, (r+1) L/C) of each sequence, of its input ids,
 document ids (seq_idx, with ids that mean the same document on every rank) and labels, through
 every layer. Layers receive a `ContextParallel` explicitly, as they receive a `TensorParallel`;
-the collectives of `megamamba.parallel.collectives` read only its `group` and `size`.
+the collectives of `megamamba.parallel.tensor.collectives` read only its `group` and `size`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megamamba.errors import LayoutError
-from megamamba.parallel.collectives import reduce_from_tp_region, start_all_reduce
+from megamamba.parallel.tensor.collectives import reduce_from_tp_region, start_all_reduce
 
 
 @dataclass(frozen=True)

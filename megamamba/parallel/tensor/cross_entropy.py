@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from megamamba.parallel.collectives import start_all_reduce
-from megamamba.parallel.tensor_parallel import TensorParallel
+from megamamba.parallel.tensor.collectives import start_all_reduce
+from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megamamba.parallel.collectives import start_all_gather, start_reduce_scatter
-from megamamba.parallel.context_parallel import ContextParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.tensor.collectives import start_all_gather, start_reduce_scatter
 
 
 def _fold(decays: torch.Tensor, finals: torch.Tensor, rank: int) -> list[torch.Tensor]:

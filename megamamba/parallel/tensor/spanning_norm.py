@@ -11,8 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megamamba.parallel.collectives import copy_to_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region
-from megamamba.parallel.layers import RowParallelLinear
+from megamamba.parallel.tensor.collectives import (
+    copy_to_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+)
+from megamamba.parallel.tensor.layers import RowParallelLinear
 
 
 def _in_float(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor):

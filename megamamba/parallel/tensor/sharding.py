@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megamamba.parallel.collectives import start_all_gather
-from megamamba.parallel.tensor_parallel import TensorParallel, divide
+from megamamba.parallel.tensor.collectives import start_all_gather
+from megamamba.parallel.tensor.tensor_parallel import TensorParallel, divide
 
 
 @dataclass(frozen=True)
