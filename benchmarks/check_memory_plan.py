@@ -1,4 +1,4 @@
-"""GPU check of the memory plan's activation estimate (pipelines/activation_memory.py) on one rank.
+"""GPU check of the memory plan's activation estimate (pipelines/memory/activations.py) on one rank.
 
     python benchmarks/check_memory_plan.py --size 130m [--checkpoint-activations-interval 1] [--dry-run]
 
@@ -48,9 +48,9 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     from deepspeed.accelerator import get_accelerator
 
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
-    from megamamba.pipelines.activation_memory import ActivationShape, kept_bytes
-    from megamamba.pipelines.agreement import to_device
-    from megamamba.pipelines.memory_plan import RunShape, plan_memory
+    from megamamba.pipelines.loop.agreement import to_device
+    from megamamba.pipelines.memory.activations import ActivationShape, kept_bytes
+    from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
     ds, model = (("tiny-cpu", "tiny-mamba2") if dry else (f"mamba2-{size}", f"mamba2-{size}"))
     script = _train_script()

@@ -12,7 +12,7 @@ ratio is above --max-ratio.
 
 Before each run it compares /proc/meminfo's MemAvailable with the run's estimate (per rank: the
 process itself plus RSS_PER_PARAMETER_BYTE x its stage's float32 parameter bytes, as
-`pipelines.memory_plan` counts them); while short it waits and looks again, and after
+`pipelines.memory.plan` counts them); while short it waits and looks again, and after
 MEMORY_TRIES looks it exits 3 without running.
 """
 import argparse
@@ -75,8 +75,8 @@ def rank_startup(model_config: str, tp: int, pp: int) -> tuple:
 def estimated_gib(model_config: str, tp: int, pp: int) -> float:
     """What the ranks of a (1, tp, pp) run are expected to hold at their peaks together, GiB."""
     from megamamba.config import MambaConfig
-    from megamamba.pipelines.layout import resolve_layout
-    from megamamba.pipelines.memory_plan import RunShape, plan_memory
+    from megamamba.pipelines.config.layout import resolve_layout
+    from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
     with open(model_config) as f:
         model = MambaConfig.from_dict(json.load(f))

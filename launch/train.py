@@ -5,11 +5,11 @@
 
 Data-parallel size = world size / (context x tensor x pipeline parallel size); the ranks of a
 context-parallel group (--context-parallel-size C) each hold 1/C of every sequence. Every
-consistency check runs before any process group exists (`megamamba.pipelines.layout`); a failure
+consistency check runs before any process group exists (`megamamba.pipelines.config.layout`); a failure
 prints one line and exits with status 2. The optimizer and learning-rate schedule come from the
 flags below or from the JSON's "optimizer" (Adam/AdamW) and "scheduler" (WarmupLR, WarmupDecayLR,
 WarmupCosineLR) blocks, and "bf16" enabled means torch_autocast bf16 with float32 parameters
-(`megamamba.pipelines.ds_translate`; a JSON value and a flag that disagree are refused; rank 0
+(`megamamba.pipelines.config.ds_translate`; a JSON value and a flag that disagree are refused; rank 0
 prints one line saying what was translated). Megatron's names are accepted for the same
 settings (--tensor-model-parallel-size, --pipeline-model-parallel-size, --micro-batch-size,
 --global-batch-size, --train-samples, --lr-decay-iters, --lr-warmup-fraction, --data-path), the
@@ -26,7 +26,7 @@ and none pruned while steps are being skipped (non-finite, or a --loss-spike-fac
 --keep-last never removes the newest checkpoint from before the first skipped step. A resume
 (--load) continues the sample stream at the checkpoint's consumed samples at any global batch size
 and refuses a changed data stream or LR plan unless --override-data-check /
---override-opt_param-scheduler (`megamamba.pipelines.resume`); --no-load-optim and --no-load-rng
+--override-opt_param-scheduler (`megamamba.pipelines.job.resume`); --no-load-optim and --no-load-rng
 as in Megatron.
 """
 import argparse
@@ -52,12 +52,14 @@ from megamamba.observe.monitor_config import MONITOR_BLOCKS, Monitors, monitors_
 from megamamba.observe.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
-from megamamba.pipelines import checkpointing, init_from
-from megamamba.pipelines.agreement import agree
+from megamamba.pipelines.config.ds_translate import optimizer_settings
+from megamamba.pipelines.config.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from megamamba.pipelines.deepspeed_internals import full_numel
-from megamamba.pipelines.ds_translate import optimizer_settings
-from megamamba.pipelines.engine import OptimizerSettings, build_trainer
-from megamamba.pipelines.faults import (
+from megamamba.pipelines.job import checkpointing, init_from
+from megamamba.pipelines.job.resume import fresh, records, resume_line, resumed_run, run_stream
+from megamamba.pipelines.loop.agreement import agree
+from megamamba.pipelines.loop.engine import OptimizerSettings, build_trainer
+from megamamba.pipelines.loop.faults import (
     NonFiniteGuard,
     NonFiniteSteps,
     StopRequest,
@@ -67,12 +69,10 @@ from megamamba.pipelines.faults import (
     check_max_skipped_steps,
     check_step_timeout,
 )
-from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
-from megamamba.pipelines.memory_fit import MemoryPlanError, check_at_start
-from megamamba.pipelines.memory_plan import RunShape, plan_memory
-from megamamba.pipelines.module import check_partition_method
-from megamamba.pipelines.optimizer_state import optimizer_state_bytes
-from megamamba.pipelines.resume import fresh, records, resume_line, resumed_run, run_stream
+from megamamba.pipelines.memory.fit import MemoryPlanError, check_at_start
+from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
+from megamamba.pipelines.memory.plan import RunShape, plan_memory
+from megamamba.pipelines.stages.pipeline_module import check_partition_method
 from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 
 # DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
@@ -120,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train on --data made with another tokenizer than --tokenizer (refused otherwise)")
     p.add_argument("--no-reset-at-documents", action="store_true",
                    help="let the state run across packed documents (no seq_idx)")
-    # None: not given; pipelines.ds_translate resolves the JSON's value, the flag's, or the default (in brackets)
+    # None: not given; pipelines.config.ds_translate resolves the JSON's value, the flag's, or the default (in brackets)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate [3e-4]")
     p.add_argument("--min-lr", type=float, default=None, help="[3e-5]")
     p.add_argument("--lr-warmup-iters", type=int, default=None, help="[0]")
@@ -185,7 +185,7 @@ def _read_json(path: str, what: str) -> dict:
         raise LayoutError(f"{what} {path!r}: {e}") from None
 
 
-# Blocks of the DeepSpeed config that are read as objects (here, in pipelines.layout or by DeepSpeed).
+# Blocks of the DeepSpeed config that are read as objects (here, in pipelines.config.layout or by DeepSpeed).
 OBJECT_BLOCKS = ("zero_optimization", "bf16", "fp16", "torch_autocast", "pipeline", "tensorboard", "timers",
                  "optimizer", "scheduler", "activation_checkpointing")
 

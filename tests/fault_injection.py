@@ -34,7 +34,7 @@ def _nan_gradients(steps: set) -> None:
     import torch
     import torch.distributed as dist
 
-    from megamamba.pipelines.faults import NonFiniteGuard
+    from megamamba.pipelines.loop.faults import NonFiniteGuard
 
     original = NonFiniteGuard.__init__
 
@@ -49,7 +49,7 @@ def _nan_gradients(steps: set) -> None:
 
 def _kill_during_save(step: int, at: int) -> None:
     from megamamba.checkpoint import files
-    from megamamba.pipelines import checkpointing
+    from megamamba.pipelines.job import checkpointing
 
     original, calls = checkpointing.save, []
 

@@ -32,5 +32,5 @@ def test_one_layout_error_is_defined():
     defined = [f"{module}.{name}" for module, name, _ in _classes() if name == "LayoutError"]
     assert defined == ["megamamba.errors.LayoutError"], defined
     from megamamba.parallel.tensor.model_layout import LayoutError as model_layout_error
-    from megamamba.pipelines.layout import LayoutError as run_layout_error
+    from megamamba.pipelines.config.layout import LayoutError as run_layout_error
     assert model_layout_error is run_layout_error is LayoutError

@@ -30,7 +30,7 @@ def engine(seed: int, dp: int):
 
     from megamamba import MambaLM
     from megamamba.optim import param_groups
-    from megamamba.pipelines.plain import PlainLM
+    from megamamba.pipelines.stages.plain import PlainLM
     from megamamba.schedule.lr_schedule import LRSchedule
 
     torch.manual_seed(seed)

@@ -69,7 +69,7 @@ def config(ssm, **fields):
 
 
 def _recompute_in_backward(block):
-    """Wrap a block in activation checkpointing as pipelines/module.py does (non-reentrant)."""
+    """Wrap a block in activation checkpointing as pipelines/stages/pipeline_module.py does (non-reentrant)."""
     forward = block.forward
     block.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
 

@@ -50,7 +50,7 @@ def _measured_rank(argv, extensions_dir):
     import torch.distributed as dist
 
     from megamamba.checkpoint import files
-    from megamamba.pipelines import checkpointing
+    from megamamba.pipelines.job import checkpointing
 
     seen = {"payloads": [], "written": [], "placement": []}
     active = []

@@ -1,7 +1,7 @@
 """The loss-spike rule of --loss-spike-factor: above factor x the running median, after a warm-up."""
 import pytest
 
-from megamamba.pipelines.faults import SPIKE_MIN_HISTORY, SPIKE_WINDOW, LossSpikes
+from megamamba.pipelines.loop.faults import SPIKE_MIN_HISTORY, SPIKE_WINDOW, LossSpikes
 
 
 def test_no_loss_is_judged_before_the_history_fills_and_none_without_a_factor():

@@ -37,7 +37,7 @@ def _assembled_state(trainer, config) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from megamamba.parallel import full_tensors
-    from megamamba.pipelines import checkpointing
+    from megamamba.pipelines.job import checkpointing
 
     rename = checkpointing._rename(trainer, config)
     zero = checkpointing._zero(trainer)
@@ -52,7 +52,7 @@ def _assembled_state(trainer, config) -> dict:
 
 def _saving_rank(argv, extensions_dir, out):
     """One (2,2,2) rank: its save's memory growth and own shard; the stage's first rank writes the assembled state."""
-    from megamamba.pipelines import checkpointing
+    from megamamba.pipelines.job import checkpointing
 
     seen = {}
     original = checkpointing.save
@@ -83,7 +83,7 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
-    from megamamba.pipelines import checkpointing
+    from megamamba.pipelines.job import checkpointing
 
     script = load_train_script()
     args = script.parse_args(argv)

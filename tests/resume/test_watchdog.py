@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = """
 import time
 from megamamba.observe import console_log
-from megamamba.pipelines.faults import Watchdog
+from megamamba.pipelines.loop.faults import Watchdog
 console_log.configure()
 w = Watchdog(0.5)
 w.beat()

@@ -12,8 +12,8 @@ import torch
 from distributed import run_ranks
 from megamamba.config import MambaConfig
 from megamamba.model.lm import MambaLM
-from megamamba.pipelines.activation_memory import ActivationShape, kept_bytes, stage_activation_bytes
-from megamamba.pipelines.plain import PlainLM
+from megamamba.pipelines.memory.activations import ActivationShape, kept_bytes, stage_activation_bytes
+from megamamba.pipelines.stages.plain import PlainLM
 from saved_tensors import autograd_saved_bytes
 from train_entry import ROOT
 

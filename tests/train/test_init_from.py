@@ -22,7 +22,7 @@ from megamamba.config import MambaConfig
 from megamamba.convert import export_hf, import_weights
 from megamamba.model.lm import MambaLM, lm_loss
 from megamamba.optim import param_groups
-from megamamba.pipelines import init_from
+from megamamba.pipelines.job import init_from
 from train_entry import load_train_script
 
 FOLDER_SEED, SAVED_STEP = 7, 3

@@ -8,10 +8,10 @@ import pytest
 
 from distributed import run_ranks
 from megamamba.config import MambaConfig
-from megamamba.pipelines import memory_fit
-from megamamba.pipelines.layout import Layout
-from megamamba.pipelines.memory_fit import RESERVED, alternatives, refusal
-from megamamba.pipelines.memory_plan import GiB, RunShape, plan_memory
+from megamamba.pipelines.config.layout import Layout
+from megamamba.pipelines.memory import fit as memory_fit
+from megamamba.pipelines.memory.fit import RESERVED, alternatives, refusal
+from megamamba.pipelines.memory.plan import GiB, RunShape, plan_memory
 from train_entry import ROOT, load_train_script
 
 

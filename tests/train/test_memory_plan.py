@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
-from megamamba.pipelines.memory_plan import RunShape, plan_memory
+from megamamba.pipelines.memory.plan import RunShape, plan_memory
 from train_entry import load_train_script
 
 SEQ = 32
@@ -35,7 +35,7 @@ def _measure(argv, extensions_dir):
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
     script = load_train_script()
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
-    from megamamba.pipelines.optimizer_state import optimizer_state_bytes
+    from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
 
     args = script.parse_args(argv)
     plan = script.prepare(args, int(os.environ["WORLD_SIZE"]))

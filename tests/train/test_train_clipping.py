@@ -1,7 +1,7 @@
 """Stage-0 gradient clipping counts every parameter of the model once."""
 import torch
 
-from megamamba.pipelines.clipping import clip_, counted_here, global_grad_norm
+from megamamba.pipelines.loop.clipping import clip_, counted_here, global_grad_norm
 
 
 def _param(grad, **attrs):

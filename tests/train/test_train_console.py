@@ -5,7 +5,7 @@ from megamamba.config import MambaConfig
 from megamamba.model.lm import MambaLM
 from megamamba.observe.metrics import format_record
 from megamamba.observe.run_console import StepClock, count_parameters, optimizer_state_lines
-from megamamba.pipelines.layout import Layout
+from megamamba.pipelines.config.layout import Layout
 from train_entry import ROOT
 
 

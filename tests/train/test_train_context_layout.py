@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megamamba import MambaConfig
-from megamamba.pipelines.layout import LayoutError, check_run, engine_config, resolve_layout
+from megamamba.pipelines.config.layout import LayoutError, check_run, engine_config, resolve_layout
 from train_entry import ROOT, TRAIN_PY, load_train_script
 
 TINY = MambaConfig.from_json(ROOT / "launch/models/tiny-mamba2.json")

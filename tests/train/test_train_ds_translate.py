@@ -6,7 +6,7 @@ import pytest
 import torch
 from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
-from megamamba.pipelines.layout import LayoutError
+from megamamba.pipelines.config.layout import LayoutError
 from megamamba.schedule.lr_schedule import LRSchedule
 from train_entry import ROOT, load_train_script
 

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.pipelines.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
+from megamamba.pipelines.config.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from train_entry import ROOT, load_train_script
 
 TINY = MambaConfig.from_json(ROOT / "launch/models/tiny-mamba2.json")

@@ -44,7 +44,7 @@ def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer
         print(f"{mixer} {layout} rank {rank}: max relative loss difference to (1,1,1) {error:.1e}")
         assert error <= TOLERANCE, (rank, curve, losses(ref))
         assert relative_curve_error(losses(summary["records"], "val_loss"), losses(ref, "val_loss")) <= TOLERANCE
-        # The clipped global norm: every parameter once, the tied embedding too (ZeRO-0: pipelines.clipping).
+        # The clipped global norm: every parameter once, the tied embedding too (ZeRO-0: pipelines.loop.clipping).
         assert relative_curve_error(losses(summary["records"], "grad_norm"), losses(ref, "grad_norm")) <= 1e-5
 
 

@@ -14,10 +14,10 @@ from torch import nn
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.model.lm import layer_list
-from megamamba.pipelines.layers import LMLoss
-from megamamba.pipelines.module import layer_specs
-from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict, to_mamba
-from megamamba.pipelines.plain import PlainLM
+from megamamba.pipelines.stages.loss import LMLoss
+from megamamba.pipelines.stages.names import load_mamba_state_dict, mamba_state_dict, to_mamba
+from megamamba.pipelines.stages.pipeline_module import layer_specs
+from megamamba.pipelines.stages.plain import PlainLM
 
 CONFIGS = ["launch/models/tiny-mamba1.json", "launch/models/tiny-mamba2.json"]
 SEED = 11

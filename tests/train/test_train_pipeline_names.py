@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.pipelines.names import to_mamba, to_pipe
+from megamamba.pipelines.stages.names import to_mamba, to_pipe
 
 CONFIGS = ["launch/models/tiny-mamba1.json", "launch/models/tiny-mamba2.json"]
 

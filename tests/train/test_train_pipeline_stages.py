@@ -18,9 +18,9 @@ def _stage_states(cases):
 
     from megamamba import MambaConfig
     from megamamba.parallel.groups import ParallelGroups, init_distributed
-    from megamamba.pipelines.engine import InitialState
-    from megamamba.pipelines.module import build_pipeline_module
-    from megamamba.pipelines.names import load_mamba_state_dict, mamba_state_dict
+    from megamamba.pipelines.loop.engine import InitialState
+    from megamamba.pipelines.stages.names import load_mamba_state_dict, mamba_state_dict
+    from megamamba.pipelines.stages.pipeline_module import build_pipeline_module
 
     init_distributed()
     groups = ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2)

@@ -7,7 +7,7 @@ hold their half of the tied embedding), one full piece (layer, embedding) at a t
 initialising, and DeepSpeed's ZeRO flattening holds about 3x the stage's parameters at its peak.
 Measured: (1,1,1) 4.57 GiB, (1,2,2) 1.66 GiB per rank (ratio 0.36), of which 0.26-0.47 GiB is the
 process itself (torch, DeepSpeed, the training data). Before freed tensors were unmapped
-(`pipelines.host_memory`) a (1,2,2) rank reached 2.0-2.2 GiB; before ranks built only their own
+(`pipelines.memory.host`) a (1,2,2) rank reached 2.0-2.2 GiB; before ranks built only their own
 pieces, it also held the whole model once.
 """
 import subprocess

@@ -9,8 +9,8 @@ from torch import nn
 
 from megamamba import MambaConfig
 from megamamba.parallel import TensorParallel
-from megamamba.pipelines.module import layer_specs
-from megamamba.pipelines.uninitialised import UninitialisedLayerSpec
+from megamamba.pipelines.stages.pipeline_module import layer_specs
+from megamamba.pipelines.stages.uninitialised import UninitialisedLayerSpec
 from train_entry import ROOT
 
 CONFIGS = ["launch/models/tiny-mamba1.json", "launch/models/tiny-mamba2.json"]

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from megamamba.errors import MegamambaError
-from megamamba.pipelines.agreement import agree
 from megamamba.pipelines.deepspeed_internals import set_found_inf, skipped_steps, wrap_optimizer_step
+from megamamba.pipelines.loop.agreement import agree
 
 log = logging.getLogger(__name__)
 SPIKE_WINDOW, SPIKE_MIN_HISTORY = 32, 8  # losses the median runs over; none is judged before this many

@@ -13,7 +13,7 @@ size), in bytes:
   - DeepSpeed buffers: ZeRO's contiguous gradient bucket (reduce_bucket_size float32 elements,
     twice with overlap_comm, once more for the pipeline engine's reduction; measured equal), or
     without ZeRO the flattened all-reduce bucket (estimated: up to 5e8 elements, with dp > 1);
-  - activations (estimated; `pipelines.activation_memory`).
+  - activations (estimated; `pipelines.memory.activations`).
 Parameters, gradients and optimizer state are exact for ZeRO 0 and 1 (ZeRO 2: parameters and
 optimizer state; its gradients pass through the reduce bucket): the parameter count of every
 layer comes from the model's own modules built on the meta device for tensor-parallel rank 0,
@@ -33,9 +33,9 @@ from megamamba.config import MambaConfig
 from megamamba.model.layers import layer_class
 from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
-from megamamba.pipelines.activation_memory import ActivationShape, stage_activation_bytes
-from megamamba.pipelines.layout import Layout, zero_stage
-from megamamba.pipelines.module import layer_specs
+from megamamba.pipelines.config.layout import Layout, zero_stage
+from megamamba.pipelines.memory.activations import ActivationShape, stage_activation_bytes
+from megamamba.pipelines.stages.pipeline_module import layer_specs
 
 FLOAT32 = 4
 ZERO_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: flat groups are padded to 2 x dp elements
@@ -61,7 +61,7 @@ class RunShape:
     @classmethod
     def of_run(cls, model: MambaConfig, layout: Layout, engine_config: dict, seq_length: int,
                partition_method: str, checkpoint_interval: int, sequence_parallel: bool) -> "RunShape":
-        """The shape of a run from the dict handed to deepspeed.initialize (`pipelines.layout.engine_config`)."""
+        """The shape of a run from the dict handed to deepspeed.initialize (`pipelines.config.layout.engine_config`)."""
         zero = engine_config.get("zero_optimization", {})
         stage = zero_stage(engine_config)
         return cls(model, layout, seq_length, stage, partition_method, checkpoint_interval, sequence_parallel,

@@ -22,8 +22,8 @@ from megamamba.checkpoint.run_record import (
     saved_position,
     stream_record,
 )
-from megamamba.pipelines.ds_translate import optimizer_settings
-from megamamba.pipelines.layout import LayoutError
+from megamamba.pipelines.config.ds_translate import optimizer_settings
+from megamamba.pipelines.config.layout import LayoutError
 from megamamba.schedule.lr_continued import ContinuedSchedule, plan_position
 
 

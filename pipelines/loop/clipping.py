@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
 
-from megamamba.pipelines.agreement import device
 from megamamba.pipelines.deepspeed_internals import is_pipe_replicated, replace_fp32_clipping, set_global_grad_norm
+from megamamba.pipelines.loop.agreement import device
 
 
 def counted_here(param: torch.nn.Parameter, tp_rank: int) -> bool:

@@ -1,6 +1,6 @@
 """Pipeline layers built without their default initialisation.
 
-A pipeline stage's weights are copied in after it is built (`pipelines.engine.InitialState`, or a
+A pipeline stage's weights are copied in after it is built (`pipelines.loop.engine.InitialState`, or a
 checkpoint), so the draws every layer makes in its constructor (under TP: full tensors, then
 sliced) are wasted start-up time. These specs run the constructor on the meta device, where
 nothing is drawn or stored, then give each parameter uninitialised storage on the accelerator's

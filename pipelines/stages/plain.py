@@ -12,8 +12,8 @@ from torch import nn
 
 from megamamba.model.lm import MambaLM, layer_list
 from megamamba.model.stream import pack
-from megamamba.pipelines.layers import LMLoss
-from megamamba.pipelines.module import non_reentrant_checkpoint
+from megamamba.pipelines.stages.loss import LMLoss
+from megamamba.pipelines.stages.pipeline_module import non_reentrant_checkpoint
 
 
 class PlainLM(nn.Module):

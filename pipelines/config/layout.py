@@ -11,7 +11,7 @@ Rules that settle how our flags and the JSON interact (docs/training.md):
     (each holds a slice of every sequence), so they count once.
   - Optimizer and learning-rate schedule: the JSON's "optimizer" (Adam/AdamW) and "scheduler"
     (WarmupLR, WarmupDecayLR, WarmupCosineLR) blocks or our flags, translated to torch's fused
-    AdamW and our schedule (`pipelines.ds_translate`); DeepSpeed never sees the blocks.
+    AdamW and our schedule (`pipelines.config.ds_translate`); DeepSpeed never sees the blocks.
   - Gradient clipping: the JSON's "gradient_clipping" or --clip-grad, not both; 1.0 if neither.
   - Precision: float32, or bf16 through "torch_autocast" (float32 parameters and master weights,
     bf16 matmuls). DeepSpeed's own bf16 mode would cast every parameter, the SSM's A_log, D and
@@ -159,7 +159,7 @@ def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], s
     """The dict handed to deepspeed.initialize: batch keys resolved, clipping set, TensorBoard left to us.
 
     The "tensorboard" block is taken out (our metrics logger writes the event files, with our names),
-    so are "optimizer" and "scheduler" (translated by `pipelines.ds_translate`: DeepSpeed gets a
+    so are "optimizer" and "scheduler" (translated by `pipelines.config.ds_translate`: DeepSpeed gets a
     client optimizer) and "bf16"/"fp16" ("bf16" enabled becomes torch_autocast bf16);
     with sequence parallelism the boundary tensor differs per TP rank, so the pipeline must not
     partition it across the TP group (pipe_partitioned / grad_partitioned off). Unless the JSON

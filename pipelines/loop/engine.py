@@ -10,9 +10,9 @@ Initial weights do not depend on the layout: they are those of `MambaLM(config)`
 builds its `MambaLM` (its TP shards) that way; a pipeline stage copies its parameters out of
 `InitialState`, which draws one full layer at a time, so no rank ever holds more than its own
 stage and one full layer. The stage's layers are built without
-their own initialisation (`pipelines.uninitialised`), which these copies would overwrite.
+their own initialisation (`pipelines.stages.uninitialised`), which these copies would overwrite.
 
-Without ZeRO, gradient clipping uses `pipelines.clipping` (DeepSpeed's stage-0 norm miscounts
+Without ZeRO, gradient clipping uses `pipelines.loop.clipping` (DeepSpeed's stage-0 norm miscounts
 pipeline stages and tied weights). The optimizer is torch's fused AdamW over
 `megamamba.optim.param_groups`, handed to DeepSpeed as a client optimizer: no JIT-compiled
 FusedAdam. The learning rate follows an `LRSchedule`, stepped by the trainer (`finish_step`)
@@ -20,7 +20,7 @@ once the ranks have agreed that the optimizer step was applied.
 
 A step makes no host synchronization: `train_step` returns the loss as a device tensor, batches
 travel to the device from pinned memory, and the caller agrees on the loss and the step's flags
-in one reduction (`megamamba.pipelines.faults.agree_step`).
+in one reduction (`megamamba.pipelines.loop.faults.agree_step`).
 
 Micro-batches are (inputs, labels, seq_idx) as `megamamba.data.batches` makes them: seq_idx
 (document ids, or None) goes to the model beside the ids, so every block resets its state at
@@ -29,7 +29,7 @@ document boundaries; the pipeline engine receives it as the first stage's input 
 Context parallelism (layout.cp = C > 1): the trainer's micro-batches are its slice (`window`) of
 the sequences of its data-parallel replica's micro-batches (`dp_rank` counts replicas, not CP
 ranks), read alone by the data path; the loss is the whole sequences' mean, its gradient scaled
-for DeepSpeed's average over dp x C ranks (`pipelines.layers.LMLoss`).
+for DeepSpeed's average over dp x C ranks (`pipelines.stages.loss.LMLoss`).
 """
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -46,13 +46,13 @@ from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_window
 from megamamba.parallel.groups import ParallelGroups
-from megamamba.pipelines import clipping
-from megamamba.pipelines.agreement import agree, to_device
-from megamamba.pipelines.host_memory import reuse_freed_tensors, unmap_freed_tensors
-from megamamba.pipelines.layout import Layout
-from megamamba.pipelines.module import build_pipeline_module
-from megamamba.pipelines.names import load_mamba_state_dict, to_mamba
-from megamamba.pipelines.plain import PlainLM
+from megamamba.pipelines.config.layout import Layout
+from megamamba.pipelines.loop import clipping
+from megamamba.pipelines.loop.agreement import agree, to_device
+from megamamba.pipelines.memory.host import reuse_freed_tensors, unmap_freed_tensors
+from megamamba.pipelines.stages.names import load_mamba_state_dict, to_mamba
+from megamamba.pipelines.stages.pipeline_module import build_pipeline_module
+from megamamba.pipelines.stages.plain import PlainLM
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
 

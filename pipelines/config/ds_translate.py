@@ -16,8 +16,8 @@ Weight decay applies to our decayed parameter group (matrices), as with the flag
 import math
 from typing import NamedTuple, Optional
 
-from megamamba.pipelines.engine import OptimizerSettings
-from megamamba.pipelines.layout import LayoutError
+from megamamba.pipelines.config.layout import LayoutError
+from megamamba.pipelines.loop.engine import OptimizerSettings
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
 DEFAULTS = {"lr": 3e-4, "min_lr": 3e-5, "lr_warmup_iters": 0, "lr_decay_style": "cosine", "weight_decay": 0.1,

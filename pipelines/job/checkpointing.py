@@ -65,7 +65,7 @@ from megamamba.pipelines.deepspeed_internals import (
     zero_fragment,
     zero_param_groups,
 )
-from megamamba.pipelines.names import EMBEDDING
+from megamamba.pipelines.stages.names import EMBEDDING
 
 log = logging.getLogger(__name__)
 

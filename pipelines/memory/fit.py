@@ -17,8 +17,8 @@ from typing import Optional
 
 from megamamba.errors import LayoutError
 from megamamba.parallel.tensor.model_layout import check_model_layout
-from megamamba.pipelines.agreement import agree
-from megamamba.pipelines.memory_plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
+from megamamba.pipelines.loop.agreement import agree
+from megamamba.pipelines.memory.plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
 
 RESERVED = 2 * GiB
 SMALL_BUCKET = int(5e7)  # a tenth of DeepSpeed's default reduce bucket: 200 MB of float32 instead of 2 GB

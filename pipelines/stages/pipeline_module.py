@@ -4,7 +4,7 @@ With tie_embeddings the embedding and the head are one tied layer spec ("embed")
 the last stage each hold the weight and DeepSpeed all-reduces its gradient between them. The
 loss runs on the last stage.
 
-Layers are built without their default initialisation (`pipelines.uninitialised`): the caller
+Layers are built without their default initialisation (`pipelines.stages.uninitialised`): the caller
 copies the stage's weights in, the initial ones or a checkpoint's.
 
 Partitioning (`partition_method`): "uniform" (equal layer counts, embedding/norm/head counted as
@@ -26,9 +26,9 @@ from megamamba.config import MambaConfig
 from megamamba.model.layers import layer_class, layer_count, split, tied_head
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context.context_parallel import ContextParallel
-from megamamba.pipelines.layers import LMLoss
-from megamamba.pipelines.names import TIED_KEY
-from megamamba.pipelines.uninitialised import UninitialisedLayerSpec, UninitialisedTiedLayerSpec
+from megamamba.pipelines.stages.loss import LMLoss
+from megamamba.pipelines.stages.names import TIED_KEY
+from megamamba.pipelines.stages.uninitialised import UninitialisedLayerSpec, UninitialisedTiedLayerSpec
 
 PARTITION_METHODS = ("uniform", "parameters", "type:<regex>")
 
@@ -58,7 +58,7 @@ def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partit
                           checkpoint_interval: int = 0, tp: Optional[TensorParallel] = None,
                           cp: Optional[ContextParallel] = None) -> PipelineModule:
     """This rank's stage of the model (needs torch.distributed initialised; `tp` and `cp` from the same
-    topology), its parameters uninitialised: load them (`pipelines.names.load_mamba_state_dict`) before use."""
+    topology), its parameters uninitialised: load them (`pipelines.stages.names.load_mamba_state_dict`) before use."""
     check_partition_method(partition_method)
     return PipelineModule(
         layers=layer_specs(config, tp, cp),

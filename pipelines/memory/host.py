@@ -3,7 +3,7 @@
 glibc serves an allocation from the heap unless it is at least its mmap threshold, which starts at
 128 KiB and rises to the size of every mapped block freed (up to 32 MiB). Building a tensor-parallel
 shard or a pipeline stage draws full tensors and frees them (`megamamba.model.layers.build_layer`,
-`pipelines.engine.InitialState`), so the threshold rises and the stage's own parameters land in the
+`pipelines.loop.engine.InitialState`), so the threshold rises and the stage's own parameters land in the
 heap; when DeepSpeed then flattens them into one buffer, the freed originals stay resident in the
 heap, one more copy of the stage at start-up's peak. A fixed threshold maps every tensor of
 HOST_MMAP_THRESHOLD bytes or more on its own, and freeing it unmaps it. Measured on

@@ -1,0 +1,1 @@
+"""A job's state across runs: saving and loading checkpoints, resuming, and starting from existing weights."""

@@ -1,0 +1,1 @@
+"""The model's layer list as DeepSpeed runs it: pipeline stages, the pp = 1 module, the loss, the names."""
