@@ -52,11 +52,11 @@ from megamamba.observe.monitor_config import MONITOR_BLOCKS, Monitors, monitors_
 from megamamba.observe.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
-from megamamba.pipelines.config.ds_translate import optimizer_settings
+from megamamba.pipelines.config.ds_translate import OptimizerFlags, optimizer_settings
 from megamamba.pipelines.config.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
 from megamamba.pipelines.deepspeed_internals import full_numel
 from megamamba.pipelines.job import checkpointing, init_from
-from megamamba.pipelines.job.resume import fresh, records, resume_line, resumed_run, run_stream
+from megamamba.pipelines.job.resume import ResumeFlags, fresh, records, resume_line, resumed_run, run_stream
 from megamamba.pipelines.loop.agreement import agree
 from megamamba.pipelines.loop.engine import OptimizerSettings, build_trainer
 from megamamba.pipelines.loop.faults import (
@@ -219,6 +219,15 @@ def _with_batch_flags(ds_config: dict, args) -> dict:
     return config
 
 
+def optimizer_flags(args: argparse.Namespace) -> OptimizerFlags:
+    return OptimizerFlags(**{name: getattr(args, name) for name in OptimizerFlags._fields})
+
+
+def resume_flags(args: argparse.Namespace) -> ResumeFlags:
+    return ResumeFlags(args.train_samples, args.override_data_check, args.override_opt_param_scheduler,
+                       args.no_load_optim, args.no_load_rng, optimizer_flags(args))
+
+
 def _train_iters(args, global_batch_size: int) -> int:
     """--train-iters, or --train-samples / global batch size (Megatron's sample-based length); exactly one."""
     if (args.train_iters is None) == (args.train_samples is None):
@@ -260,7 +269,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         train_iters = _train_iters(args, layout.global_batch_size)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    settings = optimizer_settings(ds_config, args, train_iters)
+    settings = optimizer_settings(ds_config, optimizer_flags(args), train_iters)
     try:
         data = training_data(model, args.tokenizer, args.data, args.valid_data, args.seq_length,
                              layout.global_batch_size, args.seed, not args.no_reset_at_documents,
@@ -351,148 +360,208 @@ def main(argv=None) -> dict:
         for note in plan.data.warnings:
             print(f"train.py: warning: {note}", flush=True)
     try:
-        return run_training(args, plan, rank, job_start)
+        return run_training(args, plan, job_start)
     finally:
         if lock is not None:
             lock.release()
 
 
-def run_training(args: argparse.Namespace, plan: RunPlan, rank: int, job_start: float) -> dict:
-    """The training loop of `main`, after start-up; returns this rank's summary."""
-    layout, model_config = plan.layout, plan.model
+class StartedRun(NamedTuple):
+    trainer: object  # `build_trainer`'s, its weights loaded
+    resume: Optional[object]  # the checkpoint resumed from, or None
+    run_start: object  # where the run starts (`fresh` / `resumed_run`)
+    stream: Optional[dict]  # the data stream each checkpoint records (None without --save or a resume)
+    initial: Optional[tuple]  # (flag, folder) of --init-from / --finetune, or None
+    source: Optional[object]  # the opened --init-from source the weights came from (None on a resume)
+
+
+def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
+    """The trainer built and its weights set: resumed from --load, initialised from --init-from, or fresh."""
     load, initial = init_from.sources(args.init_from, args.finetune, args.load)
     try:
-        resume = checkpointing.open_for_run(load, args.save, model_config)
-        stream = run_stream(plan.data, args.tokenizer) if args.save or resume else None  # what saves record
-        run_start = fresh(plan.train_iters, plan.schedule, layout.global_batch_size) if not resume else resumed_run(
-            resume, args, stream, layout.global_batch_size, plan.train_iters, plan.schedule, plan.ds_config)
+        resume = checkpointing.open_for_run(load, args.save, plan.model)
+        stream = run_stream(plan.data, args.tokenizer) if args.save or resume else None
+        global_batch = plan.layout.global_batch_size
+        run_start = fresh(plan.train_iters, plan.schedule, global_batch) if not resume else resumed_run(
+            resume, resume_flags(args), stream, global_batch, plan.train_iters, plan.schedule, plan.ds_config)
         settings = dataclasses.replace(plan.optimizer, schedule=run_start.schedule)
-        start = init_from.open_source(*initial, model_config) if initial and not resume else None
-        trainer = build_trainer(layout, model_config, plan.engine_config, settings, args.seed, args.partition_method,
-                                args.checkpoint_activations_interval, args.sequence_parallel)
+        source = init_from.open_source(*initial, plan.model) if initial and not resume else None
+        trainer = build_trainer(plan.layout, plan.model, plan.engine_config, settings, args.seed,
+                                args.partition_method, args.checkpoint_activations_interval, args.sequence_parallel)
         if args.save or load:
             checkpointing.check_trainer(trainer)
         if resume:
-            checkpointing.load(trainer, resume, model_config, not args.no_load_optim, not args.no_load_rng)
-        if start:
-            init_from.load_weights(trainer, start)
+            checkpointing.load(trainer, resume, plan.model, not args.no_load_optim, not args.no_load_rng)
+        if source:
+            init_from.load_weights(trainer, source)
     except CheckpointError as e:
         fail(e)
-    stop = StopRequest()
-    guard = NonFiniteGuard(trainer.engine, args.max_skipped_steps, args.loss_spike_factor)
-    newest = resume.path if resume else None  # the newest checkpoint of this run
-    last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
-    watchdog = Watchdog(args.step_timeout)
-    train, valid = plan.data.train, plan.data.valid
-    first_step, train_iters = run_start.step, run_start.train_iters
-    logger = MetricsLogger(rank == 0, args.metrics_jsonl, total_steps=train_iters, **plan.monitors._asdict())
-    tokens_per_step = layout.global_batch_size * args.seq_length
-    flops_per_step = training_flops_per_token(model_config, args.seq_length) * tokens_per_step
-    stage_params = sum(full_numel(p) for p in trainer.module.parameters())
-    low, high = agree([-stage_params, stage_params], op="max")
-    if rank == 0:
+    return StartedRun(trainer, resume, run_start, stream, initial, source)
+
+
+class TrainingLoop:
+    """The steps of a run after start-up: each one trained, evaluated and logged when due, then saved
+    when due; global rank 0 prints and logs."""
+
+    def __init__(self, args: argparse.Namespace, plan: RunPlan, run: StartedRun, job_start: float):
+        self.args, self.plan, self.run_start, self.stream = args, plan, run.run_start, run.stream
+        self.trainer, self.layout, self.rank = run.trainer, plan.layout, dist.get_rank()
+        self.first_step, self.train_iters = run.run_start.step, run.run_start.train_iters
+        self.stop = StopRequest()
+        self.guard = NonFiniteGuard(self.trainer.engine, args.max_skipped_steps, args.loss_spike_factor)
+        self.watchdog = Watchdog(args.step_timeout)
+        self.newest = run.resume.path if run.resume else None  # the newest checkpoint of this run
+        self.last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
+        self.logger = MetricsLogger(self.rank == 0, args.metrics_jsonl, total_steps=self.train_iters,
+                                    **plan.monitors._asdict())
+        self.tokens_per_step = self.layout.global_batch_size * args.seq_length
+        self.flops_per_step = training_flops_per_token(plan.model, args.seq_length) * self.tokens_per_step
+        self.stage_params = sum(full_numel(p) for p in self.trainer.module.parameters())
+        self.window = self.trainer.window(args.seq_length)  # under CP, this rank reads only its slice of each sequence
+        self.summary = {"records": [], "stage_parameters": self.stage_params,
+                        "parameter_dtypes": sorted({str(p.dtype) for p in self.trainer.module.parameters()})}
+        self.steps_timed, self.seconds = 0, 0.0
+        self.clock = StepClock(job_start, time.perf_counter(), self.train_iters)
+
+    def announce(self, run: StartedRun) -> None:
+        """The start-up summary, and what the weights came from (collective: every rank counts its stage)."""
+        low, high = agree([-self.stage_params, self.stage_params], op="max")
+        if self.rank != 0:
+            return
+        args, plan = self.args, self.plan
         print_line("\n".join(startup_summary(
-            model=model_config, layout=layout, seq_length=args.seq_length, train_iters=train_iters,
-            schedule=run_start.lr_plan, engine_config=plan.engine_config, data=plan.data,
-            total_params=count_parameters(model_config), stage_params=(int(-low), int(high)), save=args.save,
+            model=plan.model, layout=self.layout, seq_length=args.seq_length, train_iters=self.train_iters,
+            schedule=self.run_start.lr_plan, engine_config=plan.engine_config, data=plan.data,
+            total_params=count_parameters(plan.model), stage_params=(int(-low), int(high)), save=args.save,
             load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
-        if resume:
-            if run_start.warning:
-                print_line(f"train.py: warning: {run_start.warning}")
-            print_line(resume_line(resume.path, run_start))
-            if initial:
-                print_line(f"train.py: {initial[0]} not used: --load found {resume.path} to resume")
-        if start:
-            print_line(init_from.startup_line(start))
+        if run.resume:
+            if self.run_start.warning:
+                print_line(f"train.py: warning: {self.run_start.warning}")
+            print_line(resume_line(run.resume.path, self.run_start))
+            if run.initial:
+                print_line(f"train.py: {run.initial[0]} not used: --load found {run.resume.path} to resume")
+        if run.source:
+            print_line(init_from.startup_line(run.source))
 
-    window = trainer.window(args.seq_length)  # under CP, this rank reads only its slice of every sequence
+    def first_sample(self, step: int) -> int:
+        """The global sample where `step`'s batch starts: the stream is addressed by consumed samples."""
+        return self.run_start.consumed_samples + (step - self.first_step) * self.layout.global_batch_size
 
-    def micro_batches(data, step):
-        return data.micro_batches(step, trainer.dp_rank, layout.dp, layout.micro_batch_size, window)
+    def micro_batches(self, data, first_sample: int) -> list:
+        """This rank's micro-batches of the global batch at `first_sample` of `data` (its slice under CP)."""
+        return data.micro_batches_at(first_sample, self.trainer.dp_rank, self.layout.dp,
+                                     self.layout.micro_batch_size, self.window)
 
-    def first_sample(step):  # the data stream is addressed by consumed samples, not by step
-        return run_start.consumed_samples + (step - first_step) * layout.global_batch_size
-
-    layout_record = {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp}  # each checkpoint's "layout"
-    summary = {"records": [], "stage_parameters": stage_params,
-               "parameter_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
-    steps_timed, seconds = 0, 0.0
-    clock = StepClock(job_start, time.perf_counter(), train_iters)
-    for step in range(first_step, train_iters):
-        start = time.perf_counter()
-        lr = trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
-        batches = train.micro_batches_at(first_sample(step), trainer.dp_rank, layout.dp, layout.micro_batch_size,
-                                         window)
-        outcome = agree_step(trainer.train_step(batches), guard.nonfinite(), stop.received)
-        trainer.finish_step(outcome.applied)
-        seconds += time.perf_counter() - start
-        steps_timed += 1
-        elapsed_s, eta_s = clock.step_done(step)
+    def step(self, step: int):
+        """One optimizer step: its agreed outcome (loss, applied, stop) and (elapsed, eta) seconds."""
+        step_start = time.perf_counter()
+        outcome = agree_step(self.trainer.train_step(self.micro_batches(self.plan.data.train, self.first_sample(step))),
+                             self.guard.nonfinite(), self.stop.received)
+        self.trainer.finish_step(outcome.applied)
+        self.seconds += time.perf_counter() - step_start
+        self.steps_timed += 1
+        elapsed = self.clock.step_done(step)
         if step == 0:  # torch's AdamW allocates its moments in the first step
-            summary["optimizer_state_bytes"] = optimizer_state_bytes(trainer.optimizer, trainer.module)
-            every_rank = per_rank_values([stage_params, summary["optimizer_state_bytes"]])
-            if rank == 0:
-                print_line("\n".join(optimizer_state_lines(layout, every_rank)))
+            self.summary["optimizer_state_bytes"] = optimizer_state_bytes(self.trainer.optimizer, self.trainer.module)
+            every_rank = per_rank_values([self.stage_params, self.summary["optimizer_state_bytes"]])
+            if self.rank == 0:
+                print_line("\n".join(optimizer_state_lines(self.layout, every_rank)))
         try:
-            if guard.after_step(step, outcome) and last_good is None:
-                last_good = newest
+            if self.guard.after_step(step, outcome) and self.last_good is None:
+                self.last_good = self.newest
         except NonFiniteSteps as e:
-            fail(f"{e} from {last_good or 'step 0 (no checkpoint was written before the trouble)'}", status=1)
-        evaluate = args.eval_interval and ((step + 1) % args.eval_interval == 0 or step == train_iters - 1)
-        val_loss = None
-        if evaluate:
-            val_loss = sum(trainer.eval_loss(micro_batches(valid, i)) for i in range(args.eval_iters)) / args.eval_iters
-        if step % args.log_interval == 0 or step == train_iters - 1 or evaluate:
-            seconds_per_step = seconds / steps_timed
-            steps_timed, seconds = 0, 0.0
-            grad_norm = trainer.engine.get_global_grad_norm()
-            tflops = flops_per_step / seconds_per_step / layout.world_size / 1e12
-            record = {
-                "step": step,
-                "loss": outcome.loss,
-                "lr": lr,
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens_per_s": tokens_per_step / seconds_per_step,
-                "tflops_per_device": tflops,
-                "mem_peak_gb": peak_memory_gb(),
-                "val_loss": val_loss,
-                "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
-                "elapsed_s": elapsed_s,
-                "eta_s": eta_s,
-            }
-            logger.log(record)
-            summary["records"].append({k: v for k, v in record.items() if v is not None})
-        stopping = outcome.stop
-        if args.save and checkpointing.save_due(step + 1, train_iters, args.save_interval, stopping):
-            if guard.in_a_row:
-                if rank == 0:
-                    print(f"train.py: warning: step {step}: no checkpoint written and none pruned while steps are "
-                          f"being skipped ({guard.in_a_row} in a row); the newest stays "
-                          f"{newest or 'none'}", flush=True)
-            else:
-                save_start = time.perf_counter()
-                with watchdog.paused():
-                    saved = checkpointing.save(trainer, model_config, args.save, step + 1,
-                                               scheduler=trainer.lr_scheduler,
-                                               extra={"args": vars(args), "layout": layout_record,
-                                                      **records(run_start, stream, first_sample(step + 1),
-                                                                trainer.lr_scheduler.last_epoch)},
-                                               tokenizer=plan.data.tokenizer, keep_last=args.keep_last,
-                                               protect=last_good and os.path.basename(last_good))
-                newest = os.path.join(args.save, tag_for(step + 1))
-                if rank == 0:
-                    print_line(f"train.py: saved {saved} after step {step} ({step + 1} steps done) in "
-                               f"{time.perf_counter() - save_start:.2f} s")
-        if stopping:
-            if rank == 0:
-                where = (", no --save: nothing saved" if not args.save else f", checkpoint in {args.save}"
-                         if not guard.in_a_row else ", no checkpoint written (steps being skipped)")
-                print(f"train.py: SIGTERM: stopped after step {step} ({step + 1} steps done){where}", flush=True)
-            break
-        watchdog.beat()
-    logger.close()
-    shutdown_distributed()
-    return summary
+            fail(f"{e} from {self.last_good or 'step 0 (no checkpoint was written before the trouble)'}", status=1)
+        return outcome, elapsed
+
+    def evaluation_due(self, step: int) -> bool:
+        interval = self.args.eval_interval
+        return bool(interval) and ((step + 1) % interval == 0 or step == self.train_iters - 1)
+
+    def evaluate(self) -> float:
+        """The validation loss: the mean over --eval-iters global batches from the start of the validation data."""
+        valid, iters = self.plan.data.valid, self.args.eval_iters
+        return sum(self.trainer.eval_loss(self.micro_batches(valid, i * valid.global_batch_size))
+                   for i in range(iters)) / iters
+
+    def log(self, step: int, lr: float, outcome, val_loss: Optional[float], elapsed: tuple) -> None:
+        """One metrics record, timed over the steps since the last one."""
+        seconds_per_step = self.seconds / self.steps_timed
+        self.steps_timed, self.seconds = 0, 0.0
+        grad_norm = self.trainer.engine.get_global_grad_norm()
+        tflops = self.flops_per_step / seconds_per_step / self.layout.world_size / 1e12
+        record = {
+            "step": step,
+            "loss": outcome.loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens_per_s": self.tokens_per_step / seconds_per_step,
+            "tflops_per_device": tflops,
+            "mem_peak_gb": peak_memory_gb(),
+            "val_loss": val_loss,
+            "mfu": tflops / self.args.peak_tflops if self.args.peak_tflops else None,
+            "elapsed_s": elapsed[0],
+            "eta_s": elapsed[1],
+        }
+        self.logger.log(record)
+        self.summary["records"].append({k: v for k, v in record.items() if v is not None})
+
+    def maybe_save(self, step: int, stopping: bool) -> None:
+        """A checkpoint after `step` when one is due, unless steps are being skipped."""
+        args = self.args
+        if not (args.save and checkpointing.save_due(step + 1, self.train_iters, args.save_interval, stopping)):
+            return
+        if self.guard.in_a_row:
+            if self.rank == 0:
+                print(f"train.py: warning: step {step}: no checkpoint written and none pruned while steps are "
+                      f"being skipped ({self.guard.in_a_row} in a row); the newest stays "
+                      f"{self.newest or 'none'}", flush=True)
+            return
+        save_start = time.perf_counter()
+        layout = self.layout
+        extra = {"args": vars(args), "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
+                 **records(self.run_start, self.stream, self.first_sample(step + 1),
+                           self.trainer.lr_scheduler.last_epoch)}
+        with self.watchdog.paused():
+            saved = checkpointing.save(self.trainer, self.plan.model, args.save, step + 1,
+                                       scheduler=self.trainer.lr_scheduler, extra=extra,
+                                       tokenizer=self.plan.data.tokenizer, keep_last=args.keep_last,
+                                       protect=self.last_good and os.path.basename(self.last_good))
+        self.newest = os.path.join(args.save, tag_for(step + 1))
+        if self.rank == 0:
+            print_line(f"train.py: saved {saved} after step {step} ({step + 1} steps done) in "
+                       f"{time.perf_counter() - save_start:.2f} s")
+
+    def report_stop(self, step: int) -> None:
+        if self.rank == 0:
+            where = (", no --save: nothing saved" if not self.args.save else f", checkpoint in {self.args.save}"
+                     if not self.guard.in_a_row else ", no checkpoint written (steps being skipped)")
+            print(f"train.py: SIGTERM: stopped after step {step} ({step + 1} steps done){where}", flush=True)
+
+    def run(self) -> dict:
+        """Every step from the first to --train-iters, or to a SIGTERM; this rank's summary."""
+        for step in range(self.first_step, self.train_iters):
+            lr = self.trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
+            outcome, elapsed = self.step(step)
+            evaluating = self.evaluation_due(step)
+            val_loss = self.evaluate() if evaluating else None
+            if step % self.args.log_interval == 0 or step == self.train_iters - 1 or evaluating:
+                self.log(step, lr, outcome, val_loss, elapsed)
+            self.maybe_save(step, outcome.stop)
+            if outcome.stop:
+                self.report_stop(step)
+                break
+            self.watchdog.beat()
+        self.logger.close()
+        shutdown_distributed()
+        return self.summary
+
+
+def run_training(args: argparse.Namespace, plan: RunPlan, job_start: float) -> dict:
+    """The training loop of `main`, after start-up; returns this rank's summary."""
+    run = start_run(args, plan)
+    loop = TrainingLoop(args, plan, run, job_start)
+    loop.announce(run)
+    return loop.run()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,20 @@ SCHEDULER_PARAMS = {  # DeepSpeed 0.19's keyword arguments and defaults
 DECAY = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
 
+class OptimizerFlags(NamedTuple):
+    """The optimizer and LR-schedule flags of a run, each None when not given."""
+    lr: Optional[float] = None
+    adam_beta1: Optional[float] = None
+    adam_beta2: Optional[float] = None
+    adam_eps: Optional[float] = None
+    weight_decay: Optional[float] = None
+    min_lr: Optional[float] = None
+    lr_warmup_iters: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None
+    lr_decay_iters: Optional[int] = None
+    lr_decay_style: Optional[str] = None
+
+
 class Settings(NamedTuple):
     optimizer: OptimizerSettings
     line: Optional[str]  # what the JSON's blocks were translated to; None without blocks
@@ -48,9 +62,9 @@ def _same(a, b) -> bool:
     return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
 
 
-def _pick(args, name: str, json_value, json_name: str):
+def _pick(flags: OptimizerFlags, name: str, json_value, json_name: str):
     """The JSON's value, else the flag's, else the default; a disagreeing explicit flag is refused."""
-    flag = getattr(args, name)
+    flag = getattr(flags, name)
     if json_value is None:
         return DEFAULTS[name] if flag is None else flag
     if flag is not None and not _same(flag, json_value):
@@ -99,15 +113,15 @@ def _optimizer_params(block: dict) -> tuple:
     return values, adamw, kind
 
 
-def _optimizer(ds_config: dict, args) -> tuple:
+def _optimizer(ds_config: dict, flags: OptimizerFlags) -> tuple:
     """(lr, betas, eps, weight decay, description or None)."""
     block = ds_config.get("optimizer")
     values, adamw, kind = _optimizer_params(block) if block is not None else ({}, True, None)
-    lr = _pick(args, "lr", values.get("lr"), "optimizer.params.lr")
-    betas = (_pick(args, "adam_beta1", values.get("beta1"), "optimizer.params.betas[0]"),
-             _pick(args, "adam_beta2", values.get("beta2"), "optimizer.params.betas[1]"))
-    eps = _pick(args, "adam_eps", values.get("eps"), "optimizer.params.eps")
-    weight_decay = _pick(args, "weight_decay", values.get("weight_decay"), "optimizer.params.weight_decay")
+    lr = _pick(flags, "lr", values.get("lr"), "optimizer.params.lr")
+    betas = (_pick(flags, "adam_beta1", values.get("beta1"), "optimizer.params.betas[0]"),
+             _pick(flags, "adam_beta2", values.get("beta2"), "optimizer.params.betas[1]"))
+    eps = _pick(flags, "adam_eps", values.get("eps"), "optimizer.params.eps")
+    weight_decay = _pick(flags, "weight_decay", values.get("weight_decay"), "optimizer.params.weight_decay")
     if not adamw and weight_decay != 0:
         raise LayoutError(f'optimizer {kind} with "adam_w_mode": false adds weight_decay={weight_decay} x weights to '
                           "the gradient (L2), which AdamW's decoupled decay does not reproduce; use AdamW or set "
@@ -117,7 +131,7 @@ def _optimizer(ds_config: dict, args) -> tuple:
     return lr, betas, eps, weight_decay, text
 
 
-def _scheduler(block: dict, lr: float, args) -> tuple:
+def _scheduler(block: dict, lr: float, flags: OptimizerFlags) -> tuple:
     """(DeepSpeedSchedule, description) of the JSON's scheduler block, with the flags it must agree with."""
     kind = block.get("type")
     if kind not in SCHEDULER_PARAMS:
@@ -144,14 +158,14 @@ def _scheduler(block: dict, lr: float, args) -> tuple:
         start = first = _number(name + "warmup_min_lr", p["warmup_min_lr"], 0.0, peak)
         minimum = start if kind == "WarmupDecayLR" else None
     if "warmup_max_lr" in p and p["warmup_max_lr"] is not None:
-        _pick(args, "lr", p["warmup_max_lr"], name + "warmup_max_lr")
+        _pick(flags, "lr", p["warmup_max_lr"], name + "warmup_max_lr")
     for flag, value in (("min_lr", minimum), ("lr_warmup_iters", p["warmup_num_steps"]),
                         ("lr_decay_iters", total), ("lr_decay_style", DECAY[kind])):
-        if getattr(args, flag) is not None and (value is None or not _same(getattr(args, flag), value)):
-            raise LayoutError(f"{_flag(flag)} {getattr(args, flag)} disagrees with the DeepSpeed config's {kind} "
+        if getattr(flags, flag) is not None and (value is None or not _same(getattr(flags, flag), value)):
+            raise LayoutError(f"{_flag(flag)} {getattr(flags, flag)} disagrees with the DeepSpeed config's {kind} "
                               f"({'no such setting' if value is None else value}); keep one")
-    if args.lr_warmup_fraction is not None:
-        raise LayoutError(f"--lr-warmup-fraction {args.lr_warmup_fraction} and the DeepSpeed config's "
+    if flags.lr_warmup_fraction is not None:
+        raise LayoutError(f"--lr-warmup-fraction {flags.lr_warmup_fraction} and the DeepSpeed config's "
                           f"{name}warmup_num_steps both set the warm-up; keep one")
     try:
         schedule = DeepSpeedSchedule(peak, start, warmup, p["warmup_type"], DECAY[kind], total or warmup,
@@ -164,31 +178,31 @@ def _scheduler(block: dict, lr: float, args) -> tuple:
                       + ("" if total is None else f" to {minimum:g} at step {total}"))
 
 
-def _warmup_iters(args, decay_iters: int) -> int:
+def _warmup_iters(flags: OptimizerFlags, decay_iters: int) -> int:
     """--lr-warmup-iters, or --lr-warmup-fraction of the decay iters (Megatron's); not both."""
-    if args.lr_warmup_fraction is None:
-        return DEFAULTS["lr_warmup_iters"] if args.lr_warmup_iters is None else args.lr_warmup_iters
-    if args.lr_warmup_iters:
-        raise LayoutError(f"--lr-warmup-iters {args.lr_warmup_iters} and --lr-warmup-fraction "
-                          f"{args.lr_warmup_fraction} both set the warm-up; keep one")
-    if not 0 <= args.lr_warmup_fraction <= 1:
-        raise LayoutError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must lie in [0, 1]")
-    return int(args.lr_warmup_fraction * decay_iters)
+    if flags.lr_warmup_fraction is None:
+        return DEFAULTS["lr_warmup_iters"] if flags.lr_warmup_iters is None else flags.lr_warmup_iters
+    if flags.lr_warmup_iters:
+        raise LayoutError(f"--lr-warmup-iters {flags.lr_warmup_iters} and --lr-warmup-fraction "
+                          f"{flags.lr_warmup_fraction} both set the warm-up; keep one")
+    if not 0 <= flags.lr_warmup_fraction <= 1:
+        raise LayoutError(f"--lr-warmup-fraction {flags.lr_warmup_fraction}: must lie in [0, 1]")
+    return int(flags.lr_warmup_fraction * decay_iters)
 
 
-def optimizer_settings(ds_config: dict, args, train_iters: int) -> Settings:
+def optimizer_settings(ds_config: dict, flags: OptimizerFlags, train_iters: int) -> Settings:
     """The run's optimizer settings and LR schedule; LayoutError on a refused block or a conflict."""
-    lr, betas, eps, weight_decay, text = _optimizer(ds_config, args)
+    lr, betas, eps, weight_decay, text = _optimizer(ds_config, flags)
     parts = [] if text is None else [text]
     if ds_config.get("scheduler") is not None:
-        schedule, text = _scheduler(ds_config["scheduler"], lr, args)
+        schedule, text = _scheduler(ds_config["scheduler"], lr, flags)
         parts.append(text)
     else:
-        decay_iters = train_iters if args.lr_decay_iters is None else args.lr_decay_iters
-        min_lr = DEFAULTS["min_lr"] if args.min_lr is None else args.min_lr
-        style = args.lr_decay_style or DEFAULTS["lr_decay_style"]
+        decay_iters = train_iters if flags.lr_decay_iters is None else flags.lr_decay_iters
+        min_lr = DEFAULTS["min_lr"] if flags.min_lr is None else flags.min_lr
+        style = flags.lr_decay_style or DEFAULTS["lr_decay_style"]
         try:
-            schedule = LRSchedule(lr, min_lr, _warmup_iters(args, decay_iters), decay_iters, style)
+            schedule = LRSchedule(lr, min_lr, _warmup_iters(flags, decay_iters), decay_iters, style)
         except ValueError as e:
             raise LayoutError(str(e)) from None
         if parts:

@@ -22,7 +22,7 @@ from megamamba.checkpoint.run_record import (
     saved_position,
     stream_record,
 )
-from megamamba.pipelines.config.ds_translate import optimizer_settings
+from megamamba.pipelines.config.ds_translate import OptimizerFlags, optimizer_settings
 from megamamba.pipelines.config.layout import LayoutError
 from megamamba.schedule.lr_continued import ContinuedSchedule, plan_position
 
@@ -40,6 +40,16 @@ class RunStart(NamedTuple):
     warning: Optional[str]
 
 
+class ResumeFlags(NamedTuple):
+    """The flags that say how a run continues a checkpoint (Megatron's names)."""
+    train_samples: Optional[int]
+    override_data_check: bool
+    override_opt_param_scheduler: bool
+    no_load_optim: bool
+    no_load_rng: bool
+    optimizer: OptimizerFlags  # to re-plan the LR schedule at the checkpoint's global batch size
+
+
 def fresh(train_iters: int, schedule, global_batch: int) -> RunStart:
     return RunStart(0, 0, train_iters, schedule, schedule, global_batch, [], None)
 
@@ -50,42 +60,43 @@ def run_stream(data, tokenizer_spec: str) -> dict:
     return stream_record(data.train, data.tokenizer, tokenizer_spec, 0)
 
 
-def resumed_run(checkpoint: Checkpoint, args, stream: dict, global_batch: int, train_iters: int, schedule,
+def resumed_run(checkpoint: Checkpoint, flags: ResumeFlags, stream: dict, global_batch: int, train_iters: int, schedule,
                 ds_config: dict) -> RunStart:
     """The continuation of `checkpoint` by a run with these flags, `stream` (its run_stream) and global batch.
 
     CheckpointError (same on every rank, one message) for a refused change of stream or LR plan.
     """
-    point = resume_point(checkpoint.extra, checkpoint.step, stream, args.override_data_check, checkpoint.path)
-    if args.train_samples is not None:
-        train_iters = point.step + max(0, args.train_samples - point.consumed_samples) // global_batch
+    point = resume_point(checkpoint.extra, checkpoint.step, stream, flags.override_data_check, checkpoint.path)
+    if flags.train_samples is not None:
+        train_iters = point.step + max(0, flags.train_samples - point.consumed_samples) // global_batch
     notes = list(point.changes)
-    if args.no_load_optim:
+    if flags.no_load_optim:
         notes.append("fresh optimizer state and LR schedule (--no-load-optim)")
         lr_plan, plan_batch = schedule, global_batch
     else:
-        lr_plan, plan_batch, schedule, changes = _continued_lr(checkpoint, args, global_batch, schedule, ds_config)
+        lr_plan, plan_batch, schedule, changes = _continued_lr(checkpoint, flags, global_batch, schedule, ds_config)
         notes += changes
-    if args.no_load_rng:
+    if flags.no_load_rng:
         notes.append("RNG states not restored (--no-load-rng)")
     return RunStart(point.step, point.consumed_samples, train_iters, schedule, lr_plan, plan_batch, notes,
                    point.warning)
 
 
-def _continued_lr(checkpoint: Checkpoint, args, global_batch: int, schedule, ds_config: dict) -> tuple:
+def _continued_lr(checkpoint: Checkpoint, flags: ResumeFlags, global_batch: int, schedule, ds_config: dict) -> tuple:
     """(plan, plan batch, schedule to step, notes) of a resume that restores the optimizer and scheduler."""
     saved = checkpoint.extra.get(LR_PLAN)
     stream = checkpoint.extra.get(STREAM)
     plan_batch = saved["global_batch_size"] if saved else stream["global_batch_size"] if stream else global_batch
-    if args.train_samples is not None and plan_batch != global_batch:  # the plan's steps are of plan_batch
+    if flags.train_samples is not None and plan_batch != global_batch:  # the plan's steps are of plan_batch
         try:
-            schedule = optimizer_settings(ds_config, args, args.train_samples // plan_batch).optimizer.schedule
+            iters = flags.train_samples // plan_batch
+            schedule = optimizer_settings(ds_config, flags.optimizer, iters).optimizer.schedule
         except LayoutError as e:
             raise CheckpointError(f"the LR plan at the checkpoint's global batch {plan_batch}: {e}") from None
     notes = []
     if saved:
         notes = [f"LR plan overridden ({OVERRIDE_SCHEDULE}): {d}" for d in
-                 check_lr_plan(saved, schedule, args.override_opt_param_scheduler, checkpoint.path)]
+                 check_lr_plan(saved, schedule, flags.override_opt_param_scheduler, checkpoint.path)]
     epoch = (checkpoint.scheduler or {}).get("last_epoch", checkpoint.step)
     position = saved_position(saved) if saved else Fraction(epoch)
     if plan_batch == global_batch and position == epoch:
