@@ -1,33 +1,12 @@
-"""Train a Mamba LM with DeepSpeed: data x tensor x pipeline parallelism, ZeRO, one command.
+"""Train a Mamba LM with DeepSpeed: data x context x tensor x pipeline parallelism, ZeRO, one command.
 
     deepspeed --num_gpus 8 launch/train.py --deepspeed_config launch/configs/mamba2-130m.json \\
         --model-config launch/models/mamba2-130m.json --pipeline-parallel-size 2 --train-iters 1000
 
-Data-parallel size = world size / (context x tensor x pipeline parallel size); the ranks of a
-context-parallel group (--context-parallel-size C) each hold 1/C of every sequence. Every
-consistency check runs before any process group exists (`megamamba.pipelines.config.layout`); a failure
-prints one line and exits with status 2. The optimizer and learning-rate schedule come from the
-flags below or from the JSON's "optimizer" (Adam/AdamW) and "scheduler" (WarmupLR, WarmupDecayLR,
-WarmupCosineLR) blocks, and "bf16" enabled means torch_autocast bf16 with float32 parameters
-(`megamamba.pipelines.config.ds_translate`; a JSON value and a flag that disagree are refused; rank 0
-prints one line saying what was translated). Megatron's names are accepted for the same
-settings (--tensor-model-parallel-size, --pipeline-model-parallel-size, --micro-batch-size,
---global-batch-size, --train-samples, --lr-decay-iters, --lr-warmup-fraction, --data-path), the
-DeepSpeed config is read as hjson as DeepSpeed reads it, and flags are never abbreviated. Metrics
-(step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb, val_loss, mfu) go to
-the console of global rank 0, to --metrics-jsonl, to TensorBoard (--log-dir, else the JSON's
-"tensorboard" block) and to CSV files and wandb (the JSON's "csv_monitor" and "wandb" blocks;
-`megamamba.observe.monitor_config`). Data (`megamamba.data.training_data`): --tokenizer,
---data / --valid-data blends of preprocessed datasets (default: the built-in corpus tokenized in
-memory), packed with document ids (seq_idx) unless --no-reset-at-documents; data made with another
-tokenizer is refused unless --allow-tokenizer-mismatch. With --save, global rank 0 holds the save
-directory's lock for the job's life (a second job is refused at start-up), no checkpoint is written
-and none pruned while steps are being skipped (non-finite, or a --loss-spike-factor spike), and
---keep-last never removes the newest checkpoint from before the first skipped step. A resume
-(--load) continues the sample stream at the checkpoint's consumed samples at any global batch size
-and refuses a changed data stream or LR plan unless --override-data-check /
---override-opt_param-scheduler (`megamamba.pipelines.job.resume`); --no-load-optim and --no-load-rng
-as in Megatron.
+The flags and the DeepSpeed JSON become one run plan (`prepare`: every check that needs no process
+group; a failure prints one line and exits with status 2), then `start_run` builds the trainer and
+sets its weights, and `TrainingLoop` runs the steps. Flags: docs/flags.md; engines, data, metrics,
+checkpoints and resume: docs/training.md.
 """
 import argparse
 import dataclasses
