@@ -47,20 +47,24 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: Optional[TensorP
     return parallel_linear(hidden, weight, None, tp)
 
 
-class Embedding(nn.Embedding):
-    """Layer 0: token ids [, seq_idx] -> the stream [, seq_idx]; weight (padded vocab, d_model)."""
-
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
-        super().__init__(config.padded_vocab_size, config.d_model, device=device, dtype=dtype)
-        self.residual_in_fp32, self.tp = config.residual_in_fp32, None
+class _EmbeddingOnTheStream:
+    """Mixed into an embedding: token ids [, seq_idx] -> the stream [, seq_idx]."""
 
     def forward(self, x):
         ids, seq_idx = unpack(x)
         return pack(to_stream(super().forward(ids), self.residual_in_fp32), seq_idx)
 
 
-class ParallelEmbedding(VocabParallelEmbedding):
+class Embedding(_EmbeddingOnTheStream, nn.Embedding):
+    """Layer 0; weight (padded vocab, d_model)."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+        super().__init__(config.padded_vocab_size, config.d_model, device=device, dtype=dtype)
+        self.residual_in_fp32, self.tp = config.residual_in_fp32, None
+
+
+class ParallelEmbedding(_EmbeddingOnTheStream, VocabParallelEmbedding):
     """Embedding with the vocabulary rows split across TP (with sequence parallelism the stream is
     this rank's sequence shard)."""
 
@@ -68,31 +72,29 @@ class ParallelEmbedding(VocabParallelEmbedding):
         super().__init__(config.padded_vocab_size, config.d_model, tp)
         self.residual_in_fp32 = config.residual_in_fp32
 
-    def forward(self, x):
-        ids, seq_idx = unpack(x)
-        return pack(to_stream(super().forward(ids), self.residual_in_fp32), seq_idx)
 
-
-class FinalRMSNorm(RMSNorm):
-    """Layer n_layer + 1 (mamba_ssm's norm_f): the stream [, seq_idx] -> the hidden states the head reads."""
-
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
-        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
+class _FinalNorm:
+    """Mixed into a norm: the final norm (mamba_ssm's norm_f), the stream [, seq_idx] -> the hidden
+    states the head reads, normalised in the norm's dtype."""
 
     def forward(self, x) -> torch.Tensor:
         return super().forward(unpack(x)[0].to(dtype=self.weight.dtype))
 
 
-class FinalLayerNorm(LayerNorm):
-    """FinalRMSNorm for rms_norm = false (keys weight, bias)."""
+class FinalRMSNorm(_FinalNorm, RMSNorm):
+    """Layer n_layer + 1 with rms_norm (key weight)."""
 
     def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
                  cp: Optional[ContextParallel] = None, device=None, dtype=None):
         super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
-    def forward(self, x) -> torch.Tensor:
-        return super().forward(unpack(x)[0].to(dtype=self.weight.dtype))
+
+class FinalLayerNorm(_FinalNorm, LayerNorm):
+    """Layer n_layer + 1 without rms_norm (keys weight, bias)."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
+                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
 
 class Head(nn.Linear):
@@ -120,52 +122,57 @@ def tie(head: nn.Module, embedding: nn.Module) -> None:
     head.weight = embedding.weight
 
 
+_PREFIX = {"embedding": "backbone.embedding.", "final_norm": NORM_F + ".", "head": "lm_head."}  # + blocks'
+
+
+def layer_kinds(config: MambaConfig) -> list:
+    """The layer numbering: what each index of the list is."""
+    return ["embedding", *["block"] * config.n_layer, "final_norm", "head"]
+
+
+def _kind(config: MambaConfig, index: int) -> str:
+    kinds = layer_kinds(config)
+    if not 0 <= index < len(kinds):
+        raise ValueError(f"layer {index}: a {config.n_layer}-layer model has layers 0 .. {len(kinds) - 1}")
+    return kinds[index]
+
+
 def layer_count(config: MambaConfig) -> int:
     """Layers in the list, the head counted whether tied or not."""
-    return config.n_layer + 3
+    return len(layer_kinds(config))
 
 
 def layer_class(config: MambaConfig, index: int, tp: Optional[TensorParallel] = None) -> type:
     """The class of layer `index` (its TP form under `tp`)."""
-    n = config.n_layer
-    if index == 0:
-        return Embedding if split(tp) is None else ParallelEmbedding
-    if 1 <= index <= n:
-        return Block
-    if index == n + 1:
-        return FinalRMSNorm if config.rms_norm else FinalLayerNorm
-    if index == n + 2:
-        return Head if split(tp) is None else ParallelHead
-    raise ValueError(f"layer {index}: a {n}-layer model has layers 0 .. {n + 2}")
+    parallel = split(tp) is not None
+    return {"embedding": ParallelEmbedding if parallel else Embedding, "block": Block,
+            "final_norm": FinalRMSNorm if config.rms_norm else FinalLayerNorm,
+            "head": ParallelHead if parallel else Head}[_kind(config, index)]
 
 
 def layer_prefix(config: MambaConfig, index: int) -> str:
-    """The mamba_ssm name prefix of layer `index`'s parameters."""
-    n = config.n_layer
-    if index == 0:
-        return "backbone.embedding."
-    if 1 <= index <= n:
-        return f"backbone.layers.{index - 1}."
-    if index == n + 1:
-        return NORM_F + "."
-    if index == n + 2 and not config.tie_embeddings:
-        return "lm_head."
-    raise KeyError(f"layer {index}: a {n}-layer model (tie_embeddings={config.tie_embeddings}) has parameters "
-                   f"in layers 0 .. {n + 1 if config.tie_embeddings else n + 2}")
+    """The mamba_ssm name prefix of layer `index`'s parameters (a tied head has none of its own)."""
+    try:
+        kind = _kind(config, index)
+    except ValueError as e:
+        raise KeyError(str(e)) from None
+    if kind == "head" and config.tie_embeddings:
+        raise KeyError(f"layer {index}: the tied head of a {config.n_layer}-layer model holds the embedding's weight")
+    return f"backbone.layers.{index - 1}." if kind == "block" else _PREFIX[kind]
 
 
 def layer_of(name: str, config: MambaConfig) -> int:
     """The layer holding the mamba_ssm-named parameter `name` (a tied lm_head.weight is the embedding's)."""
-    if name == EMBEDDING or (name == HEAD and config.tie_embeddings):
-        return 0
-    if name == HEAD:
-        return config.n_layer + 2
-    if name.startswith(NORM_F + "."):
-        return config.n_layer + 1
+    kinds = layer_kinds(config)
+    if name == HEAD and config.tie_embeddings:
+        return kinds.index("embedding")
     m = re.fullmatch(r"backbone\.layers\.(\d+)\..+", name)
-    if m is None or int(m.group(1)) >= config.n_layer:
-        raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
-    return int(m.group(1)) + 1
+    if m is not None and int(m.group(1)) < config.n_layer:
+        return int(m.group(1)) + 1
+    for kind, prefix in _PREFIX.items():
+        if name == prefix + "weight" or (kind == "final_norm" and name.startswith(prefix)):
+            return kinds.index(kind)
+    raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
 
 
 def draw_seed(device=None) -> int:
@@ -228,7 +235,7 @@ def build_layer(config: MambaConfig, index: int, seed: int, device=None, dtype=N
     tp = split(tp)
     with layer_stream(seed, index, device):
         module = _construct(config, index, device, dtype, tp, cp)
-        if index == 0:
+        if isinstance(module, _EmbeddingOnTheStream):
             _redraw(module.weight, (config.padded_vocab_size, config.d_model),
                     lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
         elif isinstance(module, Block):
@@ -243,6 +250,6 @@ def initial_layer(config: MambaConfig, index: int, seed: int) -> dict:
     `seed` holds them."""
     prefix = layer_prefix(config, index)
     state = {prefix + k: v for k, v in build_layer(config, index, seed).state_dict().items()}
-    if index == 0 and config.tie_embeddings:
+    if _kind(config, index) == "embedding" and config.tie_embeddings:
         state[HEAD] = state[EMBEDDING]
     return state

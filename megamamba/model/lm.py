@@ -11,7 +11,7 @@ from torch import nn
 
 from megamamba.config import MambaConfig
 from megamamba.model.chunked_cross_entropy import chunked_cross_entropy
-from megamamba.model.layers import build_layer, draw_seed, split, tie
+from megamamba.model.layers import build_layer, draw_seed, layer_count, split, tie
 from megamamba.model.stream import pack
 from megamamba.parallel import TensorParallel, vocab_parallel_cross_entropy
 from megamamba.parallel.context.context_parallel import ContextParallel, mean_over_context
@@ -64,7 +64,7 @@ class MambaLM(nn.Module):
         self.config = config
         seed = draw_seed(device)
         embedding, *blocks, norm_f, head = [build_layer(config, i, seed, device, dtype, self.tp, self.cp)
-                                             for i in range(config.n_layer + 3)]
+                                             for i in range(layer_count(config))]
         self.backbone = MambaBackbone(embedding, blocks, norm_f)
         self.lm_head = head
         if config.tie_embeddings:

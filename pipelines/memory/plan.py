@@ -30,7 +30,7 @@ import torch
 from deepspeed.runtime import utils as ds_utils
 
 from megamamba.config import MambaConfig
-from megamamba.model.layers import layer_class
+from megamamba.model.layers import layer_class, layer_kinds
 from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
 from megamamba.pipelines.config.layout import Layout, zero_stage
@@ -116,10 +116,12 @@ def layer_parameters(model: MambaConfig, tp_size: int, sequence_parallel: bool =
     """(decayed, not decayed) parameters of TP rank 0 for each pipeline layer: embedding, blocks, final
     norm, head (a tied head holds the embedding's weight)."""
     tp = _fake_tp(tp_size, sequence_parallel)
-    n = model.n_layer
-    with torch.device("meta"):
-        embedding, block, norm, head = [_groups(layer_class(model, i, tp)(model, tp=tp)) for i in (0, 1, n + 1, n + 2)]
-    return [embedding, *[block] * n, norm, embedding if model.tie_embeddings else head]
+    kinds = layer_kinds(model)
+    with torch.device("meta"):  # one layer of each kind built
+        counts = {kind: _groups(layer_class(model, kinds.index(kind), tp)(model, tp=tp)) for kind in set(kinds)}
+    if model.tie_embeddings:
+        counts["head"] = counts["embedding"]
+    return [counts[kind] for kind in kinds]
 
 
 def stage_bounds(model: MambaConfig, pp: int, partition_method: str, counts: list, tp_size: int) -> list:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.model.layers import EMBEDDING, HEAD, layer_of, layer_prefix
+from megamamba.model.layers import EMBEDDING, HEAD, layer_kinds, layer_of, layer_prefix
 from megamamba.parallel import TensorParallel, full_key, full_tensors, local_shard
 
 TIED_KEY = "embed"
@@ -31,21 +31,23 @@ def to_mamba(name: str, config: MambaConfig) -> str:
     if m is None:
         raise KeyError(f"{name!r} is not a pipeline layer parameter name")
     index, rest = int(m.group(1)), m.group(2)
-    n = config.n_layer
-    whole = {0: ("weight",), n + 1: ("weight", "bias"), n + 2: ("weight",)}  # parameters of non-block layers
-    if rest in whole.get(index, (rest,)) and not (index == 0 and config.tie_embeddings):
+    kinds = layer_kinds(config)
+    kind = kinds[index] if index < len(kinds) else None
+    own = {"embedding": ("weight",), "final_norm": ("weight", "bias"), "head": ("weight",)}  # blocks: any
+    tied_embedding = kind == "embedding" and config.tie_embeddings  # named tied_modules.embed.weight
+    if kind is not None and rest in own.get(kind, (rest,)) and not tied_embedding:
         try:
             return layer_prefix(config, index) + rest
         except KeyError:
             pass
-    raise KeyError(f"{name!r} names no parameter of a {n}-layer model "
+    raise KeyError(f"{name!r} names no parameter of a {config.n_layer}-layer model "
                    f"(tie_embeddings={config.tie_embeddings})")
 
 
 def to_pipe(name: str, config: MambaConfig) -> str:
     """mamba_ssm name -> pipeline-module parameter name (lm_head.weight is the tied embedding when tied)."""
     index = layer_of(name, config)
-    if index == 0 and config.tie_embeddings:
+    if layer_kinds(config)[index] == "embedding" and config.tie_embeddings:
         return f"tied_modules.{TIED_KEY}.weight"
     return f"{index}.{name[len(layer_prefix(config, index)):]}"
 
