@@ -11,6 +11,7 @@ checkpoints and resume: docs/training.md.
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -53,6 +54,8 @@ from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
 from megamamba.pipelines.memory.plan import RunShape, plan_memory
 from megamamba.pipelines.stages.pipeline_module import check_partition_method
 from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
+
+log = logging.getLogger("megamamba.launch.train")  # shown as `train.py: ...` (megamamba.observe.console_log)
 
 # DeepSpeed's pipeline sends activations with an in-place broadcast where p2p send/recv is not
 # available (gloo); autograd then warns once per rank about a node it never differentiates.
@@ -274,7 +277,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     without_monitors = {k: v for k, v in ds_config.items() if k not in MONITOR_BLOCKS}  # our logger writes them
     return RunPlan(train_iters, layout, model,
                    engine_config(without_monitors, layout, args.clip_grad, args.sequence_parallel),
-                   settings.optimizer.schedule, monitors, data, settings.optimizer, settings.line, ds_config)
+                   settings.optimizer.schedule, monitors, data, settings.optimizer,
+                   None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}", ds_config)
 
 
 def peak_memory_gb() -> float:
@@ -337,7 +341,7 @@ def main(argv=None) -> dict:
         if plan.deepspeed_line:
             print(plan.deepspeed_line, flush=True)
         for note in plan.data.warnings:
-            print(f"train.py: warning: {note}", flush=True)
+            log.warning(note)
     try:
         return run_training(args, plan, job_start)
     finally:
@@ -415,12 +419,12 @@ class TrainingLoop:
             load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
         if run.resume:
             if self.run_start.warning:
-                print_line(f"train.py: warning: {self.run_start.warning}")
-            print_line(resume_line(run.resume.path, self.run_start))
+                log.warning(self.run_start.warning)
+            log.info(resume_line(run.resume.path, self.run_start))
             if run.initial:
-                print_line(f"train.py: {run.initial[0]} not used: --load found {run.resume.path} to resume")
+                log.info(f"{run.initial[0]} not used: --load found {run.resume.path} to resume")
         if run.source:
-            print_line(init_from.startup_line(run.source))
+            log.info(init_from.startup_line(run.source))
 
     def first_sample(self, step: int) -> int:
         """The global sample where `step`'s batch starts: the stream is addressed by consumed samples."""
@@ -491,9 +495,8 @@ class TrainingLoop:
             return
         if self.guard.in_a_row:
             if self.rank == 0:
-                print(f"train.py: warning: step {step}: no checkpoint written and none pruned while steps are "
-                      f"being skipped ({self.guard.in_a_row} in a row); the newest stays "
-                      f"{self.newest or 'none'}", flush=True)
+                log.warning(f"step {step}: no checkpoint written and none pruned while steps are being skipped "
+                            f"({self.guard.in_a_row} in a row); the newest stays {self.newest or 'none'}")
             return
         save_start = time.perf_counter()
         layout = self.layout
@@ -507,14 +510,14 @@ class TrainingLoop:
                                        protect=self.last_good and os.path.basename(self.last_good))
         self.newest = os.path.join(args.save, tag_for(step + 1))
         if self.rank == 0:
-            print_line(f"train.py: saved {saved} after step {step} ({step + 1} steps done) in "
-                       f"{time.perf_counter() - save_start:.2f} s")
+            log.info(f"saved {saved} after step {step} ({step + 1} steps done) in "
+                     f"{time.perf_counter() - save_start:.2f} s")
 
     def report_stop(self, step: int) -> None:
         if self.rank == 0:
             where = (", no --save: nothing saved" if not self.args.save else f", checkpoint in {self.args.save}"
                      if not self.guard.in_a_row else ", no checkpoint written (steps being skipped)")
-            print(f"train.py: SIGTERM: stopped after step {step} ({step + 1} steps done){where}", flush=True)
+            log.info(f"SIGTERM: stopped after step {step} ({step + 1} steps done){where}")
 
     def run(self) -> dict:
         """Every step from the first to --train-iters, or to a SIGTERM; this rank's summary."""

@@ -209,5 +209,5 @@ def optimizer_settings(ds_config: dict, flags: OptimizerFlags, train_iters: int)
             parts.append("no scheduler block: LR schedule from the flags")
     if ds_config.get("bf16", {}).get("enabled", False):
         parts.append("bf16 -> torch_autocast bf16 (float32 parameters, the SSM's A_log, D, dt_bias included)")
-    line = "train.py: DeepSpeed config: " + "; ".join(parts) if parts else None
+    line = "DeepSpeed config: " + "; ".join(parts) if parts else None
     return Settings(OptimizerSettings(schedule, weight_decay, betas, eps), line)

@@ -175,4 +175,5 @@ def _set_parameter(trainer, param, value: torch.Tensor, zero_stage: int) -> None
 
 
 def startup_line(source: InitSource) -> str:
-    return f"train.py: initialized from {source.folder} ({source.note}): step 0, fresh optimizer"
+    """The line a run initialised from `source` logs (global rank 0)."""
+    return f"initialized from {source.folder} ({source.note}): step 0, fresh optimizer"

@@ -105,9 +105,9 @@ def _continued_lr(checkpoint: Checkpoint, flags: ResumeFlags, global_batch: int,
 
 
 def resume_line(path: str, resumed: RunStart) -> str:
-    """The one line a resume prints (global rank 0)."""
+    """The one line a resume logs (global rank 0)."""
     notes = f" ({'; '.join(resumed.notes)})" if resumed.notes else ""
-    return (f"train.py: resumed from {path}: next step {resumed.step} of {resumed.train_iters}, "
+    return (f"resumed from {path}: next step {resumed.step} of {resumed.train_iters}, "
             f"next sample {resumed.consumed_samples}{notes}")
 
 
