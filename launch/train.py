@@ -22,35 +22,28 @@ import hjson
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from megamamba.checkpoint import CheckpointError, tag_for
+from megamamba.checkpoint import CheckpointError
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.data.training_data import TrainingData, training_data
-from megamamba.model.flops import training_flops_per_token
 from megamamba.observe import console_log
-from megamamba.observe.metrics import MetricsLogger
 from megamamba.observe.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
-from megamamba.observe.run_console import StepClock, count_parameters, optimizer_state_lines, startup_summary
+from megamamba.observe.run_console import count_parameters, startup_summary
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines.config.ds_translate import OptimizerFlags, optimizer_settings
 from megamamba.pipelines.config.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
-from megamamba.pipelines.deepspeed_internals import full_numel
 from megamamba.pipelines.job import checkpointing, init_from
-from megamamba.pipelines.job.resume import ResumeFlags, fresh, records, resume_line, resumed_run, run_stream
+from megamamba.pipelines.job.resume import ResumeFlags, fresh, resume_line, resumed_run, run_stream
 from megamamba.pipelines.loop.agreement import agree
 from megamamba.pipelines.loop.engine import OptimizerSettings, build_trainer
 from megamamba.pipelines.loop.faults import (
-    NonFiniteGuard,
     NonFiniteSteps,
-    StopRequest,
-    Watchdog,
-    agree_step,
     check_loss_spike_factor,
     check_max_skipped_steps,
     check_step_timeout,
 )
+from megamamba.pipelines.loop.training import LoopSettings, StartedRun, TrainingLoop
 from megamamba.pipelines.memory.fit import MemoryPlanError, check_at_start
-from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
 from megamamba.pipelines.memory.plan import RunShape, plan_memory
 from megamamba.pipelines.stages.pipeline_module import check_partition_method
 from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
@@ -281,20 +274,6 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
                    None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}", ds_config)
 
 
-def peak_memory_gb() -> float:
-    """Largest peak of device memory (host RSS on CPU) over all ranks, GiB (collective)."""
-    return agree([get_accelerator().max_memory_allocated() / 2**30], op="max")[0]
-
-
-def per_rank_values(values: list) -> list:
-    """Every rank's `values` (small integers), in rank order, in one collective; a tuple per rank."""
-    world, rank, width = dist.get_world_size(), dist.get_rank(), len(values)
-    slots = [0] * (world * width)
-    slots[rank * width:(rank + 1) * width] = values
-    reduced = agree(slots)
-    return [tuple(int(v) for v in reduced[r * width:(r + 1) * width]) for r in range(world)]
-
-
 def fail(error, status: int = 2):
     """One line on stderr, this rank's process group torn down, then exit with `status`.
 
@@ -305,13 +284,6 @@ def fail(error, status: int = 2):
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(status)
-
-
-def print_line(text: str) -> None:
-    """Print a line every rank prints in one write: the launcher runs ranks unbuffered (python -u),
-    where print's separate newline lets the lines of ranks sharing a pipe run together."""
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
 
 
 def main(argv=None) -> dict:
@@ -337,7 +309,7 @@ def main(argv=None) -> dict:
     except (PlacementError, MemoryPlanError, CheckpointError) as e:
         fail(e)
     if rank == 0:
-        print_line("\n".join(memory_lines))
+        console_log.show("\n".join(memory_lines))
         if plan.deepspeed_line:
             print(plan.deepspeed_line, flush=True)
         for note in plan.data.warnings:
@@ -347,15 +319,6 @@ def main(argv=None) -> dict:
     finally:
         if lock is not None:
             lock.release()
-
-
-class StartedRun(NamedTuple):
-    trainer: object  # `build_trainer`'s, its weights loaded
-    resume: Optional[object]  # the checkpoint resumed from, or None
-    run_start: object  # where the run starts (`fresh` / `resumed_run`)
-    stream: Optional[dict]  # the data stream each checkpoint records (None without --save or a resume)
-    initial: Optional[tuple]  # (flag, folder) of --init-from / --finetune, or None
-    source: Optional[object]  # the opened --init-from source the weights came from (None on a resume)
 
 
 def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
@@ -382,168 +345,43 @@ def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
     return StartedRun(trainer, resume, run_start, stream, initial, source)
 
 
-class TrainingLoop:
-    """The steps of a run after start-up: each one trained, evaluated and logged when due, then saved
-    when due; global rank 0 prints and logs."""
+def announce(args: argparse.Namespace, plan: RunPlan, run: StartedRun, loop: TrainingLoop) -> None:
+    """The start-up summary, and what the weights came from (collective: every rank counts its stage)."""
+    low, high = agree([-loop.stage_params, loop.stage_params], op="max")
+    if loop.rank != 0:
+        return
+    console_log.show("\n".join(startup_summary(
+        model=plan.model, layout=plan.layout, seq_length=args.seq_length, train_iters=loop.train_iters,
+        schedule=run.run_start.lr_plan, engine_config=plan.engine_config, data=plan.data,
+        total_params=count_parameters(plan.model), stage_params=(int(-low), int(high)), save=args.save,
+        load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
+    if run.resume:
+        if run.run_start.warning:
+            log.warning(run.run_start.warning)
+        log.info(resume_line(run.resume.path, run.run_start))
+        if run.initial:
+            log.info(f"{run.initial[0]} not used: --load found {run.resume.path} to resume")
+    if run.source:
+        log.info(init_from.startup_line(run.source))
 
-    def __init__(self, args: argparse.Namespace, plan: RunPlan, run: StartedRun, job_start: float):
-        self.args, self.plan, self.run_start, self.stream = args, plan, run.run_start, run.stream
-        self.trainer, self.layout, self.rank = run.trainer, plan.layout, dist.get_rank()
-        self.first_step, self.train_iters = run.run_start.step, run.run_start.train_iters
-        self.stop = StopRequest()
-        self.guard = NonFiniteGuard(self.trainer.engine, args.max_skipped_steps, args.loss_spike_factor)
-        self.watchdog = Watchdog(args.step_timeout)
-        self.newest = run.resume.path if run.resume else None  # the newest checkpoint of this run
-        self.last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
-        self.logger = MetricsLogger(self.rank == 0, args.metrics_jsonl, total_steps=self.train_iters,
-                                    **plan.monitors._asdict())
-        self.tokens_per_step = self.layout.global_batch_size * args.seq_length
-        self.flops_per_step = training_flops_per_token(plan.model, args.seq_length) * self.tokens_per_step
-        self.stage_params = sum(full_numel(p) for p in self.trainer.module.parameters())
-        self.window = self.trainer.window(args.seq_length)  # under CP, this rank reads only its slice of each sequence
-        self.summary = {"records": [], "stage_parameters": self.stage_params,
-                        "parameter_dtypes": sorted({str(p.dtype) for p in self.trainer.module.parameters()})}
-        self.steps_timed, self.seconds = 0, 0.0
-        self.clock = StepClock(job_start, time.perf_counter(), self.train_iters)
 
-    def announce(self, run: StartedRun) -> None:
-        """The start-up summary, and what the weights came from (collective: every rank counts its stage)."""
-        low, high = agree([-self.stage_params, self.stage_params], op="max")
-        if self.rank != 0:
-            return
-        args, plan = self.args, self.plan
-        print_line("\n".join(startup_summary(
-            model=plan.model, layout=self.layout, seq_length=args.seq_length, train_iters=self.train_iters,
-            schedule=self.run_start.lr_plan, engine_config=plan.engine_config, data=plan.data,
-            total_params=count_parameters(plan.model), stage_params=(int(-low), int(high)), save=args.save,
-            load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
-        if run.resume:
-            if self.run_start.warning:
-                log.warning(self.run_start.warning)
-            log.info(resume_line(run.resume.path, self.run_start))
-            if run.initial:
-                log.info(f"{run.initial[0]} not used: --load found {run.resume.path} to resume")
-        if run.source:
-            log.info(init_from.startup_line(run.source))
-
-    def first_sample(self, step: int) -> int:
-        """The global sample where `step`'s batch starts: the stream is addressed by consumed samples."""
-        return self.run_start.consumed_samples + (step - self.first_step) * self.layout.global_batch_size
-
-    def micro_batches(self, data, first_sample: int) -> list:
-        """This rank's micro-batches of the global batch at `first_sample` of `data` (its slice under CP)."""
-        return data.micro_batches_at(first_sample, self.trainer.dp_rank, self.layout.dp,
-                                     self.layout.micro_batch_size, self.window)
-
-    def step(self, step: int):
-        """One optimizer step: its agreed outcome (loss, applied, stop) and (elapsed, eta) seconds."""
-        step_start = time.perf_counter()
-        outcome = agree_step(self.trainer.train_step(self.micro_batches(self.plan.data.train, self.first_sample(step))),
-                             self.guard.nonfinite(), self.stop.received)
-        self.trainer.finish_step(outcome.applied)
-        self.seconds += time.perf_counter() - step_start
-        self.steps_timed += 1
-        elapsed = self.clock.step_done(step)
-        if step == 0:  # torch's AdamW allocates its moments in the first step
-            self.summary["optimizer_state_bytes"] = optimizer_state_bytes(self.trainer.optimizer, self.trainer.module)
-            every_rank = per_rank_values([self.stage_params, self.summary["optimizer_state_bytes"]])
-            if self.rank == 0:
-                print_line("\n".join(optimizer_state_lines(self.layout, every_rank)))
-        try:
-            if self.guard.after_step(step, outcome) and self.last_good is None:
-                self.last_good = self.newest
-        except NonFiniteSteps as e:
-            fail(f"{e} from {self.last_good or 'step 0 (no checkpoint was written before the trouble)'}", status=1)
-        return outcome, elapsed
-
-    def evaluation_due(self, step: int) -> bool:
-        interval = self.args.eval_interval
-        return bool(interval) and ((step + 1) % interval == 0 or step == self.train_iters - 1)
-
-    def evaluate(self) -> float:
-        """The validation loss: the mean over --eval-iters global batches from the start of the validation data."""
-        valid, iters = self.plan.data.valid, self.args.eval_iters
-        return sum(self.trainer.eval_loss(self.micro_batches(valid, i * valid.global_batch_size))
-                   for i in range(iters)) / iters
-
-    def log(self, step: int, lr: float, outcome, val_loss: Optional[float], elapsed: tuple) -> None:
-        """One metrics record, timed over the steps since the last one."""
-        seconds_per_step = self.seconds / self.steps_timed
-        self.steps_timed, self.seconds = 0, 0.0
-        grad_norm = self.trainer.engine.get_global_grad_norm()
-        tflops = self.flops_per_step / seconds_per_step / self.layout.world_size / 1e12
-        record = {
-            "step": step,
-            "loss": outcome.loss,
-            "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
-            "tokens_per_s": self.tokens_per_step / seconds_per_step,
-            "tflops_per_device": tflops,
-            "mem_peak_gb": peak_memory_gb(),
-            "val_loss": val_loss,
-            "mfu": tflops / self.args.peak_tflops if self.args.peak_tflops else None,
-            "elapsed_s": elapsed[0],
-            "eta_s": elapsed[1],
-        }
-        self.logger.log(record)
-        self.summary["records"].append({k: v for k, v in record.items() if v is not None})
-
-    def maybe_save(self, step: int, stopping: bool) -> None:
-        """A checkpoint after `step` when one is due, unless steps are being skipped."""
-        args = self.args
-        if not (args.save and checkpointing.save_due(step + 1, self.train_iters, args.save_interval, stopping)):
-            return
-        if self.guard.in_a_row:
-            if self.rank == 0:
-                log.warning(f"step {step}: no checkpoint written and none pruned while steps are being skipped "
-                            f"({self.guard.in_a_row} in a row); the newest stays {self.newest or 'none'}")
-            return
-        save_start = time.perf_counter()
-        layout = self.layout
-        extra = {"args": vars(args), "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
-                 **records(self.run_start, self.stream, self.first_sample(step + 1),
-                           self.trainer.lr_scheduler.last_epoch)}
-        with self.watchdog.paused():
-            saved = checkpointing.save(self.trainer, self.plan.model, args.save, step + 1,
-                                       scheduler=self.trainer.lr_scheduler, extra=extra,
-                                       tokenizer=self.plan.data.tokenizer, keep_last=args.keep_last,
-                                       protect=self.last_good and os.path.basename(self.last_good))
-        self.newest = os.path.join(args.save, tag_for(step + 1))
-        if self.rank == 0:
-            log.info(f"saved {saved} after step {step} ({step + 1} steps done) in "
-                     f"{time.perf_counter() - save_start:.2f} s")
-
-    def report_stop(self, step: int) -> None:
-        if self.rank == 0:
-            where = (", no --save: nothing saved" if not self.args.save else f", checkpoint in {self.args.save}"
-                     if not self.guard.in_a_row else ", no checkpoint written (steps being skipped)")
-            log.info(f"SIGTERM: stopped after step {step} ({step + 1} steps done){where}")
-
-    def run(self) -> dict:
-        """Every step from the first to --train-iters, or to a SIGTERM; this rank's summary."""
-        for step in range(self.first_step, self.train_iters):
-            lr = self.trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
-            outcome, elapsed = self.step(step)
-            evaluating = self.evaluation_due(step)
-            val_loss = self.evaluate() if evaluating else None
-            if step % self.args.log_interval == 0 or step == self.train_iters - 1 or evaluating:
-                self.log(step, lr, outcome, val_loss, elapsed)
-            self.maybe_save(step, outcome.stop)
-            if outcome.stop:
-                self.report_stop(step)
-                break
-            self.watchdog.beat()
-        self.logger.close()
-        shutdown_distributed()
-        return self.summary
+def loop_settings(args: argparse.Namespace) -> LoopSettings:
+    return LoopSettings(args.seq_length, args.log_interval, args.eval_interval, args.eval_iters, args.save,
+                        args.save_interval, args.keep_last, args.peak_tflops, args.metrics_jsonl,
+                        args.max_skipped_steps, args.loss_spike_factor, args.step_timeout, vars(args))
 
 
 def run_training(args: argparse.Namespace, plan: RunPlan, job_start: float) -> dict:
-    """The training loop of `main`, after start-up; returns this rank's summary."""
+    """The trainer built, the start-up announced, every step run; this rank's summary."""
     run = start_run(args, plan)
-    loop = TrainingLoop(args, plan, run, job_start)
-    loop.announce(run)
-    return loop.run()
+    loop = TrainingLoop(loop_settings(args), plan.model, plan.layout, plan.data, plan.monitors, run, job_start)
+    announce(args, plan, run, loop)
+    try:
+        summary = loop.run()
+    except NonFiniteSteps as e:
+        fail(e, status=1)
+    shutdown_distributed()
+    return summary
 
 
 if __name__ == "__main__":

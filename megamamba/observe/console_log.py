@@ -29,6 +29,14 @@ class _Console(logging.Handler):
         stream.flush()
 
 
+def show(text: str) -> None:
+    """Write `text` (lines without the prefix, such as a table) as it is, with its newline in one write:
+    the launcher runs ranks unbuffered, where print's separate newline lets lines of ranks sharing a
+    pipe run together."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def configure() -> None:
     """Route the package's records (logger `megamamba`, INFO and up) to the console, once."""
     logger = logging.getLogger("megamamba")

@@ -1,0 +1,206 @@
+"""A run's steps after start-up: each one trained, evaluated and logged when due, then saved when due.
+
+`launch/train.py` builds the trainer and hands it here with the run's settings; NonFiniteSteps
+(too many skipped steps in a row) ends the run with the checkpoint to restart from.
+"""
+import logging
+import os
+import time
+from typing import NamedTuple, Optional
+
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from megamamba.checkpoint import tag_for
+from megamamba.config import MambaConfig
+from megamamba.model.flops import training_flops_per_token
+from megamamba.observe import console_log
+from megamamba.observe.metrics import MetricsLogger
+from megamamba.observe.monitor_config import Monitors
+from megamamba.observe.run_console import StepClock, optimizer_state_lines
+from megamamba.pipelines.config.layout import Layout
+from megamamba.pipelines.deepspeed_internals import full_numel
+from megamamba.pipelines.job import checkpointing
+from megamamba.pipelines.job.resume import records
+from megamamba.pipelines.loop.agreement import agree
+from megamamba.pipelines.loop.faults import NonFiniteGuard, NonFiniteSteps, StopRequest, Watchdog, agree_step
+from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
+
+log = logging.getLogger(__name__)
+
+
+class LoopSettings(NamedTuple):
+    """What the loop takes from the run's flags."""
+    seq_length: int
+    log_interval: int
+    eval_interval: int
+    eval_iters: int
+    save: Optional[str]
+    save_interval: int
+    keep_last: Optional[int]
+    peak_tflops: Optional[float]
+    metrics_jsonl: Optional[str]
+    max_skipped_steps: int
+    loss_spike_factor: Optional[float]
+    step_timeout: Optional[float]
+    flags: dict  # every flag of the run, as each checkpoint records them
+
+
+class StartedRun(NamedTuple):
+    trainer: object  # `build_trainer`'s, its weights loaded
+    resume: Optional[object]  # the checkpoint resumed from, or None
+    run_start: object  # where the run starts (`fresh` / `resumed_run`)
+    stream: Optional[dict]  # the data stream each checkpoint records (None without --save or a resume)
+    initial: Optional[tuple]  # (flag, folder) of --init-from / --finetune, or None
+    source: Optional[object]  # the opened --init-from source the weights came from (None on a resume)
+
+
+def peak_memory_gb() -> float:
+    """Largest peak of device memory (host RSS on CPU) over all ranks, GiB (collective)."""
+    return agree([get_accelerator().max_memory_allocated() / 2**30], op="max")[0]
+
+
+def per_rank_values(values: list) -> list:
+    """Every rank's `values` (small integers), in rank order, in one collective; a tuple per rank."""
+    world, rank, width = dist.get_world_size(), dist.get_rank(), len(values)
+    slots = [0] * (world * width)
+    slots[rank * width:(rank + 1) * width] = values
+    reduced = agree(slots)
+    return [tuple(int(v) for v in reduced[r * width:(r + 1) * width]) for r in range(world)]
+
+
+class TrainingLoop:
+    """The steps of a run after start-up: each one trained, evaluated and logged when due, then saved
+    when due; global rank 0 logs."""
+
+    def __init__(self, settings: LoopSettings, model: MambaConfig, layout: Layout, data, monitors: Monitors,
+                 run: StartedRun, job_start: float):
+        self.settings, self.model, self.data, self.layout = settings, model, data, layout
+        self.trainer, self.run_start, self.stream, self.rank = run.trainer, run.run_start, run.stream, dist.get_rank()
+        self.first_step, self.train_iters = run.run_start.step, run.run_start.train_iters
+        self.stop = StopRequest()
+        self.guard = NonFiniteGuard(self.trainer.engine, settings.max_skipped_steps, settings.loss_spike_factor)
+        self.watchdog = Watchdog(settings.step_timeout)
+        self.newest = run.resume.path if run.resume else None  # the newest checkpoint of this run
+        self.last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
+        self.logger = MetricsLogger(self.rank == 0, settings.metrics_jsonl, total_steps=self.train_iters,
+                                    **monitors._asdict())
+        self.tokens_per_step = layout.global_batch_size * settings.seq_length
+        self.flops_per_step = training_flops_per_token(model, settings.seq_length) * self.tokens_per_step
+        self.stage_params = sum(full_numel(p) for p in self.trainer.module.parameters())
+        self.window = self.trainer.window(settings.seq_length)  # under CP, this rank's slice of each sequence
+        self.summary = {"records": [], "stage_parameters": self.stage_params,
+                        "parameter_dtypes": sorted({str(p.dtype) for p in self.trainer.module.parameters()})}
+        self.steps_timed, self.seconds = 0, 0.0
+        self.clock = StepClock(job_start, time.perf_counter(), self.train_iters)
+
+    def first_sample(self, step: int) -> int:
+        """The global sample where `step`'s batch starts: the stream is addressed by consumed samples."""
+        return self.run_start.consumed_samples + (step - self.first_step) * self.layout.global_batch_size
+
+    def micro_batches(self, data, first_sample: int) -> list:
+        """This rank's micro-batches of the global batch at `first_sample` of `data` (its slice under CP)."""
+        return data.micro_batches_at(first_sample, self.trainer.dp_rank, self.layout.dp,
+                                     self.layout.micro_batch_size, self.window)
+
+    def step(self, step: int):
+        """One optimizer step: its agreed outcome (loss, applied, stop) and (elapsed, eta) seconds."""
+        step_start = time.perf_counter()
+        outcome = agree_step(self.trainer.train_step(self.micro_batches(self.data.train, self.first_sample(step))),
+                             self.guard.nonfinite(), self.stop.received)
+        self.trainer.finish_step(outcome.applied)
+        self.seconds += time.perf_counter() - step_start
+        self.steps_timed += 1
+        elapsed = self.clock.step_done(step)
+        if step == 0:  # torch's AdamW allocates its moments in the first step
+            self.summary["optimizer_state_bytes"] = optimizer_state_bytes(self.trainer.optimizer, self.trainer.module)
+            every_rank = per_rank_values([self.stage_params, self.summary["optimizer_state_bytes"]])
+            if self.rank == 0:
+                console_log.show("\n".join(optimizer_state_lines(self.layout, every_rank)))
+        try:
+            if self.guard.after_step(step, outcome) and self.last_good is None:
+                self.last_good = self.newest
+        except NonFiniteSteps as e:
+            restart = self.last_good or "step 0 (no checkpoint was written before the trouble)"
+            raise NonFiniteSteps(f"{e} from {restart}") from None
+        return outcome, elapsed
+
+    def evaluation_due(self, step: int) -> bool:
+        interval = self.settings.eval_interval
+        return bool(interval) and ((step + 1) % interval == 0 or step == self.train_iters - 1)
+
+    def evaluate(self) -> float:
+        """The validation loss: the mean over eval_iters global batches from the start of the validation data."""
+        valid, iters = self.data.valid, self.settings.eval_iters
+        return sum(self.trainer.eval_loss(self.micro_batches(valid, i * valid.global_batch_size))
+                   for i in range(iters)) / iters
+
+    def log(self, step: int, lr: float, outcome, val_loss: Optional[float], elapsed: tuple) -> None:
+        """One metrics record, timed over the steps since the last one."""
+        seconds_per_step = self.seconds / self.steps_timed
+        self.steps_timed, self.seconds = 0, 0.0
+        grad_norm = self.trainer.engine.get_global_grad_norm()
+        tflops = self.flops_per_step / seconds_per_step / self.layout.world_size / 1e12
+        record = {
+            "step": step,
+            "loss": outcome.loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens_per_s": self.tokens_per_step / seconds_per_step,
+            "tflops_per_device": tflops,
+            "mem_peak_gb": peak_memory_gb(),
+            "val_loss": val_loss,
+            "mfu": tflops / self.settings.peak_tflops if self.settings.peak_tflops else None,
+            "elapsed_s": elapsed[0],
+            "eta_s": elapsed[1],
+        }
+        self.logger.log(record)
+        self.summary["records"].append({k: v for k, v in record.items() if v is not None})
+
+    def maybe_save(self, step: int, stopping: bool) -> None:
+        """A checkpoint after `step` when one is due, unless steps are being skipped."""
+        settings = self.settings
+        if not (settings.save and checkpointing.save_due(step + 1, self.train_iters, settings.save_interval, stopping)):
+            return
+        if self.guard.in_a_row:
+            if self.rank == 0:
+                log.warning(f"step {step}: no checkpoint written and none pruned while steps are being skipped "
+                            f"({self.guard.in_a_row} in a row); the newest stays {self.newest or 'none'}")
+            return
+        save_start = time.perf_counter()
+        layout = self.layout
+        extra = {"args": settings.flags, "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
+                 **records(self.run_start, self.stream, self.first_sample(step + 1),
+                           self.trainer.lr_scheduler.last_epoch)}
+        with self.watchdog.paused():
+            saved = checkpointing.save(self.trainer, self.model, settings.save, step + 1,
+                                       scheduler=self.trainer.lr_scheduler, extra=extra,
+                                       tokenizer=self.data.tokenizer, keep_last=settings.keep_last,
+                                       protect=self.last_good and os.path.basename(self.last_good))
+        self.newest = os.path.join(settings.save, tag_for(step + 1))
+        if self.rank == 0:
+            log.info(f"saved {saved} after step {step} ({step + 1} steps done) in "
+                     f"{time.perf_counter() - save_start:.2f} s")
+
+    def report_stop(self, step: int) -> None:
+        if self.rank == 0:
+            where = (", no --save: nothing saved" if not self.settings.save else f", checkpoint in {self.settings.save}"
+                     if not self.guard.in_a_row else ", no checkpoint written (steps being skipped)")
+            log.info(f"SIGTERM: stopped after step {step} ({step + 1} steps done){where}")
+
+    def run(self) -> dict:
+        """Every step from the first to the last, or to a SIGTERM; this rank's summary."""
+        for step in range(self.first_step, self.train_iters):
+            lr = self.trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
+            outcome, elapsed = self.step(step)
+            evaluating = self.evaluation_due(step)
+            val_loss = self.evaluate() if evaluating else None
+            if step % self.settings.log_interval == 0 or step == self.train_iters - 1 or evaluating:
+                self.log(step, lr, outcome, val_loss, elapsed)
+            self.maybe_save(step, outcome.stop)
+            if outcome.stop:
+                self.report_stop(step)
+                break
+            self.watchdog.beat()
+        self.logger.close()
+        return self.summary
