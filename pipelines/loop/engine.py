@@ -9,11 +9,11 @@ Initial weights do not depend on the layout: they are those of `MambaLM(config)`
 `torch.manual_seed(seed)`, whose layers draw from their own seeded streams. The plain engine
 builds its `MambaLM` (its TP shards) that way; a pipeline stage copies its parameters out of
 `InitialState`, which draws one full layer at a time, so no rank ever holds more than its own
-stage and one full layer. The stage's layers are built without
-their own initialisation (`pipelines.stages.uninitialised`), which these copies would overwrite.
+stage and one full layer. The stage's layers are built without their own initialisation
+(`pipelines.stages.uninitialised`), which these copies would overwrite.
 
-Without ZeRO, gradient clipping uses `pipelines.loop.clipping` (DeepSpeed's stage-0 norm miscounts
-pipeline stages and tied weights). The optimizer is torch's fused AdamW over
+Without ZeRO, gradient clipping uses `pipelines.loop.clipping` (DeepSpeed's stage-0 norm
+miscounts pipeline stages and tied weights). The optimizer is torch's fused AdamW over
 `megamamba.optim.param_groups`, handed to DeepSpeed as a client optimizer: no JIT-compiled
 FusedAdam. The learning rate follows an `LRSchedule`, stepped by the trainer (`finish_step`)
 once the ranks have agreed that the optimizer step was applied.
