@@ -32,14 +32,14 @@ def _memory_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _assembled_state(trainer, config) -> dict:
+def _assembled_state(trainer) -> dict:
     """The stage's full fp32 masters, moments and step under mamba_ssm names (collective over TP and DP)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from megamamba.parallel import full_tensors
     from megamamba.pipelines.job import checkpointing
 
-    rename = checkpointing._rename(trainer, config)
+    rename = trainer.mamba_name
     zero = checkpointing._zero(trainer)
     (step,) = {s["step"].item() for s in zero.optimizer.state.values()}
     state = {rename(n): t for n, t in full_tensors(trainer.module, trainer.tp, select=safe_get_full_fp32_param).items()}
@@ -65,7 +65,7 @@ def _saving_rank(argv, extensions_dir, out):
         seen["growth"] = (_memory_kib("VmHWM") - before) * 1024
         zero = checkpointing._zero(trainer)
         seen["own"] = 12 * sum(flat.numel() for flat in zero.single_partition_of_fp32_groups)
-        state = _assembled_state(trainer, config)
+        state = _assembled_state(trainer)
         seen["stage"] = 12 * sum(t.numel() for k, t in state.items() if "/" not in k and k != "step")
         groups = trainer.groups
         if trainer.dp_rank == 0 and groups.tensor_rank == 0:
@@ -93,7 +93,7 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
                                    args.partition_method, args.checkpoint_activations_interval)
     checkpoint = checkpointing.open_for_run(checkpoint_path, None, plan.model)
     checkpointing.load(trainer, checkpoint, plan.model)
-    rename = checkpointing._rename(trainer, plan.model)
+    rename = trainer.mamba_name
     state = {}
     for name, p in trainer.module.named_parameters():
         state[rename(name)] = safe_get_full_fp32_param(p).clone()
