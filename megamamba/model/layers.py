@@ -122,7 +122,7 @@ def tie(head: nn.Module, embedding: nn.Module) -> None:
     head.weight = embedding.weight
 
 
-_PREFIX = {"embedding": "backbone.embedding.", "final_norm": NORM_F + ".", "head": "lm_head."}  # + blocks'
+_PREFIX = {"embedding": "backbone.embedding.", "final_norm": NORM_F + ".", "head": "lm_head."}  # blocks: numbered
 
 
 def layer_kinds(config: MambaConfig) -> list:
