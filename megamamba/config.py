@@ -1,8 +1,9 @@
 """Model configuration in mamba_ssm's config.json form.
 
-`MambaConfig` has exactly mamba_ssm's fields and defaults, so its config.json loads unchanged;
-options that only pick mamba_ssm's fused kernels are accepted, options we do not implement are
-refused by name. More: docs/code.md ("The model in code").
+`MambaConfig` has mamba_ssm's fields and defaults, so its config.json loads unchanged; options that
+only pick mamba_ssm's fused kernels are accepted, options we do not implement are refused by name.
+Two fields of our own describe hybrids the Megatron way (`hybrid_layer_pattern`, `mlp_activation`);
+at their defaults they are left out of config.json. More: docs/code.md ("The model in code").
 """
 import dataclasses
 import json
@@ -13,6 +14,9 @@ from typing import Any, Optional, Union
 from megamamba.errors import MegamambaError
 
 MIXER_LAYERS = ("Mamba1", "Mamba2")
+MLP_ACTIVATIONS = ("gated_silu", "squared_relu")  # mamba_ssm's GatedMLP; Nemotron-H's relu(x)^2
+PATTERN_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}  # Megatron's; "|" ends a pipeline stage
+GATED_MLP_MULTIPLE = 128  # mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,28 @@ class Mamba2Options:
 MixerOptions = Union[Mamba1Options, Mamba2Options]
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """mamba_ssm's `MHA` (modules/mha.py) constructor options (attn_cfg) and defaults; num_heads is required."""
+
+    num_heads: int
+    num_heads_kv: Optional[int] = None
+    head_dim: Optional[int] = None
+    mlp_dim: int = 0
+    qkv_proj_bias: bool = True
+    out_proj_bias: bool = True
+    softmax_scale: Optional[float] = None
+    causal: bool = False
+    d_conv: int = 0
+    rotary_emb_dim: int = 0
+    rotary_emb_base: float = 10000.0
+    rotary_emb_interleaved: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_heads_kv is None else self.num_heads_kv
+
+
 class ConfigError(MegamambaError, ValueError):
     """A config field has a value the model cannot build; the message names the field."""
 
@@ -88,6 +114,9 @@ def _pair(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r}: must be a pair of numbers [low, high]")
 
 
+OWN_FIELDS = {"hybrid_layer_pattern": "", "mlp_activation": "gated_silu"}  # not mamba_ssm's: with their defaults
+
+
 @dataclass
 class MambaConfig:
     """A Mamba language model: mamba_ssm's config fields, names and defaults."""
@@ -104,6 +133,8 @@ class MambaConfig:
     fused_add_norm: bool = True
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
+    hybrid_layer_pattern: str = ""
+    mlp_activation: str = "gated_silu"
 
     def __post_init__(self):
         # Own copies in JSON's shapes (tuples as lists), so a config equals its config.json reload.
@@ -128,6 +159,42 @@ class MambaConfig:
             if key in opts:
                 opts[key] = tuple(float(v) for v in opts[key])
         return cls(**opts)
+
+    @property
+    def attention_options(self) -> AttentionOptions:
+        """attn_cfg with mamba_ssm's MHA defaults filled in (the attention layers' options)."""
+        return AttentionOptions(**self.attn_cfg)
+
+    def head_dim_of(self, options: AttentionOptions) -> int:
+        """An attention head's width: head_dim, or d_model / num_heads as mamba_ssm's MHA."""
+        return options.head_dim if options.head_dim is not None else self.d_model // options.num_heads
+
+    @property
+    def block_kinds(self) -> list:
+        """What each of the n_layer blocks is: "mamba", "attention" or "mlp"."""
+        if self.hybrid_layer_pattern:
+            return [PATTERN_SYMBOLS[s] for s in self.hybrid_layer_pattern if s != "|"]
+        attention = set(self.attn_layer_idx)
+        return ["attention" if i in attention else "mamba" for i in range(self.n_layer)]
+
+    @property
+    def pattern_stages(self) -> list:
+        """With "|" in the pattern: the block count of each pipeline stage it marks; else []."""
+        if "|" not in self.hybrid_layer_pattern:
+            return []
+        return [len(part) for part in self.hybrid_layer_pattern.split("|")]
+
+    @property
+    def mlp_inside_blocks(self) -> bool:
+        """mamba_ssm's d_intermediate > 0: every block ends with norm2 + mlp (not with a pattern)."""
+        return self.d_intermediate > 0 and not self.hybrid_layer_pattern
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: d_intermediate, rounded up as mamba_ssm's GatedMLP inside blocks."""
+        if self.mlp_inside_blocks and self.mlp_activation == "gated_silu":
+            return -(-self.d_intermediate // GATED_MLP_MULTIPLE) * GATED_MLP_MULTIPLE
+        return self.d_intermediate
 
     @property
     def d_inner(self) -> int:
@@ -163,12 +230,7 @@ class MambaConfig:
             _positive_int(name, getattr(self, name))
         for name in ("rms_norm", "residual_in_fp32", "fused_add_norm", "tie_embeddings"):
             _boolean(name, getattr(self, name))
-        if self.d_intermediate != 0:
-            raise ConfigError(f"d_intermediate={self.d_intermediate!r}: MLP blocks are not implemented (use 0)")
-        if self.attn_layer_idx:
-            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: attention layers are not implemented (use [])")
-        if self.attn_cfg:
-            raise ConfigError(f"attn_cfg={self.attn_cfg!r}: attention layers are not implemented (use {{}})")
+        self._validate_hybrid()
         if not isinstance(self.ssm_cfg, dict):
             raise ConfigError(f"ssm_cfg={self.ssm_cfg!r}: must be a dict of mixer options")
         if self.layer not in MIXER_LAYERS:
@@ -191,6 +253,93 @@ class MambaConfig:
             self._validate_mamba1(opts)
         else:
             self._validate_mamba2(opts)
+
+    def _validate_hybrid(self) -> None:
+        """The layer layout: mamba_ssm's attn_layer_idx / d_intermediate, or a Megatron-style pattern."""
+        if isinstance(self.d_intermediate, bool) or not isinstance(self.d_intermediate, int) or self.d_intermediate < 0:
+            raise ConfigError(f"d_intermediate={self.d_intermediate!r}: must be an integer >= 0 (0: no MLP)")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ConfigError(f"mlp_activation={self.mlp_activation!r}: choose one of {MLP_ACTIVATIONS}")
+        if not isinstance(self.attn_layer_idx, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.attn_layer_idx):
+            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: must be a list of layer numbers")
+        if not isinstance(self.attn_cfg, dict):
+            raise ConfigError(f"attn_cfg={self.attn_cfg!r}: must be a dict of attention options")
+        if not isinstance(self.hybrid_layer_pattern, str):
+            raise ConfigError(f"hybrid_layer_pattern={self.hybrid_layer_pattern!r}: must be a string such as "
+                              "\"M-M*-\" (M Mamba, * attention, - MLP, | a pipeline-stage boundary)")
+        if self.hybrid_layer_pattern:
+            self._validate_pattern()
+        outside = sorted(i for i in self.attn_layer_idx if not 0 <= i < self.n_layer)
+        if outside:
+            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: {outside} outside the layers "
+                              f"0 .. {self.n_layer - 1} of n_layer={self.n_layer}")
+        if len(set(self.attn_layer_idx)) != len(self.attn_layer_idx):
+            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: names a layer twice")
+        if "attention" in self.block_kinds:
+            self._validate_attention()
+        elif self.attn_cfg:
+            raise ConfigError(f"attn_cfg={self.attn_cfg!r} with no attention layer: add layers to attn_layer_idx "
+                              "(or * to hybrid_layer_pattern), or remove attn_cfg")
+
+    def _validate_pattern(self) -> None:
+        pattern = self.hybrid_layer_pattern
+        unknown = sorted(set(pattern) - set(PATTERN_SYMBOLS) - {"|"})
+        if "E" in unknown:
+            raise ConfigError(f"hybrid_layer_pattern={pattern!r}: E (mixture-of-experts) layers are not implemented")
+        if unknown:
+            raise ConfigError(f"hybrid_layer_pattern={pattern!r}: unknown symbol(s) {unknown}; use M (Mamba), "
+                              "* (attention), - (MLP) and | (a pipeline-stage boundary)")
+        if any(n == 0 for n in self.pattern_stages):
+            raise ConfigError(f"hybrid_layer_pattern={pattern!r}: a pipeline stage between | marks holds no layer")
+        layers = len(self.block_kinds)
+        if layers != self.n_layer:
+            raise ConfigError(f"hybrid_layer_pattern={pattern!r} has {layers} layers but n_layer={self.n_layer}: "
+                              f"set n_layer to {layers}, or give one symbol per layer")
+        if self.attn_layer_idx:
+            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r} with hybrid_layer_pattern={pattern!r}: the "
+                              "pattern places the attention layers (*); use one of the two")
+        if "mlp" in self.block_kinds and self.d_intermediate == 0:
+            raise ConfigError(f"hybrid_layer_pattern={pattern!r} has MLP layers (-) but d_intermediate=0: "
+                              "set d_intermediate to their hidden width")
+
+    def _validate_attention(self) -> None:
+        known = {f.name for f in dataclasses.fields(AttentionOptions)}
+        for key in self.attn_cfg:
+            if key not in known:
+                raise ConfigError(f"attn_cfg.{key}={self.attn_cfg[key]!r} is not an option of mamba_ssm's MHA; "
+                                  f"known: {sorted(known)}")
+        if "num_heads" not in self.attn_cfg:
+            raise ConfigError(f"attn_cfg={self.attn_cfg!r} has no num_heads: attention layers need their head count")
+        o = self.attention_options
+        _positive_int("attn_cfg.num_heads", o.num_heads)
+        if o.num_heads_kv is not None:
+            _positive_int("attn_cfg.num_heads_kv", o.num_heads_kv)
+            if o.num_heads % o.num_heads_kv:
+                raise ConfigError(f"attn_cfg.num_heads_kv={o.num_heads_kv}: num_heads={o.num_heads} is not "
+                                  "divisible by it (each key/value head serves a whole group of query heads)")
+        if o.head_dim is not None:
+            _positive_int("attn_cfg.head_dim", o.head_dim)
+        elif self.d_model % o.num_heads:
+            raise ConfigError(f"attn_cfg.num_heads={o.num_heads}: d_model={self.d_model} is not divisible by it; "
+                              "set attn_cfg.head_dim")
+        for name in ("qkv_proj_bias", "out_proj_bias", "causal", "rotary_emb_interleaved"):
+            _boolean(f"attn_cfg.{name}", getattr(o, name))
+        if not o.causal:
+            raise ConfigError("attn_cfg.causal=false: a language model's attention must be causal; set "
+                              "\"causal\": true (mamba_ssm's MHA defaults to false, its LM configs set it)")
+        for name in ("mlp_dim", "d_conv"):
+            if getattr(o, name) != 0:
+                raise ConfigError(f"attn_cfg.{name}={getattr(o, name)!r}: the attention layer's "
+                                  f"{'parallel MLP' if name == 'mlp_dim' else 'convolution'} is not implemented (use 0)")
+        if o.softmax_scale is not None:
+            _positive_number("attn_cfg.softmax_scale", o.softmax_scale)
+        head_dim = self.head_dim_of(o)
+        rotary = o.rotary_emb_dim
+        if isinstance(rotary, bool) or not isinstance(rotary, int) or rotary < 0 or rotary % 2 or rotary > head_dim:
+            raise ConfigError(f"attn_cfg.rotary_emb_dim={rotary!r}: must be an even number of channels from 0 "
+                              f"(no rotary) to the head dim {head_dim}")
+        _positive_number("attn_cfg.rotary_emb_base", o.rotary_emb_base)
 
     def _validate_common(self, o: MixerOptions) -> None:
         _positive_int("ssm_cfg.d_state", o.d_state)
@@ -247,8 +396,13 @@ class MambaConfig:
 
     # ---- config.json ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The config.json content: every field under mamba_ssm's name."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """The config.json content: every field under mamba_ssm's name, and our hybrid fields unless at
+        their defaults (so a config mamba_ssm can build is one it can read)."""
+        data = json.loads(json.dumps(dataclasses.asdict(self)))
+        for name in OWN_FIELDS:
+            if data[name] == OWN_FIELDS[name]:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "MambaConfig":

@@ -82,6 +82,7 @@ def test_sizes_of_the_other_mixer_are_refused():
 
 
 M2 = {"layer": "Mamba2", "headdim": 16}
+ATTN = {"num_heads": 4, "causal": True}  # head_dim 16 at d_model 64
 
 INVALID = [
     # (fields, the field the message must name, a word of the reason)
@@ -90,9 +91,27 @@ INVALID = [
     ({"vocab_size": 2.5}, "vocab_size", "positive"),
     ({"pad_vocab_size_multiple": 0}, "pad_vocab_size_multiple", "positive"),
     ({"rms_norm": "yes"}, "rms_norm", "true or false"),
-    ({"d_intermediate": 256}, "d_intermediate", "MLP"),
-    ({"attn_layer_idx": [1]}, "attn_layer_idx", "attention"),
-    ({"attn_cfg": {"num_heads": 8}}, "attn_cfg", "attention"),
+    ({"d_intermediate": -1}, "d_intermediate", ">= 0"),
+    ({"mlp_activation": "gelu"}, "mlp_activation", "gated_silu"),
+    ({"attn_layer_idx": [1]}, "attn_cfg", "num_heads"),
+    ({"attn_layer_idx": [2], "attn_cfg": ATTN}, "attn_layer_idx", "outside"),
+    ({"attn_layer_idx": [1, 1], "attn_cfg": ATTN}, "attn_layer_idx", "twice"),
+    ({"attn_cfg": ATTN}, "attn_cfg", "no attention layer"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "causal": False}}, "attn_cfg.causal", "must be causal"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "num_heads_kv": 3}}, "attn_cfg.num_heads_kv", "not divisible"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "num_heads": 5}}, "attn_cfg.num_heads", "head_dim"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "rotary_emb_dim": 7}}, "attn_cfg.rotary_emb_dim", "even"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "rotary_emb_dim": 32}}, "attn_cfg.rotary_emb_dim", "head dim 16"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "mlp_dim": 64}}, "attn_cfg.mlp_dim", "not implemented"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "d_conv": 4}}, "attn_cfg.d_conv", "not implemented"),
+    ({"attn_layer_idx": [1], "attn_cfg": {**ATTN, "n_heads": 4}}, "attn_cfg.n_heads", "not an option"),
+    ({"hybrid_layer_pattern": "M*"}, "attn_cfg", "num_heads"),
+    ({"hybrid_layer_pattern": "MX"}, "hybrid_layer_pattern", "unknown symbol"),
+    ({"hybrid_layer_pattern": "ME"}, "hybrid_layer_pattern", "mixture-of-experts"),
+    ({"hybrid_layer_pattern": "MMM"}, "hybrid_layer_pattern", "set n_layer to 3"),
+    ({"hybrid_layer_pattern": "M||M"}, "hybrid_layer_pattern", "holds no layer"),
+    ({"hybrid_layer_pattern": "M-"}, "hybrid_layer_pattern", "d_intermediate=0"),
+    ({"hybrid_layer_pattern": "M*", "attn_cfg": ATTN, "attn_layer_idx": [1]}, "attn_layer_idx", "use one of"),
     ({"ssm_cfg": {"layer": "Mamba3"}}, "ssm_cfg.layer", "not implemented"),
     ({"ssm_cfg": {"layer": "S4"}}, "ssm_cfg.layer", "unknown"),
     ({"ssm_cfg": {"d_stat": 16}}, "ssm_cfg.d_stat", "not an option"),
@@ -126,6 +145,30 @@ def test_invalid_or_unsupported_config_is_refused_naming_the_field(fields, name,
     with pytest.raises(ConfigError) as err:
         MambaConfig(**{**base, **fields})
     assert f"{name}=" in str(err.value) and reason in str(err.value)
+
+
+def test_mamba_ssm_hybrid_fields_place_attention_and_an_mlp_in_every_block():
+    cfg = MambaConfig(d_model=64, n_layer=3, attn_layer_idx=[1], attn_cfg=ATTN, d_intermediate=100)
+    assert cfg.block_kinds == ["mamba", "attention", "mamba"]
+    assert cfg.mlp_inside_blocks and cfg.mlp_width == 128  # GatedMLP rounds up to a multiple of 128
+    assert cfg.to_dict() == {**MAMBA_SSM_DEFAULTS, "d_model": 64, "n_layer": 3, "attn_layer_idx": [1],
+                             "attn_cfg": ATTN, "d_intermediate": 100}
+
+
+def test_a_pattern_names_each_layer_and_its_stage_boundaries():
+    cfg = MambaConfig(d_model=64, n_layer=5, hybrid_layer_pattern="M-*|M-", attn_cfg=ATTN, d_intermediate=100,
+                      mlp_activation="squared_relu")
+    assert cfg.block_kinds == ["mamba", "mlp", "attention", "mamba", "mlp"]
+    assert cfg.pattern_stages == [3, 2]
+    assert not cfg.mlp_inside_blocks and cfg.mlp_width == 100  # a pattern's MLP width is d_intermediate as given
+
+
+def test_a_hybrid_config_json_round_trips_with_its_own_fields(tmp_path):
+    cfg = MambaConfig(d_model=64, n_layer=2, hybrid_layer_pattern="*-", attn_cfg=ATTN, d_intermediate=96,
+                      mlp_activation="squared_relu")
+    cfg.to_json(tmp_path / "config.json")
+    assert MambaConfig.from_json(tmp_path / "config.json") == cfg
+    assert json.loads((tmp_path / "config.json").read_text())["hybrid_layer_pattern"] == "*-"
 
 
 def test_unknown_top_level_field_is_refused_by_name():
