@@ -1,17 +1,19 @@
-"""The pre-norm residual block around a mixer, as mamba_ssm's `Block`.
+"""The pre-norm residual blocks around a mixer, as mamba_ssm's `Block`: Mamba, attention or MLP.
 
 A block takes and returns the residual stream (`megamamba.model.stream`); under sequence parallelism
 the stream is this rank's sequence shard. Keys: `norm.weight` (+ `norm.bias` for LayerNorm),
-`mixer.*`. More: docs/code.md.
+`mixer.*`, and with mamba_ssm's d_intermediate `norm2.*` and `mlp.fc1/fc2`. More: docs/code.md.
 """
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from megamamba.config import Mamba1Options, MambaConfig
+from megamamba.model.attention import Attention
 from megamamba.model.mamba1 import Mamba1
 from megamamba.model.mamba2 import Mamba2
+from megamamba.model.mlp import MLP
 from megamamba.model.norm import LayerNorm, RMSNorm
 from megamamba.model.stream import pack, to_stream, unpack
 from megamamba.parallel import TensorParallel
@@ -37,31 +39,79 @@ def make_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[Tensor
 
 
 class Block(nn.Module):
-    """One layer of the stream: s -> s + mixer(norm(s)) (the stream in float32 when residual_in_fp32)."""
+    """One layer of the stream: s -> s + mixer(norm(s)) (the stream in float32 when residual_in_fp32), then
+    with mamba_ssm's d_intermediate s -> s + mlp(norm2(s))."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
+    def __init__(self, config: MambaConfig, make_mixer: Callable[[], nn.Module], tp: Optional[TensorParallel] = None,
                  device=None, dtype=None):
         super().__init__()
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = make_norm(config, device=device, dtype=dtype, tp=tp)
-        self.mixer = make_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp)
+        self.mixer = make_mixer()
+        self.mlp = None
+        if config.mlp_inside_blocks:
+            self.norm2 = make_norm(config, device=device, dtype=dtype, tp=tp)
+            self.mlp = MLP(config.d_model, config.mlp_width, config.mlp_activation, device=device, dtype=dtype, tp=tp)
 
-    def _norm(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def output_projections(self) -> list:
+        """The projections back onto the stream, which mamba_ssm initialises scaled by the depth."""
+        return [m.output_projection for m in (self.mixer, self.mlp) if m is not None]
+
+    def _norm(self, norm: nn.Module, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(stream) in the norm's dtype, the stream in its own dtype)."""
         stream = to_stream(stream, self.residual_in_fp32)
-        if isinstance(self.norm, RMSNorm):
-            return self.norm.stream_forward(stream), stream
-        return self.norm(stream.to(dtype=self.norm.weight.dtype)), stream
+        if isinstance(norm, RMSNorm):
+            return norm.stream_forward(stream), stream
+        return norm(stream.to(dtype=norm.weight.dtype)), stream
 
-    def forward(self, x, inference_state: Optional[tuple] = None):
+    def _mlp(self, stream: torch.Tensor) -> torch.Tensor:
+        if self.mlp is None:
+            return stream
+        normed, stream = self._norm(self.norm2, stream)
+        return self.mlp(normed) + stream
+
+    def forward(self, x, inference_state=None):
         """stream [, seq_idx] -> the next stream [, seq_idx]; with `inference_state` (a prefill) the
         mixer's state after the last position is written into it."""
         stream, seq_idx = unpack(x)
-        normed, stream = self._norm(stream)
-        hidden = self.mixer(normed, seq_idx=seq_idx, inference_state=inference_state)
-        return pack(hidden + stream, seq_idx)
+        normed, stream = self._norm(self.norm, stream)
+        stream = self.mixer(normed, seq_idx=seq_idx, inference_state=inference_state) + stream
+        return pack(self._mlp(stream), seq_idx)
 
-    def step(self, stream: torch.Tensor, inference_state: tuple) -> torch.Tensor:
+    def allocate_inference_cache(self, batch_size: int, dtype=None):
+        """The mixer's zeroed recurrent state (None for an MLP layer)."""
+        return self.mixer.allocate_inference_cache(batch_size, dtype=dtype)
+
+    def step(self, stream: torch.Tensor, inference_state) -> torch.Tensor:
         """One token, (batch, d_model): as forward, through the mixer's recurrent step."""
-        normed, stream = self._norm(stream)
-        return self.mixer.step(normed, inference_state) + stream
+        normed, stream = self._norm(self.norm, stream)
+        return self._mlp(self.mixer.step(normed, inference_state) + stream)
+
+
+class MambaBlock(Block):
+    """A block whose mixer is Mamba-1 or Mamba-2 (ssm_cfg.layer); pattern symbol M."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
+                 device=None, dtype=None):
+        super().__init__(config, lambda: make_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp, device, dtype)
+
+
+class AttentionBlock(Block):
+    """A block whose mixer is causal self-attention (attn_cfg); attn_layer_idx, or pattern symbol *."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
+                 device=None, dtype=None):
+        super().__init__(config, lambda: Attention(config.d_model, config.attention_options, device=device,
+                                                   dtype=dtype, tp=tp, cp=cp), tp, device, dtype)
+
+
+class MLPBlock(Block):
+    """A block whose mixer is an MLP of d_intermediate channels (mlp_activation); pattern symbol -."""
+
+    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
+                 device=None, dtype=None):
+        super().__init__(config, lambda: MLP(config.d_model, config.mlp_width, config.mlp_activation, device=device,
+                                             dtype=dtype, tp=tp), tp, device, dtype)
+
+
+BLOCK_CLASSES = {"mamba": MambaBlock, "attention": AttentionBlock, "mlp": MLPBlock}  # by `MambaConfig.block_kinds`

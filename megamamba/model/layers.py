@@ -1,7 +1,7 @@
 """The model as one list of layers, numbered 0 .. n_layer + 2, and how each is built.
 
-0 the embedding, i + 1 block i, n_layer + 1 the final norm, n_layer + 2 the head (with
-tie_embeddings, the embedding's weight). Every layer takes and returns the residual stream
+0 the embedding, i + 1 block i (a Mamba, attention or MLP block, `MambaConfig.block_kinds`),
+n_layer + 1 the final norm, n_layer + 2 the head (with tie_embeddings, the embedding's weight). Every layer takes and returns the residual stream
 (`megamamba.model.stream`) and is built as `cls(config, tp=, cp=)`. A layer's number is its
 initialisation stream, its pipeline layer index and, through `layer_prefix`, its mamba_ssm names.
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.model.block import NORM_EPS, Block
+from megamamba.model.block import BLOCK_CLASSES, NORM_EPS, Block
 from megamamba.model.norm import LayerNorm, RMSNorm
 from megamamba.model.stream import pack, to_stream, unpack
 from megamamba.parallel import (
@@ -126,8 +126,8 @@ _PREFIX = {"embedding": "backbone.embedding.", "final_norm": NORM_F + ".", "head
 
 
 def layer_kinds(config: MambaConfig) -> list:
-    """The layer numbering: what each index of the list is."""
-    return ["embedding", *["block"] * config.n_layer, "final_norm", "head"]
+    """The layer numbering: what each index of the list is (a block by its kind: "mamba", "attention", "mlp")."""
+    return ["embedding", *config.block_kinds, "final_norm", "head"]
 
 
 def _kind(config: MambaConfig, index: int) -> str:
@@ -145,7 +145,7 @@ def layer_count(config: MambaConfig) -> int:
 def layer_class(config: MambaConfig, index: int, tp: Optional[TensorParallel] = None) -> type:
     """The class of layer `index` (its TP form under `tp`)."""
     parallel = split(tp) is not None
-    return {"embedding": ParallelEmbedding if parallel else Embedding, "block": Block,
+    return {"embedding": ParallelEmbedding if parallel else Embedding, **BLOCK_CLASSES,
             "final_norm": FinalRMSNorm if config.rms_norm else FinalLayerNorm,
             "head": ParallelHead if parallel else Head}[_kind(config, index)]
 
@@ -158,7 +158,7 @@ def layer_prefix(config: MambaConfig, index: int) -> str:
         raise KeyError(str(e)) from None
     if kind == "head" and config.tie_embeddings:
         raise KeyError(f"layer {index}: the tied head of a {config.n_layer}-layer model holds the embedding's weight")
-    return f"backbone.layers.{index - 1}." if kind == "block" else _PREFIX[kind]
+    return f"backbone.layers.{index - 1}." if kind in BLOCK_CLASSES else _PREFIX[kind]
 
 
 def layer_of(name: str, config: MambaConfig) -> int:
@@ -240,8 +240,9 @@ def build_layer(config: MambaConfig, index: int, seed: int, device=None, dtype=N
                     lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
         elif isinstance(module, Block):
             _zero_biases(module)
-            _redraw(module.mixer.out_proj.weight, (config.d_model, config.d_inner),
-                    lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)), tp)
+            for projection in module.output_projections():
+                _redraw(projection.weight, (projection.out_features, projection.in_features),
+                        lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)), tp)
     return module
 
 

@@ -47,7 +47,7 @@ def layer_list(model: nn.Module) -> list:
 
 
 class MambaLM(nn.Module):
-    """Mamba-1 / Mamba-2 language model: `MambaLM(config)(input_ids)` -> logits (batch, seqlen, padded vocab).
+    """Mamba-1 / Mamba-2 language model, pure or hybrid with attention and MLP blocks: `MambaLM(config)(input_ids)` -> logits (batch, seqlen, padded vocab).
 
     With `tp` (size > 1) the model is split across its tensor-parallel group (docs/code.md).
     With `cp` (size > 1) each rank of the context-parallel group runs a slice of every sequence.
@@ -115,8 +115,9 @@ class MambaLM(nn.Module):
                              "build the model with tp.without_sequence_parallel() for generation")
 
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> list:
-        """Zeroed recurrent state for `step`: one (conv_state, ssm_state) per layer."""
-        return [layer.mixer.allocate_inference_cache(batch_size, dtype=dtype) for layer in self.backbone.layers]
+        """Empty recurrent state for `step`, one per block: (conv_state, ssm_state) zeroed for a Mamba block,
+        an empty key/value cache for an attention block, None for an MLP block."""
+        return [layer.allocate_inference_cache(batch_size, dtype=dtype) for layer in self.backbone.layers]
 
     def step(self, input_ids: torch.Tensor, inference_cache: list) -> torch.Tensor:
         """One token per sequence: input_ids (batch,) -> logits (batch, padded_vocab_size); the cache

@@ -159,6 +159,11 @@ class Mamba1(nn.Module):
         dt, B, C = self.split_x_proj(self.project_x(x.transpose(1, 2)))
         return (dt @ self.dt_proj.weight.t()).transpose(1, 2), B.transpose(1, 2), C.transpose(1, 2)
 
+    @property
+    def output_projection(self) -> nn.Module:
+        """The projection back onto the residual stream (initialised scaled by depth, as mamba_ssm)."""
+        return self.out_proj
+
     # ---- recurrent form (generation) -------------------------------------------------------
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> tuple:
         """Zero (conv_state (batch, d_inner, d_conv), ssm_state (batch, d_inner, d_state))."""

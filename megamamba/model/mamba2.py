@@ -165,6 +165,11 @@ class Mamba2(nn.Module):
             inference_state[1].copy_(final_state)
         return self.gate_and_project(y.reshape(batch, seqlen, self.d_inner), z)
 
+    @property
+    def output_projection(self) -> nn.Module:
+        """The projection back onto the residual stream (initialised scaled by depth, as mamba_ssm)."""
+        return self.out_proj
+
     # ---- recurrent form (generation) -------------------------------------------------------
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> tuple:
         """Zero (conv_state (batch, conv_dim, d_conv), ssm_state (batch, nheads, headdim, d_state))."""

@@ -6,17 +6,46 @@ Each refusal names the rule and the numbers. The rules:
 - Mamba-2 splits the heads (with their channels, dt_bias, A_log, D): nheads % TP == 0. Its B/C
   groups are split when ngroups % TP == 0, or replicated on every rank when TP % ngroups == 0
   (each rank then uses the one group its heads belong to); any other ngroups is refused.
+- Attention splits the query heads: num_heads % TP == 0. Its key/value heads are split with them when
+  num_heads_kv % TP == 0, or replicated on every rank when TP % num_heads_kv == 0 (each rank then uses
+  the one its query heads read); any other num_heads_kv is refused.
+- An MLP splits its hidden channels: width % TP == 0.
 - Sequence parallelism splits the sequence between blocks: seqlen % TP == 0.
 """
 from __future__ import annotations
 
-from megamamba.config import Mamba1Options, MambaConfig, MixerOptions
+from megamamba.config import AttentionOptions, Mamba1Options, MambaConfig, MixerOptions
 from megamamba.errors import LayoutError
 
 
 def check_model_layout(config: MambaConfig, tp_size: int) -> None:
-    """Refuse a config whose mixer cannot be split across `tp_size` ranks."""
-    check_mixer_layout(config.d_model, config.mixer_options, tp_size)
+    """Refuse a config whose layers cannot be split across `tp_size` ranks."""
+    kinds = set(config.block_kinds)
+    if "mamba" in kinds:
+        check_mixer_layout(config.d_model, config.mixer_options, tp_size)
+    if "attention" in kinds:
+        check_attention_layout(config.attention_options, tp_size)
+    if "mlp" in kinds or config.mlp_inside_blocks:
+        check_mlp_layout(config.mlp_width, tp_size)
+
+
+def check_attention_layout(options: AttentionOptions, tp_size: int) -> None:
+    """Refuse attention options whose heads cannot be split across `tp_size` ranks."""
+    heads, kv_heads = options.num_heads, options.kv_heads
+    if heads % tp_size:
+        raise LayoutError(f"attention tensor parallelism splits the query heads across ranks: num_heads = {heads} "
+                          f"is not divisible by TP = {tp_size}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise LayoutError(f"attention tensor parallelism splits the key/value heads (num_heads_kv divisible by TP) "
+                          f"or replicates them (num_heads_kv dividing TP): num_heads_kv = {kv_heads} does neither at "
+                          f"TP = {tp_size}")
+
+
+def check_mlp_layout(width: int, tp_size: int) -> None:
+    """Refuse an MLP whose hidden channels cannot be split across `tp_size` ranks."""
+    if width % tp_size:
+        raise LayoutError(f"MLP tensor parallelism splits the hidden channels across ranks: d_intermediate = {width} "
+                          f"is not divisible by TP = {tp_size}")
 
 
 def check_mixer_layout(d_model: int, options: MixerOptions, tp_size: int) -> None:
