@@ -5,11 +5,13 @@ import os
 import pytest
 
 from checkpoint_fixtures import perturbed_model, snapshot, tiny
+from megamamba import MambaConfig
 from megamamba.checkpoint import (
     Checkpoint,
     CheckpointError,
     NoCheckpointError,
     check_save_dir,
+    config_differences,
     model_tensors,
     open_checkpoint,
     resolve_load,
@@ -133,3 +135,12 @@ def test_a_malformed_manifest_entry_is_one_error_naming_the_file(save_dir, entry
     path.write_text(json.dumps(manifest))
     unchanged_after(save_dir, lambda: resolve_load(str(save_dir / "step_000002")), CheckpointError,
                     r"manifest.json: the entry of 'config.json' is .*; each entry is \{\"size\"")
+
+
+def test_attention_options_differ_only_where_their_values_do():
+    def hybrid(**attention):
+        return MambaConfig(d_model=64, n_layer=2, attn_layer_idx=[1], attn_cfg={"num_heads": 4, "causal": True,
+                                                                                  **attention})
+
+    assert config_differences(hybrid(), hybrid(rotary_emb_dim=0)) == []  # a default written out is the default
+    assert config_differences(hybrid(), hybrid(rotary_emb_dim=8)) == ["attn_cfg.rotary_emb_dim: checkpoint 0, run 8"]
