@@ -114,12 +114,12 @@ class Attention(nn.Module):
         q, k, v = self._qkv(hidden_states)
         if inference_state is not None:
             inference_state.append(k, v)
-        start, key_ids = 0, seq_idx
+        start, ids = 0, seq_idx
         if self.cp is not None:
             start = self.cp.rank * q.shape[1]
             k, v = gather_keys_values(k, v, self.cp)
-            key_ids = None if seq_idx is None else gather_ids(seq_idx, self.cp)
-        context = causal_attention(q, k, v, self.softmax_scale, q_start=start, q_ids=seq_idx, k_ids=key_ids)
+            ids = None if seq_idx is None else gather_ids(seq_idx, self.cp)
+        context = causal_attention(q, k, v, self.softmax_scale, q_start=start, ids=ids)
         return self.out_proj(context.flatten(-2))
 
     # ---- recurrent form (generation) -------------------------------------------------------

@@ -2,13 +2,14 @@
 
 Queries sit at global positions q_start .. q_start + lq - 1, keys and values at 0 .. lk - 1 (a context-
 parallel rank's queries against the keys gathered from every rank). Query i sees key j when j <= its
-position and, with document ids, when both belong to the same document.
+position and, with document ids, when no id change lies between them: a change of id starts a document,
+as the Mamba layers reset their state there, so an id reused by a later document names another one.
 
 - No documents: `scaled_dot_product_attention` with `is_causal` (queries from position 0) or a
   lower-right causal bias over the keys up to the last query; both run the flash / memory-efficient
   kernels on CUDA.
-- Documents on CUDA: FlexAttention with a block mask built from the ids (compiled once per shape),
-  so fully masked blocks are skipped and no seqlen x seqlen mask exists.
+- Documents on CUDA: FlexAttention (compiled once per shape) with a block mask worked out per tile from
+  each query's document start, so fully masked tiles are skipped and no seqlen x seqlen mask exists.
 - Documents elsewhere: a boolean mask for `scaled_dot_product_attention` (CPU runs are short).
 """
 import functools
@@ -17,53 +18,93 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+TILE = 128  # FlexAttention's default block size, queries and keys
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
-                     q_start: int = 0, q_ids: Optional[torch.Tensor] = None,
-                     k_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     q_start: int = 0, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q (batch, lq, heads, head_dim), k and v (batch, lk, kv_heads, head_dim) -> (batch, lq, heads, head_dim).
 
     kv_heads divides heads (grouped-query attention: query head i reads key head i // (heads / kv_heads)).
-    q_ids (batch, lq) and k_ids (batch, lk): document ids of the queries and keys, or None for one document.
+    ids (batch, >= q_start + lq): document ids of positions 0 .. (the queries' are ids[:, q_start:q_start + lq]),
+    or None for one document.
     """
     lq = q.shape[1]
     k, v = k[:, :q_start + lq], v[:, :q_start + lq]  # no query sees a later key
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, len, head_dim)
     gqa = q.shape[1] != k.shape[1]
-    if q_ids is None:
+    if ids is None:
         if q_start == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, k.shape[2]), scale=scale,
                                                  enable_gqa=gqa)
     else:
-        k_ids = k_ids[:, :q_start + lq]
+        ids = ids[:, :q_start + lq]
         if q.is_cuda:
-            mask = document_block_mask(q_ids, k_ids, q_start)
+            mask = document_block_mask(ids, q_start)
             out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(q_ids, k_ids, q_start)[:, None],
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(ids, q_start)[:, None],
                                                  scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
-def document_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, q_start: int) -> torch.Tensor:
-    """(batch, lq, lk) bool: key j is at or before query i and in its document."""
-    q_pos = torch.arange(q_ids.shape[1], device=q_ids.device) + q_start
-    k_pos = torch.arange(k_ids.shape[1], device=k_ids.device)
-    return (k_pos[None, None, :] <= q_pos[None, :, None]) & (k_ids[:, None, :] == q_ids[:, :, None])
+def document_starts(ids: torch.Tensor) -> torch.Tensor:
+    """(batch, len) ids -> (batch, len) int64: the first position of each position's document (the last
+    id change at or before it)."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+    changes = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    changes[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return torch.where(changes, positions, 0).cummax(dim=1).values
 
 
-def document_block_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, q_start: int):
-    """FlexAttention's block mask of `document_mask` (nothing materialised at full size)."""
+def document_mask(ids: torch.Tensor, q_start: int) -> torch.Tensor:
+    """ids (batch, lk) -> (batch, lk - q_start, lk) bool: the queries at q_start .. lk - 1 read the keys from
+    their document's first position to their own."""
+    first = document_starts(ids)[:, q_start:, None]
+    k_pos = torch.arange(ids.shape[1], device=ids.device)
+    q_pos = k_pos[q_start:, None]
+    return (k_pos <= q_pos) & (k_pos >= first)
+
+
+def document_block_mask(ids: torch.Tensor, q_start: int) -> BlockMask:
+    """FlexAttention's block mask of `document_mask`, from each TILE x TILE tile's bounds alone.
+
+    Query q reads the keys [first(q), q], and first(q) never decreases with q, so the queries of a tile row
+    together read one interval, [first of its first query, its last query]: a key tile outside it is skipped;
+    one inside every query's interval (and not cut by the sequence's end) is full and needs no mask.
+    Work and memory are (lq / TILE) x (lk / TILE) per row.
+    """
+    lk = ids.shape[1]
+    lq = lk - q_start
+    first = document_starts(ids)[:, q_start:]  # (batch, lq)
+    device = ids.device
+    q_lo = torch.arange(0, lq, TILE, device=device)
+    q_hi = (q_lo + TILE).clamp(max=lq) - 1
+    k_lo = torch.arange(0, lk, TILE, device=device)
+    k_hi = (k_lo + TILE).clamp(max=lk) - 1
+    last_query, first_query = (q_hi + q_start)[:, None], (q_lo + q_start)[:, None]  # (query tiles, 1)
+    reads_some = (k_lo <= last_query) & (k_hi >= first[:, q_lo, None])  # (batch, query tiles, key tiles)
+    whole = (q_hi - q_lo + 1 == TILE)[:, None] & (k_hi - k_lo + 1 == TILE)
+    reads_all = (k_lo >= first[:, q_hi, None]) & (k_hi <= first_query) & whole
+    partial = reads_some & ~reads_all
 
     def same_document_and_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx + q_start) & (k_ids[b, kv_idx] == q_ids[b, q_idx])
+        return (kv_idx <= q_idx + q_start) & (kv_idx >= first[b, q_idx])
 
-    return create_block_mask(same_document_and_causal, q_ids.shape[0], None, q_ids.shape[1], k_ids.shape[1],
-                             device=q_ids.device)
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(reads_all), BLOCK_SIZE=TILE,
+                                    mask_mod=same_document_and_causal, seq_lengths=(lq, lk))
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, query tiles, key tiles) bool -> BlockMask's (count, key tile indices, those read first) per
+    query tile, with a heads dimension of 1."""
+    tiles = tiles[:, None].to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(dim=-1, dtype=torch.int32), order.to(torch.int32)
 
 
 @functools.cache
