@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from generate_fixtures import train_tiny
+from generate_fixtures import HYBRID, train_tiny
 from megamamba.generate import allowed_tokens, generate, generate_ids, sample_next
 
 PROMPT = "the cat sat"
@@ -23,10 +23,10 @@ def trained(one_thread):
     return train_tiny("Mamba1")
 
 
-def check_greedy_matches_parallel_argmax(model, tok, losses, layer):
+def check_greedy_matches_parallel_argmax(model, tok, losses, layer, new_tokens=NEW):
     assert losses[-1] < 0.5 * losses[0], f"{layer}: the tiny model did not train ({losses[0]:.2f} -> {losses[-1]:.2f})"
     prompt = torch.tensor([[tok.eod] + tok.encode(PROMPT)])
-    new = generate_ids(model, prompt, NEW, tok.vocab_size, greedy=True)
+    new = generate_ids(model, prompt, new_tokens, tok.vocab_size, greedy=True)
     with torch.no_grad():
         logits = model(torch.cat([prompt, new[:, :-1]], dim=1))[0, prompt.shape[1] - 1:, :tok.vocab_size]
     assert torch.isfinite(logits).all()
@@ -43,6 +43,11 @@ def test_greedy_generation_equals_the_parallel_forward_argmax_mamba1(trained):
 @pytest.mark.slow
 def test_greedy_generation_equals_the_parallel_forward_argmax_mamba2():
     check_greedy_matches_parallel_argmax(*train_tiny("Mamba2"), "Mamba2")
+
+
+def test_greedy_generation_equals_the_parallel_forward_argmax_hybrid(one_thread):
+    """Mamba, attention and MLP layers; 12 prompt and 60 new tokens take the KV cache past its first 64."""
+    check_greedy_matches_parallel_argmax(*train_tiny("Mamba2", fields=HYBRID), "hybrid", new_tokens=60)
 
 
 def test_text_generation_decodes_the_ids_after_an_end_of_document_token(trained):

@@ -1,4 +1,5 @@
-"""The recurrent form (step, prefill) computes the same logits as the parallel forward."""
+"""The recurrent form (step, prefill) computes the same logits as the parallel forward, for pure Mamba models
+and hybrids (attention layers keep a KV cache; MLP layers have no state)."""
 import pytest
 import torch
 
@@ -6,39 +7,47 @@ from megamamba import MambaLM
 
 LAYERS = ["Mamba1", "Mamba2"]
 SEQLEN = 21  # not a multiple of the tiny Mamba-2 chunk_size (8)
+ATTN = {"num_heads": 6, "num_heads_kv": 2, "head_dim": 4, "rotary_emb_dim": 2, "causal": True}
+HYBRIDS = {  # mamba_ssm's fields (GQA attention, a gated MLP inside every block); a pattern with every kind (MQA)
+    "attn_layer_idx": {"n_layer": 3, "attn_layer_idx": [1], "attn_cfg": ATTN, "d_intermediate": 20},
+    "pattern": {"n_layer": 4, "hybrid_layer_pattern": "M*-*", "d_intermediate": 20, "mlp_activation": "squared_relu",
+                "attn_cfg": {**ATTN, "num_heads_kv": 1, "rotary_emb_interleaved": True}},
+}
 
 
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def model_and_ids(tiny_config, layer, seed, batch=3, ssm=None):
+def model_and_ids(tiny_config, layer, seed, batch=3, ssm=None, fields=None, seqlen=SEQLEN):
     torch.manual_seed(seed)
-    cfg = tiny_config(layer, ssm)
+    cfg = tiny_config(layer, ssm, **(fields or {}))
     model = MambaLM(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (batch, SEQLEN))
+    ids = torch.randint(0, cfg.vocab_size, (batch, seqlen))
     return model, ids
 
 
-@pytest.mark.parametrize("layer,ssm", [("Mamba1", None), ("Mamba2", None),
-                                       ("Mamba2", {"rmsnorm": False, "D_has_hdim": True}),
-                                       ("Mamba2", {"dt_limit": [0.01, 0.05], "norm_before_gate": True})])
-def test_token_by_token_step_equals_parallel_forward(tiny_config, layer, ssm):
+@pytest.mark.parametrize("layer,ssm,hybrid", [("Mamba1", None, None), ("Mamba2", None, None),
+                                              ("Mamba2", {"rmsnorm": False, "D_has_hdim": True}, None),
+                                              ("Mamba2", {"dt_limit": [0.01, 0.05], "norm_before_gate": True}, None),
+                                              ("Mamba2", None, "attn_layer_idx"), ("Mamba1", None, "pattern")])
+def test_token_by_token_step_equals_parallel_forward(tiny_config, layer, ssm, hybrid):
     seed = 11
-    model, ids = model_and_ids(tiny_config, layer, seed, ssm=ssm)
+    model, ids = model_and_ids(tiny_config, layer, seed, ssm=ssm, fields=HYBRIDS.get(hybrid))
     with torch.no_grad():
         parallel = model(ids)
         cache = model.allocate_inference_cache(ids.shape[0])
         stepped = torch.stack([model.step(ids[:, t], cache) for t in range(SEQLEN)], dim=1)
     assert torch.isfinite(stepped).all()
     err = rel_err(stepped, parallel)
-    assert err <= 1e-5, f"{layer} {ssm} seed {seed}: step vs forward rel err {err:.2e}"
+    assert err <= 1e-5, f"{layer} {ssm} {hybrid} seed {seed}: step vs forward rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("layer", LAYERS)
-def test_prefill_then_step_continues_the_sequence(tiny_config, layer):
+@pytest.mark.parametrize("layer,hybrid", [("Mamba1", None), ("Mamba2", None), ("Mamba2", "attn_layer_idx"),
+                                          ("Mamba1", "pattern")])
+def test_prefill_then_step_continues_the_sequence(tiny_config, layer, hybrid):
     seed, prompt = 12, 13
-    model, ids = model_and_ids(tiny_config, layer, seed)
+    model, ids = model_and_ids(tiny_config, layer, seed, fields=HYBRIDS.get(hybrid))
     with torch.no_grad():
         parallel = model(ids)
         cache = model.allocate_inference_cache(ids.shape[0])
@@ -47,7 +56,23 @@ def test_prefill_then_step_continues_the_sequence(tiny_config, layer):
     out = torch.cat([prefill, rest], dim=1)
     assert torch.isfinite(out).all()
     err = rel_err(out, parallel)
-    assert err <= 1e-5, f"{layer} seed {seed}: prefill+step vs forward rel err {err:.2e}"
+    assert err <= 1e-5, f"{layer} {hybrid} seed {seed}: prefill+step vs forward rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("prompt", [60, 70], ids=["grows_in_a_step", "grows_in_the_prefill"])
+def test_kv_cache_grows_past_its_first_capacity(tiny_config, prompt):
+    """The cache holds 64 positions at first: steps from 60, or a prefill of 70, go past it."""
+    seed, seqlen = 14, 74
+    model, ids = model_and_ids(tiny_config, "Mamba2", seed, batch=2, fields=HYBRIDS["attn_layer_idx"], seqlen=seqlen)
+    with torch.no_grad():
+        parallel = model(ids)
+        cache = model.allocate_inference_cache(2)
+        assert cache[1].keys.shape[1] == 64
+        prefill = model(ids[:, :prompt], inference_cache=cache)
+        rest = torch.stack([model.step(ids[:, t], cache) for t in range(prompt, seqlen)], dim=1)
+    assert cache[1].length == seqlen and cache[1].keys.shape[1] >= seqlen
+    err = rel_err(torch.cat([prefill, rest], dim=1), parallel)
+    assert err <= 1e-5, f"prompt {prompt} seed {seed}: prefill+step vs forward rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("layer", LAYERS)
