@@ -240,11 +240,9 @@ def build_layer(config: MambaConfig, index: int, seed: int, device=None, dtype=N
                     lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
         elif isinstance(module, Block):
             _zero_biases(module)
-            projections = module.output_projections()
-            depth = math.sqrt(len(projections) * config.n_layer)  # mamba_ssm: residual branches per block x n_layer
-            for projection in projections:
+            for projection in module.output_projections():  # MambaLMHeadModel's last pass: / sqrt(n_layer)
                 _redraw(projection.weight, (projection.out_features, projection.in_features),
-                        lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(depth), tp)
+                        lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)), tp)
     return module
 
 
