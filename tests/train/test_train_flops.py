@@ -1,30 +1,76 @@
-"""FLOP count of the Mamba layers: the matmul terms equal what torch's FLOP counter sees in the model."""
+"""FLOP count of the Mamba, attention and MLP layers: the matmul terms equal what torch's FLOP counter sees in
+the model (attention's QK^T and AV on SDPA's math path, which the counter books as the full square: twice
+the causal half we count)."""
 import dataclasses
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.model.flops import (
+    attention_core_flops,
+    attention_projection_flops,
     forward_flops_per_token,
+    layer_flops,
     mamba1_layer_flops,
     mamba2_layer_flops,
+    mlp_flops,
     training_flops_per_token,
 )
 from train_entry import ROOT
 
 
-def _counted_per_token(config, seq, suffixes):
-    """FLOPs torch's counter books under the modules whose names end with `suffixes`, per token."""
+def _counts(config, seq):
+    """{module name: FLOPs} as torch's counter books them in one forward of `seq` tokens (SDPA's math path)."""
     model = MambaLM(config)
     counter = FlopCounterMode(display=False)
-    with counter:
+    with counter, sdpa_kernel(SDPBackend.MATH):
         model(torch.zeros(1, seq, dtype=torch.int64))
+    return model, {name.replace("MambaLM.", "", 1): sum(v.values()) for name, v in counter.get_flop_counts().items()}
+
+
+def _counted_per_token(config, seq, suffixes):
+    """FLOPs torch's counter books under the modules whose names end with `suffixes`, per token."""
+    model, counts = _counts(config, seq)
     names = {name for name, _ in model.named_modules() if name.endswith(suffixes)}
-    total = sum(sum(v.values()) for name, v in counter.get_flop_counts().items()
-                if name.replace("MambaLM.", "", 1) in names)
-    return total / seq
+    return sum(flops for name, flops in counts.items() if name in names) / seq
+
+
+ATTENTION = {"num_heads": 6, "num_heads_kv": 2, "head_dim": 12, "rotary_emb_dim": 6, "causal": True}
+HYBRID = dict(d_model=72, n_layer=3, vocab_size=101, hybrid_layer_pattern="M*-", d_intermediate=120,
+              attn_cfg=ATTENTION, ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 24, "chunk_size": 16})
+
+
+@pytest.mark.parametrize("activation", ["squared_relu", "gated_silu"])
+def test_attention_and_mlp_layers_match_the_flop_counter(activation):
+    config = MambaConfig(**HYBRID, mlp_activation=activation)
+    seq = 34
+    _, counts = _counts(config, seq)
+    attention, mlp = counts["backbone.layers.1"] / seq, counts["backbone.layers.2"] / seq
+    assert attention == attention_projection_flops(config) + 2 * attention_core_flops(config, seq)
+    assert mlp == mlp_flops(config) == layer_flops(config, seq)[3]
+    fc1 = 2 * 120 if activation == "gated_silu" else 120
+    assert mlp_flops(config) == 2 * 72 * fc1 + 2 * 120 * 72
+
+
+def test_attention_counts_the_causal_half_of_its_scores_and_grows_with_the_sequence():
+    config = MambaConfig(**HYBRID)
+    heads, head_dim = 6, 12
+    assert attention_core_flops(config, 1000) == 2 * 2 * heads * head_dim * 1000 // 2
+    assert layer_flops(config, 2000)[2] - layer_flops(config, 1000)[2] == 2 * heads * head_dim * 1000
+    assert attention_projection_flops(config) == 2 * 72 * (6 + 2 * 2) * 12 + 2 * 6 * 12 * 72
+
+
+def test_mlps_inside_blocks_match_the_flop_counter():
+    """mamba_ssm's d_intermediate: every block, Mamba or attention, ends with a gated MLP."""
+    config = MambaConfig(**{**HYBRID, "hybrid_layer_pattern": "", "n_layer": 2, "attn_layer_idx": [1]})
+    seq = 20
+    _, counts = _counts(config, seq)
+    assert counts["backbone.layers.1.mlp"] / seq == mlp_flops(config)
+    assert counts["backbone.layers.1"] / seq == layer_flops(config, seq)[2] + attention_core_flops(config, seq)
+    assert layer_flops(config, seq)[1] == mamba2_layer_flops(config, seq) + mlp_flops(config)
 
 
 @pytest.mark.slow
@@ -47,7 +93,7 @@ def test_mamba2_projections_and_head_match_the_flop_counter():
     conv = 2 * (di + 2 * g * n) * 4
     assert forward_flops_per_token(config, 40) - config.n_layer * (ssd + conv) == counted
     assert forward_flops_per_token(config, 40) == config.n_layer * mamba2_layer_flops(config, 40) \
-        + 2 * d * config.padded_vocab_size
+        + 2 * d * config.padded_vocab_size == sum(layer_flops(config, 40))
     assert mamba2_layer_flops(config, 40) == 2 * d * (2 * di + 2 * g * n + h) + 2 * di * d + conv + ssd
 
 
