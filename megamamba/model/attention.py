@@ -132,6 +132,6 @@ class Attention(nn.Module):
     def step(self, hidden_states: torch.Tensor, inference_state: KVCache) -> torch.Tensor:
         """One token: hidden_states (batch, d_model) -> (batch, d_model); the cache grows by one position."""
         q, k, v = self._qkv(hidden_states[:, None], inference_state.length)
-        k, v = inference_state.append(k, v)
+        k, v = (t.to(q.dtype) for t in inference_state.append(k, v))  # a cache in the weights' dtype, under autocast
         context = causal_attention(q, k, v, self.softmax_scale, q_start=inference_state.length - 1)
         return self.out_proj(context.flatten(-2))[:, 0]

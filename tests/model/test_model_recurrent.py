@@ -59,6 +59,20 @@ def test_prefill_then_step_continues_the_sequence(tiny_config, layer, hybrid):
     assert err <= 1e-5, f"{layer} {hybrid} seed {seed}: prefill+step vs forward rel err {err:.2e}"
 
 
+def test_hybrid_prefill_then_step_under_bf16_autocast(tiny_config):
+    """The KV cache holds float32 (the weights' dtype) while autocast computes keys in bf16: each step
+    attends in the queries' dtype, as the forward does."""
+    seed, prompt = 15, 13
+    model, ids = model_and_ids(tiny_config, "Mamba2", seed, fields=HYBRIDS["attn_layer_idx"])
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        parallel = model(ids)
+        cache = model.allocate_inference_cache(ids.shape[0])
+        prefill = model(ids[:, :prompt], inference_cache=cache)
+        rest = torch.stack([model.step(ids[:, t], cache) for t in range(prompt, SEQLEN)], dim=1)
+    err = rel_err(torch.cat([prefill, rest], dim=1), parallel)
+    assert err <= 2e-2, f"seed {seed}: prefill+step vs forward under bf16 autocast rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("prompt", [60, 70], ids=["grows_in_a_step", "grows_in_the_prefill"])
 def test_kv_cache_grows_past_its_first_capacity(tiny_config, prompt):
     """The cache holds 64 positions at first: steps from 60, or a prefill of 70, go past it."""
