@@ -20,10 +20,12 @@ from test_model_oracle import packed_seq_idx, randomise, rel_err
 SEED = 43
 TOL = 1e-10
 
-# attn_cfg: MHA with biases; GQA with partial rotary and a softmax scale; MQA with full interleaved rotary;
-# GQA with partial interleaved rotary on another base and only the qkv bias.
+# attn_cfg: MHA with biases; MHA with full rotary and only the out_proj bias; GQA with partial rotary and a
+# softmax scale; MQA with full interleaved rotary; GQA with partial interleaved rotary on another base and
+# only the qkv bias.
 ATTENTION_CASES = {
     "mha_biases": {"num_heads": 3},
+    "mha_full_rotary": {"num_heads": 2, "head_dim": 8, "rotary_emb_dim": 8, "qkv_proj_bias": False},
     "gqa_partial_rotary_scale": {"num_heads": 6, "num_heads_kv": 2, "head_dim": 10, "rotary_emb_dim": 4,
                                  "softmax_scale": 0.37, "qkv_proj_bias": False, "out_proj_bias": False},
     "mqa_full_rotary_interleaved": {"num_heads": 3, "num_heads_kv": 1, "rotary_emb_dim": 6,
