@@ -1,14 +1,15 @@
 """Convert between our checkpoints / model folders and Hugging Face or mamba_ssm weights.
 
-    python -m megamamba.convert export --checkpoint DIR [--tag step_000100] --output HF_DIR
+    python -m megamamba.convert export --checkpoint DIR [--tag step_000100] --output DIR [--to hf|mamba_ssm]
                                       [--max-shard-size 5GB] [--no-tokenizer]
     python -m megamamba.convert import --from hf|mamba_ssm --input DIR --output MODEL_DIR
+
+transformers' format is Mamba / Mamba2 for Mamba-only models and NemotronH for hybrids.
 
 Nothing is unpickled and nothing overwritten; refusals are one line, exit status 2.
 Usage and formats: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -26,23 +27,18 @@ from megamamba.checkpoint.files import (
     sync_dir,
     write_json,
 )
-from megamamba.checkpoint.hf import (
-    HFFormatError,
-    config_from_hf,
-    decode_special_floats,
-    hf_config,
-    hf_state,
-    state_from_hf,
-)
+from megamamba.checkpoint.hf import HFFormatError, decode_special_floats
 from megamamba.checkpoint.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
 from megamamba.checkpoint.safetensors_stream import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
     TensorReader,
+    TensorSpec,
     parse_size,
     write_sharded,
 )
 from megamamba.checkpoint.store import resolve_model_folder
+from megamamba.checkpoint.transformers_formats import assemble, export_config, file_names, file_parts, import_config
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.model.layers import EMBEDDING, HEAD, tie
@@ -72,10 +68,10 @@ def _source(directory: str, tag: str = None) -> tuple:
     return _our_config(os.path.join(directory, CONFIG_FILE)), directory
 
 
-def _export_names(reader: TensorReader, config: MambaConfig) -> dict:
-    """transformers' name -> ours of the tensors to export, in model order; names and shapes checked on headers.
+def _checked_names(reader: TensorReader, config: MambaConfig) -> list:
+    """Our tensor names in model order, checked against the config on headers (a tied head left out).
 
-    A tied head the folder holds anyway must equal the embedding (the two are compared) and is left out.
+    A tied head the folder holds anyway must equal the embedding (the two are compared).
     """
     names = set(reader.names())
     if config.tie_embeddings and HEAD in names:
@@ -83,7 +79,21 @@ def _export_names(reader: TensorReader, config: MambaConfig) -> dict:
             raise ConvertError(f"{reader.directory}: tie_embeddings is true but {HEAD} differs from {EMBEDDING}")
         names.discard(HEAD)
     check_model_shapes({n: reader.spec(n).shape for n in names}, config, reader.directory)
-    return hf_state({n: n for n in parameter_shapes(config) if n in names}, config)
+    return list(parameter_shapes(config))
+
+
+def _export_tensors(reader: TensorReader, config: MambaConfig, model_type: str) -> tuple:
+    """(specs of the file's tensors in model order, load(name in the file) -> tensor), each a row range of ours."""
+    specs, sources = [], {}
+    for name in file_names(model_type, _checked_names(reader, config)):
+        held = EMBEDDING if name == HEAD and config.tie_embeddings else name
+        spec, start = reader.spec(held), 0
+        for part in file_parts(model_type, config, name):
+            rows = spec.shape[0] if part.rows is None else part.rows
+            specs.append(TensorSpec(part.name, spec.dtype, (rows, *spec.shape[1:])))
+            sources[part.name] = (held, start, rows)
+            start += rows
+    return specs, lambda name: reader.load(sources[name][0]).narrow(0, *sources[name][1:])
 
 
 def _our_config(path: str) -> MambaConfig:
@@ -136,15 +146,14 @@ def export_hf(directory: str, output: str, tag: str = None, max_shard_size=DEFAU
     try:
         ours = load_tokenizer(spec) if spec is not None else None
         with TensorReader(source) as reader:
-            names = _export_names(reader, config)
-            specs = [dataclasses.replace(reader.spec(n), name=hf) for hf, n in names.items()]
-            hf = hf_config(config, DTYPES[reader.spec(EMBEDDING).dtype], ours.eod if ours is not None else None)
+            hf = export_config(config, DTYPES[reader.spec(EMBEDDING).dtype], ours.eod if ours is not None else None)
+            specs, load = _export_tensors(reader, config, hf["model_type"])
             staging = _staging(output)
             try:
                 write_json(os.path.join(staging, CONFIG_FILE), hf)
                 if ours is not None:
                     write_transformers_tokenizer(ours, staging)
-                write_sharded(staging, specs, lambda name: reader.load(names[name]), max_shard_size)
+                write_sharded(staging, specs, load, max_shard_size)
             except BaseException:
                 shutil.rmtree(staging)
                 raise
@@ -153,6 +162,48 @@ def export_hf(directory: str, output: str, tag: str = None, max_shard_size=DEFAU
     except TokenizerError as e:
         raise ConvertError(f"{e}; not exported: --no-tokenizer exports the model without tokenizer files") from None
     _finish(staging, output)
+    return output
+
+
+def mamba_ssm_config(config: MambaConfig) -> dict:
+    """mamba_ssm's config.json for `config` (a pattern of Mamba and attention layers as attn_layer_idx);
+    ConvertError naming what mamba_ssm's MambaLMHeadModel cannot build."""
+    fields = config.to_dict()
+    if config.hybrid_layer_pattern:
+        kinds = config.block_kinds
+        if "mlp" in kinds:
+            raise ConvertError(f"hybrid_layer_pattern={config.hybrid_layer_pattern!r}: mamba_ssm has no MLP layers "
+                               "(-) of their own (its MLP, d_intermediate, sits inside every block); export to "
+                               "transformers' NemotronH instead (--to hf)")
+        del fields["hybrid_layer_pattern"]
+        fields.update(attn_layer_idx=[i for i, kind in enumerate(kinds) if kind == "attention"], d_intermediate=0)
+    if config.mlp_inside_blocks and config.mlp_activation != "gated_silu":
+        raise ConvertError(f"mlp_activation={config.mlp_activation!r}: mamba_ssm's MLP (d_intermediate) is gated "
+                           "SiLU only")
+    fields.pop("mlp_activation", None)
+    return fields
+
+
+def export_mamba_ssm(directory: str, output: str, tag: str = None, tokenizer: bool = True) -> str:
+    """Write mamba_ssm's folder (config.json + pytorch_model.bin, as its from_pretrained reads) for the checkpoint /
+    model folder `directory`, with our tokenizer's files unless tokenizer=False; returns `output`."""
+    config, source = _source(directory, tag)
+    fields = mamba_ssm_config(config)
+    try:
+        with TensorReader(source) as reader:
+            state = {name: reader.load(name) for name in _checked_names(reader, config)}
+    except ModelFolderError as e:
+        raise ConvertError(str(e)) from None
+    if config.tie_embeddings:
+        state[HEAD] = state[EMBEDDING]  # mamba_ssm's state dict names the tied head too (one storage, saved once)
+    staging = _staging(output)
+    try:
+        write_json(os.path.join(staging, CONFIG_FILE), fields)
+        torch.save(state, os.path.join(staging, TORCH_WEIGHTS))
+    except BaseException:
+        shutil.rmtree(staging)
+        raise
+    _finish(staging, output, source if tokenizer else None)
     return output
 
 
@@ -179,15 +230,35 @@ def _read_weights(directory: str) -> dict:
     raise ConvertError(f"{directory}: holds none of {WEIGHTS_FILE}, {SHARD_INDEX}, {TORCH_WEIGHTS}")
 
 
+def _from_transformers(tensors: dict, config: MambaConfig, model_type: str, directory: str) -> dict:
+    """Our tensors from transformers' (parts put together); ConvertError naming a missing or unexpected one."""
+    names = list(parameter_shapes(config))
+    if HEAD not in names and HEAD in tensors:
+        names.append(HEAD)  # a tied head written anyway: check_model_tensors compares it with the embedding
+    state, used = {}, set()
+    for name in file_names(model_type, names):
+        parts = file_parts(model_type, config, name)
+        missing = [p.name for p in parts if p.name not in tensors]
+        if missing:
+            raise ConvertError(f"{directory}: has no tensor {missing[0]} (part of our {name}) that its config implies")
+        state[name] = assemble(parts, tensors.__getitem__)
+        used.update(p.name for p in parts)
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise ConvertError(f"{directory}: tensors its config does not imply: {unexpected[:5]}")
+    return state
+
+
 def import_weights(source_format: str, directory: str, output: str) -> str:
     """Write our model folder from transformers' (`"hf"`) or mamba_ssm's (`"mamba_ssm"`) folder; returns `output`."""
     config_path = os.path.join(directory, CONFIG_FILE)
     if source_format == "hf":
+        hf = decode_special_floats(read_json(config_path, "transformers config"))
         try:
-            config = config_from_hf(decode_special_floats(read_json(config_path, "transformers config")))
+            config = import_config(hf)
         except (HFFormatError, ConfigError) as e:
             raise ConvertError(f"{config_path}: {e}") from None
-        state = state_from_hf(_read_weights(directory))
+        state = _from_transformers(_read_weights(directory), config, hf["model_type"], directory)
     elif source_format == "mamba_ssm":
         config = _our_config(config_path)
         state = _read_weights(directory)
@@ -208,13 +279,16 @@ def import_weights(source_format: str, directory: str, output: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="checkpoint or model folder -> Hugging Face transformers folder")
+    e = sub.add_parser("export", help="checkpoint or model folder -> Hugging Face transformers or mamba_ssm folder")
     e.add_argument("--checkpoint", required=True, help="checkpoint, save directory (uses latest) or model folder")
     e.add_argument("--tag", default=None, help="checkpoint in the save directory, e.g. step_000100")
     e.add_argument("--output", required=True)
+    e.add_argument("--to", dest="target", default="hf", choices=["hf", "mamba_ssm"],
+                   help="hf: transformers' Mamba / Mamba2, NemotronH for hybrids (default); mamba_ssm: config.json + "
+                        "pytorch_model.bin for its MambaLMHeadModel.from_pretrained")
     e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
-                   help="largest weights file, e.g. 5GB (10**9 bytes), 4GiB or a byte count; above it the weights "
-                        "are sharded with an index, as transformers shards")
+                   help="(--to hf) largest weights file, e.g. 5GB (10**9 bytes), 4GiB or a byte count; above it the "
+                        "weights are sharded with an index, as transformers shards")
     e.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
                    help="write no tokenizer files (when the source's tokenizer cannot be exported: the "
                         "refusal says why)")
@@ -228,7 +302,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        if args.command == "export":
+        if args.command == "export" and args.target == "mamba_ssm":
+            out = export_mamba_ssm(args.checkpoint, args.output, args.tag, args.tokenizer)
+        elif args.command == "export":
             out = export_hf(args.checkpoint, args.output, args.tag, args.max_shard_size, args.tokenizer)
         else:
             out = import_weights(args.source_format, args.input, args.output)

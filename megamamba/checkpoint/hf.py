@@ -1,17 +1,17 @@
-"""Hugging Face transformers' Mamba / Mamba2 format <-> ours: config fields and parameter names.
+"""Hugging Face transformers' Mamba / Mamba2 format <-> ours: config fields and tensor names.
 
 Options transformers cannot compute are refused by name (`HFFormatError`). The name and field
 mapping: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from megamamba.config import Mamba1Options, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.model.block import NORM_EPS
-from megamamba.model.layers import EMBEDDING, HEAD
+from megamamba.model.layers import EMBEDDING
 
 HF_EMBEDDING = "backbone.embeddings.weight"
 
@@ -35,6 +35,13 @@ class HFFormatError(MegamambaError, ValueError):
     """A config that the other format cannot represent; the message names the field."""
 
 
+class Part(NamedTuple):
+    """A tensor of transformers' file holding `rows` rows (dim 0; None: all) of one of ours."""
+
+    name: str
+    rows: Optional[int]
+
+
 def decode_special_floats(obj):
     """transformers' JSON encoding of non-finite floats ({"__float__": "Infinity"}) decoded, recursively."""
     if isinstance(obj, dict):
@@ -46,7 +53,7 @@ def decode_special_floats(obj):
     return obj
 
 
-def _integer_expand(config: MambaConfig) -> int:
+def integer_expand(config: MambaConfig) -> int:
     expand = config.mixer_options.expand
     if expand != int(expand):
         raise HFFormatError(f"ssm_cfg.expand={expand!r}: transformers stores expand as an integer")
@@ -61,7 +68,7 @@ def hf_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[in
     common = {
         "vocab_size": config.padded_vocab_size, "hidden_size": config.d_model,
         "num_hidden_layers": config.n_layer, "state_size": o.d_state, "conv_kernel": o.d_conv,
-        "expand": _integer_expand(config), "use_bias": o.bias, "use_conv_bias": o.conv_bias, "hidden_act": "silu",
+        "expand": integer_expand(config), "use_bias": o.bias, "use_conv_bias": o.conv_bias, "hidden_act": "silu",
         "layer_norm_epsilon": NORM_EPS, "residual_in_fp32": config.residual_in_fp32,
         "tie_word_embeddings": config.tie_embeddings, "time_step_min": o.dt_min, "time_step_max": o.dt_max,
         "time_step_floor": o.dt_init_floor, "dtype": str(dtype).removeprefix("torch."),
@@ -116,14 +123,6 @@ def config_from_hf(hf: dict) -> MambaConfig:
                        pad_vocab_size_multiple=8 if rows % 8 == 0 else 1, tie_embeddings=f["tie_word_embeddings"])
 
 
-def hf_state(state: dict, config: MambaConfig) -> dict:
-    """Our full tensors -> transformers' names (the head left out when tied)."""
-    out = {HF_EMBEDDING if k == EMBEDDING else k: v for k, v in state.items()}
-    if config.tie_embeddings:
-        out.pop(HEAD, None)
-    return out
-
-
-def state_from_hf(state: dict) -> dict:
-    """transformers' tensors -> our names."""
-    return {EMBEDDING if k == HF_EMBEDDING else k: v for k, v in state.items()}
+def mamba_parts(name: str) -> list:
+    """Where our tensor `name` lies in transformers' Mamba / Mamba2 file (the tied head is not written)."""
+    return [Part(HF_EMBEDDING if name == EMBEDDING else name, None)]

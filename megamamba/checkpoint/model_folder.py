@@ -1,7 +1,7 @@
 """A model folder: `config.json` + the weights (+ the tokenizer's files), read without unpickling.
 
 `FolderWeights` reads any folder whose weights training may start from, one stage's tensors at a
-time: ours (a model folder or a checkpoint), mamba_ssm's and transformers' Mamba / Mamba2 exports.
+time: ours (a model folder or a checkpoint), mamba_ssm's and transformers' Mamba / Mamba2 / NemotronH exports.
 The folder's format: docs/checkpoints.md.
 """
 import json
@@ -13,7 +13,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
-from megamamba.checkpoint.hf import ARCHITECTURES, HF_EMBEDDING, HFFormatError, config_from_hf, decode_special_floats
+from megamamba.checkpoint.hf import HFFormatError, Part, decode_special_floats
+from megamamba.checkpoint.transformers_formats import architecture, assemble, file_names, file_parts, import_config
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.model.layers import EMBEDDING, HEAD, tie
 from megamamba.model.lm import MambaLM
@@ -86,8 +87,9 @@ class FolderWeights:
     `kind` says which form: "model folder" (our config + safetensors: ours, a checkpoint, or a
     mamba_ssm export in safetensors), "mamba_ssm folder" (pytorch_model.bin, read with
     weights_only=True and memory-mapped), or transformers' export (config.json with a `model_type`;
-    its `vocab_size` is the padded row count, `hf` is True). `tensors(names)` opens only the files
-    holding `names` (of a .bin, only the pages); with tie_embeddings the head is the embedding.
+    its `vocab_size` is the padded row count, `hf` is True; a tensor of ours may be several of its, as
+    `transformers_formats.file_parts` says). `tensors(names)` opens only the files holding `names` (of a
+    .bin, only the pages); with tie_embeddings the head is the embedding.
     """
 
     def __init__(self, directory: str):
@@ -98,9 +100,10 @@ class FolderWeights:
                 raw = json.load(f)
         except (OSError, ValueError) as e:
             raise ModelFolderError(f"{config_path}: not a readable model config ({e})") from None
-        self.hf = isinstance(raw, dict) and "model_type" in raw
+        self.model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        self.hf = self.model_type is not None
         try:
-            self.config = config_from_hf(decode_special_floats(raw)) if self.hf else MambaConfig.from_dict(raw)
+            self.config = import_config(decode_special_floats(raw)) if self.hf else MambaConfig.from_dict(raw)
         except (ConfigError, HFFormatError, TypeError) as e:
             raise ModelFolderError(f"{config_path}: {e}") from None
         self._torch_file = os.path.join(directory, TORCH_WEIGHTS)
@@ -108,7 +111,7 @@ class FolderWeights:
                               for n in (WEIGHTS_FILE, index_file(WEIGHTS_STEM)))
         self._bin = None if has_safetensors or not os.path.isfile(self._torch_file) else self._open_bin()
         if self.hf:
-            self.kind = f"transformers {ARCHITECTURES[raw['model_type']]} folder"
+            self.kind = f"transformers {architecture(self.model_type)} folder"
         else:
             self.kind = "model folder" if self._bin is None else "mamba_ssm folder (pytorch_model.bin)"
 
@@ -119,19 +122,28 @@ class FolderWeights:
             raise ModelFolderError(f"{self._torch_file}: not loadable with weights_only=True and mmap, which refuse "
                                    f"pickled code and the pre-1.6 format ({' '.join(str(e).split())})") from None
 
-    def _file_name(self, name: str) -> str:
-        return HF_EMBEDDING if self.hf and name == EMBEDDING else name
-
-    def _our_name(self, name: str) -> str:
-        return EMBEDDING if self.hf and name == HF_EMBEDDING else name
+    def _parts(self, name: str) -> list:
+        """The tensors of the folder's files that make up our tensor `name`."""
+        return file_parts(self.model_type, self.config, name) if self.hf else [Part(name, None)]
 
     def shapes(self) -> dict:
-        """Our name -> shape of every tensor in the folder (only headers are read); a tied head left out."""
+        """Our name -> shape of every tensor in the folder (only headers are read; a file's tensor that is part
+        of none of ours keeps its own name); a tied head left out."""
         if self._bin is not None:
-            shapes = {self._our_name(n): tuple(t.shape) for n, t in self._bin.items()}
+            held = {n: tuple(t.shape) for n, t in self._bin.items()}
         else:
             with FolderTensors(self.directory, WEIGHTS_STEM) as tensors:
-                shapes = {self._our_name(n): tensors.shape(n) for n in tensors.names()}
+                held = {n: tensors.shape(n) for n in tensors.names()}
+        shapes, used = {}, set()
+        with torch.device("meta"):
+            names = [n for n, _ in MambaLM(self.config).named_parameters()]
+        for name in file_names(self.model_type, names) if self.hf else names:
+            parts = self._parts(name)
+            if all(p.name in held for p in parts):
+                first = held[parts[0].name]
+                shapes[name] = (sum(held[p.name][0] for p in parts), *first[1:]) if len(parts) > 1 else first
+                used.update(p.name for p in parts)
+        shapes.update({n: shape for n, shape in held.items() if n not in used})
         if self.config.tie_embeddings:
             shapes.pop(HEAD, None)
         return shapes
@@ -141,15 +153,15 @@ class FolderWeights:
         a caller that keeps only its slice of each holds one full tensor at a time."""
         source = {n: EMBEDDING if self.config.tie_embeddings and n == HEAD else n for n in names}
         if self._bin is not None:
-            absent = sorted({self._file_name(s) for s in source.values()} - set(self._bin))
+            absent = sorted({p.name for s in source.values() for p in self._parts(s)} - set(self._bin))
             if absent:
                 raise ModelFolderError(f"{self._torch_file}: has no tensors {absent[:5]}")
             for n, s in source.items():
-                yield n, self._bin[self._file_name(s)]
+                yield n, assemble(self._parts(s), self._bin.__getitem__)
             return
         with FolderTensors(self.directory, WEIGHTS_STEM) as tensors:
             for n, s in source.items():
-                yield n, tensors.read(self._file_name(s))
+                yield n, assemble(self._parts(s), tensors.read)
 
     def tensors(self, names) -> dict:
         """Full tensors by our name for `names`, on the CPU (the head is the embedding when tied)."""

@@ -1,0 +1,58 @@
+"""Which transformers format a model converts to and from, and where each of our tensors lies in its files.
+
+Mamba-only models take transformers' Mamba / Mamba2 (hf.py); hybrids (attention or MLP layers, or a
+layer pattern) take NemotronH (nemotron_h.py). A tensor of ours is one or more tensors of the file,
+its rows in order (`Part`).
+"""
+from typing import Callable
+
+import torch
+
+from megamamba.checkpoint import nemotron_h
+from megamamba.checkpoint.hf import ARCHITECTURES, HF_DEFAULTS, HFFormatError, config_from_hf, hf_config, mamba_parts
+from megamamba.config import MambaConfig
+
+MODEL_TYPES = (*HF_DEFAULTS, nemotron_h.MODEL_TYPE)
+
+
+def is_hybrid(config: MambaConfig) -> bool:
+    """Whether the model has attention or MLP layers (or a layer pattern): NemotronH's, not Mamba's format."""
+    return bool(config.hybrid_layer_pattern or config.attn_layer_idx or config.d_intermediate)
+
+
+def export_config(config: MambaConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
+    """transformers' config.json for `config`; HFFormatError naming what the format cannot represent."""
+    if is_hybrid(config):
+        return nemotron_h.nemotron_h_config(config, dtype, eos_token_id)
+    return hf_config(config, dtype, eos_token_id)
+
+
+def import_config(hf: dict) -> MambaConfig:
+    """Our config for transformers' config.json `hf` (special floats decoded); HFFormatError when we cannot."""
+    model_type = hf.get("model_type")
+    if model_type == nemotron_h.MODEL_TYPE:
+        return nemotron_h.config_from_nemotron_h(hf)
+    if model_type in HF_DEFAULTS:
+        return config_from_hf(hf)
+    raise HFFormatError(f"model_type={model_type!r}: only {list(MODEL_TYPES)} (transformers' Mamba, Mamba2, "
+                        "NemotronH) convert")
+
+
+def architecture(model_type: str) -> str:
+    return nemotron_h.ARCHITECTURE if model_type == nemotron_h.MODEL_TYPE else ARCHITECTURES[model_type]
+
+
+def file_names(model_type: str, names: list) -> list:
+    """Our tensor names (`names`: the model's, a tied head left out) that the format's file holds."""
+    return nemotron_h.written_names(names) if model_type == nemotron_h.MODEL_TYPE else names
+
+
+def file_parts(model_type: str, config: MambaConfig, name: str) -> list:
+    """[Part] of the file that make up our tensor `name`, rows in order."""
+    return nemotron_h.nemotron_h_parts(config, name) if model_type == nemotron_h.MODEL_TYPE else mamba_parts(name)
+
+
+def assemble(parts: list, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """Our tensor from its parts, each read by its name in the file."""
+    return read(parts[0].name) if len(parts) == 1 else torch.cat([read(p.name) for p in parts])
+
