@@ -4,8 +4,9 @@
 
 The prompt is encoded after the tokenizer's end-of-document token — the token every training
 document's segment begins with (see megamamba/data/packing.py) — and run through the model
-in parallel once (prefill), which leaves each layer's conv and SSM state in the inference
-cache; each new token then costs one `model.step`. DIR is a checkpoint (its manifest's sizes and
+in parallel once (prefill), which leaves each Mamba layer's conv and SSM state and each
+attention layer's keys and values in the inference cache (MLP layers keep nothing); each new
+token then costs one `model.step`. DIR is a checkpoint (its manifest's sizes and
 checksums verified first), a save directory (the checkpoint its `latest` names) or a plain model
 folder (model_folder.py; loaded unverified, with a note). Refusals are one line, exit status 2.
 """

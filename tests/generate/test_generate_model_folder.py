@@ -70,6 +70,16 @@ def test_command_line_prints_prompt_and_continuation(folder, capsys):
     assert out.startswith("Hi") and len(out.rstrip("\n")) >= 2
 
 
+def test_command_line_generates_from_a_hybrid_folder(tmp_path, capsys):
+    torch.manual_seed(0)
+    config = MambaConfig(d_model=18, n_layer=3, vocab_size=257, ssm_cfg=SSM, hybrid_layer_pattern="M*-",
+                         d_intermediate=20, attn_cfg={"num_heads": 3, "num_heads_kv": 1, "causal": True})
+    save_model_folder(MambaLM(config), str(tmp_path / "m"), tokenizer=load_tokenizer("bytes"))
+    generate_main(["--checkpoint", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "5", "--greedy",
+                   "--device", "cpu"])
+    assert capsys.readouterr().out.startswith("Hi")
+
+
 def refused(capsys, argv, match: str) -> str:
     """The one stderr line (after any note) of a refusal with exit status 2."""
     with pytest.raises(SystemExit) as e:
