@@ -62,7 +62,7 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     layout = plan.layout
     init_distributed()
     trainer = script.build_trainer(layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
-                                   args.partition_method, checkpoint_interval)
+                                   args.partition_method, checkpoint_interval, seq_length=args.seq_length)
     shape = RunShape.of_run(plan.model, layout, plan.engine_config, args.seq_length, args.partition_method,
                             checkpoint_interval, False)
     stage = plan_memory(shape).stages[0]

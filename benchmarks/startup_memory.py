@@ -65,7 +65,8 @@ def rank_startup(model_config: str, tp: int, pp: int) -> tuple:
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's op build and the pipeline's partition
         init_distributed()
         script.build_trainer(plan.layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
-                             args.partition_method, args.checkpoint_activations_interval, args.sequence_parallel)
+                             args.partition_method, args.checkpoint_activations_interval, args.sequence_parallel,
+                             seq_length=args.seq_length)
     seconds = seconds_since_process_start()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
     shutdown_distributed()

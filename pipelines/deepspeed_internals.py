@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
 
 
 def replace_fp32_clipping(engine, clip: Callable[[], None]) -> None:
@@ -119,3 +120,18 @@ def is_pipe_replicated(param) -> bool:
 def set_scheduler_lrs(scheduler, lrs: list) -> None:
     """torch `LRScheduler._last_lr`, what `get_last_lr()` returns (to our logs and DeepSpeed's), set on restore."""
     scheduler._last_lr = lrs
+
+
+class _PipelineModuleWithStages(PipelineModule):
+    """`PipelineModule._partition_layers(method)`, which its __init__ calls with `partition_method` to set `parts`
+    (each stage's first layer and the end) and this rank's layers (`_set_bounds`), given the bounds as the method."""
+
+    def _partition_layers(self, method):
+        self.parts = list(method)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def pipeline_module_with_stages(bounds: list, **settings) -> PipelineModule:
+    """A PipelineModule (`settings`: its other arguments) whose stage s runs layers [bounds[s], bounds[s + 1])."""
+    return _PipelineModuleWithStages(partition_method=bounds, **settings)

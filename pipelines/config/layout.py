@@ -26,6 +26,7 @@ from megamamba.config import MambaConfig
 from megamamba.errors import LayoutError
 from megamamba.parallel.context.context_parallel import check_context_layout
 from megamamba.parallel.tensor.model_layout import check_model_layout
+from megamamba.pipelines.stages.partition import check_pattern_stages
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 DEFAULT_CLIP_GRAD = 1.0
@@ -118,6 +119,7 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
             f"n_layer={model.n_layer} is smaller than pipeline parallel size {layout.pp}: every stage needs a block"
         )
     check_model_layout(model, layout.tp)
+    check_pattern_stages(model, layout.pp)
     if sequence_parallel and layout.tp == 1:
         raise LayoutError("--sequence-parallel needs --tensor-parallel-size > 1 (it splits the sequence over TP ranks)")
     if sequence_parallel and seq_length % layout.tp:

@@ -116,8 +116,9 @@ class PipelineTrainer(_Trainer):
 
     def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], cp: Optional[ContextParallel],
                  config: MambaConfig, engine_config: dict, settings: OptimizerSettings, seed: int,
-                 partition_method: str, checkpoint_interval: int):
-        module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp, cp)
+                 partition_method: str, checkpoint_interval: int, seq_length: int):
+        module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp, cp,
+                                       seq_length=seq_length)
         load_mamba_state_dict(module, InitialState(config, seed), config, tp)
         optimizer = _optimizer(module, settings)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
@@ -195,15 +196,17 @@ class PlainTrainer(_Trainer):
 
 
 def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
-                  seed: int, partition_method: str, checkpoint_interval: int, sequence_parallel: bool = False):
-    """The trainer of this rank (torch.distributed initialised, world size = layout.world_size)."""
+                  seed: int, partition_method: str, checkpoint_interval: int, sequence_parallel: bool = False, *,
+                  seq_length: int):
+    """The trainer of this rank (torch.distributed initialised, world size = layout.world_size) for sequences of
+    `seq_length` tokens (the pipeline's "cost" partition weighs the layers at that length)."""
     unmap_freed_tensors()
     groups = ParallelGroups(layout.tp, layout.pp, layout.dp, layout.cp)
     tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
     cp = groups.context_parallel() if layout.cp > 1 else None
     if layout.pp > 1:
         trainer = PipelineTrainer(groups, tp, cp, config, engine_config, settings, seed, partition_method,
-                                  checkpoint_interval)
+                                  checkpoint_interval, seq_length)
     else:
         trainer = PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)
     reuse_freed_tensors()

@@ -17,7 +17,7 @@ size), in bytes:
 Parameters, gradients and optimizer state are exact for ZeRO 0 and 1 (ZeRO 2: parameters and
 optimizer state; its gradients pass through the reduce bucket): the parameter count of every
 layer comes from the model's own modules built on the meta device for tensor-parallel rank 0,
-the stages from DeepSpeed's own partitioning functions. Not counted: ZeRO's
+the stages as the pipeline module cuts them (`pipelines.stages.partition`). Not counted: ZeRO's
 `parameter_alignment` padding (off by default) and ZeRO-3's gather buffers; the plan says ZeRO-3
 figures are the partition only.
 """
@@ -35,6 +35,7 @@ from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
 from megamamba.pipelines.config.layout import Layout, zero_stage
 from megamamba.pipelines.memory.activations import ActivationShape, stage_activation_bytes
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, imbalance, own_bounds, stage_costs
 from megamamba.pipelines.stages.pipeline_module import layer_specs
 
 FLOAT32 = 4
@@ -48,9 +49,9 @@ class RunShape:
     """What the plan reads: the model, the layout and the settings that change what a rank holds."""
     model: MambaConfig
     layout: Layout
-    seq_length: int
+    seq_length: int  # of the sequence slice a rank holds: seq / cp under context parallelism
     zero_stage: int = 0
-    partition_method: str = "type:Block"
+    partition_method: str = DEFAULT_PARTITION
     checkpoint_interval: int = 0
     sequence_parallel: bool = False
     autocast: bool = False
@@ -93,6 +94,7 @@ class StageMemory:
 class MemoryPlan:
     shape: RunShape
     stages: tuple
+    bounds: tuple  # each stage's first layer of the layer list, and the end
 
     @property
     def worst(self) -> StageMemory:
@@ -124,8 +126,13 @@ def layer_parameters(model: MambaConfig, tp_size: int, sequence_parallel: bool =
     return [counts[kind] for kind in kinds]
 
 
-def stage_bounds(model: MambaConfig, pp: int, partition_method: str, counts: list, tp_size: int) -> list:
-    """The first layer of each stage and the end, as DeepSpeed's PipelineModule partitions the layers."""
+def stage_bounds(model: MambaConfig, pp: int, partition_method: str, counts: list, tp_size: int,
+                 seq_length: int) -> list:
+    """The first layer of each stage and the end, as the pipeline module partitions the layers (sequences of
+    `seq_length` tokens, the whole sequence under context parallelism)."""
+    own = own_bounds(model, pp, partition_method, seq_length)
+    if own is not None:
+        return own
     if partition_method == "uniform":
         return ds_utils.partition_uniform(num_items=len(counts), num_parts=pp)
     if partition_method == "parameters":
@@ -175,7 +182,8 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
     """Every stage's memory for `shape` (host arithmetic and meta-device modules only)."""
     model, layout = shape.model, shape.layout
     counts = layer_parameters(model, layout.tp, shape.sequence_parallel)
-    bounds = stage_bounds(model, layout.pp, shape.partition_method, counts, layout.tp)
+    bounds = stage_bounds(model, layout.pp, shape.partition_method, counts, layout.tp,
+                          shape.seq_length * layout.cp)
     last_layer = len(counts) - 1
     stages = []
     for stage in range(layout.pp):
@@ -194,7 +202,7 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
             first_layer=start, stop_layer=stop, last_layer=last_layer)
         stages.append(StageMemory(stage, parameters, gradients, optimizer, _buffers(sum(groups), shape),
                                   activations))
-    return MemoryPlan(shape, tuple(stages))
+    return MemoryPlan(shape, tuple(stages), tuple(int(b) for b in bounds))
 
 
 def gib(n: int) -> str:
@@ -207,7 +215,12 @@ def plan_lines(plan: MemoryPlan) -> list:
     layout = shape.layout
     zero = f"ZeRO {shape.zero_stage}" + (" partition only" if shape.zero_stage == 3 else "")
     recompute = f"recompute every {shape.checkpoint_interval} layers" if shape.checkpoint_interval else "no recompute"
-    stages = "" if layout.pp == 1 else " | stages " + ", ".join(f"{s.stage}: {gib(s.total)}" for s in plan.stages)
+    stages = ""
+    if layout.pp > 1:
+        costs = stage_costs(shape.model, list(plan.bounds), shape.seq_length * layout.cp)
+        stages = " | stages (layers: GiB) " + ", ".join(
+            f"{a}-{b - 1}: {gib(s.total)}" for s, a, b in zip(plan.stages, plan.bounds, plan.bounds[1:])) + \
+            f"; the costliest stage does {imbalance(costs):.2f} x the mean stage's forward FLOPs"
     return [
         f"memory plan, GiB per rank of stage {worst.stage} (the largest): parameters {gib(worst.parameters)}, "
         f"gradients {gib(worst.gradients)}, optimizer state {gib(worst.optimizer)} ({zero}, dp {layout.dp}"

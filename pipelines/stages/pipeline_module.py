@@ -7,9 +7,10 @@ loss runs on the last stage.
 Layers are built without their default initialisation (`pipelines.stages.uninitialised`): the caller
 copies the stage's weights in, the initial ones or a checkpoint's.
 
-Partitioning (`partition_method`): "uniform" (equal layer counts, embedding/norm/head counted as
-layers), "parameters" (balanced parameter counts) or "type:<regex>" (balanced count of layers
-whose class matches, e.g. "type:Block" spreads the blocks evenly).
+Partitioning (`partition_method`, `pipelines.stages.partition`): "cost" (balanced forward FLOPs at the
+run's sequence length) and a pattern's | marks set the stages themselves; DeepSpeed's "uniform" (equal
+layer counts, embedding/norm/head counted as layers), "parameters" (balanced parameter counts) and
+"type:<regex>" (balanced count of layers whose class matches, e.g. "type:Block") are its own.
 
 Activation checkpointing every k layers: DeepSpeed cuts each stage's layer list into runs of k
 and recomputes each run in the backward. We give it torch's non-reentrant checkpoint, which
@@ -26,18 +27,13 @@ from megamamba.config import MambaConfig
 from megamamba.model.layers import layer_class, layer_count, split, tied_head
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.pipelines.deepspeed_internals import pipeline_module_with_stages
 from megamamba.pipelines.stages.loss import LMLoss
 from megamamba.pipelines.stages.names import TIED_KEY
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_partition_method, own_bounds
 from megamamba.pipelines.stages.uninitialised import UninitialisedLayerSpec, UninitialisedTiedLayerSpec
 
-PARTITION_METHODS = ("uniform", "parameters", "type:<regex>")
-
 non_reentrant_checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-
-
-def check_partition_method(method: str) -> None:
-    if method not in ("uniform", "parameters") and not (method.startswith("type:") and len(method) > 5):
-        raise ValueError(f"partition method {method!r}: choose one of {PARTITION_METHODS}")
 
 
 def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None,
@@ -54,17 +50,17 @@ def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None,
     return specs
 
 
-def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = "type:Block",
+def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = DEFAULT_PARTITION,
                           checkpoint_interval: int = 0, tp: Optional[TensorParallel] = None,
-                          cp: Optional[ContextParallel] = None) -> PipelineModule:
+                          cp: Optional[ContextParallel] = None, *, seq_length: int) -> PipelineModule:
     """This rank's stage of the model (needs torch.distributed initialised; `tp` and `cp` from the same
-    topology), its parameters uninitialised: load them (`pipelines.stages.names.load_mamba_state_dict`) before use."""
+    topology) for sequences of `seq_length` tokens (the whole sequence under `cp`), its parameters
+    uninitialised: load them (`pipelines.stages.names.load_mamba_state_dict`) before use."""
     check_partition_method(partition_method)
-    return PipelineModule(
-        layers=layer_specs(config, tp, cp),
-        topology=topology,
-        loss_fn=LMLoss(config.vocab_size, tp, cp),
-        partition_method=partition_method,
-        activation_checkpoint_interval=checkpoint_interval,
-        activation_checkpoint_func=non_reentrant_checkpoint,
-    )
+    settings = dict(layers=layer_specs(config, tp, cp), topology=topology, loss_fn=LMLoss(config.vocab_size, tp, cp),
+                    activation_checkpoint_interval=checkpoint_interval,
+                    activation_checkpoint_func=non_reentrant_checkpoint)
+    bounds = own_bounds(config, topology.get_dim("pipe"), partition_method, seq_length)
+    if bounds is None:
+        return PipelineModule(partition_method=partition_method, **settings)
+    return pipeline_module_with_stages(bounds, **settings)

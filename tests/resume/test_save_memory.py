@@ -90,7 +90,8 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
     plan = script.prepare(args, 1)
     init_distributed()
     trainer = script.build_trainer(plan.layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
-                                   args.partition_method, args.checkpoint_activations_interval)
+                                   args.partition_method, args.checkpoint_activations_interval,
+                                   seq_length=args.seq_length)
     checkpoint = checkpointing.open_for_run(checkpoint_path, None, plan.model)
     checkpointing.load(trainer, checkpoint, plan.model)
     rename = trainer.mamba_name

@@ -134,3 +134,18 @@ def test_setting_a_schedulers_last_lr_is_what_get_last_lr_returns():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     internals.set_scheduler_lrs(scheduler, [0.25])
     assert scheduler.get_last_lr() == [0.25], moved("torch LRScheduler._last_lr")
+
+
+def test_the_pipeline_module_takes_its_stages_from_partition_layers():
+    """`pipeline_module_with_stages` replaces `_partition_layers`, which __init__ calls with the partition method
+    and which sets `parts` (what `partitions()` and `stage_owner` read) and this rank's layers."""
+    assert_source_has(PipelineModule.__init__, "self._partition_layers(method=partition_method)",
+                      "PipelineModule.__init__ calling _partition_layers(method=partition_method)")
+    for code in ("self.parts = ", "self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])"):
+        assert_source_has(PipelineModule._partition_layers, code, f"PipelineModule._partition_layers: {code}")
+    assert_source_has(PipelineModule.partitions, "return self.parts", "PipelineModule.partitions()")
+    assert_source_has(PipelineModule._set_bounds, "self._local_start = start", "PipelineModule._set_bounds")
+    source = inspect.getsource(PipelineModule.__init__)
+    for field in ("self._topo = ", "self.global_rank = "):  # read by our _partition_layers: set before it runs
+        assert field in source and source.index(field) < source.index("self._partition_layers("), moved(
+            f"PipelineModule.{field[5:-3]} set before _partition_layers")

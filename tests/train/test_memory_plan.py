@@ -45,7 +45,7 @@ def _measure(argv, extensions_dir):
     init_distributed()
     trainer = script.build_trainer(layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
                                    args.partition_method, args.checkpoint_activations_interval,
-                                   args.sequence_parallel)
+                                   args.sequence_parallel, seq_length=args.seq_length)
     params = list(trainer.module.parameters())
     grads = []
     reduce = trainer.engine.allreduce_gradients
