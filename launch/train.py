@@ -45,7 +45,7 @@ from megamamba.pipelines.loop.faults import (
 from megamamba.pipelines.loop.training import LoopSettings, StartedRun, TrainingLoop
 from megamamba.pipelines.memory.fit import MemoryPlanError, check_at_start
 from megamamba.pipelines.memory.plan import RunShape, plan_memory
-from megamamba.pipelines.stages.pipeline_module import check_partition_method
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_partition_method
 from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 
 log = logging.getLogger("megamamba.launch.train")  # shown as `train.py: ...` (megamamba.observe.console_log)
@@ -74,7 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train_batch_size (a JSON giving another value is refused)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split activations along the sequence over TP ranks")
-    p.add_argument("--partition-method", default="type:Block", help="uniform | parameters | type:<regex>")
+    p.add_argument("--partition-method", default=DEFAULT_PARTITION,
+                   help="pipeline stages: cost (balanced forward FLOPs at --seq-length) | DeepSpeed's uniform | "
+                        "parameters | type:<regex>; a hybrid_layer_pattern's | marks set them whatever the method")
     p.add_argument("--checkpoint-activations-interval", type=int, default=0,
                    help="recompute runs of this many consecutive layers in the backward (0: off)")
     p.add_argument("--train-iters", type=int, default=None, help="optimizer steps (or --train-samples)")
@@ -333,7 +335,8 @@ def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
         settings = dataclasses.replace(plan.optimizer, schedule=run_start.schedule)
         source = init_from.open_source(*initial, plan.model) if initial and not resume else None
         trainer = build_trainer(plan.layout, plan.model, plan.engine_config, settings, args.seed,
-                                args.partition_method, args.checkpoint_activations_interval, args.sequence_parallel)
+                                args.partition_method, args.checkpoint_activations_interval, args.sequence_parallel,
+                                seq_length=args.seq_length)
         if args.save or load:
             checkpointing.check_trainer(trainer)
         if resume:
