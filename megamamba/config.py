@@ -328,10 +328,10 @@ class MambaConfig:
         if not o.causal:
             raise ConfigError("attn_cfg.causal=false: a language model's attention must be causal; set "
                               "\"causal\": true (mamba_ssm's MHA defaults to false, its LM configs set it)")
-        for name in ("mlp_dim", "d_conv"):
+        for name, what in (("mlp_dim", "parallel MLP"), ("d_conv", "convolution")):
             if getattr(o, name) != 0:
-                raise ConfigError(f"attn_cfg.{name}={getattr(o, name)!r}: the attention layer's "
-                                  f"{'parallel MLP' if name == 'mlp_dim' else 'convolution'} is not implemented (use 0)")
+                raise ConfigError(f"attn_cfg.{name}={getattr(o, name)!r}: the attention layer's {what} is not "
+                                  "implemented (use 0)")
         if o.softmax_scale is not None:
             _positive_number("attn_cfg.softmax_scale", o.softmax_scale)
         head_dim = self.head_dim_of(o)

@@ -93,7 +93,8 @@ class MambaBlock(Block):
 
     def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
                  device=None, dtype=None):
-        super().__init__(config, lambda: make_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp, device, dtype)
+        super().__init__(config, lambda: make_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp, device,
+                         dtype)
 
 
 class AttentionBlock(Block):

@@ -47,7 +47,8 @@ def layer_list(model: nn.Module) -> list:
 
 
 class MambaLM(nn.Module):
-    """Mamba-1 / Mamba-2 language model, pure or hybrid with attention and MLP blocks: `MambaLM(config)(input_ids)` -> logits (batch, seqlen, padded vocab).
+    """Mamba-1 / Mamba-2 language model, pure or hybrid with attention and MLP blocks:
+    `MambaLM(config)(input_ids)` -> logits (batch, seqlen, padded vocab).
 
     With `tp` (size > 1) the model is split across its tensor-parallel group (docs/code.md).
     With `cp` (size > 1) each rank of the context-parallel group runs a slice of every sequence.
