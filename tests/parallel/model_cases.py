@@ -11,6 +11,14 @@ def lm_config(ssm: dict, d_model: int, **fields) -> MambaConfig:
     return MambaConfig(**{**base, **fields, "ssm_cfg": ssm})
 
 
+def hybrid_config(pattern: str, ssm: dict, attn: dict, d_model: int, d_intermediate: int, **fields) -> MambaConfig:
+    """A hybrid of Megatron-style `pattern` (M Mamba of `ssm`, * attention of `attn`, - MLP of d_intermediate
+    channels) at width d_model over 37 tokens, unpadded; `fields` override the rest."""
+    layers = len(pattern.replace("|", ""))
+    return lm_config(ssm, d_model, n_layer=layers, hybrid_layer_pattern=pattern, attn_cfg=attn,
+                     d_intermediate=d_intermediate, **fields)
+
+
 def lm_inputs(cfg: MambaConfig, batch: int, seqlen: int, seed: int, documents=None):
     """Seeded (ids, labels, seq_idx): ids and labels (batch, seqlen) with row 0's first three labels masked
     (-100); seq_idx the document id of every position (int32, nested lists `documents`), or None."""

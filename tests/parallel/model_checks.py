@@ -1,5 +1,11 @@
 """Helpers of the tensor- and context-parallel model tests (importable as `model_checks`)."""
 import torch
+import torch.distributed as dist
+
+from megamamba import MambaLM
+from megamamba.model.lm import lm_loss
+from megamamba.parallel import full_tensors, gather_from_tp_region, load_full_tensors
+from megamamba.parallel.context.context_parallel import sequence_slice
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -16,3 +22,41 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def context_parallel_errors(cfg, inputs, cp, tp=None, seed: int = 0, prepare=None) -> dict:
+    """Relative errors of the context-parallel (x TP) model against the single-process model with the same
+    weights (built from `seed`, perturbed): logits of this rank's slice (gathered over the vocab under TP),
+    the whole-sequence loss, and every parameter's gradient summed over the CP group (as the reduction over
+    dp x cp does). `inputs` = (ids, labels, seq_idx) of the whole sequences; `prepare(model)` runs before
+    the forward (to wrap blocks, say)."""
+    torch.manual_seed(seed)
+    plain = MambaLM(cfg)
+    perturb(plain, seed + 2)
+    torch.manual_seed(seed)
+    model = MambaLM(cfg, tp=tp, cp=cp)
+    if tp is None:
+        model.load_state_dict(plain.state_dict())
+    else:
+        load_full_tensors(model, dict(plain.named_parameters()), tp)
+    if prepare is not None:
+        prepare(model)
+    ids, labels, seq_idx = inputs
+    ref_logits = plain(ids, seq_idx=seq_idx)
+    ref_loss = lm_loss(ref_logits, labels, cfg.vocab_size)
+    ref_loss.backward()
+    local_ids, local_labels, local_seq_idx = (None if t is None else sequence_slice(t, cp) for t in inputs)
+    logits = model(local_ids, seq_idx=local_seq_idx)
+    loss = lm_loss(logits, local_labels, cfg.vocab_size, tp, cp)
+    loss.backward()
+    if tp is not None:
+        logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
+        grads = full_tensors(model, tp, lambda p: p.grad)
+    else:
+        grads = {name: p.grad for name, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=cp.group)
+    ref_grads = {name: p.grad for name, p in plain.named_parameters()}
+    return dict(logits=relative_error(logits, sequence_slice(ref_logits, cp)), loss=relative_error(loss, ref_loss),
+                grad_keys=sorted(grads) == sorted(ref_grads),
+                grads={name: relative_error(grads[name], g) for name, g in ref_grads.items()})
