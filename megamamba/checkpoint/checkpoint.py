@@ -75,14 +75,16 @@ def check_model_tensors(model: Mapping[str, torch.Tensor], config: MambaConfig, 
 
 def config_differences(saved: MambaConfig, run: MambaConfig) -> list:
     """"field: checkpoint X, run Y" for every field that differs (mixer and attention options with defaults
-    filled in)."""
+    filled in, and the head width and key/value heads that null means)."""
     def flat(config: MambaConfig) -> dict:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("ssm_cfg", "attn_cfg")}
         fields["ssm_cfg.layer"] = config.layer
         options = json.loads(json.dumps(dataclasses.asdict(config.mixer_options)))
         fields.update({f"ssm_cfg.{k}": v for k, v in options.items()})
         if config.attn_cfg:
-            attention = json.loads(json.dumps(dataclasses.asdict(config.attention_options)))
+            o = config.attention_options
+            attention = {**json.loads(json.dumps(dataclasses.asdict(o))), "head_dim": config.head_dim_of(o),
+                         "num_heads_kv": o.kv_heads}
             fields.update({f"attn_cfg.{k}": v for k, v in attention.items()})
         return fields
 

@@ -33,6 +33,8 @@ NEMOTRON_CASES = {
     # NemotronH clamps dt at time_step_min, its initialisation minimum too; the stream in the model's dtype
     "untied_dt_floor_bias": ({"dt_limit": [0.05, math.inf], "dt_min": 0.05, "bias": True},
                              {"tie_embeddings": False, "residual_in_fp32": False}),
+    # multi-head attention, its head width d_model / num_heads left implicit (the import spells it out)
+    "mha_implicit_head_dim": ({}, {"attn_cfg": {"num_heads": 6, "causal": True, **NO_BIAS}}),
 }
 
 
