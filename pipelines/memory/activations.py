@@ -5,10 +5,18 @@ norm keeps its inputs and recomputes the rest; Mamba-1's scan also keeps a float
 steps), a = 2 bytes under bf16 autocast (4 without), r = 4 (the float32 residual stream), local
 widths under tensor parallelism (d_inner / TP, heads / TP, vocabulary / TP):
   - a block: its input stream r*d (a shard of the sequence under sequence parallelism), the
-    normed input as in_proj reads it a*d, in_proj's output, the conv output, the scan's extra
-    state and output, the gated norm's output (Mamba-2), and A = -exp(A_log) twice; Mamba-2 with
-    its B/C groups replicated over TP (ngroups < TP, every published size) also its norm across
-    the ranks' summed out_proj products and 1/rms and its concatenated in_proj and conv weights;
+    normed input as its first projection reads it a*d, then by its mixer:
+    - Mamba: in_proj's output, the conv output, the scan's extra state and output, the gated
+      norm's output (Mamba-2), and A = -exp(A_log) twice; Mamba-2 with its B/C groups replicated
+      over TP (ngroups < TP, every published size) also its norm across the ranks' summed
+      out_proj products and 1/rms and its concatenated in_proj and conv weights;
+    - attention, on the GPU's fused kernels (flash / memory-efficient SDPA, FlexAttention for
+      documents: no seqlen x seqlen scores or mask): in_proj's q, k, v (kept whole: v is a view),
+      the rotated q and k (with rotary), the attention output and its float32 logsumexp per head,
+      and each rotation's float32 cos and sin (per position); under context parallelism the keys
+      and values gathered from every rank instead of the local k;
+    - MLP: fc1's output (gated: with the SiLU's output and the product), or squared ReLU's two outputs;
+    with mamba_ssm's d_intermediate also norm2's input stream r*d, its output a*d and an MLP;
   - the final norm: its input r*d; the head: its input a*d; the loss: the logits (a*V), or under
     TP its float32 softmax (4*V), and the labels;
   - a stage that sends forward keeps its output stream r*d until the backward.
@@ -38,6 +46,7 @@ class ActivationShape:
     autocast: bool = False
     checkpoint_interval: int = 0
     in_flight: int = 1
+    cp: int = 1  # context-parallel ranks; seq_length is this rank's slice
 
     @property
     def act(self) -> int:
@@ -68,7 +77,7 @@ def _mamba2_widths(shape: ActivationShape) -> tuple:
 
 
 def mixer_bytes_per_token(shape: ActivationShape) -> int:
-    """What a mixer keeps per token, its input excluded."""
+    """What a Mamba mixer keeps per token, its input excluded."""
     model, a = shape.model, shape.act
     opts = model.mixer_options
     d = model.d_model
@@ -91,10 +100,59 @@ def mixer_bytes_per_token(shape: ActivationShape) -> int:
     return kept
 
 
-def _block_constant_bytes(shape: ActivationShape) -> int:
-    """What a block keeps whatever the tokens: A = -exp(A_log) twice (float32), and with Mamba-2's B/C
-    replicated over TP the concatenated conv weight and bias, and in float32 the concatenated in_proj weight."""
+def _attention_widths(shape: ActivationShape) -> tuple:
+    """An attention mixer's local (query heads, key/value heads computed by in_proj, key/value heads read,
+    head_dim): key/value heads split over TP, or all computed and one read when there are fewer than TP."""
+    model, tp = shape.model, shape.tp
+    options = model.attention_options
+    kv = options.kv_heads
+    computed = kv // tp if kv % tp == 0 else kv
+    return options.num_heads // tp, computed, kv // tp if kv % tp == 0 else 1, model.head_dim_of(options)
+
+
+def attention_bytes_per_token(shape: ActivationShape) -> int:
+    """What an attention mixer keeps per token on the GPU's fused kernels, its input excluded."""
+    a = shape.act
+    heads, computed, read, head_dim = _attention_widths(shape)
+    rotary = shape.model.attention_options.rotary_emb_dim > 0
+    qkv = (heads + 2 * computed) * head_dim
+    kept = a * (shape.model.d_model + heads * head_dim) + 4 * heads  # normed input, output, logsumexp
+    if shape.cp > 1:  # the whole sequence's k and v gathered, and q: rotated, or a view of qkv
+        return kept + a * 2 * read * head_dim * shape.cp + a * (heads * head_dim if rotary else qkv)
+    return kept + a * qkv + (a * (heads + read) * head_dim if rotary else 0)  # qkv (v is a view), rotated q, k
+
+
+def mlp_bytes_per_token(shape: ActivationShape) -> int:
+    """What an MLP keeps per token, its input excluded: fc1's output, the SiLU's and the product (gated), or
+    ReLU's and its square's."""
+    hidden = shape.model.mlp_width // shape.tp
+    return shape.act * (4 if shape.model.mlp_activation == "gated_silu" else 2) * hidden
+
+
+def block_bytes_per_token(shape: ActivationShape, kind: str) -> int:
+    """What a block of `kind` keeps per token: its input stream, its mixer's, and the MLP inside it (with norm2)."""
+    stream = STREAM * shape.stream_width
+    normed = shape.act * shape.model.d_model
+    if kind == "mamba":
+        kept = mixer_bytes_per_token(shape)
+    elif kind == "attention":
+        kept = attention_bytes_per_token(shape)
+    else:
+        kept = normed + mlp_bytes_per_token(shape)
+    if shape.model.mlp_inside_blocks:
+        kept += stream + normed + mlp_bytes_per_token(shape)
+    return stream + kept
+
+
+def _block_constant_bytes(shape: ActivationShape, kind: str) -> int:
+    """What a block keeps whatever the batch: for Mamba A = -exp(A_log) twice (float32), and with Mamba-2's B/C
+    replicated over TP the concatenated conv weight and bias, and in float32 the concatenated in_proj weight;
+    for attention with rotary the cos and sin of q's and of k's rotation (float32, per position)."""
     model, opts = shape.model, shape.model.mixer_options
+    if kind == "attention":
+        return 2 * 2 * 4 * shape.seq_length * (model.attention_options.rotary_emb_dim // 2)
+    if kind == "mlp":
+        return 0
     if isinstance(opts, Mamba1Options):
         return 2 * 4 * model.d_inner * opts.d_state // shape.tp
     d_inner, nheads, bc, replicated = _mamba2_widths(shape)
@@ -107,16 +165,29 @@ def _block_constant_bytes(shape: ActivationShape) -> int:
     return kept
 
 
-def _linear_weights_per_block(shape: ActivationShape) -> int:
-    """Elements of the Linear weights a block multiplies with (their bf16 copies under autocast)."""
+def _mlp_weights(shape: ActivationShape) -> int:
+    model = shape.model
+    fc1 = (2 if model.mlp_activation == "gated_silu" else 1) * model.mlp_width // shape.tp
+    return (fc1 + model.mlp_width // shape.tp) * model.d_model
+
+
+def _linear_weights_per_block(shape: ActivationShape, kind: str) -> int:
+    """Elements of the Linear weights a block of `kind` multiplies with (their bf16 copies under autocast)."""
     model = shape.model
     opts = model.mixer_options
     d = model.d_model
+    inside = _mlp_weights(shape) if model.mlp_inside_blocks else 0
+    if kind == "mlp":
+        return _mlp_weights(shape)
+    if kind == "attention":
+        heads, computed, _, head_dim = _attention_widths(shape)
+        return (heads + 2 * computed) * head_dim * d + heads * head_dim * d + inside
     if isinstance(opts, Mamba1Options):
         d_inner = model.d_inner // shape.tp
-        return d * 2 * d_inner + d_inner * (model.dt_rank + 2 * opts.d_state) + model.dt_rank * d_inner + d_inner * d
+        return d * 2 * d_inner + d_inner * (model.dt_rank + 2 * opts.d_state) + model.dt_rank * d_inner + \
+            d_inner * d + inside
     d_inner, nheads, bc, _ = _mamba2_widths(shape)
-    return d * (2 * d_inner + 2 * bc + nheads) + d_inner * d
+    return d * (2 * d_inner + 2 * bc + nheads) + d_inner * d + inside
 
 
 def _layer_bytes_per_token(shape: ActivationShape, layer: int, last_layer: int) -> int:
@@ -125,7 +196,7 @@ def _layer_bytes_per_token(shape: ActivationShape, layer: int, last_layer: int) 
     if layer == 0:
         return 0  # its output is the next layer's input
     if layer < last_layer - 1:
-        return stream + mixer_bytes_per_token(shape)
+        return block_bytes_per_token(shape, shape.model.block_kinds[layer - 1])
     if layer == last_layer - 1:
         return stream
     return shape.act * shape.model.d_model
@@ -143,15 +214,18 @@ def _weight_copies(shape: ActivationShape, layers: range, last_layer: int) -> in
     """Bytes of the bf16 weight copies autocast makes for `layers` in one forward (0 without autocast)."""
     if not shape.autocast:
         return 0
-    blocks = sum(1 for i in layers if 0 < i < last_layer - 1)
+    kinds = shape.model.block_kinds
+    blocks = sum(_linear_weights_per_block(shape, kinds[i - 1]) for i in layers if 0 < i < last_layer - 1)
     head = shape.local_vocab * shape.model.d_model if last_layer in layers else 0
-    return 2 * (blocks * _linear_weights_per_block(shape) + head)
+    return 2 * (blocks + head)
 
 
 def _layer_bytes(shape: ActivationShape, layer: int, last_layer: int) -> int:
     """Bytes one micro-batch keeps for pipeline layer `layer`."""
     kept = _layer_bytes_per_token(shape, layer, last_layer) * shape.tokens
-    return kept + (_block_constant_bytes(shape) if 0 < layer < last_layer - 1 else 0)
+    if 0 < layer < last_layer - 1:
+        kept += _block_constant_bytes(shape, shape.model.block_kinds[layer - 1])
+    return kept
 
 
 def _runs(shape: ActivationShape, layers: range) -> list:

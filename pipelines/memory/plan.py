@@ -198,7 +198,7 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
             model=model, micro_batch_size=layout.micro_batch_size, seq_length=shape.seq_length, tp=layout.tp,
             sequence_parallel=shape.sequence_parallel, autocast=shape.autocast,
             checkpoint_interval=shape.checkpoint_interval,
-            in_flight=in_flight(layout, stage)),
+            in_flight=in_flight(layout, stage), cp=layout.cp),
             first_layer=start, stop_layer=stop, last_layer=last_layer)
         stages.append(StageMemory(stage, parameters, gradients, optimizer, _buffers(sum(groups), shape),
                                   activations))

@@ -17,7 +17,7 @@ from megamamba.pipelines.stages.plain import PlainLM
 from saved_tensors import autograd_saved_bytes
 from train_entry import ROOT
 
-MODELS = ["mamba1-130m", "mamba2-130m", "mamba2-1.3b"]
+MODELS = ["mamba1-130m", "mamba2-130m", "mamba2-1.3b", "nemotron-h-8b"]
 
 
 def _model(name: str) -> MambaConfig:
@@ -73,6 +73,12 @@ def test_each_micro_batch_in_flight_adds_the_same(name):
     assert one < two < three and three - two == two - one
 
 
+def test_a_context_parallel_rank_keeps_its_slice_and_the_gathered_keys_and_values():
+    """Half the sequence on each of 2 ranks: less than the whole, more than half (attention's k and v are whole)."""
+    whole, half = _whole_model(_shape("nemotron-h-8b")), _whole_model(_shape("nemotron-h-8b", seq_length=1024, cp=2))
+    assert whole / 2 < half < whole, (whole, half)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_bf16_autocast_keeps_less_than_float32(name):
     assert _whole_model(_shape(name)) < _whole_model(_shape(name, autocast=False))
@@ -87,11 +93,29 @@ def _kept_by_autograd(model: PlainLM, input_ids: torch.Tensor, autocast: bool) -
     return autograd_saved_bytes(model, forward)
 
 
+ATTENTION = {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "causal": True}
+HYBRIDS = {  # tiny Mamba-2 hybrids: a pattern with rotary GQA and squared-ReLU MLPs; mamba_ssm's fields with
+    # an MLP inside every block
+    "pattern": {"hybrid_layer_pattern": "M-*-*M", "n_layer": 6, "d_intermediate": 96, "mlp_activation": "squared_relu",
+                "attn_cfg": {**ATTENTION, "rotary_emb_dim": 8}},
+    "mlp-inside-blocks": {"attn_layer_idx": [1], "n_layer": 3, "d_intermediate": 96, "attn_cfg": ATTENTION},
+}
+
+
+def _tiny(mixer: str) -> MambaConfig:
+    if mixer in HYBRIDS:
+        return MambaConfig.from_dict({**json.loads((ROOT / "launch/models/tiny-mamba2.json").read_text()),
+                                      **HYBRIDS[mixer]})
+    return MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", *(pytest.param(h, marks=pytest.mark.slow) for h in HYBRIDS)])
 def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(monkeypatch, mixer, autocast):
+    """Hybrids without documents: CPU attention then runs SDPA's fused (flash) kernel, which keeps what the GPU's
+    kernels keep (with documents the CPU path adds its boolean seqlen x seqlen mask, which the GPU never has)."""
     monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
-    config = MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
+    config = _tiny(mixer)
     torch.manual_seed(0)
     input_ids = torch.randint(0, config.vocab_size, (2, 64))
     measured = _kept_by_autograd(PlainLM(MambaLM(config)), input_ids, autocast)
