@@ -28,6 +28,12 @@ DEFAULTS = {"vocab_size": 131072, "hidden_size": 4096, "tie_word_embeddings": Fa
             "time_step_max": 0.1, "time_step_floor": 1e-4, "use_conv_bias": True, "chunk_size": 128,
             "num_nextn_predict_layers": 0, "use_bias": False, "layer_norm_epsilon": 1e-5,
             "residual_in_fp32": False}
+# older NemotronH configs' names, which transformers still reads (configuration_nemotron_h.py)
+LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
+                "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+                "mamba_chunk_size": "chunk_size"}
+LEGACY_SYMBOLS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(in_proj|out_proj|fc1|fc2)\.weight")
 _RENAMED = {("attention", "out_proj"): "o_proj", ("mlp", "fc1"): "up_proj", ("mlp", "fc2"): "down_proj"}
 
@@ -129,10 +135,13 @@ def _ssm_cfg(f: dict, d_model: int) -> dict:
 def config_from_nemotron_h(hf: dict) -> MambaConfig:
     """Our pattern config for transformers' NemotronH config.json `hf`; HFFormatError naming what we cannot
     represent."""
-    f = {**DEFAULTS, **hf}
+    f = {**DEFAULTS, **{LEGACY_NAMES.get(k, k): v for k, v in hf.items()}}
     types = f.get("layers_block_type")
+    if types is None and isinstance(f.get("hybrid_override_pattern"), str):
+        types = [LEGACY_SYMBOLS.get(symbol, symbol) for symbol in f["hybrid_override_pattern"]]
     if not isinstance(types, list) or not types:
-        raise HFFormatError(f"layers_block_type={types!r}: a NemotronH config lists its layers' types")
+        raise HFFormatError(f"layers_block_type={types!r}: a NemotronH config lists its layers' types (or "
+                            "hybrid_override_pattern has their symbols)")
     _check_supported(f, types)
     rows = f["vocab_size"]
     fields = {"d_model": f["hidden_size"], "n_layer": len(types), "vocab_size": rows,

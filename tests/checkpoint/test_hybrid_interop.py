@@ -120,6 +120,7 @@ def test_nemotron_h_refusal_is_one_line_naming_the_field(tmp_path):
 
 @pytest.mark.parametrize("change, named", [
     ({"layers_block_type": ["linear_attention", "moe"]}, r"layers_block_type has \['moe'\]"),
+    ({"layers_block_type": None, "hybrid_override_pattern": "ME"}, r"layers_block_type has \['moe'\]"),
     ({"num_nextn_predict_layers": 1}, r"num_nextn_predict_layers=1: multi-token prediction"),
     ({"mlp_hidden_act": "silu"}, r"mlp_hidden_act='silu'"),
 ])
@@ -127,6 +128,15 @@ def test_nemotron_h_import_refuses_what_we_cannot_compute(change, named):
     hf = {**nemotron_h_config(tiny("Mamba2", **PATTERN), torch.float32), **change}
     with pytest.raises(HFFormatError, match=named):
         config_from_nemotron_h(hf)
+
+
+def test_nemotron_h_import_reads_the_older_config_names_transformers_reads():
+    config = tiny("Mamba2", **PATTERN)
+    hf = nemotron_h_config(config, torch.float32)
+    del hf["layers_block_type"]
+    older = {"hybrid_override_pattern": "M*-M-", "mamba_n_groups": hf.pop("n_groups"),
+             "mamba_chunk_size": hf.pop("chunk_size"), **hf}
+    assert config_from_nemotron_h(older) == config_from_nemotron_h(nemotron_h_config(config, torch.float32))
 
 
 def test_init_from_reads_a_nemotron_h_folder_as_our_tensors(tmp_path):
