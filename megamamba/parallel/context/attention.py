@@ -4,6 +4,7 @@ Each rank attends its own queries (a slice of the sequence) to the keys and valu
 sequence: one all-gather of K and V forward, whose backward reduce-scatters dK and dV to the ranks
 that own those positions. The document ids of the keys are gathered the same way (no gradient).
 The causal and document masks then work in global positions (`megamamba.model.causal_attention`).
+Every rank holds, and keeps for the backward, the whole sequence's K and V: O(L) per rank, not L / C.
 """
 import torch
 
