@@ -1,5 +1,6 @@
 """The start-up memory plan's parameter, gradient and optimizer-state figures are what the built
-engine holds, for the plain and the pipeline engine, ZeRO 0, 1 and 2, tensor and pipeline parallel.
+engine holds, for the plain and the pipeline engine, ZeRO 0, 1 and 2, tensor and pipeline parallel,
+Mamba models and a hybrid (Mamba-2, attention and MLP layers).
 
 Measured on each rank of a directly spawned run (tiny 3-layer models, gloo): parameters as the
 bytes of the distinct storages behind the module's parameters (ZeRO's padded flat buffers
@@ -73,6 +74,8 @@ def _measure(argv, extensions_dir):
 
 
 ODD = {"d_model": 63}  # groups whose sizes are not multiples of 2 x dp: ZeRO pads them
+HYBRID = {"hybrid_layer_pattern": "M*-", "d_intermediate": 96, "mlp_activation": "squared_relu",
+          "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True}}
 
 
 def _argv(runs, tmp_path, mixer, zero, flags, changes=None):
@@ -96,13 +99,15 @@ CASES = [
     (2, "mamba2", 0, ["--tensor-parallel-size", "2"], None),
     (2, "mamba1", 1, ["--pipeline-parallel-size", "2", "--checkpoint-activations-interval", "1"], None),
     (4, "mamba2", 1, ["--pipeline-parallel-size", "2", "--partition-method", "parameters"], None),
-    (4, "mamba2", 1, ["--tensor-parallel-size", "2"], None),
+    (4, "mamba2", 1, ["--tensor-parallel-size", "2"], HYBRID),
+    (4, "mamba2", 1, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"], HYBRID),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, mixer, zero, flags, changes", CASES,
-                         ids=[f"{m}-world{w}-zero{z}-{' '.join(f)}{'-odd' if c else ''}" for w, m, z, f, c in CASES])
+                         ids=[f"{m}-world{w}-zero{z}-{' '.join(f)}{'-hybrid' if c is HYBRID else '-odd' if c else ''}"
+                              for w, m, z, f, c in CASES])
 def test_planned_parameters_gradients_optimizer_state_and_buckets_are_what_the_engine_holds(
         runs, tmp_path, world, mixer, zero, flags, changes):
     ranks = _ranks(_argv(runs, tmp_path, mixer, zero, flags, changes), world)
@@ -116,8 +121,11 @@ def test_planned_parameters_gradients_optimizer_state_and_buckets_are_what_the_e
 
 @pytest.mark.slow
 def test_zero2_planned_parameters_optimizer_state_and_bucket_are_what_the_engine_holds(runs, tmp_path):
-    """ZeRO-2 reduces gradients through its bucket during the backward: their partition is estimated."""
-    for rank, (measured, planned) in enumerate(_ranks(_argv(runs, tmp_path, "mamba1", 2, [], ODD), 2)):
-        print(f"ZeRO 2 rank {rank}: measured {measured}, planned {planned}")
+    """ZeRO-2 reduces gradients through its bucket during the backward: their partition is estimated. A hybrid
+    of odd width (d_model 63, Mamba-2 heads of 18 channels), so ZeRO pads its groups."""
+    ssm = {"layer": "Mamba2", "d_state": 16, "headdim": 18, "chunk_size": 32}
+    argv = _argv(runs, tmp_path, "mamba2", 2, [], {**HYBRID, **ODD, "ssm_cfg": ssm})
+    for rank, (measured, planned) in enumerate(_ranks(argv, 2)):
+        print(f"ZeRO 2 odd hybrid rank {rank}: measured {measured}, planned {planned}")
         exact = (0, 2, 3)  # parameters, optimizer state, bucket
         assert [measured[i] for i in exact] == [planned[i] for i in exact], (rank, measured, planned)
