@@ -139,3 +139,22 @@ def test_no_memory_check_starts_a_run_that_does_not_fit_and_says_so(runs):
     assert status == 0, (status, err[-2000:])
     assert "memory plan, GiB per rank" in out, out[-2000:]
     assert "DOES NOT FIT, starting anyway (--no-memory-check)" in out, out[-2000:]
+
+
+def test_nemotron_h_8b_fits_eight_80_gb_devices_at_tp_2_with_sequence_parallelism_and_zero_2():
+    """launch/configs/nemotron-h-8b.json at seq 8192 on 8 ranks with --tp 2 --sequence-parallel (dp 4, micro batch
+    1, no recomputation): 66.17 GiB a rank by the plan, under 80 GB (74.5 GiB) less the reserve."""
+    script = load_train_script()
+    args = script.parse_args(["--deepspeed_config", str(ROOT / "launch/configs/nemotron-h-8b.json"), "--model-config",
+                              str(ROOT / "launch/models/nemotron-h-8b.json"), "--seq-length", "8192",
+                              "--train-iters", "1", "--tp", "2", "--sequence-parallel"])
+    plan = script.prepare(args, 8)
+    memory = plan_memory(RunShape.of_run(plan.model, plan.layout, plan.engine_config, args.seq_length,
+                                         args.partition_method, args.checkpoint_activations_interval,
+                                         args.sequence_parallel))
+    worst = memory.worst
+    print(f"nemotron-h-8b {plan.layout}: parameters {worst.parameters / GiB:.2f}, gradients "
+          f"{worst.gradients / GiB:.2f}, optimizer {worst.optimizer / GiB:.2f}, buffers {worst.buffers / GiB:.2f}, "
+          f"activations {worst.activations / GiB:.2f}, total {worst.total / GiB:.2f} GiB")
+    assert (plan.layout.dp, plan.layout.tp, plan.layout.pp, plan.layout.micro_batch_size) == (4, 2, 1, 1)
+    assert refusal(memory, 80 * 10**9) is None
