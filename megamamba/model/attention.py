@@ -43,6 +43,12 @@ class KVCache:
         self.length = end
         return self.keys[:, :end], self.values[:, :end]
 
+    def restart(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold only k, v (batch, seqlen, kv_heads, head_dim): a prefill starts a new sequence, as it
+        overwrites the Mamba layers' states."""
+        self.length = 0
+        self.append(k, v)
+
 
 class Attention(nn.Module):
     """Causal self-attention mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
@@ -113,7 +119,7 @@ class Attention(nn.Module):
                              "the whole sequence on one rank; build the model without a context-parallel group")
         q, k, v = self._qkv(hidden_states)
         if inference_state is not None:
-            inference_state.append(k, v)
+            inference_state.restart(k, v)
         start, ids = 0, seq_idx
         if self.cp is not None:
             start = self.cp.rank * q.shape[1]

@@ -89,6 +89,22 @@ def test_kv_cache_grows_past_its_first_capacity(tiny_config, prompt):
     assert err <= 1e-5, f"prompt {prompt} seed {seed}: prefill+step vs forward rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("layer,hybrid", [("Mamba2", None), ("Mamba2", "attn_layer_idx"), ("Mamba1", "pattern")])
+def test_a_prefill_into_a_used_cache_starts_the_sequence_over(tiny_config, layer, hybrid):
+    """Mamba layers overwrite their states; attention layers must drop the keys of the earlier sequence."""
+    seed, prompt = 16, 9
+    model, ids = model_and_ids(tiny_config, layer, seed, fields=HYBRIDS.get(hybrid))
+    with torch.no_grad():
+        parallel = model(ids)
+        cache = model.allocate_inference_cache(ids.shape[0])
+        model(ids.flip(1), inference_cache=cache)
+        model.step(ids[:, 0], cache)
+        prefill = model(ids[:, :prompt], inference_cache=cache)
+        rest = torch.stack([model.step(ids[:, t], cache) for t in range(prompt, SEQLEN)], dim=1)
+    err = rel_err(torch.cat([prefill, rest], dim=1), parallel)
+    assert err <= 1e-5, f"{layer} {hybrid} seed {seed}: prefill+step after an earlier sequence rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 def test_prefill_shorter_than_the_conv_width(tiny_config, layer):
     seed = 13
