@@ -1,21 +1,17 @@
-"""Packed documents in a hybrid: no token sees another document, through Mamba, attention and MLP layers;
-and the CPU's attention masks equal the fused paths CUDA takes (FlexAttention's block mask, SDPA's causal).
+"""Packed documents in a hybrid: no token sees another document, through Mamba, attention and MLP layers.
+
+The attention masks alone (the CPU's boolean mask, FlexAttention's block mask, the causal paths) are
+tests/parallel/test_context_attention_masks.py's.
 """
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.model.causal_attention import causal_attention, document_block_mask
+from test_model_oracle import rel_err
 
 SEED = 47
 ATTN = {"num_heads": 6, "num_heads_kv": 2, "head_dim": 4, "rotary_emb_dim": 2, "causal": True}
 LENGTHS = [[5, 8, 6], [19]]  # row 0: three documents; row 1: one
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def seq_idx_of(lengths):
@@ -47,43 +43,3 @@ def test_changing_other_documents_leaves_a_documents_logits_unchanged(layer):
     assert err <= 1e-12, f"{layer} seed {SEED}: the middle document moved by {err:.2e}"
     assert torch.equal(after[1], before[1])
     assert rel_err(unpacked_after[0, middle], unpacked_before[0, middle]) > 1e-3
-
-
-def heads(seed, batch, lq, lk, heads_q=6, heads_kv=2, head_dim=5):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, lq, heads_q, head_dim, generator=gen, dtype=torch.float64),
-            torch.randn(batch, lk, heads_kv, head_dim, generator=gen, dtype=torch.float64),
-            torch.randn(batch, lk, heads_kv, head_dim, generator=gen, dtype=torch.float64))
-
-
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("lengths,q_start", [(LENGTHS, 0), (LENGTHS, 7), ([[100, 90, 50, 60], [300]], 130)],
-                         ids=["whole_sequence", "later_slice", "many_tiles"])
-def test_cpu_boolean_mask_equals_flex_attention_block_mask(lengths, q_start):
-    """The CPU path against CUDA's: FlexAttention with `document_block_mask`, run eagerly here; queries
-    from q_start (a context-parallel slice) against every key, documents crossing the slice and the
-    128-position tiles (full tiles of row 1 read unmasked), row 0's ids reused (0, 1, 0, 1: four
-    documents)."""
-    ids = seq_idx_of(lengths) % 2
-    lk = ids.shape[1]
-    q, k, v = heads(SEED, 2, lk - q_start, lk)
-    out = causal_attention(q, k, v, 0.41, q_start=q_start, ids=ids)
-    mask = document_block_mask(ids, q_start)
-    ref = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=mask, scale=0.41,
-                         enable_gqa=True).transpose(1, 2)
-    err = rel_err(out, ref)
-    assert torch.isfinite(out).all() and err <= 1e-12, f"{lengths} q_start {q_start} seed {SEED}: rel err {err:.2e}"
-
-
-@pytest.mark.parametrize("q_start", [0, 7], ids=["whole_sequence", "later_slice"])
-def test_no_documents_equals_a_boolean_causal_mask(q_start):
-    """is_causal (from position 0) and the lower-right causal bias (a later slice) equal SDPA with an
-    explicit mask key <= query position, grouped-query heads repeated."""
-    lk = 19
-    q, k, v = heads(SEED + 1, 2, lk - q_start, lk)
-    out = causal_attention(q, k, v, q_start=q_start)
-    mask = torch.arange(lk)[None, :] <= torch.arange(q_start, lk)[:, None]
-    k, v = (t.repeat_interleave(3, dim=2) for t in (k, v))
-    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask).transpose(1, 2)
-    err = rel_err(out, ref)
-    assert torch.isfinite(out).all() and err <= 1e-12, f"q_start {q_start} seed {SEED + 1}: rel err {err:.2e}"
