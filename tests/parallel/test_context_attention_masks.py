@@ -77,6 +77,7 @@ FLEX_CASES = {  # name: (seqlen, q_start, documents' lengths): lengths that are 
     "one_block": (24, 12, [5, 10, 2, 7]),
     "several_blocks": (300, 200, [90, 150, 3, 57]),
     "documents_at_block_edges": (384, 128, [128, 1, 127, 128]),
+    "full_tiles_off_the_block_grid": (700, 70, [600, 100]),  # query tiles from 70, 198, ..., 582 (a 118)
 }
 
 
