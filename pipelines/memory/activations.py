@@ -147,10 +147,15 @@ def block_bytes_per_token(shape: ActivationShape, kind: str) -> int:
 def _block_constant_bytes(shape: ActivationShape, kind: str) -> int:
     """What a block keeps whatever the batch: for Mamba A = -exp(A_log) twice (float32), and with Mamba-2's B/C
     replicated over TP the concatenated conv weight and bias, and in float32 the concatenated in_proj weight;
-    for attention with rotary the cos and sin of q's and of k's rotation (float32, per position)."""
+    for attention with rotary the cos and sin of q's and of k's rotation (float32, per position), and with its
+    key/value heads replicated over TP (fewer than TP) in float32 the concatenated in_proj weight."""
     model, opts = shape.model, shape.model.mixer_options
     if kind == "attention":
-        return 2 * 2 * 4 * shape.seq_length * (model.attention_options.rotary_emb_dim // 2)
+        kept = 2 * 2 * 4 * shape.seq_length * (model.attention_options.rotary_emb_dim // 2)
+        heads, computed, _, head_dim = _attention_widths(shape)
+        if model.attention_options.kv_heads % shape.tp and not shape.autocast:
+            kept += 4 * (heads + 2 * computed) * head_dim * model.d_model
+        return kept
     if kind == "mlp":
         return 0
     if isinstance(opts, Mamba1Options):

@@ -99,6 +99,10 @@ HYBRIDS = {  # tiny Mamba-2 hybrids: a pattern with rotary GQA and squared-ReLU 
     "pattern": {"hybrid_layer_pattern": "M-*-*M", "n_layer": 6, "d_intermediate": 96, "mlp_activation": "squared_relu",
                 "attn_cfg": {**ATTENTION, "rotary_emb_dim": 8}},
     "mlp-inside-blocks": {"attn_layer_idx": [1], "n_layer": 3, "d_intermediate": 96, "attn_cfg": ATTENTION},
+    # at TP 2: its one key/value head replicated, its MLPs split
+    "pattern-kv-replicated": {"hybrid_layer_pattern": "M-*-*M", "n_layer": 6, "d_intermediate": 96,
+                              "mlp_activation": "squared_relu",
+                              "attn_cfg": {**ATTENTION, "num_heads_kv": 1, "rotary_emb_dim": 8}},
 }
 
 
@@ -110,7 +114,8 @@ def _tiny(mixer: str) -> MambaConfig:
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", *(pytest.param(h, marks=pytest.mark.slow) for h in HYBRIDS)])
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", *(pytest.param(h, marks=pytest.mark.slow)
+                                                          for h in ("pattern", "mlp-inside-blocks"))])
 def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(monkeypatch, mixer, autocast):
     """Hybrids without documents: CPU attention then runs SDPA's fused (flash) kernel, which keeps what the GPU's
     kernels keep (with documents the CPU path adds its boolean seqlen x seqlen mask, which the GPU never has)."""
@@ -130,7 +135,7 @@ def _kept_at_tp2(mixer: str, sequence_parallel: bool) -> list:
     os.environ["MEGAMAMBA_KERNELS"] = "triton"
     from megamamba.parallel.groups import ParallelGroups
 
-    config = MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
+    config = _tiny(mixer)
     tp = ParallelGroups(2, 1, 1).tensor_parallel(sequence_parallel)
     torch.manual_seed(0)
     model = PlainLM(MambaLM(config, tp=tp))
@@ -144,9 +149,10 @@ def _kept_at_tp2(mixer: str, sequence_parallel: bool) -> list:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
-@pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "pattern-kv-replicated"])
 def test_what_a_tensor_parallel_rank_keeps_is_what_autograd_keeps_on_the_triton_kernels(mixer, sequence_parallel):
-    """Mamba-2's single B/C group is replicated over TP and its gated norm spans the ranks."""
+    """Mamba-2's single B/C group is replicated over TP and its gated norm spans the ranks; so is the hybrid's
+    one key/value head (its in_proj weight concatenated in float32)."""
     for rank, pairs in enumerate(run_ranks(_kept_at_tp2, 2, args=(mixer, sequence_parallel), timeout=600)):
         for (measured, estimated), precision in zip(pairs, ("float32", "bf16 autocast")):
             print(f"{mixer} tp 2 {'SP ' if sequence_parallel else ''}{precision} rank {rank}: kept {measured} bytes, "
