@@ -8,7 +8,8 @@ there): the plan is printed, the fit is not checked.
 A run that does not fit is refused before any model is built, with the changes that fit, each
 computed by planning the changed run: twice the tensor or pipeline parallel size at the same
 context parallel size (on the same world size when the global batch still splits over
-dp = world / (cp x tp x pp), else on twice the ranks), the next ZeRO stage (when there are dp x cp > 1 ranks to
+dp = world / (cp x tp x pp), else on twice the ranks; not the pipeline size a pattern's | marks
+fix), the next ZeRO stage (when there are dp x cp > 1 ranks to
 shard over), the largest smaller micro batch that keeps the global batch, recomputation of every
 layer, a tenth of ZeRO's default reduce bucket.
 """
@@ -45,6 +46,8 @@ def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
     except LayoutError:
         return None
     if model.n_layer < pp or (shape.sequence_parallel and shape.seq_length % tp):
+        return None
+    if model.pattern_stages and len(model.pattern_stages) != pp:  # the pattern's | marks fix the stage count
         return None
     world, model_ranks = layout.world_size, layout.cp * tp * pp
     if world % model_ranks or layout.global_batch_size % (layout.micro_batch_size * world // model_ranks):

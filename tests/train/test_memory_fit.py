@@ -1,6 +1,7 @@
 """A run whose memory plan does not fit its device is refused before anything is built, naming the
 single layout changes that fit (each computed by planning the changed run)."""
 import contextlib
+import dataclasses
 import io
 import os
 
@@ -79,6 +80,17 @@ def test_a_context_parallel_runs_offers_are_planned_on_its_world_size():
     offers = {label: changed.layout for label, changed in alternatives(_plan(layout=layout).shape)}
     assert offers["--tensor-parallel-size 2"] == Layout(8, 1, 2, 1, 8, 4, cp=4), offers
     assert offers["--pipeline-parallel-size 2"] == Layout(8, 1, 1, 2, 8, 4, cp=4), offers
+
+
+def test_a_pattern_whose_marks_fix_the_stages_is_offered_no_other_pipeline_size():
+    model = MambaConfig.from_json(str(ROOT / "launch/models/nemotron-h-8b.json"))
+    pattern = model.hybrid_layer_pattern
+    model = dataclasses.replace(model, hybrid_layer_pattern=pattern[:26] + "|" + pattern[26:])
+    layout = Layout(world_size=8, dp=2, tp=2, pp=2, micro_batch_size=1, grad_accum=8)
+    shape = RunShape(model=model, layout=layout, seq_length=8192, zero_stage=1, autocast=True)
+    labels = [label for label, _ in alternatives(shape)]
+    assert "--tensor-parallel-size 4" in labels and not any("--pipeline-parallel-size" in x for x in labels), labels
+    assert "--pipeline-parallel-size" not in refusal(plan_memory(shape), 8 * GiB)
 
 
 def test_zero_is_offered_to_a_run_whose_data_axis_is_its_context_ranks():
