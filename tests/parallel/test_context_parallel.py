@@ -9,7 +9,7 @@ gradient (summed over the CP group, as data-parallel reduction over dp x cp does
 float32. Packed documents cross rank edges (one of two tokens, shorter than the conv halo), change
 exactly at rank edges, and reuse an id for a later document.
 
-Communication per block (captured around one Block, CP alone, packed documents), with
+Communication per block (captured around one MambaBlock, CP alone, packed documents), with
 ids = batch x (d_conv - 1) int32, halo = batch x conv channels x (d_conv - 1) float32 and
 summaries = C x batch x (decay + final state) float32:
 
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
 from megamamba import MambaLM
-from megamamba.model.block import Block
+from megamamba.model.block import MambaBlock
 from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
@@ -115,9 +115,9 @@ def compare(cfg, documents, cp, tp=None, recompute=False, masked_half=False):
 
 
 def block_comm(cp, ssm, seqlen):
-    """(forward, backward) collectives of one Block on this rank's slice, as (kind, nbytes) in issue order."""
+    """(forward, backward) collectives of one MambaBlock on this rank's slice, as (kind, nbytes) in issue order."""
     torch.manual_seed(SEED)
-    block = Block(config(ssm), cp=cp)
+    block = MambaBlock(config(ssm), cp=cp)
     gen = torch.Generator().manual_seed(SEED + 3)
     local = seqlen // cp.size
     hidden, residual, up_h = (torch.randn(BATCH, local, D_MODEL, generator=gen) for _ in range(3))

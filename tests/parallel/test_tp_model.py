@@ -6,7 +6,7 @@ tensors, into the TP model. Logits (gathered over the vocab), loss and every par
 gradient (gathered to full shapes with `full_tensors`) are compared in float32 with the
 single-device model's. One spawned run per TP size computes every case; the tests read it.
 
-Communication per block (one forward, one backward, captured around a single Block), the
+Communication per block (one forward, one backward, captured around a single MambaBlock), the
 design this test holds the code to, with act = batch x seqlen x d_model float32 bytes:
 
     Mamba-2, no SP:  forward all-reduce(act)                 backward all-reduce(act)
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megamamba import MambaLM
-from megamamba.model.block import Block
+from megamamba.model.block import MambaBlock
 from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
 from model_cases import lm_config, lm_inputs
@@ -117,10 +117,10 @@ def check_step(plain, model, ids, tp):
 
 
 def block_comm(tp_base, name, sp, autocast=False):
-    """(forward, backward) collectives of one Block at TP, as (kind, nbytes) in issue order."""
+    """(forward, backward) collectives of one MambaBlock at TP, as (kind, nbytes) in issue order."""
     tp = TensorParallel(tp_base.group, tp_base.size, tp_base.rank, sequence_parallel=sp)
     torch.manual_seed(SEED)
-    block = Block(config(BLOCK_CASES[name]), tp=tp)
+    block = MambaBlock(config(BLOCK_CASES[name]), tp=tp)
     gen = torch.Generator().manual_seed(SEED + 3)
     local_len = SEQLEN // tp.size if sp else SEQLEN
     hidden, residual, up_h = (torch.randn(BATCH, local_len, D_MODEL, generator=gen) for _ in range(3))
