@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from megamamba import MambaLM
 from megamamba.model.lm import lm_loss
-from megamamba.parallel import full_tensors, gather_from_tp_region, load_full_tensors
+from megamamba.parallel import TensorParallel, full_tensors, gather_from_tp_region, load_full_tensors
 from megamamba.parallel.context.context_parallel import sequence_slice
 
 
@@ -60,3 +60,50 @@ def context_parallel_errors(cfg, inputs, cp, tp=None, seed: int = 0, prepare=Non
     return dict(logits=relative_error(logits, sequence_slice(ref_logits, cp)), loss=relative_error(loss, ref_loss),
                 grad_keys=sorted(grads) == sorted(ref_grads),
                 grads={name: relative_error(grads[name], g) for name, g in ref_grads.items()})
+
+
+def tensor_parallel_errors(cfg, inputs, tp: TensorParallel, seed: int, steps: int = 0) -> dict:
+    """Relative errors of the tensor-parallel model against the single-device model: both built from `seed`
+    (init_equal: the same weights), the single-device weights perturbed and loaded as full tensors; logits
+    gathered over the vocab, the loss, every parameter gradient gathered to its full shape (local_vocab: the
+    rank's logit columns). `inputs` = (ids, labels, seq_idx); with `steps`, the worst error of the first
+    `steps` recurrent steps (`step`)."""
+    torch.manual_seed(seed)
+    plain = MambaLM(cfg)
+    torch.manual_seed(seed)
+    model = MambaLM(cfg, tp=tp)
+    init_equal = all(torch.equal(full_tensors(model, tp)[k], v) for k, v in plain.named_parameters())
+    perturb(plain, seed + 2)
+    load_full_tensors(model, dict(plain.named_parameters()), tp)
+
+    ids, labels, seq_idx = inputs
+    ref_logits = plain(ids, seq_idx=seq_idx)
+    ref_loss = lm_loss(ref_logits, labels, cfg.vocab_size)
+    ref_loss.backward()
+    logits = model(ids, seq_idx=seq_idx)
+    loss = lm_loss(logits, labels, cfg.vocab_size, tp)
+    loss.backward()
+
+    full_logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
+    grads = full_tensors(model, tp, lambda p: p.grad)
+    ref_grads = {k: p.grad for k, p in plain.named_parameters()}
+    result = dict(init_equal=init_equal, logits=relative_error(full_logits, ref_logits),
+                  loss=relative_error(loss, ref_loss), loss_value=loss.item(), local_vocab=logits.shape[-1],
+                  grad_keys=sorted(grads) == sorted(ref_grads),
+                  grads={k: relative_error(grads[k], g) for k, g in ref_grads.items()})
+    if steps:
+        result["step"] = _step_error(plain, model, ids[:, :steps], tp)
+    return result
+
+
+def _step_error(plain, model, ids, tp) -> float:
+    """The worst relative error of the TP model's token-by-token steps (its KV caches and states hold this
+    rank's heads and channels) against the single-device model's."""
+    with torch.no_grad():
+        ref_cache, cache = plain.allocate_inference_cache(ids.shape[0]), model.allocate_inference_cache(ids.shape[0])
+        worst = 0.0
+        for t in range(ids.shape[1]):
+            ref = plain.step(ids[:, t], ref_cache)
+            out = gather_from_tp_region(model.step(ids[:, t], cache), tp)[..., :ref.shape[-1]]
+            worst = max(worst, relative_error(out, ref))
+    return worst

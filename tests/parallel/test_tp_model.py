@@ -28,12 +28,10 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from megamamba import MambaLM
 from megamamba.model.block import MambaBlock
-from megamamba.model.lm import lm_loss
-from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
+from megamamba.parallel import TensorParallel, comm_counter
 from model_cases import lm_config, lm_inputs
-from model_checks import perturb, relative_error
+from model_checks import tensor_parallel_errors
 
 pytestmark = pytest.mark.slow
 
@@ -74,46 +72,8 @@ def check_model(tp_base, name):
     ssm, fields, sp, packed, step = CASES[name]
     cfg = config(ssm, **fields)
     tp = TensorParallel(tp_base.group, tp_base.size, tp_base.rank, sequence_parallel=sp)
-    torch.manual_seed(SEED)
-    plain = MambaLM(cfg)
-    torch.manual_seed(SEED)
-    model = MambaLM(cfg, tp=tp)
-    init_equal = all(torch.equal(full_tensors(model, tp)[k], v) for k, v in plain.named_parameters())
-    perturb(plain, SEED + 2)
-    load_full_tensors(model, dict(plain.named_parameters()), tp)
-
-    ids, labels, seq_idx = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if packed else None)
-    ref_logits = plain(ids, seq_idx=seq_idx)
-    ref_loss = lm_loss(ref_logits, labels, cfg.vocab_size)
-    ref_loss.backward()
-    logits = model(ids, seq_idx=seq_idx)
-    loss = lm_loss(logits, labels, cfg.vocab_size, tp)
-    loss.backward()
-
-    full_logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
-    grads = full_tensors(model, tp, lambda p: p.grad)
-    ref_grads = {k: p.grad for k, p in plain.named_parameters()}
-    grad_errors = {k: relative_error(grads[k], g) for k, g in ref_grads.items()}
-    result = dict(
-        init_equal=init_equal, logits=relative_error(full_logits, ref_logits), loss=relative_error(loss, ref_loss),
-        loss_value=loss.item(), grad_keys=sorted(grads) == sorted(ref_grads), grads=grad_errors,
-        local_vocab=logits.shape[-1],
-    )
-    if step:
-        result["step"] = check_step(plain, model, ids, tp)
-    return result
-
-
-def check_step(plain, model, ids, tp):
-    """Token-by-token generation at TP (no sequence parallelism) equals the single-device steps."""
-    with torch.no_grad():
-        ref_cache, cache = plain.allocate_inference_cache(BATCH), model.allocate_inference_cache(BATCH)
-        worst = 0.0
-        for t in range(4):
-            ref = plain.step(ids[:, t], ref_cache)
-            out = gather_from_tp_region(model.step(ids[:, t], cache), tp)[..., :ref.shape[-1]]
-            worst = max(worst, relative_error(out, ref))
-    return worst
+    inputs = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if packed else None)
+    return tensor_parallel_errors(cfg, inputs, tp, SEED, steps=4 if step else 0)
 
 
 def block_comm(tp_base, name, sp, autocast=False):
