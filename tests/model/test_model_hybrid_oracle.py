@@ -80,6 +80,7 @@ def test_attention_gradients_equal_the_direct_computations(case):
     names = ["input", *(n for n, _ in mixer.named_parameters())]
     errs = {n: rel_err(g, r) for n, g, r in zip(names, out_grads, ref_grads)}
     worst = max(errs, key=errs.get)
+    assert all(torch.isfinite(g).all() for g in out_grads), f"{case} seed {SEED}: a gradient is not finite"
     assert errs[worst] <= TOL, f"{case} seed {SEED}: gradient of {worst} off by {errs[worst]:.2e}"
 
 
