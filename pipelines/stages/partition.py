@@ -4,7 +4,8 @@
   (`megamamba.model.flops.layer_flops`; attention's QK^T and AV grow with it), the embedding counts
   with the first block, the final norm and the head with the last. The cut makes the most expensive
   stage as cheap as it can be, then spreads the rest evenly (least sum of squared stage costs), and
-  gives every stage a block.
+  gives every stage a block. A pure Mamba model's stages differ from DeepSpeed's "type:Block" (equal
+  block counts): the head's 2 x d_model x vocab FLOPs move blocks off the last stage.
 - A hybrid_layer_pattern with "|": its segments are the stages, whatever the method; the embedding
   goes with the first, the final norm and the head with the last. There must be pp segments.
 - "uniform", "parameters", "type:<regex>": DeepSpeed's PipelineModule partitions as it documents.
@@ -38,7 +39,8 @@ def check_pattern_stages(config: MambaConfig, pp: int) -> None:
 
 def balanced_cuts(weights: list, parts: int) -> list:
     """Where `parts` consecutive non-empty runs of `weights` start, and the end: the heaviest run as light as
-    it can be, and under that bound the least sum of squared run weights (the first such cut)."""
+    it can be, and under that bound the least sum of squared run weights; among equals, lighter runs first
+    (a pipeline's first stages hold the most micro-batches in flight)."""
     n = len(weights)
     prefix = list(accumulate(weights, initial=0))
     runs = range(1, parts + 1)
