@@ -29,9 +29,9 @@ def make_norm(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorP
     return cls(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
 
-def make_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
-               cp: Optional[ContextParallel] = None) -> nn.Module:
-    """The mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`; on a
+def make_mamba_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
+                     cp: Optional[ContextParallel] = None) -> nn.Module:
+    """The Mamba mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`; on a
     slice of the sequence in the context-parallel group `cp`)."""
     options = config.mixer_options
     cls = Mamba1 if isinstance(options, Mamba1Options) else Mamba2
@@ -93,8 +93,8 @@ class MambaBlock(Block):
 
     def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
                  device=None, dtype=None):
-        super().__init__(config, lambda: make_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp, device,
-                         dtype)
+        super().__init__(config, lambda: make_mamba_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp,
+                         device, dtype)
 
 
 class AttentionBlock(Block):
