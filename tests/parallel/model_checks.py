@@ -1,6 +1,7 @@
 """Helpers of the tensor- and context-parallel model tests (importable as `model_checks`)."""
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from megamamba import MambaLM
 from megamamba.model.lm import lm_loss
@@ -22,6 +23,14 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def recompute_blocks_in_backward(model: torch.nn.Module) -> None:
+    """Activation checkpointing of every block, as pipelines/stages/pipeline_module.py does (non-reentrant)."""
+    for block in model.backbone.layers:
+        forward = block.forward
+        block.forward = lambda *args, _forward=forward, **kwargs: checkpoint(_forward, *args, use_reentrant=False,
+                                                                            **kwargs)
 
 
 def context_parallel_errors(cfg, inputs, cp, tp=None, seed: int = 0, prepare=None) -> dict:

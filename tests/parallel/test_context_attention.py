@@ -21,7 +21,6 @@ The same at every rank; it grows with L (every rank holds the whole sequence's K
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
 from megamamba import MambaLM
@@ -29,7 +28,7 @@ from megamamba.model.block import AttentionBlock
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from model_cases import hybrid_config, lm_inputs
-from model_checks import context_parallel_errors, perturb, relative_error
+from model_checks import context_parallel_errors, perturb, recompute_blocks_in_backward, relative_error
 
 pytestmark = pytest.mark.slow
 
@@ -67,14 +66,6 @@ def errors(ssm, attn, documents, cp, tp=None, prepare=None):
     cfg = config(ssm, attn)
     inputs = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if documents else None)
     return context_parallel_errors(cfg, inputs, cp, tp, SEED, prepare)
-
-
-def _recompute_blocks_in_backward(model):
-    """Activation checkpointing of every block, as pipelines/stages/pipeline_module.py does (non-reentrant)."""
-    for block in model.backbone.layers:
-        forward = block.forward
-        block.forward = lambda *args, _forward=forward, **kwargs: checkpoint(_forward, *args, use_reentrant=False,
-                                                                            **kwargs)
 
 
 def isolation(cp):
@@ -149,7 +140,7 @@ def four_rank_checks():
     pair = ContextParallel(pairs[rank // 2], 2, rank % 2)
     out = {"cp4": {name: errors(*case, world) for name, case in CP_CASES.items()},
            "cp2": {name: errors(*case, pair) for name, case in CP_CASES.items()}}
-    out["cp2_recomputed"] = errors(*CP_CASES["mamba2_gqa_documents"], pair, prepare=_recompute_blocks_in_backward)
+    out["cp2_recomputed"] = errors(*CP_CASES["mamba2_gqa_documents"], pair, prepare=recompute_blocks_in_backward)
     cp = ContextParallel(strided[rank % 2], 2, rank // 2)
     out["cp2_tp2"] = {}
     for name, (attn, sp) in CP_TP_CASES.items():

@@ -23,16 +23,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
 from megamamba import MambaLM
 from megamamba.model.block import MambaBlock
-from megamamba.model.lm import lm_loss
-from megamamba.parallel import TensorParallel, comm_counter, full_tensors, gather_from_tp_region, load_full_tensors
+from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from model_cases import lm_config, lm_inputs
-from model_checks import perturb, relative_error
+from model_checks import context_parallel_errors, recompute_blocks_in_backward
 from saved_tensors import autograd_saved_bytes
 
 pytestmark = pytest.mark.slow
@@ -68,50 +66,13 @@ def config(ssm, **fields):
     return lm_config(ssm, D_MODEL, **fields)
 
 
-def _recompute_in_backward(block):
-    """Wrap a block in activation checkpointing as pipelines/stages/pipeline_module.py does (non-reentrant)."""
-    forward = block.forward
-    block.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
 def compare(cfg, documents, cp, tp=None, recompute=False, masked_half=False):
     """Relative errors of the CP (x TP) model's logits, loss and gradients against the single-process model
     (masked_half: no token of the sequences' second half counted, as a masked prompt's)."""
-    torch.manual_seed(SEED)
-    plain = MambaLM(cfg)
-    perturb(plain, SEED + 2)
-    torch.manual_seed(SEED)
-    model = MambaLM(cfg, tp=tp, cp=cp)
-    if recompute:
-        for block in model.backbone.layers:
-            _recompute_in_backward(block)
-    if tp is None:
-        model.load_state_dict(plain.state_dict())
-    else:
-        load_full_tensors(model, dict(plain.named_parameters()), tp)
-
-    ids, labels, seq_idx = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if documents else None)
+    inputs = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if documents else None)
     if masked_half:
-        labels[:, SEQLEN // 2:] = -100
-    ref_logits = plain(ids, seq_idx=seq_idx)
-    ref_loss = lm_loss(ref_logits, labels, cfg.vocab_size)
-    ref_loss.backward()
-    local = [None if t is None else sequence_slice(t, cp) for t in (ids, labels, seq_idx)]
-    logits = model(local[0], seq_idx=local[2])
-    loss = lm_loss(logits, local[1], cfg.vocab_size, tp, cp)
-    loss.backward()
-
-    if tp is not None:
-        logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
-        grads = full_tensors(model, tp, lambda p: p.grad)
-    else:
-        grads = {k: p.grad for k, p in model.named_parameters()}
-    for g in grads.values():
-        dist.all_reduce(g, group=cp.group)
-    ref_grads = {k: p.grad for k, p in plain.named_parameters()}
-    return dict(logits=relative_error(logits, sequence_slice(ref_logits, cp)), loss=relative_error(loss, ref_loss),
-                grad_keys=sorted(grads) == sorted(ref_grads),
-                grads={k: relative_error(grads[k], g) for k, g in ref_grads.items()})
+        inputs[1][:, SEQLEN // 2:] = -100
+    return context_parallel_errors(cfg, inputs, cp, tp, SEED, recompute_blocks_in_backward if recompute else None)
 
 
 def block_comm(cp, ssm, seqlen):
