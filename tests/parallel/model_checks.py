@@ -5,8 +5,39 @@ from torch.utils.checkpoint import checkpoint
 
 from megamamba import MambaLM
 from megamamba.model.lm import lm_loss
-from megamamba.parallel import TensorParallel, full_tensors, gather_from_tp_region, load_full_tensors
+from megamamba.parallel import (
+    TensorParallel,
+    full_key,
+    full_tensors,
+    gather_from_tp_region,
+    load_full_tensors,
+    local_shard,
+)
 from megamamba.parallel.context.context_parallel import sequence_slice
+
+NO_GROUP = object()  # stands in for a process group: building a TP model communicates nothing
+
+
+def rank_of(size: int, rank: int = 0, sp: bool = False) -> TensorParallel:
+    """Rank `rank` of a TP group of `size`, without processes (anything that communicated would fail)."""
+    return TensorParallel(NO_GROUP, size, rank, sequence_parallel=sp)
+
+
+def parameters_not_their_slices(cfg, tp_size: int, rank: int, seed: int) -> list:
+    """The names of the TP rank's parameters that are not its slices of the single-device model, both built
+    from `seed` (none: the same seed builds the same model at any TP size)."""
+    torch.manual_seed(seed)
+    plain = dict(MambaLM(cfg).named_parameters())
+    torch.manual_seed(seed)
+    model = MambaLM(cfg, tp=rank_of(tp_size, rank))
+    wrong = []
+    for name, p in model.named_parameters():
+        shard = getattr(p, "tp_shard", None)
+        key = full_key(name, p)
+        expected = plain[key] if shard is None else local_shard(plain[key].detach(), shard, tp_size, rank)
+        if not torch.equal(p.detach(), expected):
+            wrong.append(name)
+    return wrong
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,22 +1,16 @@
 """Tensor-parallel layouts of hybrids without processes: refusals naming the values, one rank's shards.
 
 As tests/parallel/test_tp_model_layout.py, one rank of a larger group is built with a stand-in group
-object (building communicates nothing).
+object (`model_checks.rank_of`: building communicates nothing).
 """
 import pytest
-import torch
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.model.attention import Attention
-from megamamba.parallel import TensorParallel, full_key, local_shard
 from megamamba.parallel.tensor.model_layout import LayoutError
+from model_checks import parameters_not_their_slices, rank_of
 
-NO_GROUP = object()  # stands in for a process group that is never used
 MAMBA2 = {"layer": "Mamba2", "d_state": 6, "headdim": 8, "ngroups": 1, "chunk_size": 8}  # d_inner 64: 8 heads
-
-
-def rank_of(size, rank=0):
-    return TensorParallel(NO_GROUP, size, rank)
 
 
 def hybrid(attn=None, pattern="M*-", d_intermediate=24, **fields):
@@ -64,13 +58,5 @@ def test_attention_keeps_its_query_heads_and_their_key_value_head(tp_size, rank,
                          ids=["gqa_pattern", "mqa_squared_relu", "mlp_inside_blocks"])
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_every_ranks_parameters_are_its_slices_of_the_single_device_init(cfg, tp_size):
-    torch.manual_seed(7)
-    plain = dict(MambaLM(cfg).named_parameters())
     for rank in range(tp_size):
-        torch.manual_seed(7)
-        model = MambaLM(cfg, tp=rank_of(tp_size, rank))
-        for name, p in model.named_parameters():
-            shard = getattr(p, "tp_shard", None)
-            key = full_key(name, p)
-            expected = plain[key] if shard is None else local_shard(plain[key].detach(), shard, tp_size, rank)
-            assert torch.equal(p.detach(), expected), f"TP {tp_size} rank {rank}: {name}"
+        assert parameters_not_their_slices(cfg, tp_size, rank, seed=7) == [], f"TP {tp_size} rank {rank}"

@@ -8,14 +8,9 @@ import torch
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.model.mamba2 import Mamba2
-from megamamba.parallel import TensorParallel, comm_counter, full_key, local_shard
+from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.tensor.model_layout import LayoutError, check_sequence_length
-
-NO_GROUP = object()  # stands in for a process group that is never used
-
-
-def rank_of(size, rank=0, sp=False):
-    return TensorParallel(NO_GROUP, size, rank, sequence_parallel=sp)
+from model_checks import parameters_not_their_slices, rank_of
 
 
 def mamba2(d_model=32, headdim=8, ngroups=1, **fields):
@@ -81,15 +76,7 @@ def test_tp_size_one_is_the_plain_model(cfg):
 @pytest.mark.parametrize("cfg,tp_size,rank", [(mamba2(ngroups=1), 4, 3), (mamba2(ngroups=4), 2, 1), (mamba1(), 4, 2)],
                          ids=["mamba2_one_group_tp4", "mamba2_four_groups_tp2", "mamba1_tp4"])
 def test_one_ranks_parameters_are_its_slices_of_the_single_device_init(cfg, tp_size, rank):
-    torch.manual_seed(7)
-    plain = dict(MambaLM(cfg).named_parameters())
-    torch.manual_seed(7)
-    model = MambaLM(cfg, tp=rank_of(tp_size, rank))
-    for name, p in model.named_parameters():
-        shard = getattr(p, "tp_shard", None)
-        key = full_key(name, p)
-        expected = plain[key] if shard is None else local_shard(plain[key].detach(), shard, tp_size, rank)
-        assert torch.equal(p.detach(), expected), name
+    assert parameters_not_their_slices(cfg, tp_size, rank, seed=7) == []
 
 
 def test_mamba2_one_group_at_tp4_holds_a_quarter_of_the_heads_and_all_of_b_c():
