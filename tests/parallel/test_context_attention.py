@@ -37,19 +37,17 @@ BATCH, SEQLEN, D_MODEL, D_INTERMEDIATE = 2, 24, 16, 20  # slices of 12 (C = 2) a
 F32 = I32 = 4
 PATTERN = "M*-M*-"  # every layer kind, two attention layers
 
-MAMBA1 = {"layer": "Mamba1", "d_state": 4, "dt_rank": 2}
 MAMBA2 = {"layer": "Mamba2", "d_state": 4, "headdim": 4, "chunk_size": 4, "ngroups": 2}
 GQA = {"num_heads": 4, "num_heads_kv": 2, "head_dim": 6, "rotary_emb_dim": 4, "causal": True}
 MQA = {**GQA, "num_heads_kv": 1}  # under TP 2 its one key/value head is replicated
 DOCUMENTS = [[0] * 5 + [1] * 10 + [2] * 2 + [3] * 7,  # changes at 5, 15, 17: documents cross the edges 6, 12, 18
              [5] * 6 + [2] * 6 + [5] * 12]            # changes exactly at the edges 6 and 12; id 5 names two documents
 
-# name: (ssm_cfg, attn_cfg, packed documents)
+# name: (ssm_cfg, attn_cfg, packed documents); Mamba-1 under CP is test_context_parallel.py's, MQA's one
+# key/value head is CP_TP_CASES'
 CP_CASES = {
     "mamba2_gqa_documents": (MAMBA2, GQA, True),
     "mamba2_gqa": (MAMBA2, GQA, False),
-    "mamba2_mqa_documents": (MAMBA2, MQA, True),
-    "mamba1_gqa_documents": (MAMBA1, GQA, True),
 }
 # name: (attn_cfg, sequence parallel), Mamba-2 with packed documents at CP 2 x TP 2
 CP_TP_CASES = {
