@@ -70,7 +70,7 @@ def startup_summary(*, model: MambaConfig, layout, seq_length: int, train_iters:
     saving = "no --save (nothing is saved)" if not save else (
         f"--save {save} every {save_interval or train_iters} steps, keep {keep_last or 'all'}")
     return [
-        f"run: {model.layer}, {model.n_layer} layers, d_model {model.d_model} | parameters {total_params} "
+        f"run: {model.layer}, {_layers(model)}, d_model {model.d_model} | parameters {total_params} "
         f"({_count(total_params)}) total, {per_rank} per rank (this stage / TP shard)",
         f"  layout: world {layout.world_size} = dp {layout.dp}{_cp(layout, ' x cp {}')} x tp {layout.tp} "
         f"x pp {layout.pp} | micro batch "
@@ -129,6 +129,16 @@ def optimizer_state_lines(layout, per_rank: Sequence[tuple]) -> list:
                      f"optimizer state bytes {state_bytes} = {state_bytes * ranks_sharing / params:.3f} x stage "
                      f"parameters / {_cp(layout, '(dp x cp)') or 'dp'}")
     return lines
+
+
+def _layers(model: MambaConfig) -> str:
+    """'4 layers'; a hybrid's with its kinds counted: '5 layers (2 Mamba2, 1 attention, 2 MLP)', and
+    '(..., an MLP in each)' for mamba_ssm's d_intermediate."""
+    kinds = model.block_kinds
+    names = {"mamba": model.layer, "attention": "attention", "mlp": "MLP"}
+    counts = [f"{kinds.count(kind)} {name}" for kind, name in names.items() if kind in kinds]
+    inside = ", an MLP in each" if model.mlp_inside_blocks else ""
+    return f"{model.n_layer} layers" + (f" ({', '.join(counts)}{inside})" if len(counts) > 1 or inside else "")
 
 
 def _cp(layout, text: str) -> str:
