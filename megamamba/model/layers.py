@@ -3,8 +3,8 @@
 0 the embedding, i + 1 block i (a Mamba, attention or MLP block, `MambaConfig.block_kinds`),
 n_layer + 1 the final norm, n_layer + 2 the head (with tie_embeddings, the embedding's weight). Every
 layer takes and returns the residual stream (`megamamba.model.stream`) and is built as
-`cls(config, tp=, cp=)`. A layer's number is its
-initialisation stream, its pipeline layer index and, through `layer_prefix`, its mamba_ssm names.
+`cls(config, tp=, cp=)`. A layer's number is its initialisation stream, its pipeline layer index
+and, through `layer_prefix`, its mamba_ssm names.
 """
 import contextlib
 import math
