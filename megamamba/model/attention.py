@@ -1,11 +1,6 @@
-"""Causal self-attention as mamba_ssm's `MHA`: multi-head, grouped-query or multi-query, optional rotary.
-
-Keys `in_proj.weight` (rows [q, k, v]: num_heads, then twice num_heads_kv heads of head_dim), `in_proj.bias`
-(qkv_proj_bias), `out_proj.weight`, `out_proj.bias` (out_proj_bias), as mamba_ssm, so its hybrid checkpoints
-load unchanged. With `tp` it is built whole and `_shard` keeps this rank's query heads and their key/value
-heads (split with them, or replicated when there are fewer than TP ranks); with `cp` the keys and values of
-the whole sequence are gathered (`megamamba.parallel.context.attention`). Generation keeps a growing
-key/value cache (`KVCache`).
+"""Causal self-attention as mamba_ssm's `MHA` (MHA, GQA, MQA, optional rotary), with its keys, so its hybrid
+checkpoints load unchanged; query heads split over TP with their key/value heads (replicated when fewer
+than the ranks), keys and values gathered over CP; a growing key/value cache for generation.
 """
 from typing import Optional
 

@@ -1,16 +1,7 @@
-"""Causal (and document-causal) attention through torch's fused attention, for queries at any offset.
-
-Queries sit at global positions q_start .. q_start + lq - 1, keys and values at 0 .. lk - 1 (a context-
-parallel rank's queries against the keys gathered from every rank). Query i sees key j when j <= its
-position and, with document ids, when no id change lies between them: a change of id starts a document,
-as the Mamba layers reset their state there, so an id reused by a later document names another one.
-
-- No documents: `scaled_dot_product_attention` with `is_causal` (queries from position 0) or a
-  lower-right causal bias over the keys up to the last query; both run the flash / memory-efficient
-  kernels on CUDA.
-- Documents on CUDA: FlexAttention (compiled once per shape) with a block mask worked out per tile from
-  each query's document start, so fully masked tiles are skipped and no seqlen x seqlen mask exists.
-- Documents elsewhere: a boolean mask for `scaled_dot_product_attention` (CPU runs are short).
+"""Causal, document-causal attention for queries at global positions q_start .. (a context-parallel slice)
+against the keys from position 0, through torch's fused kernels: SDPA's causal paths without documents;
+with documents FlexAttention's block mask on CUDA (no seqlen x seqlen mask), a boolean mask on the CPU.
+A document is a run of equal ids, as the Mamba layers reset their state where the id changes.
 """
 import functools
 from typing import Optional
@@ -109,4 +100,5 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _compiled_flex_attention():
+    """FlexAttention compiled once per process (recompiled per shape); uncompiled it materialises the scores."""
     return torch.compile(flex_attention, dynamic=False)
