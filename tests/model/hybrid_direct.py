@@ -35,7 +35,8 @@ def rotary_direct(x, positions, dim, base, interleaved):
 
 def direct_attention(m, u, options, seq_idx=None):
     """mamba_ssm's MHA from m's weights: in_proj rows [q, k, v], query head h reads key head h // (H / H_kv),
-    key j visible to query i when j <= i and (with seq_idx) both lie in the same document."""
+    key j visible to query i when j <= i and (with seq_idx) both lie in the same document: the ids from j to
+    i are all equal (an id reused after another starts a new document)."""
     H, Hkv = options["num_heads"], options.get("num_heads_kv") or options["num_heads"]
     D = options.get("head_dim") or u.shape[-1] // H
     b, L, _ = u.shape
@@ -51,7 +52,7 @@ def direct_attention(m, u, options, seq_idx=None):
     context = torch.zeros(b, L, H, D, dtype=u.dtype)
     for n in range(b):
         for i in range(L):
-            visible = [j for j in range(i + 1) if seq_idx is None or seq_idx[n, j] == seq_idx[n, i]]
+            visible = [j for j in range(i + 1) if seq_idx is None or all(seq_idx[n, j:i + 1] == seq_idx[n, i])]
             for h in range(H):
                 g = h // (H // Hkv)
                 scores = torch.stack([q[n, i, h] @ k[n, j, g] for j in visible]) * scale

@@ -46,6 +46,13 @@ def hybrid(attn_cfg=None, **fields):
     return MambaConfig(**{**base, **fields})
 
 
+def documents_with_a_reused_id():
+    """Row 0: ids 0, 1, 0 (three documents of 4, 3, 4: the last reuses id 0); row 1: two documents."""
+    seq_idx = packed_seq_idx(2, 11)
+    seq_idx[0, 4:7] = 1
+    return seq_idx
+
+
 def inputs(d_model, seed, batch=2, seqlen=11):
     return torch.randn(batch, seqlen, d_model, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -57,7 +64,7 @@ def test_attention_equals_direct_computation_from_its_weights(case, packed):
     mixer = MambaLM(cfg).backbone.layers[1].mixer.double()
     randomise(mixer, SEED)
     u = inputs(cfg.d_model, SEED)
-    seq_idx = packed_seq_idx(2, 11) if packed else None
+    seq_idx = documents_with_a_reused_id() if packed else None
     with torch.no_grad():
         out = mixer(u, seq_idx=seq_idx)
         ref = direct_attention(mixer, u, cfg.attn_cfg, seq_idx)
@@ -73,7 +80,7 @@ def test_attention_gradients_equal_the_direct_computations(case):
     randomise(mixer, SEED)
     u = inputs(cfg.d_model, SEED).requires_grad_()
     up = inputs(cfg.d_model, SEED + 1)
-    seq_idx = packed_seq_idx(2, 11)
+    seq_idx = documents_with_a_reused_id()
     out_grads = torch.autograd.grad((mixer(u, seq_idx=seq_idx) * up).sum(), [u, *mixer.parameters()])
     ref_grads = torch.autograd.grad((direct_attention(mixer, u, cfg.attn_cfg, seq_idx) * up).sum(),
                                     [u, *mixer.parameters()])
