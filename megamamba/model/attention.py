@@ -61,13 +61,13 @@ class Attention(nn.Module):
         self.in_proj = nn.Linear(d_model, qkv_rows, bias=options.qkv_proj_bias, **factory)
         self.out_proj = nn.Linear(self.num_heads * self.head_dim, d_model, bias=options.out_proj_bias, **factory)
         self.cp = cp if cp is not None and cp.size > 1 else None
-        self.tp = None
         self.own_kv_head = None  # with key/value heads replicated over TP: the one this rank's queries read
         if tp is not None and tp.size > 1:
             self._shard(tp, options)
 
     def _shard(self, tp: TensorParallel, options: AttentionOptions) -> None:
-        """Keep this rank's query heads, and their key/value heads (see the module docstring)."""
+        """Keep this rank's query heads and the key/value heads they read: split with them when num_heads_kv
+        % TP == 0, else all on every rank, of which this rank reads `own_kv_head`."""
         check_attention_layout(options, tp.size)
         kv_split = self.kv_heads % tp.size == 0
         q_rows, kv_rows = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
@@ -79,7 +79,6 @@ class Attention(nn.Module):
             q_rows, self.d_model, tp, bias=self.out_proj.bias is not None), tp)
         if not kv_split:
             self.own_kv_head = tp.rank // (tp.size // self.kv_heads)
-        self.tp = tp
         self.num_heads //= tp.size
         self.kv_heads = self.kv_heads // tp.size if kv_split else 1
 
