@@ -195,18 +195,6 @@ def _linear_weights_per_block(shape: ActivationShape, kind: str) -> int:
     return d * (2 * d_inner + 2 * bc + nheads) + d_inner * d + inside
 
 
-def _layer_bytes_per_token(shape: ActivationShape, layer: int, last_layer: int) -> int:
-    """Bytes kept per token by pipeline layer `layer` (0 embedding, blocks, final norm, last_layer head)."""
-    stream = STREAM * shape.stream_width
-    if layer == 0:
-        return 0  # its output is the next layer's input
-    if layer < last_layer - 1:
-        return block_bytes_per_token(shape, shape.model.block_kinds[layer - 1])
-    if layer == last_layer - 1:
-        return stream
-    return shape.act * shape.model.d_model
-
-
 def _loss_bytes_per_token(shape: ActivationShape) -> int:
     """What the loss keeps per token: the logits (bf16 or float32) with the labels (int64) and logsumexp
     (float32), or under TP its float32 softmax with the labels and local labels (int64) and three masks."""
@@ -215,22 +203,19 @@ def _loss_bytes_per_token(shape: ActivationShape) -> int:
     return shape.act * shape.local_vocab + 8 + 4
 
 
-def _weight_copies(shape: ActivationShape, layers: range, last_layer: int) -> int:
-    """Bytes of the bf16 weight copies autocast makes for `layers` in one forward (0 without autocast)."""
-    if not shape.autocast:
-        return 0
-    kinds = shape.model.block_kinds
-    blocks = sum(_linear_weights_per_block(shape, kinds[i - 1]) for i in layers if 0 < i < last_layer - 1)
-    head = shape.local_vocab * shape.model.d_model if last_layer in layers else 0
-    return 2 * (blocks + head)
-
-
-def _layer_bytes(shape: ActivationShape, layer: int, last_layer: int) -> int:
-    """Bytes one micro-batch keeps for pipeline layer `layer`."""
-    kept = _layer_bytes_per_token(shape, layer, last_layer) * shape.tokens
-    if 0 < layer < last_layer - 1:
-        kept += _block_constant_bytes(shape, shape.model.block_kinds[layer - 1])
-    return kept
+def _per_layer(shape: ActivationShape, last_layer: int) -> tuple:
+    """For every layer 0 .. last_layer (0 embedding, blocks, last_layer - 1 final norm, last_layer head): the bytes
+    one micro-batch keeps, and the bytes of the bf16 weight copies autocast makes in one forward."""
+    copy = 2 if shape.autocast else 0
+    blocks = {kind: (block_bytes_per_token(shape, kind) * shape.tokens + _block_constant_bytes(shape, kind),
+                     copy * _linear_weights_per_block(shape, kind)) for kind in set(shape.model.block_kinds)}
+    kept, copies = [0], [0]  # the embedding's output is the next layer's input
+    for kind in shape.model.block_kinds:
+        kept.append(blocks[kind][0])
+        copies.append(blocks[kind][1])
+    kept += [STREAM * shape.stream_width * shape.tokens, shape.act * shape.model.d_model * shape.tokens]
+    copies += [0, copy * shape.local_vocab * shape.model.d_model]
+    return kept, copies
 
 
 def _runs(shape: ActivationShape, layers: range) -> list:
@@ -239,29 +224,34 @@ def _runs(shape: ActivationShape, layers: range) -> list:
     return [range(s, min(s + k, layers.stop)) for s in range(layers.start, layers.stop, k)]
 
 
-def kept_bytes(shape: ActivationShape, first_layer: int, stop_layer: int, last_layer: int) -> int:
-    """What one micro-batch in flight keeps until its backward on a stage of layers [first_layer, stop_layer)."""
+def _kept(shape: ActivationShape, table: tuple, first_layer: int, stop_layer: int, last_layer: int) -> int:
     layers = range(first_layer, stop_layer)
+    kept, copies = table
     stream = STREAM * shape.stream_width * shape.tokens
     sends = stop_layer <= last_layer
     loss = 0 if sends else _loss_bytes_per_token(shape) * shape.tokens
     output = stream if sends else 0  # kept until the next stage returns its gradient
     if shape.checkpoint_interval:
         return sum(stream for run in _runs(shape, layers) if run[0] > 0) + loss + output
-    return sum(_layer_bytes(shape, i, last_layer) for i in layers) + loss + output + \
-        _weight_copies(shape, layers, last_layer)
+    return sum(kept[i] + copies[i] for i in layers) + loss + output
+
+
+def kept_bytes(shape: ActivationShape, first_layer: int, stop_layer: int, last_layer: int) -> int:
+    """What one micro-batch in flight keeps until its backward on a stage of layers [first_layer, stop_layer)."""
+    return _kept(shape, _per_layer(shape, last_layer), first_layer, stop_layer, last_layer)
 
 
 def stage_activation_bytes(shape: ActivationShape, first_layer: int, stop_layer: int, last_layer: int) -> int:
     """The estimated activation bytes of a rank whose stage runs layers [first_layer, stop_layer): what the
     micro-batches in flight keep, one recomputed run, and the backward's largest gradient."""
     layers = range(first_layer, stop_layer)
+    table = _per_layer(shape, last_layer)
+    kept, copies = table
     rebuilt = 0
     if shape.checkpoint_interval:
-        rebuilt = max(sum(_layer_bytes(shape, i, last_layer) for i in run) + _weight_copies(shape, run, last_layer)
-                      for run in _runs(shape, layers))
+        rebuilt = max(sum(kept[i] + copies[i] for i in run) for run in _runs(shape, layers))
     loss = 0 if stop_layer <= last_layer else _loss_bytes_per_token(shape) * shape.tokens
-    largest = max([_layer_bytes(shape, i, last_layer) for i in layers] + [loss])
+    largest = max([kept[i] for i in layers] + [loss])
     chunk = 4 * min(shape.tokens, max(1, CHUNK_ELEMENTS // shape.local_vocab)) * shape.local_vocab
     backward = largest + (chunk if loss and shape.tp == 1 else 0)
-    return shape.in_flight * kept_bytes(shape, first_layer, stop_layer, last_layer) + rebuilt + backward
+    return shape.in_flight * _kept(shape, table, first_layer, stop_layer, last_layer) + rebuilt + backward
