@@ -21,6 +21,8 @@ the stages as the pipeline module cuts them (`pipelines.stages.partition`). Not 
 `parameter_alignment` padding (off by default) and ZeRO-3's gather buffers; the plan says ZeRO-3
 figures are the partition only.
 """
+import functools
+import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -117,13 +119,20 @@ def _groups(module: torch.nn.Module) -> tuple:
 def layer_parameters(model: MambaConfig, tp_size: int, sequence_parallel: bool = False) -> list:
     """(decayed, not decayed) parameters of TP rank 0 for each pipeline layer: embedding, blocks, final
     norm, head (a tied head holds the embedding's weight)."""
+    return list(_layer_parameters(json.dumps(model.to_dict(), sort_keys=True), tp_size, sequence_parallel))
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_parameters(config_json: str, tp_size: int, sequence_parallel: bool) -> tuple:
+    """`layer_parameters` of a config given as its JSON: built once per (config, tp, sp), as plans repeat them."""
+    model = MambaConfig.from_dict(json.loads(config_json))
     tp = _fake_tp(tp_size, sequence_parallel)
     kinds = layer_kinds(model)
     with torch.device("meta"):  # one layer of each kind built
         counts = {kind: _groups(layer_class(model, kinds.index(kind), tp)(model, tp=tp)) for kind in set(kinds)}
     if model.tie_embeddings:
         counts["head"] = counts["embedding"]
-    return [counts[kind] for kind in kinds]
+    return tuple(counts[kind] for kind in kinds)
 
 
 def stage_bounds(model: MambaConfig, pp: int, partition_method: str, counts: list, tp_size: int,
