@@ -1,0 +1,84 @@
+"""What the planner knows of the hardware: rates per kernel kind, device memory, and the links' α–β.
+
+A profile is a JSON file. Published-figure profiles (launch/profiles/) hold the vendors' peak
+numbers with every kernel at the roofline, labelled "published"; `python launch/plan.py
+--calibrate` writes a measured one for the machine it runs on.
+"""
+import json
+from dataclasses import asdict, dataclass, field
+
+from megamamba.errors import MegamambaError
+
+KERNELS = ("matmul", "ssd", "scan", "conv", "norm", "attention", "elementwise")
+TIERS = ("intra_node", "inter_node")
+
+
+class ProfileError(MegamambaError, ValueError):
+    """A profile file that cannot be read; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's ring step on one tier costs alpha seconds plus bytes / bandwidth."""
+    alpha_s: float
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel kind's fraction of the roofline (flops at the matmul rate, bytes at the copy bandwidth),
+    forward, and its backward's time as a multiple of its forward's."""
+    efficiency: float = 1.0
+    backward_ratio: float = 2.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str  # "published: <where>" or "measured <date> on <machine>"
+    device_memory_bytes: int
+    matmul_flops_per_s: float
+    copy_bytes_per_s: float
+    launch_s: float  # a kernel's fixed cost: launch and ramp-up
+    kernels: dict = field(default_factory=dict)  # kind -> Kernel
+    links: dict = field(default_factory=dict)  # tier -> Link
+
+    def kernel(self, kind: str) -> Kernel:
+        return self.kernels.get(kind, Kernel())
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+            f.write("\n")
+
+
+def _number(data: dict, key: str, where: str) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ProfileError(f"{where}: {key}={value!r} must be a positive number")
+    return float(value)
+
+
+def load_profile(path: str) -> Profile:
+    """The profile in `path`; ProfileError naming the field that is missing or wrong."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProfileError(f"profile {path}: {e}") from None
+    kernels = {}
+    for kind, values in data.get("kernels", {}).items():
+        if kind not in KERNELS:
+            raise ProfileError(f"profile {path}: kernels.{kind} is not a kernel kind; known: {KERNELS}")
+        kernels[kind] = Kernel(_number(values, "efficiency", f"{path} kernels.{kind}"),
+                               _number(values, "backward_ratio", f"{path} kernels.{kind}"))
+    links = {}
+    for tier in TIERS:
+        if tier not in data.get("links", {}):
+            raise ProfileError(f"profile {path}: links.{tier} is missing (alpha_s, bytes_per_s)")
+        values = data["links"][tier]
+        links[tier] = Link(_number(values, "alpha_s", f"{path} links.{tier}"),
+                           _number(values, "bytes_per_s", f"{path} links.{tier}"))
+    return Profile(str(data.get("name", path)), str(data.get("source", "unknown")),
+                   int(_number(data, "device_memory_bytes", path)), _number(data, "matmul_flops_per_s", path),
+                   _number(data, "copy_bytes_per_s", path), _number(data, "launch_s", path), kernels, links)
