@@ -1,0 +1,127 @@
+"""The predicted time of one optimizer step of a plan, split into where it goes.
+
+Per micro-batch, each stage runs its layers' kernels (a kernel takes its launch time, then its FLOPs at
+the matmul rate or its bytes at the copy bandwidth, whichever is longer, over its kind's efficiency; its
+backward is its kind's ratio of that) and their TP and CP collectives (a ring on the slowest link the
+group spans: alpha per step plus bytes over bandwidth); recomputation runs every forward twice.
+DeepSpeed's 1F1B schedule takes (m + p - 1) times the slowest stage for m micro-batches on p stages, the
+bubble being p - 1 of them. Then the data-parallel gradient reduction (ZeRO's reduce-scatter and
+all-gather volumes; hidden behind the backward only where DeepSpeed overlaps it: ZeRO-3 without a
+pipeline), the tied embedding's all-reduce between the first and last stage, and the optimizer's pass
+over this rank's state.
+"""
+from dataclasses import dataclass
+
+from megamamba.pipelines.planner.layer_costs import Collective, LayerWork, RankShape, boundary_bytes
+from megamamba.pipelines.planner.profile import Link, Profile
+
+OPTIMIZER_BYTES_PER_PARAMETER = 4 * (4 + 3)  # AdamW reads parameter, gradient, two moments; writes three
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The process grid and where its groups sit: ranks are numbered TP fastest, then CP, DP, PP."""
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+    gpus_per_node: int
+
+    def spans_nodes(self, stride: int, size: int) -> bool:
+        return size > 1 and stride * size > self.gpus_per_node
+
+    def link(self, profile: Profile, group: str) -> Link:
+        stride, size = {"tp": (1, self.tp), "cp": (self.tp, self.cp), "data": (self.tp, self.dp * self.cp),
+                        "pp": (self.tp * self.cp * self.dp, self.pp)}[group]
+        return profile.links["inter_node" if self.spans_nodes(stride, size) else "intra_node"]
+
+    def size(self, group: str) -> int:
+        return {"tp": self.tp, "cp": self.cp, "data": self.dp * self.cp, "pp": self.pp}[group]
+
+
+def collective_seconds(kind: str, nbytes: float, size: int, link: Link) -> float:
+    """A ring all-reduce, all-gather or reduce-scatter over `size` ranks, or one send."""
+    if kind == "send":
+        return link.alpha_s + nbytes / link.bytes_per_s
+    if size == 1:
+        return 0.0
+    steps = size - 1
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (steps * link.alpha_s + steps / size * nbytes / link.bytes_per_s)
+
+
+def kernel_seconds(kind: str, flops: float, nbytes: float, profile: Profile) -> float:
+    """A kernel's forward: its launch, then its FLOPs or bytes at the roofline over its kind's efficiency."""
+    roofline = max(flops / profile.matmul_flops_per_s, nbytes / profile.copy_bytes_per_s)
+    return profile.launch_s + roofline / profile.kernel(kind).efficiency
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One micro-batch's forward and backward on one stage, in seconds."""
+    compute: float
+    tp_comm: float
+    cp_comm: float
+    sends: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.cp_comm + self.sends
+
+
+def _collective(c: Collective, grid: Grid, profile: Profile) -> float:
+    return collective_seconds(c.kind, c.nbytes, grid.size(c.group), grid.link(profile, c.group))
+
+
+def stage_time(works: list, shape: RankShape, grid: Grid, profile: Profile, recompute: bool,
+               sends: int) -> StageTime:
+    """A stage of layers `works` (LayerWork each), sending `sends` boundaries (0, 1 or 2) per micro-batch."""
+    compute = tp = cp = 0.0
+    for work in works:
+        work: LayerWork
+        for k in work.kernels:
+            forward = kernel_seconds(k.kind, k.flops, k.bytes, profile)
+            compute += forward * (1 + profile.kernel(k.kind).backward_ratio + (1 if recompute else 0))
+        for c in work.collectives:
+            seconds = _collective(c, grid, profile) * (2 if recompute and not c.backward else 1)
+            if c.group == "tp":
+                tp += seconds
+            else:
+                cp += seconds
+    boundary = collective_seconds("send", boundary_bytes(shape), 2, grid.link(profile, "pp"))
+    return StageTime(compute, tp, cp, 2 * sends * boundary)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step by where they go."""
+    compute: float
+    tp_comm: float
+    cp_comm: float
+    pipeline_sends: float
+    bubble: float
+    data_parallel: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.cp_comm + self.pipeline_sends + self.bubble
+                + self.data_parallel + self.optimizer)
+
+
+def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, profile: Profile,
+                          micro_batches: int, last_backward: float) -> float:
+    """The exposed gradient reduction of a rank holding `parameter_bytes` (float32) of its stage."""
+    link, size = grid.link(profile, "data"), grid.size("data")
+    reduce = collective_seconds("all_reduce", parameter_bytes, size, link)  # ZeRO-1/2: reduce-scatter + all-gather
+    if zero_stage < 3:
+        return reduce
+    gathers = 2 * micro_batches * collective_seconds("all_gather", parameter_bytes, size, link)
+    overlapped = grid.pp == 1  # ZeRO-3 overlaps its communication with compute (overlap_comm on by default)
+    return gathers + (max(0.0, reduce - last_backward) if overlapped else reduce)
+
+
+def optimizer_seconds(state_parameters: int, profile: Profile) -> float:
+    """AdamW over the parameters whose optimizer state this rank holds, and the gradient norm before it."""
+    return (OPTIMIZER_BYTES_PER_PARAMETER + 4) * state_parameters / profile.copy_bytes_per_s / \
+        profile.kernel("elementwise").efficiency
