@@ -1,0 +1,53 @@
+"""The planner's answer as console lines (a ranked table, where the best plan's time goes, the rejected
+families) or as one JSON object with the same content."""
+from dataclasses import asdict
+
+from megamamba.pipelines.planner.search import Plan, Search
+
+GiB = 2**30
+TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer")
+
+
+def plan_dict(plan: Plan) -> dict:
+    return {"dp": plan.dp, "cp": plan.cp, "tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage,
+            "micro_batch_size": plan.micro_batch_size, "grad_accum": plan.grad_accum, "recompute": plan.recompute,
+            "sequence_parallel": plan.sequence_parallel,
+            "memory_bytes": {k: v for k, v in asdict(plan.memory).items() if k != "stage"} |
+            {"total": plan.memory.total, "stage": plan.memory.stage},
+            "step_seconds": {k: getattr(plan.time, k) for k in TIME_PARTS} | {"total": plan.time.total},
+            "tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu, "mfu": plan.mfu}
+
+
+def search_dict(result: Search, top: int) -> dict:
+    r = result.request
+    return {"gpus": r.gpus, "gpus_per_node": r.gpus_per_node, "seq_length": r.seq_length,
+            "global_batch_size": r.global_batch_size, "device_memory_bytes": r.device_memory,
+            "fixed": r.fixed, "feasible": len(result.plans), "plans": [plan_dict(p) for p in result.plans[:top]],
+            "rejected": [{"family": x.family, "reason": x.reason} for x in result.rejected]}
+
+
+def _row(rank: int, p: Plan) -> str:
+    m = p.memory
+    gib = " ".join(f"{getattr(m, k) / GiB:6.2f}" for k in ("parameters", "gradients", "optimizer", "buffers",
+                                                           "activations", "total"))
+    return (f"{rank:>3}  {p.dp:>3} {p.cp:>3} {p.tp:>3} {p.pp:>3}  {p.zero_stage:>4}  {p.micro_batch_size:>5} x "
+            f"{p.grad_accum:<5} {'on' if p.recompute else 'off':>4}  {gib}  "
+            f"{p.time.total:9.3f} {p.tokens_per_s_per_gpu:11.0f} {100 * p.mfu:5.1f}%")
+
+
+def search_lines(result: Search, top: int) -> list:
+    r = result.request
+    lines = [f"plans for {r.gpus} GPUs ({r.gpus_per_node} per node, {r.device_memory / GiB:.1f} GiB each), seq "
+             f"{r.seq_length}, global batch {r.global_batch_size}: {len(result.plans)} feasible"
+             + (f", fixed {r.fixed}" if r.fixed else ""),
+             "rank   dp  cp  tp  pp  ZeRO  micro x accum  rec  GiB: param  grads  optim   bufs   acts  total"
+             "     step s  tok/s/GPU    MFU"]
+    lines += [_row(i + 1, p) for i, p in enumerate(result.plans[:top])]
+    if result.plans:
+        best = result.plans[0]
+        parts = ", ".join(f"{k.replace('_', ' ')} {getattr(best.time, k):.3f} s "
+                          f"({100 * getattr(best.time, k) / best.time.total:.0f}%)"
+                          for k in TIME_PARTS if getattr(best.time, k) > 0)
+        lines.append(f"best plan's step: {parts}")
+    lines += [f"rejected {x.family}: {x.reason}" for x in result.rejected]
+    return lines

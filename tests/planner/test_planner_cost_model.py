@@ -1,0 +1,70 @@
+"""The planner's cost model: its FLOPs are the training log's, collectives follow the ring's alpha-beta
+law, the pipeline bubble is DeepSpeed 1F1B's (p - 1) / (m + p - 1), and profiles are read strictly."""
+import json
+import os
+
+import pytest
+
+from megamamba import MambaConfig
+from megamamba.model.flops import layer_flops
+from megamamba.model.layers import layer_kinds
+from megamamba.pipelines.planner.layer_costs import RankShape, causal_pairs, layer_work
+from megamamba.pipelines.planner.profile import Link, ProfileError, load_profile
+from megamamba.pipelines.planner.search import Request, search
+from megamamba.pipelines.planner.step_time import collective_seconds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+H100 = load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
+HYBRID = MambaConfig(d_model=96, n_layer=4, vocab_size=257, hybrid_layer_pattern="M*-M", d_intermediate=192,
+                     attn_cfg={"num_heads": 6, "num_heads_kv": 2, "causal": True, "rotary_emb_dim": 8},
+                     ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 64})
+MAMBA1 = MambaConfig(d_model=96, n_layer=2, vocab_size=257, ssm_cfg={"d_state": 8})
+
+
+@pytest.mark.parametrize("config", [HYBRID, MAMBA1], ids=["hybrid", "mamba1"])
+def test_a_layers_kernel_flops_are_the_training_logs_flops(config):
+    seq = 256
+    shape = RankShape(config, micro_batch_size=2, seq_length=seq)
+    tokens = 2 * seq
+    for kind, per_token in zip(layer_kinds(config), layer_flops(config, seq)):
+        counted = sum(k.flops for k in layer_work(shape, kind).kernels)
+        if kind == "attention":  # exactly s(s+1)/2 pairs, not s/2 keys a token: the last s/2 pairs apart
+            per_token += 2 * 2 * 6 * 16 // 2
+        assert counted == pytest.approx(per_token * tokens, rel=1e-12), kind
+
+
+def test_the_last_context_parallel_rank_attends_the_most_pairs():
+    shape = RankShape(HYBRID, 1, 1024, cp=4)
+    width = 256
+    assert causal_pairs(shape) == 3 * width * width + width * (width + 1) // 2
+    assert causal_pairs(RankShape(HYBRID, 1, 1024)) == 1024 * 1025 // 2
+
+
+def test_a_ring_collective_costs_alpha_per_step_and_its_share_of_the_bytes():
+    link = Link(alpha_s=1e-5, bytes_per_s=1e9)
+    assert collective_seconds("all_reduce", 8e6, 4, link) == pytest.approx(2 * (3 * 1e-5 + 3 / 4 * 8e6 / 1e9))
+    assert collective_seconds("all_gather", 8e6, 4, link) == pytest.approx(3 * 1e-5 + 3 / 4 * 8e6 / 1e9)
+    assert collective_seconds("all_reduce", 8e6, 1, link) == 0
+
+
+def test_the_pipeline_bubble_is_p_minus_1_slots_of_the_slowest_stage():
+    result = search(Request(HYBRID, 4, 4, 256, 16, 16 * 2**30, fixed={"pp": 4, "tp": 1, "cp": 1,
+                                                                        "micro_batch_size": 1}), H100)
+    plan = result.plans[0]
+    stage = plan.time.compute + plan.time.tp_comm + plan.time.cp_comm + plan.time.pipeline_sends
+    m, p = plan.grad_accum, plan.pp
+    assert plan.time.bubble / (stage + plan.time.bubble) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_a_profile_missing_a_link_is_refused_by_name(tmp_path):
+    data = json.loads(open(os.path.join(ROOT, "launch/profiles/h100-80gb.json")).read())
+    del data["links"]["inter_node"]
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="links.inter_node is missing"):
+        load_profile(str(tmp_path / "p.json"))
+
+
+@pytest.mark.parametrize("name", ["a100-80gb.json", "h100-80gb.json", "h200.json"])
+def test_published_profiles_say_they_are_published_figures(name):
+    profile = load_profile(os.path.join(ROOT, "launch/profiles", name))
+    assert profile.source.startswith("published:")
