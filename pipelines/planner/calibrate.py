@@ -1,0 +1,189 @@
+"""Measure this machine's profile: matmul rate, copy bandwidth, kernel launch time, each kernel kind's
+efficiency and backward ratio at a model's shapes, and the collectives' alpha and beta.
+
+Kernels run through the model's own ops (`megamamba.kernels`: Triton on CUDA, the PyTorch reference on
+the CPU) on one layer's inputs; a kind's efficiency is its roofline time (pipelines/planner/layer_costs.py's
+FLOPs and bytes) over the measured time. Collectives are timed on `ranks` spawned processes (gloo on the
+CPU, NCCL on GPUs) at several sizes and fitted as alpha + bytes / bandwidth per ring step; one machine
+measures one tier, so both tiers get it (the profile says so).
+"""
+import datetime
+import functools
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megamamba import kernels
+from megamamba.config import MambaConfig
+from megamamba.model.causal_attention import causal_attention
+from megamamba.pipelines.planner.layer_costs import RankShape, layer_work
+from megamamba.pipelines.planner.profile import Kernel, Link, Profile
+
+REPEATS = 5
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Median wall time of `fn` over REPEATS runs after one warm-up."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _forward_backward(fn: Callable[..., torch.Tensor], inputs: list, device: torch.device) -> tuple:
+    """(forward seconds, backward seconds) of fn(*inputs) with every float input requiring a gradient."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    forward = _seconds(lambda: fn(*leaves), device)
+    out = fn(*leaves)
+    grad = torch.randn_like(out)
+
+    def backward():
+        torch.autograd.grad(fn(*leaves), [t for t in leaves if t.requires_grad], grad)
+
+    return forward, max(_seconds(backward, device) - forward, 1e-9)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _seconds(lambda: a @ b, device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), device)
+
+
+def launch_time(device: torch.device) -> float:
+    x = torch.zeros(1, device=device)
+    return _seconds(lambda: x.add_(1), device)
+
+
+def _kernel_inputs(model: MambaConfig, batch: int, seqlen: int, device, dtype) -> dict:
+    """kind -> (op, inputs) at one layer's shapes, for the kinds this model has."""
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype) * 0.5
+
+    d, t = model.d_model, batch * seqlen
+    ops = {"norm": (lambda x, w: kernels.rmsnorm_gated(x, w, eps=1e-5), [rand(batch, seqlen, d), rand(d)]),
+           "matmul": (F.linear, [rand(batch, seqlen, d), rand(4 * d, d)]),
+           "elementwise": (lambda y, g: y * F.silu(g), [rand(t, 4 * d), rand(t, 4 * d)])}
+    kinds = set(model.block_kinds)
+    if "mamba" in kinds and model.layer == "Mamba2":
+        mixer = model.mixer_options
+        h, p, g, n = model.nheads, mixer.headdim, mixer.ngroups, mixer.d_state
+        conv = model.d_inner + 2 * g * n
+        ops["conv"] = (lambda x, w, b: kernels.causal_conv1d(x, w, b, activation="silu"),
+                       [rand(batch, conv, seqlen), rand(conv, mixer.d_conv), rand(conv)])
+        ops["ssd"] = (lambda x, dt, a, bb, c: kernels.ssd_chunk_scan(x, dt, -torch.exp(a), bb, c, mixer.chunk_size,
+                                                                     dt_softplus=True),
+                      [rand(batch, seqlen, h, p), rand(batch, seqlen, h), rand(h), rand(batch, seqlen, g, n),
+                       rand(batch, seqlen, g, n)])
+    if "mamba" in kinds and model.layer == "Mamba1":
+        di, n = model.d_inner, model.mixer_options.d_state
+        ops["scan"] = (lambda u, delta, a, bb, c: kernels.selective_scan(u, delta, -torch.exp(a), bb, c,
+                                                                         delta_softplus=True),
+                       [rand(batch, di, seqlen), rand(batch, di, seqlen), rand(di, n), rand(batch, 1, n, seqlen),
+                        rand(batch, 1, n, seqlen)])
+    if "attention" in kinds:
+        attention = model.attention_options
+        hd = model.head_dim_of(attention)
+        ops["attention"] = (lambda q, k, v: causal_attention(q, k, v, attention.softmax_scale),
+                            [rand(batch, seqlen, attention.num_heads, hd), rand(batch, seqlen, attention.kv_heads, hd),
+                             rand(batch, seqlen, attention.kv_heads, hd)])
+    return ops
+
+
+def _roofline(kind: str, model: MambaConfig, batch: int, seqlen: int, act: int, matmul: float, copy: float) -> float:
+    """The roofline seconds of the kernel of `kind` the planner counts for one layer at these shapes."""
+    shape = RankShape(model, batch, seqlen, act=act)
+    if kind == "matmul":
+        t, d = batch * seqlen, model.d_model
+        flops, nbytes = 2 * t * d * 4 * d, act * (4 * d * d + t * 5 * d)
+    elif kind == "elementwise":
+        flops, nbytes = 0, 3 * act * batch * seqlen * 4 * model.d_model
+    elif kind == "norm":
+        flops, nbytes = 0, 2 * act * batch * seqlen * model.d_model
+    else:
+        block = "attention" if kind == "attention" else "mamba"
+        found = [k for k in layer_work(shape, block).kernels if k.kind == kind]
+        flops, nbytes = found[0].flops, found[0].bytes
+    return max(flops / matmul, nbytes / copy)
+
+
+def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device, links: dict) -> Profile:
+    """This machine's profile at `model`'s shapes; `links` from `collective_links` (measured separately)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    act = 2 if dtype == torch.bfloat16 else 4
+    matmul, copy, launch = matmul_rate(device, dtype), copy_bandwidth(device), launch_time(device)
+    measured = {}
+    for kind, (op, inputs) in _kernel_inputs(model, batch, seqlen, device, dtype).items():
+        forward, backward = _forward_backward(op, inputs, device)
+        roofline = _roofline(kind, model, batch, seqlen, act, matmul, copy)
+        measured[kind] = Kernel(min(1.0, roofline / max(forward - launch, 1e-9)), backward / forward)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
+    when = datetime.date.today().isoformat()
+    return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__}, at {model.d_model}-wide "
+                         f"layers, batch {batch} x seq {seqlen}; one tier measured, used for both",
+                   int(memory), matmul, copy, launch, measured, links)
+
+
+def fit_link(samples: list) -> Link:
+    """alpha + bytes / bandwidth per ring step, least squares over (bytes per step, seconds per step)."""
+    xs, ys = [b for b, _ in samples], [s for _, s in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in samples) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-15)
+    return Link(max(my - slope * mx, 1e-7), 1 / slope)
+
+
+COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22, 2**24)
+
+
+def _time_all_reduces(rank: int, world: int, port: int, results) -> None:
+    """One spawned rank: time an all-reduce at each of COLLECTIVE_BYTES; rank 0 reports the samples."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    samples = []
+    for nbytes in COLLECTIVE_BYTES:
+        seconds = _seconds(functools.partial(dist.all_reduce, torch.zeros(nbytes // 4, device=device)), device)
+        steps = 2 * (world - 1)
+        samples.append((nbytes / world, seconds / steps))
+    if rank == 0:
+        results.put(samples)
+    dist.destroy_process_group()
+
+
+def measure_links(world: int) -> dict:
+    """Both tiers' Link from all-reduces on `world` processes of this machine."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_time_all_reduces, args=(world, port, results), nprocs=world, start_method="spawn")
+    link = fit_link(results.get())
+    return {"intra_node": link, "inter_node": link}
