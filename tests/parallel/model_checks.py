@@ -48,6 +48,17 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def assert_equal_to_single_process(results: list, where: str, tol: float = 1e-5) -> None:
+    """Every rank's relative errors (a `*_parallel_errors` result each) of logits, loss and every gradient
+    within `tol`, the parameter names the same."""
+    for rank, r in enumerate(results):
+        at = f"{where}, rank {rank}"
+        assert r["grad_keys"], f"{at}: parameter names differ"
+        worst = max(r["grads"], key=r["grads"].get)
+        assert r["logits"] <= tol and r["loss"] <= tol, f"{at}: logits {r['logits']:.2e}, loss {r['loss']:.2e}"
+        assert r["grads"][worst] <= tol, f"{at}: gradient of {worst} off by {r['grads'][worst]:.2e}"
+
+
 def perturb(model: torch.nn.Module, seed: int) -> None:
     """Move every parameter off its initial value (zeros, ones), so no gradient is trivially exact."""
     gen = torch.Generator().manual_seed(seed)
