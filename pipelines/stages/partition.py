@@ -10,6 +10,8 @@
   goes with the first, the final norm and the head with the last. There must be pp segments.
 - "uniform", "parameters", "type:<regex>": DeepSpeed's PipelineModule partitions as it documents.
 """
+import functools
+import json
 import math
 from itertools import accumulate
 from typing import Optional
@@ -70,11 +72,18 @@ def _layer_bounds(config: MambaConfig, block_cuts: list) -> list:
 
 def cost_bounds(config: MambaConfig, pp: int, seq_length: int) -> list:
     """The layer-list bounds of the "cost" partition at `seq_length` tokens per sequence."""
+    return list(_cost_bounds(json.dumps(config.to_dict(), sort_keys=True), pp, seq_length))
+
+
+@functools.lru_cache(maxsize=256)
+def _cost_bounds(config_json: str, pp: int, seq_length: int) -> tuple:
+    """`cost_bounds` of a config given as its JSON: cut once per (config, pp, seq), as plans repeat them."""
+    config = MambaConfig.from_dict(json.loads(config_json))
     costs = layer_flops(config, seq_length)
     blocks = costs[1:-2]
     blocks[0] += costs[0]
     blocks[-1] += costs[-2] + costs[-1]
-    return _layer_bounds(config, balanced_cuts(blocks, pp))
+    return tuple(_layer_bounds(config, balanced_cuts(blocks, pp)))
 
 
 def own_bounds(config: MambaConfig, pp: int, method: str, seq_length: int) -> Optional[list]:
