@@ -24,6 +24,7 @@ from megamamba.pipelines.planner.step_time import (
     StepTime,
     collective_seconds,
     data_parallel_seconds,
+    layer_time,
     optimizer_seconds,
     stage_time,
 )
@@ -129,11 +130,9 @@ def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, gr
     rank = RankShape(request.model, layout.micro_batch_size, request.seq_length, grid.tp, grid.cp, grid.tp > 1,
                      2 if request.autocast else 4)
     kinds = layer_kinds(request.model)
-    stages = []
-    for s in range(grid.pp):
-        works = [layer_work(rank, kinds[i]) for i in range(bounds[s], bounds[s + 1])]
-        sends = (s > 0) + (s < grid.pp - 1)
-        stages.append(stage_time(works, rank, grid, profile, recompute, sends))
+    per_kind = {kind: layer_time(layer_work(rank, kind), grid, profile, recompute) for kind in set(kinds)}
+    stages = [stage_time([per_kind[kinds[i]] for i in range(bounds[s], bounds[s + 1])], rank, grid, profile,
+                         (s > 0) + (s < grid.pp - 1)) for s in range(grid.pp)]
     slowest = max(stages, key=lambda t: t.total)
     m = layout.grad_accum
     reductions = []

@@ -73,23 +73,26 @@ def _collective(c: Collective, grid: Grid, profile: Profile) -> float:
     return collective_seconds(c.kind, c.nbytes, grid.size(c.group), grid.link(profile, c.group))
 
 
-def stage_time(works: list, shape: RankShape, grid: Grid, profile: Profile, recompute: bool,
-               sends: int) -> StageTime:
-    """A stage of layers `works` (LayerWork each), sending `sends` boundaries (0, 1 or 2) per micro-batch."""
+def layer_time(work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -> StageTime:
+    """One layer's forward and backward for one micro-batch (recomputation: its forward twice)."""
     compute = tp = cp = 0.0
-    for work in works:
-        work: LayerWork
-        for k in work.kernels:
-            forward = kernel_seconds(k.kind, k.flops, k.bytes, profile)
-            compute += forward * (1 + profile.kernel(k.kind).backward_ratio + (1 if recompute else 0))
-        for c in work.collectives:
-            seconds = _collective(c, grid, profile) * (2 if recompute and not c.backward else 1)
-            if c.group == "tp":
-                tp += seconds
-            else:
-                cp += seconds
+    for k in work.kernels:
+        forward = kernel_seconds(k.kind, k.flops, k.bytes, profile)
+        compute += forward * (1 + profile.kernel(k.kind).backward_ratio + (1 if recompute else 0))
+    for c in work.collectives:
+        seconds = _collective(c, grid, profile) * (2 if recompute and not c.backward else 1)
+        if c.group == "tp":
+            tp += seconds
+        else:
+            cp += seconds
+    return StageTime(compute, tp, cp, 0.0)
+
+
+def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sends: int) -> StageTime:
+    """A stage of `layers` (each its `layer_time`), sending `sends` boundaries (0, 1 or 2) per micro-batch."""
     boundary = collective_seconds("send", boundary_bytes(shape), 2, grid.link(profile, "pp"))
-    return StageTime(compute, tp, cp, 2 * sends * boundary)
+    return StageTime(sum(t.compute for t in layers), sum(t.tp_comm for t in layers), sum(t.cp_comm for t in layers),
+                     2 * sends * boundary)
 
 
 @dataclass(frozen=True)
