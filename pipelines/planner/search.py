@@ -118,7 +118,8 @@ def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str
     return None
 
 
-def _shape(request: Request, dp: int, cp: int, tp: int, pp: int, zero: int, micro: int, recompute: bool) -> RunShape:
+def run_shape(request: Request, dp: int, cp: int, tp: int, pp: int, zero: int, micro: int, recompute: bool) -> RunShape:
+    """The start-up memory plan's view of a plan (sequence parallelism with TP, recompute every layer)."""
     layout = Layout(request.gpus, dp, tp, pp, micro, request.global_batch_size // (micro * dp), cp)
     return RunShape(request.model, layout, request.seq_length // cp, zero, checkpoint_interval=1 if recompute else 0,
                     sequence_parallel=tp > 1, autocast=request.autocast)
@@ -238,7 +239,7 @@ def _family_plans(request: Request, profile: Profile, grid: Grid, usable: int, t
     for zero in zeros:
         for recompute in [r for r in (False, True) if fixed.get("recompute", r) == r]:
             for micro in micros:
-                shape = _shape(request, dp, grid.cp, grid.tp, grid.pp, zero, micro, recompute)
+                shape = run_shape(request, dp, grid.cp, grid.tp, grid.pp, zero, micro, recompute)
                 memory = plan_memory(shape)
                 worst = memory.worst
                 if worst.total > usable:

@@ -5,11 +5,12 @@ import os
 import pytest
 
 from megamamba import MambaConfig
+from megamamba.pipelines.config.layout import check_run, engine_config, resolve_layout
 from megamamba.pipelines.memory.fit import refusal
-from megamamba.pipelines.memory.plan import plan_memory
+from megamamba.pipelines.memory.plan import RunShape, plan_memory
 from megamamba.pipelines.planner.profile import load_profile
-from megamamba.pipelines.planner.search import PlanError, Request, search
-from megamamba.pipelines.planner.search import _shape as plan_shape
+from megamamba.pipelines.planner.search import PlanError, Request, run_shape, search
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H100 = load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
@@ -29,7 +30,7 @@ def small_search():
 def test_every_listed_plan_passes_the_start_up_memory_check(small_search):
     assert small_search.plans
     for plan in small_search.plans[:20]:
-        shape = plan_shape(small_search.request, plan.dp, plan.cp, plan.tp, plan.pp, plan.zero_stage,
+        shape = run_shape(small_search.request, plan.dp, plan.cp, plan.tp, plan.pp, plan.zero_stage,
                            plan.micro_batch_size, plan.recompute)
         memory = plan_memory(shape)
         assert memory.worst == plan.memory
@@ -83,3 +84,22 @@ def test_a_batch_no_data_parallel_size_splits_is_refused_with_the_fix():
     with pytest.raises(PlanError, match="global batch 3 splits over no data-parallel size of 8 GPUs"):
         search(Request(model("mamba2-130m.json"), 8, 8, 2048, 3, 16 * GiB, fixed={"tp": 1, "pp": 1, "cp": 1}),
                H100)
+
+
+def test_a_7b_plan_for_64_gpus_passes_the_start_up_checks_at_that_world_size():
+    """Simulated start-up of the top plans: the layout checks of train.py's `prepare` and the memory fit,
+    for 64 ranks of 80 GB, without building an engine."""
+    request = Request(model("mamba2-7b.json"), 64, 8, 4096, 512, H100.device_memory_bytes)
+    result = search(request, H100)
+    for plan in result.plans[:3]:
+        ds_config = {"train_batch_size": 512, "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+                     "zero_optimization": {"stage": plan.zero_stage}, "bf16": {"enabled": True}}
+        layout = resolve_layout(64, plan.tp, plan.pp, ds_config, plan.cp)
+        assert (layout.dp, layout.grad_accum) == (plan.dp, plan.grad_accum)
+        check_run(layout, ds_config, request.model, 4096, plan.sequence_parallel, None)
+        shape = RunShape.of_run(request.model, layout, engine_config(ds_config, layout, None, plan.sequence_parallel),
+                                4096 // plan.cp, DEFAULT_PARTITION, 1 if plan.recompute else 0,
+                                plan.sequence_parallel)
+        memory = plan_memory(shape)
+        assert memory.worst.total == plan.memory.total
+        assert refusal(memory, H100.device_memory_bytes) is None, plan
