@@ -302,6 +302,10 @@ class MambaConfig:
         if "mlp" in self.block_kinds and self.d_intermediate == 0:
             raise ConfigError(f"hybrid_layer_pattern={pattern!r} has MLP layers (-) but d_intermediate=0: "
                               "set d_intermediate to their hidden width")
+        if "mlp" not in self.block_kinds and self.d_intermediate:
+            raise ConfigError(f"d_intermediate={self.d_intermediate} with hybrid_layer_pattern={pattern!r}, which has "
+                              "no MLP layers (-): with a pattern it is their width, no block holds an MLP inside; add "
+                              "- layers or set d_intermediate to 0")
 
     def _validate_attention(self) -> None:
         known = {f.name for f in dataclasses.fields(AttentionOptions)}

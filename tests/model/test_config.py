@@ -111,6 +111,7 @@ INVALID = [
     ({"hybrid_layer_pattern": "MMM"}, "hybrid_layer_pattern", "set n_layer to 3"),
     ({"hybrid_layer_pattern": "M||M"}, "hybrid_layer_pattern", "holds no layer"),
     ({"hybrid_layer_pattern": "M-"}, "hybrid_layer_pattern", "d_intermediate=0"),
+    ({"hybrid_layer_pattern": "M*", "attn_cfg": ATTN, "d_intermediate": 64}, "d_intermediate", "no MLP layers (-)"),
     ({"hybrid_layer_pattern": "M*", "attn_cfg": ATTN, "attn_layer_idx": [1]}, "attn_layer_idx", "use one of"),
     ({"ssm_cfg": {"layer": "Mamba3"}}, "ssm_cfg.layer", "not implemented"),
     ({"ssm_cfg": {"layer": "S4"}}, "ssm_cfg.layer", "unknown"),
