@@ -1,10 +1,12 @@
 """Training runs shared by the tests of tests/train: each distinct run happens once per session.
 
-Models: the tiny Mamba-1 / Mamba-2 configs of launch/models with n_layer = 3, which two pipeline
-stages cannot split evenly. Runs go through the real `deepspeed` launcher (`launched`) or through
-ranks spawned directly by tests/distributed.py (`spawned`), both on gloo.
+Models: the tiny Mamba-1 / Mamba-2 / hybrid configs of launch/models with n_layer = 3, which two
+pipeline stages cannot split evenly; the hybrid's 3 layers are one of each kind ("M*-"), with one
+key/value head, which TP 2 replicates. Runs go through the real `deepspeed` launcher (`launched`)
+or through ranks spawned directly by tests/distributed.py (`spawned`), both on gloo.
 """
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -13,9 +15,12 @@ from pathlib import Path
 import pytest
 
 from distributed import free_port, run_ranks
+from megamamba.corpus import python_docs
+from megamamba.data.preprocess import preprocess
 from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 
 N_LAYER = 3
+HYBRID_PATTERN = "M*-"
 DS_CONFIG = ROOT / "launch/configs/tiny-cpu.json"
 COMMON = ["--train-iters", "5", "--seq-length", "32", "--log-interval", "1", "--lr", "1e-3", "--min-lr", "1e-4",
           "--lr-warmup-iters", "1", "--eval-interval", "5", "--eval-iters", "1", "--seed", "1234"]
@@ -40,8 +45,10 @@ class Runs:
     def model_config(self, mixer: str) -> str:
         path = self.root / f"tiny-{mixer}-{N_LAYER}l.json"
         if not path.exists():
-            config = json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text())
-            path.write_text(json.dumps({**config, "n_layer": N_LAYER}))
+            config = {**json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()), "n_layer": N_LAYER}
+            if mixer == "hybrid":
+                config.update(hybrid_layer_pattern=HYBRID_PATTERN, attn_cfg={**config["attn_cfg"], "num_heads_kv": 1})
+            path.write_text(json.dumps(config))
         return str(path)
 
     def ds_config(self, **changes) -> str:
@@ -84,6 +91,22 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("train_runs"))
+
+
+@pytest.fixture(scope="session")
+def packed_documents(tmp_path_factory):
+    """--data / --valid-data flags of the built-in corpus cut into its lines, one short document each
+    (bytes; several document boundaries in every 32-token sample)."""
+    root = tmp_path_factory.mktemp("packed_documents")
+    corpus = root / "lines.jsonl"
+    with open(corpus, "w") as f:
+        for doc in python_docs()[:20]:
+            for line in doc.split("\n"):
+                if line.strip():
+                    f.write(json.dumps({"text": line.strip()}) + "\n")
+    train, valid = preprocess([str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1,
+                              progress_stream=io.StringIO())
+    return ["--data", train, "--valid-data", valid]
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,13 @@
 """Packed short documents with seq_idx on: pipeline and tensor-parallel layouts train the (1,1,1) curve.
 
-The dataset is the built-in corpus cut into its lines, one short document each (bytes, preprocessed
-with a validation split), so every 32-token sample holds several document boundaries. A run with
+The dataset is tests/train/conftest.py's `packed_documents`: the built-in corpus cut into its lines,
+one short document each, so every 32-token sample holds several document boundaries. A run with
 --no-reset-at-documents shows that the resets move the curve well beyond the tolerance (by 1.2e-3
 over these 5 steps), so a stage that dropped seq_idx would fail the comparison.
 """
-import io
-import json
-
 import pytest
 
 from conftest import losses, relative_curve_error
-from megamamba.corpus import python_docs
-from megamamba.data.preprocess import preprocess
 
 pytestmark = pytest.mark.slow
 
@@ -21,29 +16,15 @@ MIXER = "mamba2"
 
 
 @pytest.fixture(scope="module")
-def packed_flags(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packed")
-    corpus = root / "lines.jsonl"
-    with open(corpus, "w") as f:
-        for doc in python_docs()[:20]:
-            for line in doc.split("\n"):
-                if line.strip():
-                    f.write(json.dumps({"text": line.strip()}) + "\n")
-    train, valid = preprocess([str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1,
-                              progress_stream=io.StringIO())
-    return ["--data", train, "--valid-data", valid]
-
-
-@pytest.fixture(scope="module")
-def packed_reference(runs, packed_flags):
-    (summary,) = runs.spawned(1, MIXER, packed_flags)
+def packed_reference(runs, packed_documents):
+    (summary,) = runs.spawned(1, MIXER, packed_documents)
     return summary["records"]
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
 def test_packed_documents_train_the_single_rank_curve_at_pipeline_and_tensor_parallel_layouts(
-        runs, packed_flags, packed_reference, tp, pp):
-    ranks = runs.spawned(tp * pp, MIXER, [*packed_flags, "--tp", str(tp), "--pp", str(pp)])
+        runs, packed_documents, packed_reference, tp, pp):
+    ranks = runs.spawned(tp * pp, MIXER, [*packed_documents, "--tp", str(tp), "--pp", str(pp)])
     for rank, summary in enumerate(ranks):
         for key in ("loss", "val_loss"):
             error = relative_curve_error(losses(summary["records"], key), losses(packed_reference, key))
@@ -51,8 +32,8 @@ def test_packed_documents_train_the_single_rank_curve_at_pipeline_and_tensor_par
             assert error <= TOLERANCE, (rank, key, losses(summary["records"], key), losses(packed_reference, key))
 
 
-def test_resetting_at_documents_changes_the_curve_beyond_the_tolerance(runs, packed_flags, packed_reference):
-    (unreset,) = runs.spawned(1, MIXER, [*packed_flags, "--no-reset-at-documents"])
+def test_resetting_at_documents_changes_the_curve_beyond_the_tolerance(runs, packed_documents, packed_reference):
+    (unreset,) = runs.spawned(1, MIXER, [*packed_documents, "--no-reset-at-documents"])
     error = relative_curve_error(losses(unreset["records"]), losses(packed_reference))
     print(f"packed documents without resets: max relative loss difference {error:.1e}")
     assert error > 5 * TOLERANCE, error  # measured 1.2e-3: one of the 3 blocks alone moves it past 1e-4
