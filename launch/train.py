@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
                    help="DeepSpeed config (JSON, or hjson as DeepSpeed reads it)")
     p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
+    p.add_argument("--hybrid-layer-pattern", "--hybrid-override-pattern", default=None, metavar="PATTERN",
+                   help="Megatron's layer pattern, one symbol a layer: M Mamba, * attention, - MLP, | a pipeline-stage "
+                        "boundary; sets the model config's hybrid_layer_pattern (its layer count must equal n_layer)")
     p.add_argument("--tensor-parallel-size", "--tp", "--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--context-parallel-size", "--cp", type=int, default=1,
@@ -196,6 +199,23 @@ def _with_batch_flags(ds_config: dict, args) -> dict:
     return config
 
 
+def _model_config(path: str, pattern: Optional[str]) -> MambaConfig:
+    """The --model-config file, with --hybrid-layer-pattern as its hybrid_layer_pattern (a file giving
+    another pattern is refused, as a flag and the JSON disagreeing are)."""
+    fields = _read_json(path, "--model-config")
+    where = f"--model-config {path!r}"
+    if pattern is not None:
+        if fields.get("hybrid_layer_pattern", pattern) not in ("", pattern):
+            raise LayoutError(f"--hybrid-layer-pattern {pattern!r} disagrees with {where}'s hybrid_layer_pattern="
+                              f"{fields['hybrid_layer_pattern']!r}; keep one")
+        fields = {**fields, "hybrid_layer_pattern": pattern}
+        where = f"--hybrid-layer-pattern {pattern!r} with {where}"
+    try:
+        return MambaConfig.from_dict(fields)
+    except ConfigError as e:
+        raise LayoutError(f"{where}: {e}") from None
+
+
 def optimizer_flags(args: argparse.Namespace) -> OptimizerFlags:
     return OptimizerFlags(**{name: getattr(args, name) for name in OptimizerFlags._fields})
 
@@ -232,10 +252,7 @@ class RunPlan(NamedTuple):
 def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     """Every check that needs no process group; raises LayoutError with one message."""
     ds_config = _with_batch_flags(_read_deepspeed_config(args.deepspeed_config), args)
-    try:
-        model = MambaConfig.from_dict(_read_json(args.model_config, "--model-config"))
-    except ConfigError as e:
-        raise LayoutError(f"--model-config {args.model_config!r}: {e}") from None
+    model = _model_config(args.model_config, args.hybrid_layer_pattern)
     layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config,
                             args.context_parallel_size)
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
