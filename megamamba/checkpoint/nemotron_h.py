@@ -34,6 +34,7 @@ LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "ma
                 "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
                 "mamba_chunk_size": "chunk_size"}
 LEGACY_SYMBOLS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers remaps these too
 _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(in_proj|out_proj|fc1|fc2)\.weight")
 _RENAMED = {("attention", "out_proj"): "o_proj", ("mlp", "fc1"): "up_proj", ("mlp", "fc2"): "down_proj"}
 
@@ -142,6 +143,7 @@ def config_from_nemotron_h(hf: dict) -> MambaConfig:
     if not isinstance(types, list) or not types:
         raise HFFormatError(f"layers_block_type={types!r}: a NemotronH config lists its layers' types (or "
                             "hybrid_override_pattern has their symbols)")
+    types = [LEGACY_TYPES.get(t, t) for t in types]
     _check_supported(f, types)
     rows = f["vocab_size"]
     fields = {"d_model": f["hidden_size"], "n_layer": len(types), "vocab_size": rows,

@@ -137,6 +137,9 @@ def test_nemotron_h_import_reads_the_older_config_names_transformers_reads():
     older = {"hybrid_override_pattern": "M*-M-", "mamba_n_groups": hf.pop("n_groups"),
              "mamba_chunk_size": hf.pop("chunk_size"), **hf}
     assert config_from_nemotron_h(older) == config_from_nemotron_h(nemotron_h_config(config, torch.float32))
+    types = ["mamba", "attention", "mlp", "mamba", "mlp"]  # the layer type names transformers remaps
+    renamed = {**nemotron_h_config(config, torch.float32), "layers_block_type": types}
+    assert config_from_nemotron_h(renamed) == config_from_nemotron_h(older)
 
 
 def test_init_from_reads_a_nemotron_h_folder_as_our_tensors(tmp_path):
