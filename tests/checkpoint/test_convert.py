@@ -5,21 +5,18 @@ transformers tests (slow: importing it takes seconds) load the exported folder w
 `MambaForCausalLM` / `Mamba2ForCausalLM` on the CPU (their PyTorch paths, no CUDA kernels) and
 compare the logits with ours.
 """
-import contextlib
-import io
 import json
 import os
-import re
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from checkpoint_fixtures import perturbed_model, snapshot, tiny
+from convert_cli import convert, refused, rel
 from megamamba.checkpoint import model_tensors, save_checkpoint
 from megamamba.checkpoint.hf import HFFormatError, config_from_hf, hf_config
 from megamamba.checkpoint.model_folder import load_model_folder, save_model_folder
-from megamamba.convert import main
 from megamamba.tokenizer import Bytes, load_tokenizer
 
 CASES = {
@@ -36,23 +33,6 @@ def checkpoint_of(tmp_path, case: str, seed: int = 0, tokenizer=None):
     model = perturbed_model(config, seed)
     save_checkpoint(str(tmp_path / "ckpt"), 5, config, model_tensors(model), tokenizer=tokenizer)
     return model, str(tmp_path / "ckpt")
-
-
-def convert(*argv) -> None:
-    main([str(a) for a in argv])
-
-
-def refused(argv, match: str) -> str:
-    """The one stderr line of a refusal with exit status 2."""
-    err = io.StringIO()
-    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
-        convert(*argv)
-    assert e.value.code == 2
-    lines = [line for line in err.getvalue().splitlines() if not line.startswith("convert: note:")]
-    assert len(lines) == 1 and lines[0].startswith("convert "), lines
-    message = lines[0]
-    assert re.search(match, message), message
-    return message
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -177,11 +157,6 @@ def test_export_of_a_missing_checkpoint_says_so(tmp_path):
             r"convert export: error: --checkpoint .*nowhere: no such directory")
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_transformers_logits_of_the_export_equal_ours(tmp_path, case, monkeypatch):
@@ -198,6 +173,6 @@ def test_transformers_logits_of_the_export_equal_ours(tmp_path, case, monkeypatc
         ours = model.float()(ids)
         theirs = hf.eval()(ids).logits
     assert theirs.dtype == torch.float32 and theirs.shape == ref.shape
-    err, our_err = _rel(theirs, ref), _rel(ours, ref)
+    err, our_err = rel(theirs, ref), rel(ours, ref)
     print(f"{case}: transformers vs float64 {err:.2e}, ours (float32) vs float64 {our_err:.2e}")
     assert err <= 1e-4, (case, err)

@@ -6,21 +6,18 @@ path) and with mamba_ssm's MambaLMHeadModel (its Triton kernels under the interp
 stubbed: tests/mamba_ssm_source.py; mamba_ssm's rotary needs flash_attn, absent here, so its
 attention runs without rotary) and compare logits with ours in float32.
 """
-import contextlib
-import io
 import json
 import math
-import re
 
 import pytest
 import torch
 
 from checkpoint_fixtures import perturbed_model, tiny
+from convert_cli import convert, refused, rel
 from megamamba.checkpoint import config_differences
 from megamamba.checkpoint.hf import HFFormatError
 from megamamba.checkpoint.model_folder import FolderWeights, load_model_folder, save_model_folder
 from megamamba.checkpoint.nemotron_h import config_from_nemotron_h, nemotron_h_config
-from megamamba.convert import main
 from megamamba.tokenizer import load_tokenizer
 
 NO_BIAS = {"qkv_proj_bias": False, "out_proj_bias": False}
@@ -43,28 +40,10 @@ def pattern_model(case: str, seed: int = 3):
     return perturbed_model(tiny("Mamba2", ssm=ssm, **{**PATTERN, **fields}), seed)
 
 
-def convert(*argv) -> None:
-    main([str(a) for a in argv])
-
-
-def refused(argv, match: str) -> str:
-    err = io.StringIO()
-    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
-        convert(*argv)
-    lines = [line for line in err.getvalue().splitlines() if not line.startswith("convert: note:")]
-    assert e.value.code == 2 and len(lines) == 1 and re.search(match, lines[0]), lines
-    return lines[0]
-
-
 def exported(tmp_path, model, to: str = "hf") -> str:
     save_model_folder(model, str(tmp_path / "ours"), tokenizer=load_tokenizer("bytes"))
     convert("export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / to, "--to", to)
     return str(tmp_path / to)
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def ids_for(model, batch: int = 2, seed: int = 11) -> torch.Tensor:
