@@ -48,10 +48,14 @@ def attention_layer_flops(config: MambaConfig, seq_length: int) -> int:
     return attention_projection_flops(config) + attention_core_flops(config, seq_length)
 
 
+def mlp_fc1_width(config: MambaConfig) -> int:
+    """Output width of an MLP's fc1: twice `mlp_width` when gated (SiLU), the gate's half with the value's."""
+    return 2 * config.mlp_width if config.mlp_activation == "gated_silu" else config.mlp_width
+
+
 def mlp_flops(config: MambaConfig) -> int:
-    """Forward FLOPs per token of one MLP: fc1 and fc2, fc1 twice as wide when gated (SiLU)."""
-    fc1_width = 2 * config.mlp_width if config.mlp_activation == "gated_silu" else config.mlp_width
-    return 2 * config.d_model * fc1_width + 2 * config.mlp_width * config.d_model
+    """Forward FLOPs per token of one MLP: fc1 and fc2."""
+    return 2 * config.d_model * mlp_fc1_width(config) + 2 * config.mlp_width * config.d_model
 
 
 def mamba_layer_flops(config: MambaConfig, seq_length: int) -> int:

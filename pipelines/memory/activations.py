@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from megamamba.config import Mamba1Options, MambaConfig
 from megamamba.model.chunked_cross_entropy import CHUNK_ELEMENTS
+from megamamba.model.flops import mlp_fc1_width
 
 STREAM = 4  # the residual stream between blocks is float32 (float32 parameters)
 SCAN_CHECKPOINT_STEPS = 16  # Mamba-1's Triton scan keeps a float32 state every this many steps
@@ -171,8 +172,9 @@ def _block_constant_bytes(shape: ActivationShape, kind: str) -> int:
 
 
 def _mlp_weights(shape: ActivationShape) -> int:
+    """Elements of an MLP's fc1 and fc2 weights on a TP rank."""
     model = shape.model
-    fc1 = (2 if model.mlp_activation == "gated_silu" else 1) * model.mlp_width // shape.tp
+    fc1 = mlp_fc1_width(model) // shape.tp
     return (fc1 + model.mlp_width // shape.tp) * model.d_model
 
 
