@@ -1,11 +1,13 @@
 """What one rank does for one micro-batch in each layer of the list: kernels (FLOPs, bytes) and collectives.
 
-Forward only; the step-time model derives the backward from each kernel kind's backward ratio. Sizes are
+Forward only; the step-time model derives the backward from each kernel kind's backward ratio (a kernel
+run under `torch.utils.checkpoint` inside the layer runs its forward again in the backward). Sizes are
 a rank's: channels and heads divided by TP (key/value heads and B/C groups kept whole where they are
 replicated), tokens m x seq / CP (the worst context-parallel rank for attention, whose causal work grows
 along the sequence). Bytes move activations at `act` bytes (2 under bf16 autocast, 4 in float32) and the
-float32 stream at 4. Collectives are counted as our layers issue them (docs/code.md, docs/context-parallel.md):
-the `nbytes` of the full tensor, as `megamamba.parallel.comm_counter` counts.
+float32 stream at 4. Collectives are those our layers issue (docs/code.md, docs/context-parallel.md), with
+the `nbytes` `megamamba.parallel.comm_counter` counts; tests/planner/test_planner_collectives.py checks them
+against the counter. The worst rank's: a context-parallel halo is both sent and received.
 """
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ class Kernel:
     kind: str  # a profile kernel kind: matmul, ssd, scan, conv, norm, attention, elementwise
     flops: float
     bytes: float
+    checkpointed: bool = False  # recomputed in the backward (context parallelism's corrections)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,11 @@ class Collective:
     nbytes: float
     group: str  # tp, cp
     backward: bool = False
+
+
+def _pair(forward: str, backward: str, nbytes: float, group: str) -> tuple:
+    """A collective forward and its adjoint backward ("" for none)."""
+    return tuple(Collective(kind, nbytes, group, b) for kind, b in ((forward, False), (backward, True)) if kind)
 
 
 @dataclass(frozen=True)
@@ -66,32 +74,62 @@ def _norm(shape: RankShape) -> Kernel:
     return Kernel("norm", 0, shape.stream_tokens * shape.model.d_model * (STREAM + shape.act))
 
 
-def _tp_reductions(shape: RankShape) -> tuple:
-    """A block's stream in and out across TP: one all-reduce forward and one backward, or with sequence
-    parallelism an all-gather and a reduce-scatter each way (the same bytes on a ring)."""
+def _replicated_gradients(shape: RankShape, *floats: int) -> tuple:
+    """Backward all-reduces over TP of float32 gradients of parameters every rank holds whole but uses
+    on its own part (`copy_to_tp_region`), one per parameter of `floats` elements (0: absent)."""
+    return tuple(Collective("all_reduce", n * STREAM, "tp", True) for n in floats if n and shape.tp > 1)
+
+
+def _norm_weights(shape: RankShape) -> tuple:
+    """A norm's weight (and LayerNorm's bias) under sequence parallelism: each rank sees other tokens."""
+    d = shape.model.d_model
+    return _replicated_gradients(shape, d, 0 if shape.model.rms_norm else d) if shape.sequence_parallel else ()
+
+
+def _stream_in(shape: RankShape) -> tuple:
+    """The column-parallel input projection: all-gather of the normed shard forward and reduce-scatter of
+    its gradient under sequence parallelism; else the gradient's all-reduce."""
     if shape.tp == 1:
         return ()
     nbytes = shape.tokens * shape.model.d_model * shape.act
+    return _pair("all_gather", "reduce_scatter", nbytes, "tp") if shape.sequence_parallel else \
+        _pair("", "all_reduce", nbytes, "tp")
+
+
+def _stream_out(shape: RankShape, copies: int = 1, bias: bool = False) -> tuple:
+    """The row-parallel output projection's sum (`copies` slots of it) onto the stream: reduce-scatter
+    forward and all-gather backward under sequence parallelism, else an all-reduce forward."""
+    if shape.tp == 1:
+        return ()
+    nbytes = copies * shape.tokens * shape.model.d_model * shape.act
     if not shape.sequence_parallel:
-        return (Collective("all_reduce", nbytes, "tp"), Collective("all_reduce", nbytes, "tp", backward=True))
-    return tuple(Collective(kind, nbytes, "tp", backward) for backward in (False, True)
-                 for kind in ("all_gather", "reduce_scatter"))
+        return _pair("all_reduce", "", nbytes, "tp")
+    gathered = _pair("reduce_scatter", "all_gather", nbytes, "tp")
+    return gathered + _replicated_gradients(shape, bias * shape.model.d_model)
 
 
-def _state_passing(shape: RankShape, summary_floats: int) -> tuple:
-    """Context parallelism's all-gather of every slice's state summary forward, reduce-scatter backward."""
+def _tp_reductions(shape: RankShape, out_bias: bool = False) -> tuple:
+    """A block's pre-norm, input projection and output projection across TP."""
+    return _norm_weights(shape) + _stream_in(shape) + _stream_out(shape, bias=out_bias)
+
+
+def _state_passing(shape: RankShape, summary_floats: int, conv_channels: int) -> tuple:
+    """Context parallelism: the conv halo to the next rank (its gradient back), and the all-gather of every
+    slice's state summary forward, reduce-scatter backward."""
     if shape.cp == 1:
         return ()
-    nbytes = shape.cp * shape.micro_batch_size * summary_floats * 4
-    return Collective("all_gather", nbytes, "cp"), Collective("reduce_scatter", nbytes, "cp", backward=True)
+    halo = shape.micro_batch_size * conv_channels * (shape.model.mixer_options.d_conv - 1) * shape.act
+    nbytes = shape.cp * shape.micro_batch_size * summary_floats * STREAM
+    return _pair("send", "send", halo, "cp") + _pair("all_gather", "reduce_scatter", nbytes, "cp")
 
 
 def mamba2_work(shape: RankShape) -> LayerWork:
     model, tp, t, a = shape.model, shape.tp, shape.tokens, shape.act
     o = model.mixer_options
     d, di, h, n = model.d_model, model.d_inner // tp, model.nheads // tp, o.d_state
-    groups = o.ngroups // tp if o.ngroups % tp == 0 else 1  # groups this rank's heads read
-    bc = o.ngroups * n // tp if o.ngroups % tp == 0 else o.ngroups * n  # replicated B/C computed whole
+    split = o.ngroups % tp == 0
+    groups = o.ngroups // tp if split else 1  # groups this rank's heads read
+    bc = o.ngroups * n // tp if split else o.ngroups * n  # replicated B/C computed whole
     q = min(o.chunk_size, shape.seq_length // shape.cp)
     conv = di + 2 * bc
     kernels = (
@@ -102,27 +140,41 @@ def mamba2_work(shape: RankShape) -> LayerWork:
         Kernel("norm", 0, 3 * a * t * di),
         _matmul(shape, di, d),
     )
-    return LayerWork(kernels, _tp_reductions(shape) + _state_passing(shape, h + h * o.headdim * n))
+    if shape.cp > 1:  # the entering state's contribution C_t h0 exp(cumsum dt A), a float32 einsum
+        kernels += (Kernel("matmul", 2 * t * di * n, STREAM * t * (2 * di + groups * n), checkpointed=True),)
+    collectives = _norm_weights(shape) + _stream_in(shape)
+    spanning = tp > 1 and not split and o.rmsnorm  # the gated norm's groups span ranks: ngroups slots summed
+    collectives += _stream_out(shape, o.ngroups if spanning else 1, o.bias)
+    if spanning:  # beside the products, each group's mean square in float32
+        mean_square = t * o.ngroups * STREAM
+        collectives += _pair("reduce_scatter", "all_gather", mean_square, "tp") if shape.sequence_parallel else \
+            _pair("all_reduce", "", mean_square, "tp")
+    if not split:  # B/C's in_proj rows and conv channels, replicated
+        rows = 2 * o.ngroups * n
+        collectives += _replicated_gradients(shape, rows * d, rows * o.bias, rows * o.d_conv, rows * o.conv_bias)
+    return LayerWork(kernels, collectives + _state_passing(shape, h + h * o.headdim * n, conv))
 
 
 def mamba1_work(shape: RankShape) -> LayerWork:
     model, tp, t, a = shape.model, shape.tp, shape.tokens, shape.act
     o = model.mixer_options
     d, di, n, r = model.d_model, model.d_inner // tp, o.d_state, model.dt_rank
+    scan = Kernel("scan", 9 * t * di * n, a * t * (4 * di + 2 * n))
     kernels = (
         _norm(shape),
         _matmul(shape, d, 2 * di),
         Kernel("conv", 2 * o.d_conv * t * di, 2 * a * t * di),
         _matmul(shape, di, r + 2 * n),
         _matmul(shape, r, di),
-        Kernel("scan", 9 * t * di * n, a * t * (4 * di + 2 * n)),
+        scan,
         _matmul(shape, di, d),
     )
-    collectives = _tp_reductions(shape)
+    if shape.cp > 1:  # the entering state's contribution: a second scan, of a zero input from h0
+        kernels += (Kernel("scan", scan.flops, scan.bytes, checkpointed=True),)
+    collectives = _tp_reductions(shape, o.bias)
     if tp > 1:  # x_proj's small output is summed over TP forward, its gradient backward
-        nbytes = t * (r + 2 * n) * a
-        collectives += (Collective("all_reduce", nbytes, "tp"), Collective("all_reduce", nbytes, "tp", backward=True))
-    return LayerWork(kernels, collectives + _state_passing(shape, 2 * model.d_inner * n // tp))
+        collectives += _pair("all_reduce", "all_reduce", t * (r + 2 * n) * a, "tp")
+    return LayerWork(kernels, collectives + _state_passing(shape, 2 * model.d_inner * n // tp, di))
 
 
 def causal_pairs(shape: RankShape) -> int:
@@ -146,10 +198,12 @@ def attention_work(shape: RankShape) -> LayerWork:
     keys = t * shape.cp  # the whole sequence's keys under context parallelism
     kernels += [Kernel("attention", 4 * hd * heads * pairs, a * hd * (2 * t * heads + 2 * keys * kv)),
                 _matmul(shape, heads * hd, d)]
-    collectives = _tp_reductions(shape)
+    collectives = _tp_reductions(shape, o.out_proj_bias)
+    if not split:  # the key/value rows of in_proj, replicated
+        rows = 2 * o.kv_heads * hd
+        collectives += _replicated_gradients(shape, rows * d, rows * o.qkv_proj_bias)
     if shape.cp > 1:
-        nbytes = keys * 2 * kv * hd * a
-        collectives += (Collective("all_gather", nbytes, "cp"), Collective("reduce_scatter", nbytes, "cp", True))
+        collectives += _pair("all_gather", "reduce_scatter", keys * 2 * kv * hd * a, "cp")
     return LayerWork(tuple(kernels), collectives)
 
 
@@ -180,30 +234,32 @@ def _vocab_rows(shape: RankShape) -> int:
     return -(-shape.model.padded_vocab_size // shape.tp)
 
 
+def _loss_collectives(shape: RankShape) -> tuple:
+    """The vocab-parallel cross-entropy's float32 row maxima and (sum of exponentials, target logit); under
+    context parallelism the counted tokens and the slices' sums of losses."""
+    t = shape.tokens
+    out = _pair("all_reduce", "", t * STREAM, "tp") + _pair("all_reduce", "", 2 * t * STREAM, "tp") \
+        if shape.tp > 1 else ()
+    return out + (_pair("all_reduce", "", STREAM, "cp") * 2 if shape.cp > 1 else ())
+
+
 def layer_work(shape: RankShape, kind: str) -> LayerWork:
     """The work of a layer of the list by its kind (`megamamba.model.layers.layer_kinds`)."""
-    model, t, a = shape.model, shape.tokens, shape.act
-    d = model.d_model
+    t, d = shape.tokens, shape.model.d_model
     if kind == "embedding":
         collectives = ()
         if shape.tp > 1:  # each rank looks up its rows; the float32 partial sums are reduced
-            reduce = "reduce_scatter" if shape.sequence_parallel else "all_reduce"
-            collectives = (Collective(reduce, t * d * STREAM, "tp"),)
+            collectives = _pair("reduce_scatter", "all_gather", t * d * STREAM, "tp") if shape.sequence_parallel \
+                else _pair("all_reduce", "", t * d * STREAM, "tp")
         return LayerWork((Kernel("elementwise", 0, t * d * 2 * STREAM),), collectives)
     if kind == "final_norm":
-        return LayerWork((_norm(shape),))
+        return LayerWork((_norm(shape),), _norm_weights(shape))
     if kind == "head":
-        vocab = _vocab_rows(shape)
-        collectives = ()
-        if shape.tp > 1 and shape.sequence_parallel:
-            collectives = (Collective("all_gather", t * d * a, "tp"),
-                           Collective("reduce_scatter", t * d * a, "tp", backward=True))
-        loss = Kernel("elementwise", 0, 2 * STREAM * t * vocab)  # float32 softmax and its gradient
-        return LayerWork((_matmul(shape, d, vocab), loss), collectives)
+        loss = Kernel("elementwise", 0, 2 * STREAM * t * _vocab_rows(shape))  # float32 softmax and its gradient
+        return LayerWork((_matmul(shape, d, _vocab_rows(shape)), loss), _stream_in(shape) + _loss_collectives(shape))
     return block_work(shape, kind)
 
 
 def boundary_bytes(shape: RankShape) -> int:
     """What a pipeline stage sends the next per micro-batch (and receives back as its gradient)."""
     return shape.stream_tokens * shape.model.d_model * STREAM
-

@@ -78,7 +78,7 @@ def layer_time(work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -
     compute = tp = cp = 0.0
     for k in work.kernels:
         forward = kernel_seconds(k.kind, k.flops, k.bytes, profile)
-        compute += forward * (1 + profile.kernel(k.kind).backward_ratio + (1 if recompute else 0))
+        compute += forward * (1 + profile.kernel(k.kind).backward_ratio + recompute + k.checkpointed)
     for c in work.collectives:
         seconds = _collective(c, grid, profile) * (2 if recompute and not c.backward else 1)
         if c.group == "tp":
