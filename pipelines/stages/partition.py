@@ -44,6 +44,8 @@ def balanced_cuts(weights: list, parts: int) -> list:
     it can be, and under that bound the least sum of squared run weights; among equals, lighter runs first
     (a pipeline's first stages hold the most micro-batches in flight)."""
     n = len(weights)
+    if not 1 <= parts <= n:
+        raise ValueError(f"{parts} runs of {n} weights: every run needs at least one")
     prefix = list(accumulate(weights, initial=0))
     runs = range(1, parts + 1)
     heaviest = {(0, 0): 0}  # (runs, items) -> the lightest heaviest run

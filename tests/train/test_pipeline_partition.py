@@ -2,6 +2,8 @@
 stages even out its attention, MLP and Mamba layers and the head where counting layers does not; a
 pattern's | marks set the stages. (That the engine builds these stages: test_train_pipeline_stages.py.)"""
 import dataclasses
+import itertools
+import random
 
 import pytest
 
@@ -52,7 +54,30 @@ def test_pure_mamba_stages_move_blocks_off_the_last_stage_for_the_head():
 def test_the_heaviest_stage_is_minimal_then_the_rest_spread_evenly_lighter_first():
     assert balanced_cuts([1] * 23 + [11], 4) == [0, 7, 15, 23, 24]
     assert balanced_cuts([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
-    assert balanced_cuts([1, 1, 1], 3) == [0, 1, 2, 3]
+    assert balanced_cuts([1, 1, 1], 3) == [0, 1, 2, 3]  # as many stages as blocks
+    assert balanced_cuts([1] * 5, 2) == [0, 2, 5] and balanced_cuts([2, 2, 2], 2) == [0, 1, 3]  # ties: lighter first
+
+
+def test_balanced_cuts_equal_an_exhaustive_search():
+    """Every cut of up to 8 weights (equal ones, one heavy one, fractions) into every number of runs: the heaviest
+    run, then the sum of squared runs, as small as any cut's."""
+    rng = random.Random(0)
+    for trial in range(200):
+        weights = [rng.choice([1, 1, 2, 3, 0.5, 40]) for _ in range(rng.randint(1, 8))]
+        parts = rng.randint(1, len(weights))
+        best = min(_score(weights, [0, *inner, len(weights)])
+                   for inner in itertools.combinations(range(1, len(weights)), parts - 1))
+        assert _score(weights, balanced_cuts(weights, parts)) == best, (trial, weights, parts)
+
+
+def _score(weights, cuts):
+    runs = [sum(weights[a:b]) for a, b in zip(cuts, cuts[1:])]
+    return max(runs), sum(r * r for r in runs)
+
+
+def test_more_runs_than_weights_is_refused():
+    with pytest.raises(ValueError, match="3 runs of 2 weights: every run needs at least one"):
+        balanced_cuts([1, 1], 3)
 
 
 def test_pattern_marks_set_the_stages_whatever_the_method():
