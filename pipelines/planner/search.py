@@ -14,7 +14,7 @@ from megamamba.model.flops import training_flops_per_token
 from megamamba.model.layers import layer_kinds
 from megamamba.parallel.context.context_parallel import check_context_layout
 from megamamba.parallel.tensor.model_layout import check_model_layout
-from megamamba.pipelines.config.layout import Layout
+from megamamba.pipelines.config.layout import Layout, engine_config
 from megamamba.pipelines.memory.fit import RESERVED
 from megamamba.pipelines.memory.plan import RunShape, StageMemory, plan_memory
 from megamamba.pipelines.planner.layer_costs import RankShape, layer_work
@@ -28,6 +28,7 @@ from megamamba.pipelines.planner.step_time import (
     optimizer_seconds,
     stage_time,
 )
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION
 
 FIXABLE = ("dp", "cp", "tp", "pp", "zero_stage", "micro_batch_size", "recompute")
 
@@ -119,10 +120,12 @@ def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str
 
 
 def run_shape(request: Request, dp: int, cp: int, tp: int, pp: int, zero: int, micro: int, recompute: bool) -> RunShape:
-    """The start-up memory plan's view of a plan (sequence parallelism with TP, recompute every layer)."""
+    """The start-up memory plan's view of a plan (sequence parallelism with TP, recompute every layer), read
+    from the engine config start-up would hand DeepSpeed (ZeRO's defaults, overlap_comm on for stage 3)."""
     layout = Layout(request.gpus, dp, tp, pp, micro, request.global_batch_size // (micro * dp), cp)
-    return RunShape(request.model, layout, request.seq_length // cp, zero, checkpoint_interval=1 if recompute else 0,
-                    sequence_parallel=tp > 1, autocast=request.autocast)
+    ds_config = {"zero_optimization": {"stage": zero}, "bf16": {"enabled": request.autocast}}
+    return RunShape.of_run(request.model, layout, engine_config(ds_config, layout, None, tp > 1),
+                           request.seq_length // cp, DEFAULT_PARTITION, 1 if recompute else 0, tp > 1)
 
 
 def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, grid: Grid, profile: Profile,
