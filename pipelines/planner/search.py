@@ -143,8 +143,7 @@ def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, gr
     for s, stage in enumerate(memory):
         full = stage.parameters * (grid.dp * grid.cp if shape.zero_stage == 3 else 1)
         held = full // (grid.dp * grid.cp) if shape.zero_stage >= 1 else full
-        last_backward = stages[s].compute * 2 / 3
-        reductions.append((data_parallel_seconds(full, shape.zero_stage, grid, profile, m, last_backward),
+        reductions.append((data_parallel_seconds(full, shape.zero_stage, grid, profile, m, stages[s]),
                            optimizer_seconds(held // 4, profile)))
     data, optimizer = max(reductions, key=sum)
     if request.model.tie_embeddings and grid.pp > 1:  # the tied weight's gradient, summed by first and last stage

@@ -5,10 +5,8 @@ the matmul rate or its bytes at the copy bandwidth, whichever is longer, over it
 backward is its kind's ratio of that) and their TP and CP collectives (a ring on the slowest link the
 group spans: alpha per step plus bytes over bandwidth); recomputation runs every forward twice.
 DeepSpeed's 1F1B schedule takes (m + p - 1) times the slowest stage for m micro-batches on p stages, the
-bubble being p - 1 of them. Then the data-parallel gradient reduction (ZeRO's reduce-scatter and
-all-gather volumes; hidden behind the backward only where DeepSpeed overlaps it: ZeRO-3 without a
-pipeline), the tied embedding's all-reduce between the first and last stage, and the optimizer's pass
-over this rank's state.
+bubble being p - 1 of them. Then DeepSpeed's data-parallel traffic (`data_parallel_seconds`), the tied
+embedding's all-reduce between the first and last stage, and the optimizer's pass over this rank's state.
 """
 from dataclasses import dataclass
 
@@ -58,11 +56,13 @@ def kernel_seconds(kind: str, flops: float, nbytes: float, profile: Profile) -> 
 
 @dataclass(frozen=True)
 class StageTime:
-    """One micro-batch's forward and backward on one stage, in seconds."""
+    """One micro-batch's forward and backward on one stage, in seconds (`forward`: the compute of its first
+    forward, part of `compute`)."""
     compute: float
     tp_comm: float
     cp_comm: float
     sends: float
+    forward: float = 0.0
 
     @property
     def total(self) -> float:
@@ -75,9 +75,10 @@ def _collective(c: Collective, grid: Grid, profile: Profile) -> float:
 
 def layer_time(work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -> StageTime:
     """One layer's forward and backward for one micro-batch (recomputation: its forward twice)."""
-    compute = tp = cp = 0.0
+    compute = tp = cp = first = 0.0
     for k in work.kernels:
         forward = kernel_seconds(k.kind, k.flops, k.bytes, profile)
+        first += forward
         compute += forward * (1 + profile.kernel(k.kind).backward_ratio + recompute + k.checkpointed)
     for c in work.collectives:
         seconds = _collective(c, grid, profile) * (2 if recompute and not c.backward else 1)
@@ -85,14 +86,14 @@ def layer_time(work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -
             tp += seconds
         else:
             cp += seconds
-    return StageTime(compute, tp, cp, 0.0)
+    return StageTime(compute, tp, cp, 0.0, first)
 
 
 def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sends: int) -> StageTime:
     """A stage of `layers` (each its `layer_time`), sending `sends` boundaries (0, 1 or 2) per micro-batch."""
     boundary = collective_seconds("send", boundary_bytes(shape), 2, grid.link(profile, "pp"))
     return StageTime(sum(t.compute for t in layers), sum(t.tp_comm for t in layers), sum(t.cp_comm for t in layers),
-                     2 * sends * boundary)
+                     2 * sends * boundary, sum(t.forward for t in layers))
 
 
 @dataclass(frozen=True)
@@ -112,16 +113,29 @@ class StepTime:
                 + self.data_parallel + self.optimizer)
 
 
-def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, profile: Profile,
-                          micro_batches: int, last_backward: float) -> float:
-    """The exposed gradient reduction of a rank holding `parameter_bytes` (float32) of its stage."""
+def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, profile: Profile, micro_batches: int,
+                          stage: StageTime) -> float:
+    """Exposed seconds of DeepSpeed 0.19.8's data-parallel traffic over dp x cp ranks for a stage holding
+    `parameter_bytes` of float32 parameters (gradients reduced in float32: `pipelines.config.layout`).
+
+    ZeRO 0 all-reduces the gradients after the last backward. ZeRO 1 and 2 all-reduce the gradient
+    buckets (`use_multi_rank_bucket_allreduce`, on by default; each rank keeps its partition) and
+    all-gather the updated parameters after the step: ZeRO 1 at the accumulation boundary, ZeRO 2 in
+    every micro-batch's backward, on the compute stream (`overlap_comm` defaults off below stage 3).
+    The pipeline engine reduces after its last micro-batch. ZeRO 3, per micro-batch: the parameters
+    all-gathered for the forward and again for the backward, the gradients reduce-scattered, on side
+    streams with prefetch (overlap_comm on): exposed only where they outlast the compute they overlap.
+    """
     link, size = grid.link(profile, "data"), grid.size("data")
-    reduce = collective_seconds("all_reduce", parameter_bytes, size, link)  # ZeRO-1/2: reduce-scatter + all-gather
-    if zero_stage < 3:
+    reduce = collective_seconds("all_reduce", parameter_bytes, size, link)
+    gather = collective_seconds("all_gather", parameter_bytes, size, link)
+    if zero_stage == 0:
         return reduce
-    gathers = 2 * micro_batches * collective_seconds("all_gather", parameter_bytes, size, link)
-    overlapped = grid.pp == 1  # ZeRO-3 overlaps its communication with compute (overlap_comm on by default)
-    return gathers + (max(0.0, reduce - last_backward) if overlapped else reduce)
+    if zero_stage < 3:
+        return (micro_batches if zero_stage == 2 else 1) * reduce + gather
+    scatter = collective_seconds("reduce_scatter", parameter_bytes, size, link)
+    backward = stage.compute - stage.forward
+    return micro_batches * (max(0.0, gather - stage.forward) + max(0.0, gather + scatter - backward))
 
 
 def optimizer_seconds(state_parameters: int, profile: Profile) -> float:

@@ -1,5 +1,6 @@
 """The planner's cost model: its FLOPs are the training log's, collectives follow the ring's alpha-beta
-law, the pipeline bubble is DeepSpeed 1F1B's (p - 1) / (m + p - 1), and profiles are read strictly."""
+law, the pipeline bubble is DeepSpeed 1F1B's (p - 1) / (m + p - 1), the data-parallel traffic is
+DeepSpeed 0.19.8's per ZeRO stage, and profiles are read strictly."""
 import json
 import os
 
@@ -11,7 +12,7 @@ from megamamba.model.layers import layer_kinds
 from megamamba.pipelines.planner.layer_costs import RankShape, causal_pairs, layer_work
 from megamamba.pipelines.planner.profile import Link, ProfileError, load_profile
 from megamamba.pipelines.planner.search import Request, search
-from megamamba.pipelines.planner.step_time import collective_seconds
+from megamamba.pipelines.planner.step_time import Grid, StageTime, collective_seconds, data_parallel_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H100 = load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
@@ -68,3 +69,24 @@ def test_a_profile_missing_a_link_is_refused_by_name(tmp_path):
 def test_published_profiles_say_they_are_published_figures(name):
     profile = load_profile(os.path.join(ROOT, "launch/profiles", name))
     assert profile.source.startswith("published:")
+
+
+GRID = Grid(dp=4, cp=1, tp=1, pp=1, gpus_per_node=8)
+LINK = H100.links["intra_node"]
+REDUCE, GATHER = (collective_seconds(kind, 4e8, 4, LINK) for kind in ("all_reduce", "all_gather"))
+
+
+@pytest.mark.parametrize("zero, expected", [(0, REDUCE), (1, REDUCE + GATHER), (2, 3 * REDUCE + GATHER)])
+def test_zero_0_to_2_expose_their_all_reduces_and_parameter_all_gather(zero, expected):
+    """DeepSpeed 0.19.8: ZeRO 1/2 all-reduce the gradient buckets (use_multi_rank_bucket_allreduce) and
+    all-gather the parameters after the step; ZeRO 2 reduces in each of the 3 micro-batches' backward."""
+    stage = StageTime(compute=30.0, tp_comm=0, cp_comm=0, sends=0, forward=10.0)
+    assert data_parallel_seconds(4e8, zero, GRID, H100, 3, stage) == pytest.approx(expected)
+
+
+def test_zero_3_exposes_only_the_traffic_its_compute_does_not_cover():
+    scatter = collective_seconds("reduce_scatter", 4e8, 4, LINK)
+    idle = StageTime(compute=0.0, tp_comm=0, cp_comm=0, sends=0, forward=0.0)
+    busy = StageTime(compute=30.0, tp_comm=0, cp_comm=0, sends=0, forward=10.0)
+    assert data_parallel_seconds(4e8, 3, GRID, H100, 3, idle) == pytest.approx(3 * (2 * GATHER + scatter))
+    assert data_parallel_seconds(4e8, 3, GRID, H100, 3, busy) == 0
