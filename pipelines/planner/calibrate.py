@@ -24,13 +24,15 @@ from megamamba.model.causal_attention import causal_attention
 from megamamba.pipelines.planner.layer_costs import RankShape, layer_work
 from megamamba.pipelines.planner.profile import Kernel, Link, Profile
 
-REPEATS = 5
+REPEATS = 7
+WARM_UP = 2  # the first runs compile Triton kernels and fill the allocator's caches
 
 
 def _seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Median wall time of `fn` over REPEATS runs after one warm-up."""
+    """Median wall time of `fn` over REPEATS runs after WARM_UP runs."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
+    for _ in range(WARM_UP):
+        fn()
     sync()
     times = []
     for _ in range(REPEATS):
@@ -42,16 +44,13 @@ def _seconds(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def _forward_backward(fn: Callable[..., torch.Tensor], inputs: list, device: torch.device) -> tuple:
-    """(forward seconds, backward seconds) of fn(*inputs) with every float input requiring a gradient."""
+    """(forward seconds, backward seconds) of fn(*inputs) with every float input requiring a gradient; the
+    backward is timed on its own, through one retained graph, not as a difference of two noisy medians."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     forward = _seconds(lambda: fn(*leaves), device)
     out = fn(*leaves)
-    grad = torch.randn_like(out)
-
-    def backward():
-        torch.autograd.grad(fn(*leaves), [t for t in leaves if t.requires_grad], grad)
-
-    return forward, max(_seconds(backward, device) - forward, 1e-9)
+    grad, wanted = torch.randn_like(out), [t for t in leaves if t.requires_grad]
+    return forward, _seconds(lambda: torch.autograd.grad(out, wanted, grad, retain_graph=True), device)
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
@@ -136,7 +135,8 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
     when = datetime.date.today().isoformat()
-    return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__}, at {model.d_model}-wide "
+    return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({torch.get_num_threads()} CPU "
+                         f"threads), at {model.d_model}-wide "
                          f"layers, batch {batch} x seq {seqlen}; one tier measured, used for both",
                    int(memory), matmul, copy, launch, measured, links)
 
