@@ -135,8 +135,9 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
     when = datetime.date.today().isoformat()
-    return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({torch.get_num_threads()} CPU "
-                         f"threads), at {model.d_model}-wide "
+    threads = torch.get_num_threads()
+    return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU threads), "
+                         f"at {model.d_model}-wide "
                          f"layers, batch {batch} x seq {seqlen}; one tier measured, used for both",
                    int(memory), matmul, copy, launch, measured, links)
 
