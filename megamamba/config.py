@@ -280,7 +280,7 @@ class MambaConfig:
             self._validate_attention()
         elif self.attn_cfg:
             raise ConfigError(f"attn_cfg={self.attn_cfg!r} with no attention layer: add layers to attn_layer_idx "
-                              "(or * to hybrid_layer_pattern), or remove attn_cfg")
+                              "(or * to hybrid_layer_pattern / --hybrid-layer-pattern), or remove attn_cfg")
 
     def _validate_pattern(self) -> None:
         pattern = self.hybrid_layer_pattern

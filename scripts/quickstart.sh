@@ -10,11 +10,18 @@
 #
 #   bash scripts/quickstart.sh [OUTPUT_DIR]      (default runs/quickstart; QUICKSTART_STEPS=200)
 #
+# QUICKSTART_PATTERN="M*M-" trains a hybrid instead: launch/models/quickstart-hybrid.json's layers as
+# Megatron's --hybrid-layer-pattern places them (M Mamba-2, * attention, - MLP; 4 symbols).
+#
 # Re-running replaces the outputs in OUTPUT_DIR (data/, tensorboard/, checkpoints/, metrics.jsonl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/quickstart}
 STEPS=${QUICKSTART_STEPS:-200}
+MODEL=(--model-config launch/models/quickstart-mamba2.json)
+if [ -n "${QUICKSTART_PATTERN:-}" ]; then
+  MODEL=(--model-config launch/models/quickstart-hybrid.json --hybrid-layer-pattern "$QUICKSTART_PATTERN")
+fi
 PY=.venv/bin/python
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}  # the test suite's cache
@@ -41,7 +48,7 @@ $PY -m megamamba.data.preprocess --input "$OUT/data/corpus.jsonl" --tokenizer "$
 say "4/5 deepspeed --num_gpus 2 launch/train.py: $STEPS steps"
 PORT=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 .venv/bin/deepspeed --num_gpus 2 --master_port "$PORT" launch/train.py \
-  --deepspeed_config launch/configs/quickstart-cpu.json --model-config launch/models/quickstart-mamba2.json \
+  --deepspeed_config launch/configs/quickstart-cpu.json "${MODEL[@]}" \
   --tokenizer "$OUT/data/spm.model" --data "$OUT/data/corpus_train" --valid-data "$OUT/data/corpus_valid" \
   --seq-length 128 --train-iters "$STEPS" --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 \
   --log-interval 10 --eval-interval 50 --eval-iters 4 \

@@ -91,3 +91,11 @@ def test_the_start_up_summary_counts_a_hybrids_layer_kinds_and_parameters():
         stage_params=(1, 1), save=None, load=None, save_interval=0, keep_last=None)
     assert lines[0].startswith(f"run: Mamba2, 5 layers (2 Mamba2, 1 attention, 2 MLP), d_model 64 | parameters "
                                f"{total} ")
+
+
+def test_the_quick_starts_hybrid_model_takes_the_readmes_pattern(tmp_path):
+    """scripts/quickstart.sh with QUICKSTART_PATTERN="M*M-": launch/models/quickstart-hybrid.json holds the layers'
+    options, the flag places them."""
+    model = json.loads((ROOT / "launch/models/quickstart-hybrid.json").read_text())
+    plan = _plan(tmp_path, model, ["--hybrid-layer-pattern", "M*M-"], world=2)
+    assert plan.model.block_kinds == ["mamba", "attention", "mamba", "mlp"]
