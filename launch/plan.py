@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         print(f"plan.py: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(search_dict(result, args.top), indent=1))
+        print(json.dumps({"profile": {"name": profile.name, "source": profile.source}} | search_dict(result, args.top),
+                         indent=1))
     else:
         print(f"profile: {profile.name} ({profile.source})")
         print("\n".join(search_lines(result, args.top)))

@@ -163,9 +163,9 @@ def check_request(request: Request) -> None:
         raise PlanError(f"--gpus-per-node {request.gpus_per_node} is more than --gpus {request.gpus}: use "
                         f"--gpus-per-node {request.gpus} (one node) or --gpus a multiple of {request.gpus_per_node}")
     if request.gpus % request.gpus_per_node:
-        whole = max(1, request.gpus // request.gpus_per_node) * request.gpus_per_node
-        raise PlanError(f"--gpus {request.gpus} is not a whole number of nodes of {request.gpus_per_node}: use "
-                        f"--gpus {whole}")
+        below = request.gpus // request.gpus_per_node * request.gpus_per_node
+        raise PlanError(f"--gpus {request.gpus} is not a whole number of nodes of {request.gpus_per_node}: use --gpus "
+                        f"{below} or {below + request.gpus_per_node}")
     if request.device_memory <= RESERVED:
         raise PlanError(f"GPU memory {request.device_memory / 2**30:.1f} GiB leaves nothing after the "
                         f"{RESERVED / 2**30:.0f} GiB reserved for the CUDA context and communication buffers")
@@ -181,7 +181,8 @@ def _nothing_fits(result: "Search") -> PlanError:
     if sized:
         closest = min(sized, key=lambda x: x.smallest_bytes)
         need = (closest.smallest_bytes + RESERVED) / 2**30
-        return PlanError(f"no plan fits {r.gpus} GPUs of {r.device_memory / 2**30:.1f} GiB: the closest, "
+        gpus = f"{r.gpus} GPU{'s' if r.gpus > 1 else ''}"
+        return PlanError(f"no plan fits {gpus} of {r.device_memory / 2**30:.1f} GiB: the closest, "
                          f"{closest.family}, {closest.reason}; GPUs of {need:.0f} GiB, or more GPUs, would fit it")
     if not any(r.gpus % d == 0 and r.global_batch_size % d == 0 for d in range(2, r.gpus + 1)) \
             and r.global_batch_size < r.gpus:

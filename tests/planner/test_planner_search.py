@@ -75,7 +75,7 @@ def test_more_gpus_per_node_than_gpus_is_refused_with_the_fix():
 
 
 def test_a_model_that_fits_nowhere_names_the_closest_plan_and_the_memory_it_needs():
-    with pytest.raises(PlanError, match=r"no plan fits 1 GPUs of 16\.0 GiB: the closest, dp 1 x cp 1 x tp 1 x pp 1, "
+    with pytest.raises(PlanError, match=r"no plan fits 1 GPU of 16\.0 GiB: the closest, dp 1 x cp 1 x tp 1 x pp 1, "
                                         r"does not fit: at best .* GiB per GPU"):
         search(Request(model("mamba2-7b.json"), 1, 1, 2048, 8, 16 * GiB), H100)
 
@@ -103,3 +103,8 @@ def test_a_7b_plan_for_64_gpus_passes_the_start_up_checks_at_that_world_size():
         memory = plan_memory(shape)
         assert memory.worst.total == plan.memory.total
         assert refusal(memory, H100.device_memory_bytes) is None, plan
+
+
+def test_gpus_that_fill_no_whole_node_are_refused_naming_the_counts_either_side():
+    with pytest.raises(PlanError, match="--gpus 12 is not a whole number of nodes of 8: use --gpus 8 or 16"):
+        search(Request(model("mamba2-130m.json"), 12, 8, 2048, 64, 16 * GiB), H100)
