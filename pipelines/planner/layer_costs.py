@@ -10,6 +10,7 @@ the `nbytes` `megamamba.parallel.comm_counter` counts; tests/planner/test_planne
 against the counter. The worst rank's: a context-parallel halo is both sent and received.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 from megamamba.config import Mamba1Options, MambaConfig
 
@@ -30,6 +31,8 @@ class Collective:
     nbytes: float
     group: str  # tp, cp
     backward: bool = False
+    overlaps: Optional[Kernel] = None  # runs beside `share` x this kernel's forward time
+    share: float = 0.0
 
 
 def _pair(forward: str, backward: str, nbytes: float, group: str) -> tuple:
@@ -86,14 +89,19 @@ def _norm_weights(shape: RankShape) -> tuple:
     return _replicated_gradients(shape, d, 0 if shape.model.rms_norm else d) if shape.sequence_parallel else ()
 
 
-def _stream_in(shape: RankShape) -> tuple:
-    """The column-parallel input projection: all-gather of the normed shard forward and reduce-scatter of
-    its gradient under sequence parallelism; else the gradient's all-reduce."""
+def _stream_in(shape: RankShape, projection: Kernel) -> tuple:
+    """The column-parallel input `projection` (`megamamba.parallel.tensor.linear`): under sequence
+    parallelism the all-gather of the normed shard, beside the product of this rank's own tokens; backward
+    its input gradient's reduce-scatter (all-reduce without sequence parallelism), beside the weight
+    gradient's product (as long as the forward's)."""
     if shape.tp == 1:
         return ()
     nbytes = shape.tokens * shape.model.d_model * shape.act
-    return _pair("all_gather", "reduce_scatter", nbytes, "tp") if shape.sequence_parallel else \
-        _pair("", "all_reduce", nbytes, "tp")
+    backward = Collective("reduce_scatter" if shape.sequence_parallel else "all_reduce", nbytes, "tp", True,
+                          projection, 1.0)
+    if not shape.sequence_parallel:
+        return (backward,)
+    return Collective("all_gather", nbytes, "tp", False, projection, 1 / shape.tp), backward
 
 
 def _stream_out(shape: RankShape, copies: int = 1, bias: bool = False) -> tuple:
@@ -108,9 +116,9 @@ def _stream_out(shape: RankShape, copies: int = 1, bias: bool = False) -> tuple:
     return gathered + _replicated_gradients(shape, bias * shape.model.d_model)
 
 
-def _tp_reductions(shape: RankShape, out_bias: bool = False) -> tuple:
-    """A block's pre-norm, input projection and output projection across TP."""
-    return _norm_weights(shape) + _stream_in(shape) + _stream_out(shape, bias=out_bias)
+def _tp_reductions(shape: RankShape, projection: Kernel, out_bias: bool = False) -> tuple:
+    """A block's pre-norm, input `projection` and output projection across TP."""
+    return _norm_weights(shape) + _stream_in(shape, projection) + _stream_out(shape, bias=out_bias)
 
 
 def _state_passing(shape: RankShape, summary_floats: int, conv_channels: int) -> tuple:
@@ -142,7 +150,7 @@ def mamba2_work(shape: RankShape) -> LayerWork:
     )
     if shape.cp > 1:  # the entering state's contribution C_t h0 exp(cumsum dt A), a float32 einsum
         kernels += (Kernel("matmul", 2 * t * di * n, STREAM * t * (2 * di + groups * n), checkpointed=True),)
-    collectives = _norm_weights(shape) + _stream_in(shape)
+    collectives = _norm_weights(shape) + _stream_in(shape, kernels[1])
     spanning = tp > 1 and not split and o.rmsnorm  # the gated norm's groups span ranks: ngroups slots summed
     collectives += _stream_out(shape, o.ngroups if spanning else 1, o.bias)
     if spanning:  # beside the products, each group's mean square in float32
@@ -171,7 +179,7 @@ def mamba1_work(shape: RankShape) -> LayerWork:
     )
     if shape.cp > 1:  # the entering state's contribution: a second scan, of a zero input from h0
         kernels += (Kernel("scan", scan.flops, scan.bytes, checkpointed=True),)
-    collectives = _tp_reductions(shape, o.bias)
+    collectives = _tp_reductions(shape, kernels[1], o.bias)
     if tp > 1:  # x_proj's small output is summed over TP forward, its gradient backward
         collectives += _pair("all_reduce", "all_reduce", t * (r + 2 * n) * a, "tp")
     return LayerWork(kernels, collectives + _state_passing(shape, 2 * model.d_inner * n // tp, di))
@@ -198,7 +206,7 @@ def attention_work(shape: RankShape) -> LayerWork:
     keys = t * shape.cp  # the whole sequence's keys under context parallelism
     kernels += [Kernel("attention", 4 * hd * heads * pairs, a * hd * (2 * t * heads + 2 * keys * kv)),
                 _matmul(shape, heads * hd, d)]
-    collectives = _tp_reductions(shape, o.out_proj_bias)
+    collectives = _tp_reductions(shape, kernels[1], o.out_proj_bias)
     if not split:  # the key/value rows of in_proj, replicated
         rows = 2 * o.kv_heads * hd
         collectives += _replicated_gradients(shape, rows * d, rows * o.qkv_proj_bias)
@@ -217,8 +225,9 @@ def mlp_kernels(shape: RankShape) -> tuple:
 
 def block_work(shape: RankShape, kind: str) -> LayerWork:
     """A block of `kind` ("mamba", "attention", "mlp"), with mamba_ssm's inner MLP when the config has one."""
+    mlp = mlp_kernels(shape)
     if kind == "mlp":
-        return LayerWork(mlp_kernels(shape), _tp_reductions(shape))
+        return LayerWork(mlp, _tp_reductions(shape, mlp[1]))
     if kind == "attention":
         work = attention_work(shape)
     elif isinstance(shape.model.mixer_options, Mamba1Options):
@@ -227,7 +236,7 @@ def block_work(shape: RankShape, kind: str) -> LayerWork:
         work = mamba2_work(shape)
     if not shape.model.mlp_inside_blocks:
         return work
-    return LayerWork(work.kernels + mlp_kernels(shape), work.collectives + _tp_reductions(shape))
+    return LayerWork(work.kernels + mlp, work.collectives + _tp_reductions(shape, mlp[1]))
 
 
 def _vocab_rows(shape: RankShape) -> int:
@@ -256,7 +265,8 @@ def layer_work(shape: RankShape, kind: str) -> LayerWork:
         return LayerWork((_norm(shape),), _norm_weights(shape))
     if kind == "head":
         loss = Kernel("elementwise", 0, 2 * STREAM * t * _vocab_rows(shape))  # float32 softmax and its gradient
-        return LayerWork((_matmul(shape, d, _vocab_rows(shape)), loss), _stream_in(shape) + _loss_collectives(shape))
+        head = _matmul(shape, d, _vocab_rows(shape))
+        return LayerWork((head, loss), _stream_in(shape, head) + _loss_collectives(shape))
     return block_work(shape, kind)
 
 

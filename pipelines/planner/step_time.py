@@ -3,7 +3,8 @@
 Per micro-batch, each stage runs its layers' kernels (a kernel takes its launch time, then its FLOPs at
 the matmul rate or its bytes at the copy bandwidth, whichever is longer, over its kind's efficiency; its
 backward is its kind's ratio of that) and their TP and CP collectives (a ring on the slowest link the
-group spans: alpha per step plus bytes over bandwidth); recomputation runs every forward twice.
+group spans: alpha per step plus bytes over bandwidth, less the compute a collective overlaps: the
+column-parallel projections' gathers and input gradients); recomputation runs every forward twice.
 DeepSpeed's 1F1B schedule takes (m + p - 1) times the slowest stage for m micro-batches on p stages, the
 bubble being p - 1 of them. Then DeepSpeed's data-parallel traffic (`data_parallel_seconds`), the tied
 embedding's all-reduce between the first and last stage, and the optimizer's pass over this rank's state.
@@ -74,14 +75,17 @@ def _collective(c: Collective, grid: Grid, profile: Profile) -> float:
 
 
 def layer_time(work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -> StageTime:
-    """One layer's forward and backward for one micro-batch (recomputation: its forward twice)."""
+    """One layer's forward and backward for one micro-batch (recomputation: its forward twice); a collective
+    costs what outlasts the compute it overlaps."""
     compute = tp = cp = first = 0.0
     for k in work.kernels:
         forward = kernel_seconds(k.kind, k.flops, k.bytes, profile)
         first += forward
         compute += forward * (1 + profile.kernel(k.kind).backward_ratio + recompute + k.checkpointed)
     for c in work.collectives:
-        seconds = _collective(c, grid, profile) * (2 if recompute and not c.backward else 1)
+        hidden = c.share * kernel_seconds(c.overlaps.kind, c.overlaps.flops, c.overlaps.bytes, profile) \
+            if c.overlaps is not None else 0.0
+        seconds = max(0.0, _collective(c, grid, profile) - hidden) * (2 if recompute and not c.backward else 1)
         if c.group == "tp":
             tp += seconds
         else:

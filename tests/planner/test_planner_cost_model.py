@@ -1,6 +1,7 @@
 """The planner's cost model: its FLOPs are the training log's, collectives follow the ring's alpha-beta
 law, the pipeline bubble is DeepSpeed 1F1B's (p - 1) / (m + p - 1), the data-parallel traffic is
 DeepSpeed 0.19.8's per ZeRO stage, and profiles are read strictly."""
+import dataclasses
 import json
 import os
 
@@ -12,7 +13,14 @@ from megamamba.model.layers import layer_kinds
 from megamamba.pipelines.planner.layer_costs import RankShape, causal_pairs, layer_work
 from megamamba.pipelines.planner.profile import Link, ProfileError, load_profile
 from megamamba.pipelines.planner.search import Request, search
-from megamamba.pipelines.planner.step_time import Grid, StageTime, collective_seconds, data_parallel_seconds
+from megamamba.pipelines.planner.step_time import (
+    Grid,
+    StageTime,
+    collective_seconds,
+    data_parallel_seconds,
+    kernel_seconds,
+    layer_time,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H100 = load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
@@ -90,3 +98,19 @@ def test_zero_3_exposes_only_the_traffic_its_compute_does_not_cover():
     busy = StageTime(compute=30.0, tp_comm=0, cp_comm=0, sends=0, forward=10.0)
     assert data_parallel_seconds(4e8, 3, GRID, H100, 3, idle) == pytest.approx(3 * (2 * GATHER + scatter))
     assert data_parallel_seconds(4e8, 3, GRID, H100, 3, busy) == 0
+
+
+@pytest.mark.parametrize("bandwidth", [1e9, 1e13], ids=["slow-link", "fast-link"])
+def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_them(bandwidth):
+    """Under sequence parallelism the all-gather runs beside the product of this rank's own tokens (1/TP of
+    the matmul), the input gradient's reduce-scatter beside the weight gradient's product."""
+    profile = dataclasses.replace(H100, links={"intra_node": Link(1e-6, bandwidth), "inter_node": Link(1e-6, 1e9)})
+    shape = RankShape(MAMBA1, micro_batch_size=2, seq_length=4096, tp=2, sequence_parallel=True)
+    work = layer_work(shape, "head")
+    projection = work.kernels[0]
+    matmul = kernel_seconds(projection.kind, projection.flops, projection.bytes, profile)
+    comm = collective_seconds("all_gather", shape.tokens * 96 * 2, 2, profile.links["intra_node"])
+    tp_only = dataclasses.replace(work, collectives=work.collectives[:2])
+    grid = Grid(dp=1, cp=1, tp=2, pp=1, gpus_per_node=8)
+    expected = max(0.0, comm - matmul / 2) + max(0.0, comm - matmul)
+    assert layer_time(tp_only, grid, profile, recompute=False).tp_comm == pytest.approx(expected)
