@@ -7,10 +7,7 @@ loss runs on the last stage.
 Layers are built without their default initialisation (`pipelines.stages.uninitialised`): the caller
 copies the stage's weights in, the initial ones or a checkpoint's.
 
-Partitioning (`partition_method`, `pipelines.stages.partition`): "cost" (balanced forward FLOPs at the
-run's sequence length) and a pattern's | marks set the stages themselves; DeepSpeed's "uniform" (equal
-layer counts, embedding/norm/head counted as layers), "parameters" (balanced parameter counts) and
-"type:<regex>" (balanced count of layers whose class matches, e.g. "type:Block") are its own.
+The stages: `pipelines.stages.partition` (by cost or a pattern's | marks; else DeepSpeed's methods).
 
 Activation checkpointing every k layers: DeepSpeed cuts each stage's layer list into runs of k
 and recomputes each run in the backward. We give it torch's non-reentrant checkpoint, which
