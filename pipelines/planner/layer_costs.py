@@ -264,10 +264,15 @@ def layer_work(shape: RankShape, kind: str) -> LayerWork:
     if kind == "final_norm":
         return LayerWork((_norm(shape),), _norm_weights(shape))
     if kind == "head":
-        loss = Kernel("elementwise", 0, 2 * STREAM * t * _vocab_rows(shape))  # float32 softmax and its gradient
         head = _matmul(shape, d, _vocab_rows(shape))
-        return LayerWork((head, loss), _stream_in(shape, head) + _loss_collectives(shape))
+        return LayerWork((head,), _stream_in(shape, head))
     return block_work(shape, kind)
+
+
+def loss_work(shape: RankShape) -> LayerWork:
+    """The loss after the head, outside the layer list (never recomputed): float32 softmax and gradient."""
+    return LayerWork((Kernel("elementwise", 0, 2 * STREAM * shape.tokens * _vocab_rows(shape)),),
+                     _loss_collectives(shape))
 
 
 def boundary_bytes(shape: RankShape) -> int:

@@ -17,7 +17,7 @@ from megamamba.parallel.tensor.model_layout import check_model_layout
 from megamamba.pipelines.config.layout import Layout, engine_config
 from megamamba.pipelines.memory.fit import RESERVED
 from megamamba.pipelines.memory.plan import RunShape, StageMemory, plan_memory
-from megamamba.pipelines.planner.layer_costs import RankShape, layer_work
+from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
 from megamamba.pipelines.planner.profile import Profile
 from megamamba.pipelines.planner.step_time import (
     Grid,
@@ -134,9 +134,12 @@ def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, gr
     rank = RankShape(request.model, layout.micro_batch_size, request.seq_length, grid.tp, grid.cp, grid.tp > 1,
                      2 if request.autocast else 4)
     kinds = layer_kinds(request.model)
-    per_kind = {kind: layer_time(layer_work(rank, kind), grid, profile, recompute) for kind in set(kinds)}
-    stages = [stage_time([per_kind[kinds[i]] for i in range(bounds[s], bounds[s + 1])], rank, grid, profile,
-                         (s > 0) + (s < grid.pp - 1)) for s in range(grid.pp)]
+    tied_head = request.model.tie_embeddings and grid.pp > 1  # DeepSpeed's tied forward_fn is not checkpointed
+    per_kind = {kind: layer_time(layer_work(rank, kind), grid, profile,
+                                 recompute and not (kind == "head" and tied_head)) for kind in set(kinds)}
+    loss = layer_time(loss_work(rank), grid, profile, recompute=False)  # on the last stage, after its layers
+    stages = [stage_time([per_kind[kinds[i]] for i in range(bounds[s], bounds[s + 1])] + [loss] * (s == grid.pp - 1),
+                         rank, grid, profile, (s > 0) + (s < grid.pp - 1)) for s in range(grid.pp)]
     slowest = max(stages, key=lambda t: t.total)
     m = layout.grad_accum
     reductions = []
