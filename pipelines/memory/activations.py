@@ -27,7 +27,7 @@ and one run is rebuilt at a time in the backward. The backward adds the gradient
 layer's activations or the logits (and the loss's float32 chunk, 128 MiB at most) for one micro-batch.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megamamba.config import Mamba1Options, MambaConfig
 from megamamba.model.chunked_cross_entropy import CHUNK_ELEMENTS
@@ -205,9 +205,20 @@ def _loss_bytes_per_token(shape: ActivationShape) -> int:
     return shape.act * shape.local_vocab + 8 + 4
 
 
+_last_table = [None, None]  # (shape without in_flight, last_layer) and its table: a plan asks once per stage
+
+
 def _per_layer(shape: ActivationShape, last_layer: int) -> tuple:
     """For every layer 0 .. last_layer (0 embedding, blocks, last_layer - 1 final norm, last_layer head): the bytes
-    one micro-batch keeps, and the bytes of the bf16 weight copies autocast makes in one forward."""
+    one micro-batch keeps, and the bytes of the bf16 weight copies autocast makes in one forward (the same on
+    every stage of a plan, so the last table is kept)."""
+    key = (replace(shape, in_flight=1), last_layer)
+    if _last_table[0] != key:
+        _last_table[:] = [key, _layer_table(key[0], last_layer)]
+    return _last_table[1]
+
+
+def _layer_table(shape: ActivationShape, last_layer: int) -> tuple:
     copy = 2 if shape.autocast else 0
     blocks = {kind: (block_bytes_per_token(shape, kind) * shape.tokens + _block_constant_bytes(shape, kind),
                      copy * _linear_weights_per_block(shape, kind)) for kind in set(shape.model.block_kinds)}
