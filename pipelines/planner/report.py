@@ -1,11 +1,25 @@
 """The planner's answer as console lines (a ranked table, where the best plan's time goes, the rejected
 families) or as one JSON object with the same content."""
+import json
 from dataclasses import asdict
 
 from megamamba.pipelines.planner.search import Plan, Search
 
 GiB = 2**30
 TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer")
+
+
+def train_flags(plan: Plan) -> str:
+    """launch/train.py's layout flags for `plan`."""
+    return (f"--tensor-parallel-size {plan.tp} --pipeline-parallel-size {plan.pp} --context-parallel-size {plan.cp}"
+            + (" --sequence-parallel" if plan.sequence_parallel else "")
+            + (" --checkpoint-activations-interval 1" if plan.recompute else ""))
+
+
+def deepspeed_keys(plan: Plan) -> dict:
+    """The DeepSpeed JSON keys `plan` sets."""
+    return {"train_micro_batch_size_per_gpu": plan.micro_batch_size, "gradient_accumulation_steps": plan.grad_accum,
+            "zero_optimization": {"stage": plan.zero_stage}}
 
 
 def plan_dict(plan: Plan) -> dict:
@@ -15,7 +29,8 @@ def plan_dict(plan: Plan) -> dict:
             "memory_bytes": {k: v for k, v in asdict(plan.memory).items() if k != "stage"} |
             {"total": plan.memory.total, "stage": plan.memory.stage},
             "step_seconds": {k: getattr(plan.time, k) for k in TIME_PARTS} | {"total": plan.time.total},
-            "tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu, "mfu": plan.mfu}
+            "tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu, "mfu": plan.mfu,
+            "train_flags": train_flags(plan), "deepspeed_config": deepspeed_keys(plan)}
 
 
 def search_dict(result: Search, top: int) -> dict:
@@ -46,8 +61,9 @@ def search_lines(result: Search, top: int) -> list:
     if result.plans:
         best = result.plans[0]
         parts = ", ".join(f"{k.replace('_', ' ')} {getattr(best.time, k):.3f} s "
-                          f"({100 * getattr(best.time, k) / best.time.total:.0f}%)"
-                          for k in TIME_PARTS if getattr(best.time, k) > 0)
+                          f"({100 * getattr(best.time, k) / best.time.total:.0f}%)" for k in TIME_PARTS)
         lines.append(f"best plan's step: {parts}")
+        lines.append(f"run it: launch/train.py {train_flags(best)} --seq-length {r.seq_length}, DeepSpeed JSON "
+                     f"{json.dumps(deepspeed_keys(best))}")
     lines += [f"rejected {x.family}: {x.reason}" for x in result.rejected]
     return lines
