@@ -121,8 +121,10 @@ def _roofline(kind: str, model: MambaConfig, batch: int, seqlen: int, act: int, 
     return max(flops / matmul, nbytes / copy)
 
 
-def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device, links: dict) -> Profile:
-    """This machine's profile at `model`'s shapes; `links` from `collective_links` (measured separately)."""
+def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device, links: dict,
+              links_from: str) -> Profile:
+    """This machine's profile at `model`'s shapes; `links` (from `measure_links`, or another profile's when
+    this machine has one GPU) and where they come from, `links_from`, measured separately."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     act = 2 if dtype == torch.bfloat16 else 4
     matmul, copy, launch = matmul_rate(device, dtype), copy_bandwidth(device), launch_time(device)
@@ -138,7 +140,7 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
     threads = torch.get_num_threads()
     return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU threads), "
                          f"at {model.d_model}-wide "
-                         f"layers, batch {batch} x seq {seqlen}; one tier measured, used for both",
+                         f"layers, batch {batch} x seq {seqlen}; links: {links_from}",
                    int(memory), matmul, copy, launch, measured, links)
 
 
