@@ -103,7 +103,7 @@ def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str
     """Why (cp, tp, pp) cannot run this model and sequence at all, or None."""
     model = request.model
     if tp > request.gpus_per_node:
-        return f"tp {tp} would span nodes of {request.gpus_per_node} GPUs"
+        return f"tp {tp} would span nodes of {request.gpus_per_node} GPUs: use tp {request.gpus_per_node} or less"
     try:
         check_model_layout(model, tp)
         check_context_layout(request.seq_length, cp, model.mixer_options.d_conv, tp, tp > 1)
@@ -191,8 +191,8 @@ def _nothing_fits(result: "Search") -> PlanError:
             and r.global_batch_size < r.gpus:
         return PlanError(f"global batch {r.global_batch_size} splits over no data-parallel size of {r.gpus} GPUs "
                          f"but 1: use a multiple of {r.gpus}")
-    reasons = "; ".join(f"{x.family}: {x.reason}" for x in result.rejected[:3])
-    return PlanError(f"no layout of {r.gpus} GPUs can run this model and sequence ({reasons})")
+    reasons = "; ".join(list(dict.fromkeys(x.reason for x in result.rejected))[:3])
+    return PlanError(f"no layout of {r.gpus} GPUs can run this model and sequence: {reasons}")
 
 
 def search(request: Request, profile: Profile) -> Search:
@@ -202,7 +202,10 @@ def search(request: Request, profile: Profile) -> Search:
     tokens = request.global_batch_size * request.seq_length
     flops_per_token = training_flops_per_token(request.model, request.seq_length)
     plans, rejected = [], []
-    for tp in _powers_of_two(request.gpus):
+    node = request.gpus_per_node
+    if request.gpus > node and "tp" not in fixed:
+        rejected.append(Rejection(f"tp > {node}", f"tensor parallelism stays inside a node of {node} GPUs"))
+    for tp in _powers_of_two(min(request.gpus, max(node, fixed.get("tp", node)))):
         for cp in _powers_of_two(request.gpus // tp):
             for pp in range(1, request.gpus // (tp * cp) + 1):
                 if request.gpus % (tp * cp * pp):

@@ -108,3 +108,15 @@ def test_a_7b_plan_for_64_gpus_passes_the_start_up_checks_at_that_world_size():
 def test_gpus_that_fill_no_whole_node_are_refused_naming_the_counts_either_side():
     with pytest.raises(PlanError, match="--gpus 12 is not a whole number of nodes of 8: use --gpus 8 or 16"):
         search(Request(model("mamba2-130m.json"), 12, 8, 2048, 64, 16 * GiB), H100)
+
+
+def test_tensor_parallel_sizes_beyond_a_node_are_one_rejection():
+    result = search(Request(model("mamba2-130m.json"), 32, 8, 2048, 64, 16 * GiB), H100)
+    spanning = [r for r in result.rejected if "node" in r.reason]
+    assert [(r.family, r.reason) for r in spanning] == [("tp > 8", "tensor parallelism stays inside a node of 8 GPUs")]
+
+
+def test_a_fixed_tensor_parallel_size_beyond_a_node_is_refused_by_its_rule():
+    with pytest.raises(PlanError, match="can run this model and sequence: tp 16 would span nodes of 8 GPUs: use tp 8 "
+                                        "or less$"):
+        search(Request(model("mamba2-130m.json"), 32, 8, 2048, 64, 16 * GiB, fixed={"tp": 16}), H100)
