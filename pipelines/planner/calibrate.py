@@ -79,7 +79,9 @@ def _kernel_inputs(model: MambaConfig, batch: int, seqlen: int, device, dtype) -
            "matmul": (F.linear, [rand(batch, seqlen, d), rand(4 * d, d)]),
            "elementwise": (lambda y, g: y * F.silu(g), [rand(t, 4 * d), rand(t, 4 * d)])}
     kinds = set(model.block_kinds)
-    if "mamba" in kinds and model.layer == "Mamba2":
+    if "mamba" in kinds and model.layer == "Mamba2":  # with the float32 product context parallelism adds
+        ops["matmul_fp32"] = (torch.matmul, [torch.randn(t, model.mixer_options.d_state, device=device),
+                                             torch.randn(model.mixer_options.d_state, model.d_inner, device=device)])
         mixer = model.mixer_options
         h, p, g, n = model.nheads, mixer.headdim, mixer.ngroups, mixer.d_state
         conv = model.d_inner + 2 * g * n
@@ -110,6 +112,9 @@ def _roofline(kind: str, model: MambaConfig, batch: int, seqlen: int, act: int, 
     if kind == "matmul":
         t, d = batch * seqlen, model.d_model
         flops, nbytes = 2 * t * d * 4 * d, act * (4 * d * d + t * 5 * d)
+    elif kind == "matmul_fp32":
+        t, n, di = batch * seqlen, model.mixer_options.d_state, model.d_inner
+        flops, nbytes = 2 * t * n * di, 4 * (t * n + n * di + t * di)
     elif kind == "elementwise":
         flops, nbytes = 0, 3 * act * batch * seqlen * 4 * model.d_model
     elif kind == "norm":

@@ -19,7 +19,7 @@ STREAM = 4  # the residual stream between layers is float32
 
 @dataclass(frozen=True)
 class Kernel:
-    kind: str  # a profile kernel kind: matmul, ssd, scan, conv, norm, attention, elementwise
+    kind: str  # a profile kernel kind (`pipelines.planner.profile.KERNELS`)
     flops: float
     bytes: float
     checkpointed: bool = False  # recomputed in the backward (context parallelism's corrections)
@@ -148,8 +148,8 @@ def mamba2_work(shape: RankShape) -> LayerWork:
         Kernel("norm", 0, 3 * a * t * di),
         _matmul(shape, di, d),
     )
-    if shape.cp > 1:  # the entering state's contribution C_t h0 exp(cumsum dt A), a float32 einsum
-        kernels += (Kernel("matmul", 2 * t * di * n, STREAM * t * (2 * di + groups * n), checkpointed=True),)
+    if shape.cp > 1:  # the entering state's contribution C_t h0 exp(cumsum dt A): a float32 einsum
+        kernels += (Kernel("matmul_fp32", 2 * t * di * n, STREAM * t * (2 * di + groups * n), checkpointed=True),)
     collectives = _norm_weights(shape) + _stream_in(shape, kernels[1])
     spanning = tp > 1 and not split and o.rmsnorm  # the gated norm's groups span ranks: ngroups slots summed
     collectives += _stream_out(shape, o.ngroups if spanning else 1, o.bias)

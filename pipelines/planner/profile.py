@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from megamamba.errors import MegamambaError
 
-KERNELS = ("matmul", "ssd", "scan", "conv", "norm", "attention", "elementwise")
+KERNELS = ("matmul", "matmul_fp32", "ssd", "scan", "conv", "norm", "attention", "elementwise")
 TIERS = ("intra_node", "inter_node")
 
 

@@ -114,3 +114,10 @@ def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_t
     grid = Grid(dp=1, cp=1, tp=2, pp=1, gpus_per_node=8)
     expected = max(0.0, comm - matmul / 2) + max(0.0, comm - matmul)
     assert layer_time(tp_only, grid, profile, recompute=False).tp_comm == pytest.approx(expected)
+
+
+def test_context_parallel_mamba2_adds_its_float32_state_product_recomputed_in_the_backward():
+    shape = RankShape(HYBRID, micro_batch_size=2, seq_length=256, cp=2)
+    extra = [k for k in layer_work(shape, "mamba").kernels if k.kind == "matmul_fp32"]
+    assert [(k.flops, k.checkpointed) for k in extra] == [(2 * shape.tokens * HYBRID.d_inner * 16, True)]
+    assert not [k for k in layer_work(RankShape(HYBRID, 2, 256), "mamba").kernels if k.kind == "matmul_fp32"]
