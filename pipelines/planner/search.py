@@ -146,7 +146,8 @@ def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, gr
     for s, stage in enumerate(memory):
         full = stage.parameters * (grid.dp * grid.cp if shape.zero_stage == 3 else 1)
         held = full // (grid.dp * grid.cp) if shape.zero_stage >= 1 else full
-        reductions.append((data_parallel_seconds(full, shape.zero_stage, grid, profile, m, stages[s]),
+        reductions.append((data_parallel_seconds(full, shape.zero_stage, grid, profile, m, stages[s],
+                                                 bounds[s + 1] - bounds[s]),
                            optimizer_seconds(held // 4, profile)))
     data, optimizer = max(reductions, key=sum)
     if request.model.tie_embeddings and grid.pp > 1:  # the tied weight's gradient, summed by first and last stage

@@ -118,7 +118,7 @@ class StepTime:
 
 
 def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, profile: Profile, micro_batches: int,
-                          stage: StageTime) -> float:
+                          stage: StageTime, layers: int = 1) -> float:
     """Exposed seconds of DeepSpeed 0.19.8's data-parallel traffic over dp x cp ranks for a stage holding
     `parameter_bytes` of float32 parameters (gradients reduced in float32: `pipelines.config.layout`).
 
@@ -128,7 +128,9 @@ def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, pro
     every micro-batch's backward, on the compute stream (`overlap_comm` defaults off below stage 3).
     The pipeline engine reduces after its last micro-batch. ZeRO 3, per micro-batch: the parameters
     all-gathered for the forward and again for the backward, the gradients reduce-scattered, on side
-    streams with prefetch (overlap_comm on): exposed only where they outlast the compute they overlap.
+    streams with prefetch (overlap_comm on): exposed only where they outlast the compute they overlap;
+    each of the stage's `layers` is gathered by its own all-gather (at least: DeepSpeed fetches each
+    submodule), each paying the ring's latency.
     """
     link, size = grid.link(profile, "data"), grid.size("data")
     reduce = collective_seconds("all_reduce", parameter_bytes, size, link)
@@ -137,6 +139,7 @@ def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, pro
         return reduce
     if zero_stage < 3:
         return (micro_batches if zero_stage == 2 else 1) * reduce + gather
+    gather += (layers - 1) * (size - 1) * link.alpha_s
     scatter = collective_seconds("reduce_scatter", parameter_bytes, size, link)
     backward = stage.compute - stage.forward
     return micro_batches * (max(0.0, gather - stage.forward) + max(0.0, gather + scatter - backward))

@@ -100,6 +100,12 @@ def test_zero_3_exposes_only_the_traffic_its_compute_does_not_cover():
     assert data_parallel_seconds(4e8, 3, GRID, H100, 3, busy) == 0
 
 
+def test_zero_3_pays_a_ring_latency_for_each_layer_it_gathers():
+    idle = StageTime(compute=0.0, tp_comm=0, cp_comm=0, sends=0, forward=0.0)
+    one, ten = (data_parallel_seconds(4e8, 3, GRID, H100, 1, idle, layers) for layers in (1, 10))
+    assert ten - one == pytest.approx(2 * 9 * 3 * LINK.alpha_s)
+
+
 @pytest.mark.parametrize("bandwidth", [1e9, 1e13], ids=["slow-link", "fast-link"])
 def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_them(bandwidth):
     """Under sequence parallelism the all-gather runs beside the product of this rank's own tokens (1/TP of
