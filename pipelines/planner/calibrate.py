@@ -2,10 +2,11 @@
 efficiency and backward ratio at a model's shapes, and the collectives' alpha and beta.
 
 Kernels run through the model's own ops (`megamamba.kernels`: Triton on CUDA, the PyTorch reference on
-the CPU) on one layer's inputs; a kind's efficiency is its roofline time (pipelines/planner/layer_costs.py's
-FLOPs and bytes) over the measured time. Collectives are timed on `ranks` spawned processes (gloo on the
-CPU, NCCL on GPUs) at several sizes and fitted as alpha + bytes / bandwidth per ring step; one machine
-measures one tier, so both tiers get it (the profile says so).
+the CPU) on one layer's inputs at the batch asked and 4 times it; a kind's forward is fitted as a fixed cost
+per call plus its roofline time (pipelines/planner/layer_costs.py's FLOPs and bytes) over its efficiency, so
+the planner scales only the part that grows with the work. Collectives are timed on `ranks` spawned
+processes (gloo on the CPU, NCCL on GPUs) at several sizes and fitted as alpha + bytes / bandwidth per ring
+step; one machine measures one tier, so both tiers get it (the profile says so).
 """
 import datetime
 import functools
@@ -25,6 +26,7 @@ from megamamba.pipelines.planner.layer_costs import RankShape, layer_work
 from megamamba.pipelines.planner.profile import Kernel, Link, Profile
 
 REPEATS = 7
+SIZES = 4  # kernels are timed at the batch asked and SIZES times it
 WARM_UP = 2  # the first runs compile Triton kernels and fill the allocator's caches
 
 
@@ -126,6 +128,15 @@ def _roofline(kind: str, model: MambaConfig, batch: int, seqlen: int, act: int, 
     return max(flops / matmul, nbytes / copy)
 
 
+def fit_kernel(small: tuple, large: tuple) -> tuple:
+    """(efficiency, fixed seconds) from (roofline seconds, measured seconds) at two sizes, as
+    measured = fixed + roofline / efficiency. Where the larger is not measurably slower, the work is below
+    the noise: efficiency 1 and the smaller's time as the fixed cost."""
+    (r1, t1), (r2, t2) = small, large
+    efficiency = min(1.0, (r2 - r1) / (t2 - t1)) if t2 > t1 and r2 > r1 else 1.0
+    return efficiency, max(0.0, t1 - r1 / efficiency)
+
+
 def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device, links: dict,
               links_from: str) -> Profile:
     """This machine's profile at `model`'s shapes; `links` (from `measure_links`, or another profile's when
@@ -134,10 +145,13 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
     act = 2 if dtype == torch.bfloat16 else 4
     matmul, copy, launch = matmul_rate(device, dtype), copy_bandwidth(device), launch_time(device)
     measured = {}
+    larger = _kernel_inputs(model, SIZES * batch, seqlen, device, dtype)
     for kind, (op, inputs) in _kernel_inputs(model, batch, seqlen, device, dtype).items():
         forward, backward = _forward_backward(op, inputs, device)
-        roofline = _roofline(kind, model, batch, seqlen, act, matmul, copy)
-        measured[kind] = Kernel(min(1.0, roofline / max(forward - launch, 1e-9)), backward / forward)
+        large = _seconds(functools.partial(op, *larger[kind][1]), device)
+        efficiency, fixed = fit_kernel((_roofline(kind, model, batch, seqlen, act, matmul, copy), forward),
+                                       (_roofline(kind, model, SIZES * batch, seqlen, act, matmul, copy), large))
+        measured[kind] = Kernel(efficiency, backward / forward, fixed)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"

@@ -6,6 +6,7 @@ numbers with every kernel at the roofline, labelled "published"; `python launch/
 """
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from megamamba.errors import MegamambaError
 
@@ -26,10 +27,12 @@ class Link:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A kernel kind's fraction of the roofline (flops at the matmul rate, bytes at the copy bandwidth),
-    forward, and its backward's time as a multiple of its forward's."""
+    """A kernel kind's forward: a fixed cost per call (None: the profile's launch_s) plus its roofline time
+    (flops at the matmul rate or bytes at the copy bandwidth) over `efficiency`; its backward's time as a
+    multiple of its forward's."""
     efficiency: float = 1.0
     backward_ratio: float = 2.0
+    fixed_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,9 @@ def load_profile(path: str) -> Profile:
     for kind, values in data.get("kernels", {}).items():
         if kind not in KERNELS:
             raise ProfileError(f"profile {path}: kernels.{kind} is not a kernel kind; known: {KERNELS}")
-        kernels[kind] = Kernel(_number(values, "efficiency", f"{path} kernels.{kind}"),
-                               _number(values, "backward_ratio", f"{path} kernels.{kind}"))
+        where = f"{path} kernels.{kind}"
+        fixed = None if values.get("fixed_s") is None else _number(values, "fixed_s", where)
+        kernels[kind] = Kernel(_number(values, "efficiency", where), _number(values, "backward_ratio", where), fixed)
     links = {}
     for tier in TIERS:
         if tier not in data.get("links", {}):

@@ -50,9 +50,11 @@ def collective_seconds(kind: str, nbytes: float, size: int, link: Link) -> float
 
 
 def kernel_seconds(kind: str, flops: float, nbytes: float, profile: Profile) -> float:
-    """A kernel's forward: its launch, then its FLOPs or bytes at the roofline over its kind's efficiency."""
+    """A kernel's forward: its kind's fixed cost (or the launch), then its FLOPs or bytes at the roofline over
+    its kind's efficiency."""
     roofline = max(flops / profile.matmul_flops_per_s, nbytes / profile.copy_bytes_per_s)
-    return profile.launch_s + roofline / profile.kernel(kind).efficiency
+    kernel = profile.kernel(kind)
+    return (profile.launch_s if kernel.fixed_s is None else kernel.fixed_s) + roofline / kernel.efficiency
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """The calibration's measurements: a kernel's backward is timed on its own, so noise in the forward's timing
-cannot make its backward ratio vanish; link alpha-beta come from a least-squares fit."""
+cannot make its backward ratio vanish; a kernel's fixed cost and efficiency, and a link's alpha-beta, come from
+fits."""
 import time
 
 import pytest
 import torch
 
-from megamamba.pipelines.planner.calibrate import _forward_backward, fit_link
+from megamamba.pipelines.planner.calibrate import _forward_backward, fit_kernel, fit_link
 
 
 class _Sleeps(torch.autograd.Function):
@@ -32,3 +33,12 @@ def test_a_link_fit_recovers_alpha_and_bandwidth():
     samples = [(b, 1e-5 + b / 2e9) for b in (1e3, 1e5, 1e6, 4e6)]
     link = fit_link(samples)
     assert (link.alpha_s, link.bytes_per_s) == (pytest.approx(1e-5), pytest.approx(2e9))
+
+
+def test_a_kernels_fixed_cost_and_efficiency_come_from_two_sizes():
+    efficiency, fixed = fit_kernel((1e-3, 5e-3 + 1e-3 / 0.25), (4e-3, 5e-3 + 4e-3 / 0.25))
+    assert (efficiency, fixed) == (pytest.approx(0.25), pytest.approx(5e-3))
+
+
+def test_a_kernel_whose_larger_size_is_not_slower_is_all_fixed_cost():
+    assert fit_kernel((1e-6, 2e-3), (4e-6, 1.9e-3)) == (1.0, pytest.approx(2e-3 - 1e-6))
