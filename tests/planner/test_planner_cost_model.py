@@ -11,7 +11,7 @@ from megamamba import MambaConfig
 from megamamba.model.flops import layer_flops
 from megamamba.model.layers import layer_kinds
 from megamamba.pipelines.planner.layer_costs import RankShape, causal_pairs, layer_work
-from megamamba.pipelines.planner.profile import Link, ProfileError, load_profile
+from megamamba.pipelines.planner.profile import Kernel, Link, ProfileError, load_profile
 from megamamba.pipelines.planner.search import Request, search
 from megamamba.pipelines.planner.step_time import (
     Grid,
@@ -127,3 +127,10 @@ def test_context_parallel_mamba2_adds_its_float32_state_product_recomputed_in_th
     extra = [k for k in layer_work(shape, "mamba").kernels if k.kind == "matmul_fp32"]
     assert [(k.flops, k.checkpointed) for k in extra] == [(2 * shape.tokens * HYBRID.d_inner * 16, True)]
     assert not [k for k in layer_work(RankShape(HYBRID, 2, 256), "mamba").kernels if k.kind == "matmul_fp32"]
+
+
+def test_a_written_profile_reads_back_equal(tmp_path):
+    kernels = {"ssd": Kernel(efficiency=0.35, backward_ratio=1.3, fixed_s=6e-4), "norm": Kernel(0.5, 2.0)}
+    profile = dataclasses.replace(H100, kernels=kernels)
+    profile.to_json(str(tmp_path / "p.json"))
+    assert load_profile(str(tmp_path / "p.json")) == profile
