@@ -160,7 +160,7 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
     return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU threads), "
                          f"at {model.d_model}-wide "
                          f"layers, batch {batch} x seq {seqlen}; links: {links_from}",
-                   int(memory), matmul, copy, launch, measured, links)
+                   int(memory), matmul, copy, launch, measured, links, overlap=device.type == "cuda")
 
 
 def fit_link(samples: list) -> Link:

@@ -45,6 +45,7 @@ class Profile:
     launch_s: float  # a kernel's fixed cost: launch and ramp-up
     kernels: dict = field(default_factory=dict)  # kind -> Kernel
     links: dict = field(default_factory=dict)  # tier -> Link
+    overlap: bool = True  # communication runs beside compute (GPU streams); on the CPU they share the cores
 
     def kernel(self, kind: str) -> Kernel:
         return self.kernels.get(kind, Kernel())
@@ -83,6 +84,9 @@ def load_profile(path: str) -> Profile:
         values = data["links"][tier]
         links[tier] = Link(_number(values, "alpha_s", f"{path} links.{tier}"),
                            _number(values, "bytes_per_s", f"{path} links.{tier}"))
+    overlap = data.get("overlap", True)
+    if not isinstance(overlap, bool):
+        raise ProfileError(f"profile {path}: overlap={overlap!r} must be true or false")
     return Profile(str(data.get("name", path)), str(data.get("source", "unknown")),
                    int(_number(data, "device_memory_bytes", path)), _number(data, "matmul_flops_per_s", path),
-                   _number(data, "copy_bytes_per_s", path), _number(data, "launch_s", path), kernels, links)
+                   _number(data, "copy_bytes_per_s", path), _number(data, "launch_s", path), kernels, links, overlap)

@@ -86,7 +86,7 @@ def layer_time(work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -
         compute += forward * (1 + profile.kernel(k.kind).backward_ratio + recompute + k.checkpointed)
     for c in work.collectives:
         hidden = c.share * kernel_seconds(c.overlaps.kind, c.overlaps.flops, c.overlaps.bytes, profile) \
-            if c.overlaps is not None else 0.0
+            if c.overlaps is not None and profile.overlap else 0.0
         seconds = max(0.0, _collective(c, grid, profile) - hidden) * (2 if recompute and not c.backward else 1)
         if c.group == "tp":
             tp += seconds
@@ -130,7 +130,8 @@ def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, pro
     every micro-batch's backward, on the compute stream (`overlap_comm` defaults off below stage 3).
     The pipeline engine reduces after its last micro-batch. ZeRO 3, per micro-batch: the parameters
     all-gathered for the forward and again for the backward, the gradients reduce-scattered, on side
-    streams with prefetch (overlap_comm on): exposed only where they outlast the compute they overlap;
+    streams with prefetch (overlap_comm on): exposed only where they outlast the compute they overlap
+    (all of it where the profile does not overlap);
     each of the stage's `layers` is gathered by its own all-gather (at least: DeepSpeed fetches each
     submodule), each paying the ring's latency.
     """
@@ -143,6 +144,8 @@ def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, pro
         return (micro_batches if zero_stage == 2 else 1) * reduce + gather
     gather += (layers - 1) * (size - 1) * link.alpha_s
     scatter = collective_seconds("reduce_scatter", parameter_bytes, size, link)
+    if not profile.overlap:
+        return micro_batches * (2 * gather + scatter)
     backward = stage.compute - stage.forward
     return micro_batches * (max(0.0, gather - stage.forward) + max(0.0, gather + scatter - backward))
 

@@ -106,11 +106,14 @@ def test_zero_3_pays_a_ring_latency_for_each_layer_it_gathers():
     assert ten - one == pytest.approx(2 * 9 * 3 * LINK.alpha_s)
 
 
-@pytest.mark.parametrize("bandwidth", [1e9, 1e13], ids=["slow-link", "fast-link"])
-def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_them(bandwidth):
+@pytest.mark.parametrize("bandwidth, overlap", [(1e9, True), (1e13, True), (1e13, False)],
+                         ids=["slow-link", "fast-link", "no-overlap"])
+def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_them(bandwidth, overlap):
     """Under sequence parallelism the all-gather runs beside the product of this rank's own tokens (1/TP of
-    the matmul), the input gradient's reduce-scatter beside the weight gradient's product."""
-    profile = dataclasses.replace(H100, links={"intra_node": Link(1e-6, bandwidth), "inter_node": Link(1e-6, 1e9)})
+    the matmul), the input gradient's reduce-scatter beside the weight gradient's product; on a profile
+    without overlap (the CPU) nothing is hidden."""
+    profile = dataclasses.replace(H100, links={"intra_node": Link(1e-6, bandwidth), "inter_node": Link(1e-6, 1e9)},
+                                  overlap=overlap)
     shape = RankShape(MAMBA1, micro_batch_size=2, seq_length=4096, tp=2, sequence_parallel=True)
     work = layer_work(shape, "head")
     projection = work.kernels[0]
@@ -118,7 +121,7 @@ def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_t
     comm = collective_seconds("all_gather", shape.tokens * 96 * 2, 2, profile.links["intra_node"])
     tp_only = dataclasses.replace(work, collectives=work.collectives[:2])
     grid = Grid(dp=1, cp=1, tp=2, pp=1, gpus_per_node=8)
-    expected = max(0.0, comm - matmul / 2) + max(0.0, comm - matmul)
+    expected = max(0.0, comm - matmul / 2) + max(0.0, comm - matmul) if overlap else 2 * comm
     assert layer_time(tp_only, grid, profile, recompute=False).tp_comm == pytest.approx(expected)
 
 
@@ -134,3 +137,10 @@ def test_a_written_profile_reads_back_equal(tmp_path):
     profile = dataclasses.replace(H100, kernels=kernels)
     profile.to_json(str(tmp_path / "p.json"))
     assert load_profile(str(tmp_path / "p.json")) == profile
+
+
+def test_without_overlap_zero_3_exposes_all_its_traffic():
+    busy = StageTime(compute=30.0, tp_comm=0, cp_comm=0, sends=0, forward=10.0)
+    serial = dataclasses.replace(H100, overlap=False)
+    scatter = collective_seconds("reduce_scatter", 4e8, 4, LINK)
+    assert data_parallel_seconds(4e8, 3, GRID, serial, 3, busy) == pytest.approx(3 * (2 * GATHER + scatter))
