@@ -7,6 +7,10 @@ from megamamba.pipelines.planner.search import Plan, Search
 
 GiB = 2**30
 TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer")
+ASSUMPTIONS = ("TP inside a node, with sequence parallelism", "TP and CP sizes powers of two",
+               "ZeRO 0 or 1 with pp > 1 (DeepSpeed's pipeline engine refuses 2 and 3)",
+               "recompute every layer or none", "the cost partition",
+               "DeepSpeed's ZeRO defaults (5e8-element buckets, overlap_comm with ZeRO 3 only)")
 
 
 def train_flags(plan: Plan) -> str:
@@ -37,7 +41,8 @@ def search_dict(result: Search, top: int) -> dict:
     r = result.request
     return {"gpus": r.gpus, "gpus_per_node": r.gpus_per_node, "seq_length": r.seq_length,
             "global_batch_size": r.global_batch_size, "device_memory_bytes": r.device_memory,
-            "fixed": r.fixed, "feasible": len(result.plans), "plans": [plan_dict(p) for p in result.plans[:top]],
+            "fixed": r.fixed, "assumptions": list(ASSUMPTIONS), "feasible": len(result.plans),
+            "plans": [plan_dict(p) for p in result.plans[:top]],
             "rejected": [{"family": x.family, "reason": x.reason} for x in result.rejected]}
 
 
@@ -55,6 +60,7 @@ def search_lines(result: Search, top: int) -> list:
     lines = [f"plans for {r.gpus} GPUs ({r.gpus_per_node} per node, {r.device_memory / GiB:.1f} GiB each), seq "
              f"{r.seq_length}, global batch {r.global_batch_size}: {len(result.plans)} feasible"
              + (f", fixed {r.fixed}" if r.fixed else ""),
+             f"assumed: {'; '.join(ASSUMPTIONS)}",
              "rank   dp  cp  tp  pp  ZeRO  micro x accum  rec  GiB: param  grads  optim   bufs   acts  total"
              "     step s  tok/s/GPU    MFU"]
     lines += [_row(i + 1, p) for i, p in enumerate(result.plans[:top])]
