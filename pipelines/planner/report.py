@@ -9,6 +9,7 @@ GiB = 2**30
 TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer")
 ASSUMPTIONS = ("TP inside a node, with sequence parallelism", "TP and CP sizes powers of two",
                "ZeRO 0 or 1 with pp > 1 (DeepSpeed's pipeline engine refuses 2 and 3)",
+               "ZeRO 3 only when fixed (the memory plan counts its partition, not its gathered parameters)",
                "recompute every layer or none", "the cost partition",
                "DeepSpeed's ZeRO defaults (5e8-element buckets, overlap_comm with ZeRO 3 only)")
 

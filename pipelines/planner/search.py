@@ -239,8 +239,9 @@ def _family_plans(request: Request, profile: Profile, grid: Grid, usable: int, t
     fixed, dp = request.fixed, grid.dp
     per_replica = request.global_batch_size // dp
     micros = [m for m in range(1, per_replica + 1) if per_replica % m == 0 and fixed.get("micro_batch_size", m) == m]
-    stages = [0, 1] if grid.pp > 1 else [0, 1, 2, 3]
-    zeros = [z for z in stages if fixed.get("zero_stage", z) == z]
+    # ZeRO-3 only when asked for: the memory plan counts its partition, not its gathered and prefetched parameters
+    stages = [0, 1] if grid.pp > 1 else [0, 1, 2, 3 if fixed.get("zero_stage") == 3 else 2]
+    zeros = sorted({z for z in stages if fixed.get("zero_stage", z) == z})
     family = label(grid.dp, grid.cp, grid.tp, grid.pp)
     if not zeros:
         return [], Rejection(family, f"ZeRO stage {fixed['zero_stage']} with pp {grid.pp}: DeepSpeed's pipeline "

@@ -120,3 +120,10 @@ def test_a_fixed_tensor_parallel_size_beyond_a_node_is_refused_by_its_rule():
     with pytest.raises(PlanError, match="can run this model and sequence: tp 16 would span nodes of 8 GPUs: use tp 8 "
                                         "or less$"):
         search(Request(model("mamba2-130m.json"), 32, 8, 2048, 64, 16 * GiB, fixed={"tp": 16}), H100)
+
+
+def test_zero_3_is_planned_only_when_asked_for(small_search):
+    """The memory plan counts ZeRO-3's partition, not its gathered parameters: the search does not pick it alone."""
+    assert {p.zero_stage for p in small_search.plans} == {0, 1, 2}
+    asked = search(Request(model("mamba2-130m.json"), 8, 8, 2048, 64, 16 * GiB, fixed={"zero_stage": 3}), H100)
+    assert asked.plans and {p.zero_stage for p in asked.plans} == {3}
