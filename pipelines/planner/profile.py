@@ -56,10 +56,12 @@ class Profile:
             f.write("\n")
 
 
-def _number(data: dict, key: str, where: str) -> float:
+def _number(data: dict, key: str, where: str, zero_allowed: bool = False) -> float:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ProfileError(f"{where}: {key}={value!r} must be a positive number")
+    in_range = isinstance(value, (int, float)) and (value >= 0 if zero_allowed else value > 0)
+    if isinstance(value, bool) or not in_range:
+        raise ProfileError(f"{where}: {key}={value!r} must be a {'non-negative' if zero_allowed else 'positive'} "
+                           "number")
     return float(value)
 
 
@@ -75,7 +77,7 @@ def load_profile(path: str) -> Profile:
         if kind not in KERNELS:
             raise ProfileError(f"profile {path}: kernels.{kind} is not a kernel kind; known: {KERNELS}")
         where = f"{path} kernels.{kind}"
-        fixed = None if values.get("fixed_s") is None else _number(values, "fixed_s", where)
+        fixed = None if values.get("fixed_s") is None else _number(values, "fixed_s", where, zero_allowed=True)
         kernels[kind] = Kernel(_number(values, "efficiency", where), _number(values, "backward_ratio", where), fixed)
     links = {}
     for tier in TIERS:

@@ -144,3 +144,8 @@ def test_without_overlap_zero_3_exposes_all_its_traffic():
     serial = dataclasses.replace(H100, overlap=False)
     scatter = collective_seconds("reduce_scatter", 4e8, 4, LINK)
     assert data_parallel_seconds(4e8, 3, GRID, serial, 3, busy) == pytest.approx(3 * (2 * GATHER + scatter))
+
+
+def test_the_shipped_cpu_profile_is_a_measured_one_and_loads():
+    profile = load_profile(os.path.join(ROOT, "launch/profiles/cpu.json"))
+    assert profile.source.startswith("measured") and profile.kernel("norm").fixed_s == 0.0
