@@ -19,6 +19,7 @@ import warnings
 from typing import NamedTuple, Optional, Union
 
 import hjson
+import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
@@ -45,6 +46,9 @@ from megamamba.pipelines.loop.faults import (
 from megamamba.pipelines.loop.training import LoopSettings, StartedRun, TrainingLoop
 from megamamba.pipelines.memory.fit import MemoryPlanError, check_at_start
 from megamamba.pipelines.memory.plan import RunShape, plan_memory
+from megamamba.pipelines.planner.for_run import choice_lines, choose, default_profile
+from megamamba.pipelines.planner.profile import ProfileError, load_profile
+from megamamba.pipelines.planner.search import PlanError
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_partition_method
 from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 
@@ -55,7 +59,7 @@ log = logging.getLogger("megamamba.launch.train")  # shown as `train.py: ...` (m
 warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     """Our flags, DeepSpeed's (--deepspeed, --deepspeed_config) and Megatron's names for the same settings
     (--tensor-model-parallel-size, --micro-batch-size, --data-path, ...); no abbreviations."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
@@ -153,8 +157,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="exit when no step finishes for this many seconds after the first (0: off)")
     p.add_argument("--no-memory-check", action="store_true",
                    help="start even when the start-up memory plan says a rank does not fit its GPU")
+    p.add_argument("--auto-parallel", action="store_true",
+                   help="choose tp, pp, cp, the ZeRO stage, the micro batch and recomputation with the planner "
+                        "(launch/plan.py) for this world size and device memory; what you set stays fixed")
+    p.add_argument("--plan-profile", default=None, metavar="PROFILE",
+                   help="hardware profile for --auto-parallel (default: launch/profiles/ by GPU name; "
+                        "launch/profiles/cpu.json on the CPU)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+_UNSET = object()
+
+
+def given_flags(argv=None) -> set:
+    """The settings (their dests) that `argv` gives explicitly, defaults left out."""
+    marked = argparse.Namespace(**{dest: _UNSET for dest in vars(parse_args(argv))})
+    return {dest for dest, value in vars(_parser().parse_args(argv, namespace=marked)).items() if value is not _UNSET}
 
 
 def _read_json(path: str, what: str) -> dict:
@@ -196,6 +219,8 @@ def _with_batch_flags(ds_config: dict, args) -> dict:
         if config.get(key) is not None and config[key] != value:
             raise LayoutError(f"{flag} {value} disagrees with the DeepSpeed config's {key}={config[key]}; keep one")
         config[key] = value
+    if getattr(args, "zero_stage", None) is not None:  # chosen by --auto-parallel
+        config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": args.zero_stage}
     return config
 
 
@@ -293,6 +318,36 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
                    None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}", ds_config)
 
 
+PLANNED = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
+           "checkpoint_activations_interval": "recompute", "micro_batch_size": "micro_batch_size"}
+
+
+def auto_parallel(args: argparse.Namespace, argv, world_size: int) -> list:
+    """--auto-parallel: the planner's choice for this job written into `args`; the lines saying what it chose."""
+    ds_config = _with_batch_flags(_read_deepspeed_config(args.deepspeed_config), args)
+    model = _model_config(args.model_config, args.hybrid_layer_pattern)
+    given = {PLANNED[dest]: getattr(args, dest) for dest in given_flags(argv) & set(PLANNED)}
+    if "recompute" in given:
+        given["recompute"] = given["recompute"] > 0
+    accelerator = get_accelerator()
+    local_ranks = int(os.environ.get("LOCAL_SIZE", world_size))
+    if accelerator.device_name() == "cpu":  # the host's memory, shared by the node's ranks
+        device, memory = None, accelerator.total_memory() // local_ranks
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device, memory = torch.cuda.get_device_name(local_rank), accelerator.total_memory(local_rank)
+    profiles = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+    profile = load_profile(args.plan_profile or default_profile(profiles, device))
+    choice = choose(model, ds_config, given, world_size, local_ranks, memory, args.seq_length, profile)
+    best = choice.best
+    args.tensor_parallel_size, args.pipeline_parallel_size, args.context_parallel_size = best.tp, best.pp, best.cp
+    args.sequence_parallel = args.sequence_parallel or best.sequence_parallel
+    args.micro_batch_size, args.zero_stage = best.micro_batch_size, best.zero_stage
+    if best.recompute and "recompute" not in given:
+        args.checkpoint_activations_interval = 1
+    return choice_lines(choice)
+
+
 def fail(error, status: int = 2):
     """One line on stderr, this rank's process group torn down, then exit with `status`.
 
@@ -310,10 +365,15 @@ def main(argv=None) -> dict:
     job_start = time.perf_counter()
     console_log.configure()
     args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        plan = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))
-    except LayoutError as e:
+        chosen = auto_parallel(args, argv, world_size) if args.auto_parallel else []
+        plan = prepare(args, world_size)
+    except (LayoutError, PlanError, ProfileError) as e:
         fail(e)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in chosen:
+            log.info(line)
 
     init_distributed()
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
