@@ -10,15 +10,17 @@ pipelines/planner/step_time.py with the profile's rates. No GPU is needed to pla
 the machine it runs on (its GPU, or the CPU) at the model's shapes.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
 
-from megamamba.config import ConfigError, MambaConfig
-from megamamba.errors import MegamambaError
-from megamamba.pipelines.planner.profile import load_profile
-from megamamba.pipelines.planner.report import search_dict, search_lines
-from megamamba.pipelines.planner.search import Request, search
+with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator choice to stdout: keep --json clean
+    from megamamba.config import ConfigError, MambaConfig
+    from megamamba.errors import MegamambaError
+    from megamamba.pipelines.planner.profile import load_profile
+    from megamamba.pipelines.planner.report import search_dict, search_lines
+    from megamamba.pipelines.planner.search import Request, search
 
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
