@@ -4,9 +4,11 @@
 
 Runs launch/train.py's start-up (`prepare`, the process groups, `build_trainer`) with
 launch/configs/tiny-cpu.json (ZeRO 1, float32) at (dp, tp, pp) = (1, 1, 1) on one rank, then at
-(1, 2, 2) on four, never both at once. Each rank is a freshly spawned process on gloo
-(tests/distributed.py's `run_ranks`), so its ru_maxrss is its peak since process start; it
-reports that peak (GiB) and the seconds since its process started, once its engine is built.
+(1, 2, 2) on four, never both at once, the stages holding equal numbers of blocks (`type:Block`: the
+default cost partition gives the first stage more blocks, the last the head). Each rank is a freshly
+spawned process on gloo (tests/distributed.py's `run_ranks`), so its ru_maxrss is its peak since
+process start; it reports that peak (GiB) and the seconds since its process started, once its engine
+is built.
 Prints both runs and the ratio of the largest (1,2,2) peak to the (1,1,1) peak; exits 1 when the
 ratio is above --max-ratio.
 
@@ -34,6 +36,7 @@ from train_entry import load_train_script  # noqa: E402
 
 DS_CONFIG = os.path.join(REPO, "launch/configs/tiny-cpu.json")
 LAYOUTS = ((1, 1, 1), (1, 2, 2))  # (dp, tp, pp)
+PARTITION = "type:Block"  # equal blocks per stage: each stage holds half the blocks, as the ratio's bound assumes
 GiB = 2**30
 PROCESS_GIB = 0.5  # a rank before its model: torch, DeepSpeed and the training data (measured 0.26-0.47)
 RSS_PER_PARAMETER_BYTE = 3.5  # peak above that per stage parameter byte (measured 3.0 at (1,1,1), 3.5 at (1,2,2))
@@ -60,7 +63,7 @@ def rank_startup(model_config: str, tp: int, pp: int) -> tuple:
     logger.setLevel(logging.WARNING)
     script = load_train_script()
     args = script.parse_args(["--deepspeed_config", DS_CONFIG, "--model-config", model_config, "--train-iters", "1",
-                              "--seq-length", "64", "--tp", str(tp), "--pp", str(pp)])
+                              "--seq-length", "64", "--tp", str(tp), "--pp", str(pp), "--partition-method", PARTITION])
     plan = script.prepare(args, int(os.environ["WORLD_SIZE"]))
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's op build and the pipeline's partition
         init_distributed()
@@ -83,7 +86,8 @@ def estimated_gib(model_config: str, tp: int, pp: int) -> float:
         model = MambaConfig.from_dict(json.load(f))
     with open(DS_CONFIG) as f:
         layout = resolve_layout(tp * pp, tp, pp, json.load(f))
-    stage_bytes = max(stage.parameters for stage in plan_memory(RunShape(model, layout, 64, zero_stage=1)).stages)
+    shape = RunShape(model, layout, 64, zero_stage=1, partition_method=PARTITION)
+    stage_bytes = max(stage.parameters for stage in plan_memory(shape).stages)
     return tp * pp * (PROCESS_GIB + RSS_PER_PARAMETER_BYTE * stage_bytes / GiB)
 
 
