@@ -86,6 +86,10 @@ class AttentionOptions:
     def kv_heads(self) -> int:
         return self.num_heads if self.num_heads_kv is None else self.num_heads_kv
 
+    def head_dim_for(self, d_model: int) -> int:
+        """An attention head's width: head_dim, or d_model / num_heads as mamba_ssm's MHA."""
+        return self.head_dim if self.head_dim is not None else d_model // self.num_heads
+
 
 class ConfigError(MegamambaError, ValueError):
     """A config field has a value the model cannot build; the message names the field."""
@@ -166,8 +170,8 @@ class MambaConfig:
         return AttentionOptions(**self.attn_cfg)
 
     def head_dim_of(self, options: AttentionOptions) -> int:
-        """An attention head's width: head_dim, or d_model / num_heads as mamba_ssm's MHA."""
-        return options.head_dim if options.head_dim is not None else self.d_model // options.num_heads
+        """An attention head's width at this d_model (`AttentionOptions.head_dim_for`)."""
+        return options.head_dim_for(self.d_model)
 
     @property
     def block_kinds(self) -> list:
@@ -183,6 +187,12 @@ class MambaConfig:
         if "|" not in self.hybrid_layer_pattern:
             return []
         return [len(part) for part in self.hybrid_layer_pattern.split("|")]
+
+    @property
+    def conv_width(self) -> int:
+        """The widest causal conv of the layers, whose d_conv - 1 tokens a context-parallel slice hands the
+        next: the Mamba mixers' d_conv, 1 (no halo) without Mamba layers."""
+        return self.mixer_options.d_conv if "mamba" in self.block_kinds else 1
 
     @property
     def mlp_inside_blocks(self) -> bool:

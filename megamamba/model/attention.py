@@ -54,7 +54,7 @@ class Attention(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.d_model = d_model
         self.num_heads, self.kv_heads = options.num_heads, options.kv_heads
-        self.head_dim = options.head_dim if options.head_dim is not None else d_model // options.num_heads
+        self.head_dim = options.head_dim_for(d_model)
         self.softmax_scale = options.softmax_scale
         self.rotary = (options.rotary_emb_dim, options.rotary_emb_base, options.rotary_emb_interleaved)
         qkv_rows = (self.num_heads + 2 * self.kv_heads) * self.head_dim

@@ -127,9 +127,8 @@ def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: i
             f"--seq-length {seq_length} is not divisible by tensor parallel size {layout.tp}, "
             "which sequence parallelism requires"
         )
-    conv_width = model.mixer_options.d_conv if "mamba" in model.block_kinds else 1  # no Mamba layer: no conv halo
     try:
-        check_context_layout(seq_length, layout.cp, conv_width, layout.tp, sequence_parallel)
+        check_context_layout(seq_length, layout.cp, model.conv_width, layout.tp, sequence_parallel)
     except LayoutError as e:
         raise LayoutError(f"--seq-length {seq_length}: {e}") from None
     if clip_grad is not None and "gradient_clipping" in ds_config:

@@ -20,6 +20,7 @@ from megamamba.errors import LayoutError
 from megamamba.parallel.tensor.model_layout import check_model_layout
 from megamamba.pipelines.loop.agreement import agree
 from megamamba.pipelines.memory.plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
+from megamamba.pipelines.stages.partition import check_pattern_stages
 
 RESERVED = 2 * GiB
 SMALL_BUCKET = int(5e7)  # a tenth of DeepSpeed's default reduce bucket: 200 MB of float32 instead of 2 GB
@@ -43,11 +44,10 @@ def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
     layout, model = shape.layout, shape.model
     try:
         check_model_layout(model, tp)
+        check_pattern_stages(model, pp)  # a pattern's | marks fix the stage count
     except LayoutError:
         return None
     if model.n_layer < pp or (shape.sequence_parallel and shape.seq_length % tp):
-        return None
-    if model.pattern_stages and len(model.pattern_stages) != pp:  # the pattern's | marks fix the stage count
         return None
     world, model_ranks = layout.world_size, layout.cp * tp * pp
     if world % model_ranks or layout.global_batch_size % (layout.micro_batch_size * world // model_ranks):

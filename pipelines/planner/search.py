@@ -28,7 +28,7 @@ from megamamba.pipelines.planner.step_time import (
     optimizer_seconds,
     stage_time,
 )
-from megamamba.pipelines.stages.partition import DEFAULT_PARTITION
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_pattern_stages
 
 FIXABLE = ("dp", "cp", "tp", "pp", "zero_stage", "micro_batch_size", "recompute")
 
@@ -106,14 +106,12 @@ def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str
         return f"tp {tp} would span nodes of {request.gpus_per_node} GPUs: use tp {request.gpus_per_node} or less"
     try:
         check_model_layout(model, tp)
-        check_context_layout(request.seq_length, cp, model.mixer_options.d_conv, tp, tp > 1)
+        check_context_layout(request.seq_length, cp, model.conv_width, tp, tp > 1)
+        check_pattern_stages(model, pp)
     except LayoutError as e:
         return str(e)
     if request.seq_length % tp:
         return f"sequence parallelism needs seq {request.seq_length} divisible by tp {tp}"
-    stages = model.pattern_stages
-    if stages and len(stages) != pp:
-        return f"the pattern's | marks make {len(stages)} pipeline stages, not {pp}"
     if model.n_layer < pp:
         return f"n_layer {model.n_layer} < pp {pp}: every stage needs a block"
     return None
