@@ -134,19 +134,24 @@ class FolderWeights:
         else:
             with FolderTensors(self.directory, WEIGHTS_STEM) as tensors:
                 held = {n: tensors.shape(n) for n in tensors.names()}
+        shapes = self._from_file_names(held) if self.hf else held
+        if self.config.tie_embeddings:
+            shapes.pop(HEAD, None)
+        return shapes
+
+    def _from_file_names(self, held: dict) -> dict:
+        """transformers' tensor shapes `held` under our names: a tensor of ours made of several of the file's
+        has their rows summed; a file's tensor that is part of none of ours keeps its own name."""
         shapes, used = {}, set()
         with torch.device("meta"):
             names = [n for n, _ in MambaLM(self.config).named_parameters()]
-        for name in file_names(self.model_type, names) if self.hf else names:
+        for name in file_names(self.model_type, names):
             parts = self._parts(name)
             if all(p.name in held for p in parts):
                 first = held[parts[0].name]
                 shapes[name] = (sum(held[p.name][0] for p in parts), *first[1:]) if len(parts) > 1 else first
                 used.update(p.name for p in parts)
-        shapes.update({n: shape for n, shape in held.items() if n not in used})
-        if self.config.tie_embeddings:
-            shapes.pop(HEAD, None)
-        return shapes
+        return {**shapes, **{n: shape for n, shape in held.items() if n not in used}}
 
     def each(self, names):
         """(name, full tensor) for each of `names`, one at a time, on the CPU (the head is the embedding when tied):
