@@ -13,7 +13,6 @@ import functools
 import os
 import platform
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -24,51 +23,35 @@ from megamamba.config import MambaConfig
 from megamamba.model.causal_attention import causal_attention
 from megamamba.pipelines.planner.layer_costs import RankShape, layer_work
 from megamamba.pipelines.planner.profile import Kernel, Link, Profile
+from megamamba.pipelines.planner.timing import seconds
 
-REPEATS = 7
 SIZES = 4  # kernels are timed at the batch asked and SIZES times it
-WARM_UP = 2  # the first runs compile Triton kernels and fill the allocator's caches
-
-
-def _seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Median wall time of `fn` over REPEATS runs after WARM_UP runs."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(WARM_UP):
-        fn()
-    sync()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _forward_backward(fn: Callable[..., torch.Tensor], inputs: list, device: torch.device) -> tuple:
     """(forward seconds, backward seconds) of fn(*inputs) with every float input requiring a gradient; the
     backward is timed on its own, through one retained graph, not as a difference of two noisy medians."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    forward = _seconds(lambda: fn(*leaves), device)
+    forward = seconds(lambda: fn(*leaves), device)
     out = fn(*leaves)
     grad, wanted = torch.randn_like(out), [t for t in leaves if t.requires_grad]
-    return forward, _seconds(lambda: torch.autograd.grad(out, wanted, grad, retain_graph=True), device)
+    return forward, seconds(lambda: torch.autograd.grad(out, wanted, grad, retain_graph=True), device)
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _seconds(lambda: a @ b, device)
+    return 2 * n**3 / seconds(lambda: a @ b, device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _seconds(lambda: dst.copy_(src), device)
+    return 2 * nbytes / seconds(lambda: dst.copy_(src), device)
 
 
 def launch_time(device: torch.device) -> float:
     x = torch.zeros(1, device=device)
-    return _seconds(lambda: x.add_(1), device)
+    return seconds(lambda: x.add_(1), device)
 
 
 def _kernel_inputs(model: MambaConfig, batch: int, seqlen: int, device, dtype) -> dict:
@@ -148,7 +131,7 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
     larger = _kernel_inputs(model, SIZES * batch, seqlen, device, dtype)
     for kind, (op, inputs) in _kernel_inputs(model, batch, seqlen, device, dtype).items():
         forward, backward = _forward_backward(op, inputs, device)
-        large = _seconds(functools.partial(op, *larger[kind][1]), device)
+        large = seconds(functools.partial(op, *larger[kind][1]), device)
         efficiency, fixed = fit_kernel((_roofline(kind, model, batch, seqlen, act, matmul, copy), forward),
                                        (_roofline(kind, model, SIZES * batch, seqlen, act, matmul, copy), large))
         measured[kind] = Kernel(efficiency, backward / forward, fixed)
@@ -187,9 +170,9 @@ def _time_all_reduces(rank: int, world: int, port: int, results) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     samples = []
     for nbytes in COLLECTIVE_BYTES:
-        seconds = _seconds(functools.partial(dist.all_reduce, torch.zeros(nbytes // 4, device=device)), device)
+        took = seconds(functools.partial(dist.all_reduce, torch.zeros(nbytes // 4, device=device)), device)
         steps = 2 * (world - 1)
-        samples.append((nbytes / world, seconds / steps))
+        samples.append((nbytes / world, took / steps))
     if rank == 0:
         results.put(samples)
     dist.destroy_process_group()
