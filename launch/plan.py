@@ -30,8 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", required=True, help="a model config.json (launch/models/)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's profile into --out")
     p.add_argument("--out", help="with --calibrate: the profile file to write")
-    p.add_argument("--ranks", type=int, default=2, help="with --calibrate: processes for the collectives (with "
-                   "fewer GPUs than that, the links of --profile are kept)")
+    p.add_argument("--ranks", type=int, default=2, help="with --calibrate: processes for the collectives and the "
+                   "TP/CP steps (as many as there are GPUs; with one, the links of --profile are kept)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="with --calibrate: sequences per kernel call")
     p.add_argument("--gpus", type=int, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: min(gpus, 8))")
@@ -56,17 +56,22 @@ def calibrate_profile(args, model: MambaConfig) -> None:
     from megamamba.pipelines.planner.calibrate import calibrate, measure_links
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    gpus = torch.cuda.device_count()
-    if device.type == "cuda" and gpus < args.ranks:  # NCCL needs a GPU per rank
-        links, where = load_profile(args.profile).links, f"{args.profile}'s ({gpus} GPU here, {args.ranks} needed)"
+    ranks = min(args.ranks, torch.cuda.device_count()) if device.type == "cuda" else args.ranks  # NCCL: a GPU each
+    if ranks < 2:
+        links, where = load_profile(args.profile).links, f"{args.profile}'s (one rank here)"
     else:
-        links, where = measure_links(args.ranks), f"all-reduces on {args.ranks} processes here, one tier used for both"
-    profile = calibrate(model, args.seq_length, args.micro_batch_size, device, links, where)
+        links, where = measure_links(ranks), f"all-reduces on {ranks} processes here, one tier used for both"
+    profile = calibrate(model, args.seq_length, args.micro_batch_size, device, links, where, ranks >= 2)
     profile.to_json(args.out)
     print(f"wrote {args.out}: {profile.name}, matmul {profile.matmul_flops_per_s / 1e12:.3f} TFLOP/s, copy "
           f"{profile.copy_bytes_per_s / 1e9:.1f} GB/s, launch {profile.launch_s * 1e6:.1f} us; " +
           ", ".join(f"{k} {v.fixed_s * 1e6:.1f} us + {v.efficiency:.3g} of the roofline "
-                    f"(backward x{v.backward_ratio:.2f})" for k, v in profile.kernels.items()))
+                    f"(backward x{v.backward_ratio:.2f})" for k, v in profile.kernels.items()) +
+          "; engine per micro-batch / step: " +
+          ", ".join(f"ZeRO {z} {e.micro_batch_s * 1e3:.2f} / {e.step_s * 1e3:.2f} ms"
+                    for z, e in profile.engine.items()) +
+          "".join(f"; a {g.upper()} collective {s * 1e6:.0f} us beyond its ring"
+                  for g, s in profile.collective_call_s.items()))
 
 
 def memory_bytes(text: str) -> int:

@@ -1,13 +1,18 @@
 """Measure this machine's profile: matmul rate, copy bandwidth, kernel launch time, each kernel kind's
-efficiency and backward ratio at a model's shapes, and the collectives' alpha and beta.
+efficiency and backward ratio at a model's shapes, each layer kind's fit, and the collectives' alpha and beta.
 
 Kernels run through the model's own ops (`megamamba.kernels`: Triton on CUDA, the PyTorch reference on
 the CPU) on one layer's inputs at the batch asked and 4 times it; a kind's forward is fitted as a fixed cost
 per call plus its roofline time (pipelines/planner/layer_costs.py's FLOPs and bytes) over its efficiency, so
-the planner scales only the part that grows with the work. Collectives are timed on `ranks` spawned
-processes (gloo on the CPU, NCCL on GPUs) at several sizes and fitted as alpha + bytes / bandwidth per ring
-step; one machine measures one tier, so both tiers get it (the profile says so).
+the planner scales only the part that grows with the work. Then the model's own layers (and the loss) run
+forward and backward at both sizes, and each kind's time is fitted as a fixed cost (Python, autograd, the
+small ops no kernel counts) plus a multiple of what its kernels predict; whole steps then give the
+engine's costs, the layers' scales inside a step and the collectives' cost per call (`calibrate_engine`).
+Collectives are timed on `ranks` spawned processes (gloo on the CPU, NCCL on GPUs) at several sizes and
+fitted as alpha + bytes / bandwidth per ring step; one machine measures one tier, so both tiers get it
+(the profile says so).
 """
+import dataclasses
 import datetime
 import functools
 import os
@@ -21,20 +26,27 @@ import torch.nn.functional as F
 from megamamba import kernels
 from megamamba.config import MambaConfig
 from megamamba.model.causal_attention import causal_attention
-from megamamba.pipelines.planner.layer_costs import RankShape, layer_work
-from megamamba.pipelines.planner.profile import Kernel, Link, Profile
+from megamamba.model.layers import build_layer, layer_kinds
+from megamamba.model.lm import lm_loss
+from megamamba.pipelines.planner.calibrate_engine import one_rank_costs, two_rank_costs
+from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
+from megamamba.pipelines.planner.profile import Kernel, LayerFit, Link, Profile
+from megamamba.pipelines.planner.step_time import kernel_seconds_of
 from megamamba.pipelines.planner.timing import seconds
 
 SIZES = 4  # kernels are timed at the batch asked and SIZES times it
 
 
-def _forward_backward(fn: Callable[..., torch.Tensor], inputs: list, device: torch.device) -> tuple:
-    """(forward seconds, backward seconds) of fn(*inputs) with every float input requiring a gradient; the
-    backward is timed on its own, through one retained graph, not as a difference of two noisy medians."""
+def _forward_backward(fn: Callable[..., torch.Tensor], inputs: list, device: torch.device, parameters=(),
+                      autocast: bool = False) -> tuple:
+    """(forward seconds, backward seconds) of fn(*inputs) (under bf16 autocast when asked) with every float
+    input and `parameters` requiring a gradient; the backward is timed on its own, through one retained graph,
+    not as a difference of two noisy medians."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    forward = seconds(lambda: fn(*leaves), device)
-    out = fn(*leaves)
-    grad, wanted = torch.randn_like(out), [t for t in leaves if t.requires_grad]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        forward = seconds(lambda: fn(*leaves), device)
+        out = fn(*leaves)
+    grad, wanted = torch.randn_like(out), [t for t in leaves if t.requires_grad] + list(parameters)
     return forward, seconds(lambda: torch.autograd.grad(out, wanted, grad, retain_graph=True), device)
 
 
@@ -111,6 +123,46 @@ def _roofline(kind: str, model: MambaConfig, batch: int, seqlen: int, act: int, 
     return max(flops / matmul, nbytes / copy)
 
 
+def _layer_inputs(model: MambaConfig, kind: str, batch: int, seqlen: int, device: torch.device) -> tuple:
+    """(fn, inputs, parameters): the first layer of `kind` in the model's list on its input at these shapes
+    (the stream; token ids for the embedding), or the loss on the head's logits."""
+    ids = torch.randint(0, model.vocab_size, (batch, seqlen), device=device)
+    if kind == "loss":
+        return (lambda logits: lm_loss(logits, ids, model.vocab_size),
+                [torch.randn(batch, seqlen, model.padded_vocab_size, device=device)], [])
+    layer = build_layer(model, layer_kinds(model).index(kind), seed=0, device=device)
+    stream = [ids] if kind == "embedding" else [torch.randn(batch, seqlen, model.d_model, device=device)]
+    return layer, stream, list(layer.parameters())
+
+
+def fit_line(small: tuple, large: tuple) -> tuple:
+    """(fixed seconds, scale) from (predicted seconds, measured seconds) at two sizes, as
+    measured = fixed + scale x predicted. Where the larger is not measurably slower, scale 1 and the rest of
+    the smaller's time as the fixed cost."""
+    (p1, t1), (p2, t2) = small, large
+    scale = (t2 - t1) / (p2 - p1) if t2 > t1 and p2 > p1 else 1.0
+    return max(0.0, t1 - scale * p1), scale
+
+
+def layer_fits(model: MambaConfig, batch: int, seqlen: int, device: torch.device, kernel_profile: Profile) -> dict:
+    """Layer kind -> LayerFit: each kind of the model's list and the loss, timed forward and backward at `batch`
+    and SIZES x `batch` against what `kernel_profile`'s kernels predict for it."""
+    cuda = device.type == "cuda"
+    fits = {}
+    for kind in dict.fromkeys(["embedding", *model.block_kinds, "final_norm", "head", "loss"]):
+        points = []
+        for b in (batch, SIZES * batch):
+            fn, inputs, parameters = _layer_inputs(model, kind, b, seqlen, device)
+            shape = RankShape(model, b, seqlen, act=2 if cuda else 4)
+            predicted = kernel_seconds_of(loss_work(shape) if kind == "loss" else layer_work(shape, kind),
+                                          kernel_profile)
+            points.append((predicted, _forward_backward(fn, inputs, device, parameters, autocast=cuda)))
+        (pf1, pb1), (mf1, mb1) = points[0]
+        (pf2, pb2), (mf2, mb2) = points[1]
+        fits[kind] = LayerFit(*fit_line((pf1, mf1), (pf2, mf2)), *fit_line((pb1, mb1), (pb2, mb2)))
+    return fits
+
+
 def fit_kernel(small: tuple, large: tuple) -> tuple:
     """(efficiency, fixed seconds) from (roofline seconds, measured seconds) at two sizes, as
     measured = fixed + roofline / efficiency. Where the larger is not measurably slower, the work is below
@@ -121,9 +173,10 @@ def fit_kernel(small: tuple, large: tuple) -> tuple:
 
 
 def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device, links: dict,
-              links_from: str) -> Profile:
+              links_from: str, two_ranks: bool) -> Profile:
     """This machine's profile at `model`'s shapes; `links` (from `measure_links`, or another profile's when
-    this machine has one GPU) and where they come from, `links_from`, measured separately."""
+    this machine has one GPU) and where they come from, `links_from`, measured separately; the TP and CP
+    collectives' cost per call when the machine can run `two_ranks`."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     act = 2 if dtype == torch.bfloat16 else 4
     matmul, copy, launch = matmul_rate(device, dtype), copy_bandwidth(device), launch_time(device)
@@ -140,10 +193,13 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
     when = datetime.date.today().isoformat()
     threads = torch.get_num_threads()
-    return Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU threads), "
-                         f"at {model.d_model}-wide "
-                         f"layers, batch {batch} x seq {seqlen}; links: {links_from}",
-                   int(memory), matmul, copy, launch, measured, links, overlap=device.type == "cuda")
+    profile = Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU "
+                            f"threads), at {model.d_model}-wide layers, batch {batch} x seq {seqlen}; links: "
+                            f"{links_from}", int(memory), matmul, copy, launch, measured, links,
+                      overlap=device.type == "cuda")
+    profile = dataclasses.replace(profile, layers=layer_fits(model, batch, seqlen, device, profile))
+    profile = one_rank_costs(model, batch, seqlen, profile)
+    return two_rank_costs(model, batch, seqlen, profile) if two_ranks else profile
 
 
 def fit_link(samples: list) -> Link:

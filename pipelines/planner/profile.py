@@ -1,4 +1,6 @@
-"""What the planner knows of the hardware: rates per kernel kind, device memory, and the links' α–β.
+"""What the planner knows of the hardware: rates per kernel kind, device memory, and the links' α–β;
+a measured profile adds each layer kind's fit, the engine's fixed costs and what a TP or CP collective
+costs inside a step beyond its ring.
 
 A profile is a JSON file. Published-figure profiles (launch/profiles/) hold the vendors' peak
 numbers with every kernel at the roofline, labelled "published"; `python launch/plan.py
@@ -11,6 +13,7 @@ from typing import Optional
 from megamamba.errors import MegamambaError
 
 KERNELS = ("matmul", "matmul_fp32", "ssd", "scan", "conv", "norm", "attention", "elementwise")
+LAYERS = ("embedding", "mamba", "attention", "mlp", "final_norm", "head", "loss")  # the loss: after the head
 TIERS = ("intra_node", "inter_node")
 
 
@@ -36,6 +39,24 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class LayerFit:
+    """A layer kind's measured forward and backward as a fixed cost (Python, autograd, the layer's small ops)
+    plus a multiple of what its kernels predict; a published profile has none (the kernels alone)."""
+    forward_fixed_s: float = 0.0
+    forward_scale: float = 1.0
+    backward_fixed_s: float = 0.0
+    backward_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """What the trainer and DeepSpeed's engine add beyond the layers and the optimizer's pass: per micro-batch
+    (the engine's forward, backward and step calls) and per optimizer step."""
+    micro_batch_s: float = 0.0
+    step_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     source: str  # "published: <where>" or "measured <date> on <machine>"
@@ -45,10 +66,22 @@ class Profile:
     launch_s: float  # a kernel's fixed cost: launch and ramp-up
     kernels: dict = field(default_factory=dict)  # kind -> Kernel
     links: dict = field(default_factory=dict)  # tier -> Link
+    layers: dict = field(default_factory=dict)  # layer kind -> LayerFit
+    engine: dict = field(default_factory=dict)  # ZeRO stage as a string ("0", "1", "2") -> EngineCost
+    collective_call_s: dict = field(default_factory=dict)  # "tp", "cp" -> a collective's cost beyond its ring
+    model_scale: float = 1.0  # the layers inside a whole step take this multiple of their fits (caches run cold)
+    shared_node_scale: float = 1.0  # and this multiple again while a node's other ranks compute (a shared host)
     overlap: bool = True  # communication runs beside compute (GPU streams); on the CPU they share the cores
 
     def kernel(self, kind: str) -> Kernel:
         return self.kernels.get(kind, Kernel())
+
+    def layer(self, kind: str) -> LayerFit:
+        return self.layers.get(kind, LayerFit())
+
+    def engine_cost(self, zero_stage: int) -> EngineCost:
+        """ZeRO 3 is charged ZeRO 2's (calibration measures stages 0 to 2)."""
+        return self.engine.get(str(min(zero_stage, 2)), EngineCost())
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -79,6 +112,26 @@ def load_profile(path: str) -> Profile:
         where = f"{path} kernels.{kind}"
         fixed = None if values.get("fixed_s") is None else _number(values, "fixed_s", where, zero_allowed=True)
         kernels[kind] = Kernel(_number(values, "efficiency", where), _number(values, "backward_ratio", where), fixed)
+    layers = {}
+    for kind, values in data.get("layers", {}).items():
+        if kind not in LAYERS:
+            raise ProfileError(f"profile {path}: layers.{kind} is not a layer kind; known: {LAYERS}")
+        where = f"{path} layers.{kind}"
+        layers[kind] = LayerFit(*(_number(values, key, where, zero_allowed=key.endswith("fixed_s"))
+                                  for key in ("forward_fixed_s", "forward_scale", "backward_fixed_s",
+                                              "backward_scale")))
+    engine = {}
+    for stage, values in data.get("engine", {}).items():
+        if stage not in ("0", "1", "2"):
+            raise ProfileError(f"profile {path}: engine.{stage} is not a ZeRO stage 0, 1 or 2")
+        engine[stage] = EngineCost(*(_number(values, key, f"{path} engine.{stage}", zero_allowed=True)
+                                     for key in ("micro_batch_s", "step_s")))
+    calls = {}
+    for group, value in data.get("collective_call_s", {}).items():
+        if group not in ("tp", "cp"):
+            raise ProfileError(f"profile {path}: collective_call_s.{group} is not a group (tp or cp)")
+        calls[group] = _number({group: value}, group, f"{path} collective_call_s", zero_allowed=True)
+    scales = [_number(data, key, path) if key in data else 1.0 for key in ("model_scale", "shared_node_scale")]
     links = {}
     for tier in TIERS:
         if tier not in data.get("links", {}):
@@ -91,4 +144,5 @@ def load_profile(path: str) -> Profile:
         raise ProfileError(f"profile {path}: overlap={overlap!r} must be true or false")
     return Profile(str(data.get("name", path)), str(data.get("source", "unknown")),
                    int(_number(data, "device_memory_bytes", path)), _number(data, "matmul_flops_per_s", path),
-                   _number(data, "copy_bytes_per_s", path), _number(data, "launch_s", path), kernels, links, overlap)
+                   _number(data, "copy_bytes_per_s", path), _number(data, "launch_s", path), kernels, links, layers,
+                   engine, calls, *scales, overlap)

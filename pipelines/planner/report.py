@@ -6,7 +6,8 @@ from dataclasses import asdict
 from megamamba.pipelines.planner.search import Plan, Search
 
 GiB = 2**30
-TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer")
+TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer",
+              "overhead")
 ASSUMPTIONS = ("TP inside a node, with sequence parallelism", "TP and CP sizes powers of two",
                "ZeRO 0 or 1 with pp > 1 (DeepSpeed's pipeline engine refuses 2 and 3)",
                "ZeRO 3 only when fixed (the memory plan counts its partition, not its gathered parameters)",

@@ -133,11 +133,11 @@ def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, gr
                      2 if request.autocast else 4)
     kinds = layer_kinds(request.model)
     tied_head = request.model.tie_embeddings and grid.pp > 1  # DeepSpeed's tied forward_fn is not checkpointed
-    per_kind = {kind: layer_time(layer_work(rank, kind), grid, profile,
+    per_kind = {kind: layer_time(kind, layer_work(rank, kind), grid, profile,
                                  recompute and not (kind == "head" and tied_head)) for kind in set(kinds)}
-    loss = layer_time(loss_work(rank), grid, profile, recompute=False)  # on the last stage, after its layers
+    loss = layer_time("loss", loss_work(rank), grid, profile, recompute=False)  # on the last stage, after its layers
     stages = [stage_time([per_kind[kinds[i]] for i in range(bounds[s], bounds[s + 1])] + [loss] * (s == grid.pp - 1),
-                         rank, grid, profile, (s > 0) + (s < grid.pp - 1)) for s in range(grid.pp)]
+                         rank, grid, profile, (s > 0) + (s < grid.pp - 1), shape.zero_stage) for s in range(grid.pp)]
     slowest = max(stages, key=lambda t: t.total)
     m = layout.grad_accum
     reductions = []
@@ -152,7 +152,8 @@ def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, gr
         tied = request.model.padded_vocab_size * request.model.d_model * 4 // grid.tp
         data += collective_seconds("all_reduce", tied, 2, grid.link(profile, "pp"))
     return StepTime(m * slowest.compute, m * slowest.tp_comm, m * slowest.cp_comm, m * slowest.sends,
-                    (grid.pp - 1) * slowest.total, data, optimizer)
+                    (grid.pp - 1) * slowest.total, data, optimizer,
+                    m * slowest.overhead + profile.engine_cost(shape.zero_stage).step_s)
 
 
 def check_request(request: Request) -> None:

@@ -2,12 +2,15 @@
 
 Per micro-batch, each stage runs its layers' kernels (a kernel takes its launch time, then its FLOPs at
 the matmul rate or its bytes at the copy bandwidth, whichever is longer, over its kind's efficiency; its
-backward is its kind's ratio of that) and their TP and CP collectives (a ring on the slowest link the
-group spans: alpha per step plus bytes over bandwidth, less the compute a collective overlaps: the
-column-parallel projections' gathers and input gradients); recomputation runs every forward twice.
-DeepSpeed's 1F1B schedule takes (m + p - 1) times the slowest stage for m micro-batches on p stages, the
-bubble being p - 1 of them. Then DeepSpeed's data-parallel traffic (`data_parallel_seconds`), the tied
-embedding's all-reduce between the first and last stage, and the optimizer's pass over this rank's state.
+backward is its kind's ratio of that; a measured profile maps a layer's kernel time to its measured time
+by a fixed cost and a scale per layer kind) and their TP and CP collectives (a ring on the slowest link
+the group spans: alpha per step plus bytes over bandwidth, less the compute a collective overlaps: the
+column-parallel projections' gathers and input gradients; a measured profile adds a cost per call);
+recomputation runs every forward twice.
+A measured profile adds the engine's fixed cost per micro-batch and per step. DeepSpeed's 1F1B
+schedule takes (m + p - 1) times the slowest stage for m micro-batches on p stages, the bubble being
+p - 1 of them. Then DeepSpeed's data-parallel traffic (`data_parallel_seconds`), the tied embedding's
+all-reduce between the first and last stage, and the optimizer's pass over this rank's state.
 """
 from dataclasses import dataclass
 
@@ -37,6 +40,11 @@ class Grid:
     def size(self, group: str) -> int:
         return {"tp": self.tp, "cp": self.cp, "data": self.dp * self.cp, "pp": self.pp}[group]
 
+    def compute_scale(self, profile: Profile) -> float:
+        """The profile's multiple of its layer fits for a layer of this grid's step."""
+        shared = min(self.dp * self.cp * self.tp * self.pp, self.gpus_per_node) > 1
+        return profile.model_scale * (profile.shared_node_scale if shared else 1.0)
+
 
 def collective_seconds(kind: str, nbytes: float, size: int, link: Link) -> float:
     """A ring all-reduce, all-gather or reduce-scatter over `size` ranks, or one send."""
@@ -60,46 +68,63 @@ def kernel_seconds(kind: str, flops: float, nbytes: float, profile: Profile) -> 
 @dataclass(frozen=True)
 class StageTime:
     """One micro-batch's forward and backward on one stage, in seconds (`forward`: the compute of its first
-    forward, part of `compute`)."""
+    forward, part of `compute`; `overhead`: the engine's calls around them)."""
     compute: float
     tp_comm: float
     cp_comm: float
     sends: float
     forward: float = 0.0
+    overhead: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.cp_comm + self.sends
+        return self.compute + self.tp_comm + self.cp_comm + self.sends + self.overhead
 
 
 def _collective(c: Collective, grid: Grid, profile: Profile) -> float:
     return collective_seconds(c.kind, c.nbytes, grid.size(c.group), grid.link(profile, c.group))
 
 
-def layer_time(work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -> StageTime:
-    """One layer's forward and backward for one micro-batch (recomputation: its forward twice); a collective
-    costs what outlasts the compute it overlaps."""
-    compute = tp = cp = first = 0.0
+def kernel_seconds_of(work: LayerWork, profile: Profile) -> tuple:
+    """(forward, backward) seconds of a layer's kernels alone: the backward is each kernel's forward times its
+    kind's backward ratio, plus the forward again for a kernel recomputed in the backward."""
+    forward = backward = 0.0
     for k in work.kernels:
-        forward = kernel_seconds(k.kind, k.flops, k.bytes, profile)
-        first += forward
-        compute += forward * (1 + profile.kernel(k.kind).backward_ratio + recompute + k.checkpointed)
+        seconds = kernel_seconds(k.kind, k.flops, k.bytes, profile)
+        forward += seconds
+        backward += seconds * (profile.kernel(k.kind).backward_ratio + k.checkpointed)
+    return forward, backward
+
+
+def layer_time(kind: str, work: LayerWork, grid: Grid, profile: Profile, recompute: bool) -> StageTime:
+    """One layer of `kind` (a profile layer kind) forward and backward for one micro-batch: its kernels through
+    the profile's fit of that kind and its scales for this grid (recomputation: its forward twice); a
+    collective costs what outlasts the compute it overlaps."""
+    kernels_forward, kernels_backward = kernel_seconds_of(work, profile)
+    fit, scale = profile.layer(kind), grid.compute_scale(profile)
+    forward = scale * (fit.forward_fixed_s + fit.forward_scale * kernels_forward)
+    compute = forward * (1 + recompute) + scale * (fit.backward_fixed_s + fit.backward_scale * kernels_backward)
+    tp = cp = 0.0
     for c in work.collectives:
         hidden = c.share * kernel_seconds(c.overlaps.kind, c.overlaps.flops, c.overlaps.bytes, profile) \
             if c.overlaps is not None and profile.overlap else 0.0
-        seconds = max(0.0, _collective(c, grid, profile) - hidden) * (2 if recompute and not c.backward else 1)
+        seconds = max(0.0, _collective(c, grid, profile) - hidden) + profile.collective_call_s.get(c.group, 0.0)
+        seconds *= 2 if recompute and not c.backward else 1
         if c.group == "tp":
             tp += seconds
         else:
             cp += seconds
-    return StageTime(compute, tp, cp, 0.0, first)
+    return StageTime(compute, tp, cp, 0.0, forward)
 
 
-def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sends: int) -> StageTime:
-    """A stage of `layers` (each its `layer_time`), sending `sends` boundaries (0, 1 or 2) per micro-batch."""
+def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sends: int,
+               zero_stage: int) -> StageTime:
+    """A stage of `layers` (each its `layer_time`), sending `sends` boundaries (0, 1 or 2) per micro-batch,
+    with the engine's cost per micro-batch at `zero_stage`."""
     boundary = collective_seconds("send", boundary_bytes(shape), 2, grid.link(profile, "pp"))
     return StageTime(sum(t.compute for t in layers), sum(t.tp_comm for t in layers), sum(t.cp_comm for t in layers),
-                     2 * sends * boundary, sum(t.forward for t in layers))
+                     2 * sends * boundary, sum(t.forward for t in layers),
+                     profile.engine_cost(zero_stage).micro_batch_s)
 
 
 @dataclass(frozen=True)
@@ -112,11 +137,12 @@ class StepTime:
     bubble: float
     data_parallel: float
     optimizer: float
+    overhead: float  # the engine's, per micro-batch and per step
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.cp_comm + self.pipeline_sends + self.bubble
-                + self.data_parallel + self.optimizer)
+                + self.data_parallel + self.optimizer + self.overhead)
 
 
 def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, profile: Profile, micro_batches: int,

@@ -1,12 +1,12 @@
 """The calibration's measurements: a kernel's backward is timed on its own, so noise in the forward's timing
 cannot make its backward ratio vanish; a kernel's fixed cost and efficiency, and a link's alpha-beta, come from
-fits."""
+fits, and so does a layer's fixed cost and scale over what its kernels predict."""
 import time
 
 import pytest
 import torch
 
-from megamamba.pipelines.planner.calibrate import _forward_backward, fit_kernel, fit_link
+from megamamba.pipelines.planner.calibrate import _forward_backward, fit_kernel, fit_line, fit_link
 
 
 class _Sleeps(torch.autograd.Function):
@@ -42,3 +42,11 @@ def test_a_kernels_fixed_cost_and_efficiency_come_from_two_sizes():
 
 def test_a_kernel_whose_larger_size_is_not_slower_is_all_fixed_cost():
     assert fit_kernel((1e-6, 2e-3), (4e-6, 1.9e-3)) == (1.0, pytest.approx(2e-3 - 1e-6))
+
+
+def test_a_layers_fixed_cost_and_scale_over_its_kernels_come_from_two_sizes():
+    assert fit_line((1e-3, 4e-3 + 1.5e-3), (4e-3, 4e-3 + 6e-3)) == (pytest.approx(4e-3), pytest.approx(1.5))
+
+
+def test_a_layer_whose_larger_size_is_not_slower_keeps_its_kernels_and_the_rest_as_fixed_cost():
+    assert fit_line((1e-4, 2e-3), (4e-4, 1.9e-3)) == (pytest.approx(2e-3 - 1e-4), 1.0)

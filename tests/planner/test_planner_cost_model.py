@@ -1,6 +1,7 @@
 """The planner's cost model: its FLOPs are the training log's, collectives follow the ring's alpha-beta
 law, the pipeline bubble is DeepSpeed 1F1B's (p - 1) / (m + p - 1), the data-parallel traffic is
-DeepSpeed 0.19.8's per ZeRO stage, and profiles are read strictly."""
+DeepSpeed 0.19.8's per ZeRO stage, a measured profile's layer fits and engine costs apply where they
+are measured, and profiles are read strictly."""
 import dataclasses
 import json
 import os
@@ -11,7 +12,7 @@ from megamamba import MambaConfig
 from megamamba.model.flops import layer_flops
 from megamamba.model.layers import layer_kinds
 from megamamba.pipelines.planner.layer_costs import RankShape, causal_pairs, layer_work
-from megamamba.pipelines.planner.profile import Kernel, Link, ProfileError, load_profile
+from megamamba.pipelines.planner.profile import EngineCost, Kernel, LayerFit, Link, ProfileError, load_profile
 from megamamba.pipelines.planner.search import Request, search
 from megamamba.pipelines.planner.step_time import (
     Grid,
@@ -19,6 +20,7 @@ from megamamba.pipelines.planner.step_time import (
     collective_seconds,
     data_parallel_seconds,
     kernel_seconds,
+    kernel_seconds_of,
     layer_time,
 )
 
@@ -122,7 +124,7 @@ def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_t
     tp_only = dataclasses.replace(work, collectives=work.collectives[:2])
     grid = Grid(dp=1, cp=1, tp=2, pp=1, gpus_per_node=8)
     expected = max(0.0, comm - matmul / 2) + max(0.0, comm - matmul) if overlap else 2 * comm
-    assert layer_time(tp_only, grid, profile, recompute=False).tp_comm == pytest.approx(expected)
+    assert layer_time("head", tp_only, grid, profile, recompute=False).tp_comm == pytest.approx(expected)
 
 
 def test_context_parallel_mamba2_adds_its_float32_state_product_recomputed_in_the_backward():
@@ -134,7 +136,8 @@ def test_context_parallel_mamba2_adds_its_float32_state_product_recomputed_in_th
 
 def test_a_written_profile_reads_back_equal(tmp_path):
     kernels = {"ssd": Kernel(efficiency=0.35, backward_ratio=1.3, fixed_s=6e-4), "norm": Kernel(0.5, 2.0)}
-    profile = dataclasses.replace(H100, kernels=kernels)
+    profile = dataclasses.replace(H100, kernels=kernels, layers={"mamba": LayerFit(1e-4, 1.2, 2e-4, 0.9)},
+                                  engine={"0": EngineCost(3e-3, 1e-2), "2": EngineCost(4e-3, 2e-2)})
     profile.to_json(str(tmp_path / "p.json"))
     assert load_profile(str(tmp_path / "p.json")) == profile
 
@@ -148,4 +151,38 @@ def test_without_overlap_zero_3_exposes_all_its_traffic():
 
 def test_the_shipped_cpu_profile_is_a_measured_one_and_loads():
     profile = load_profile(os.path.join(ROOT, "launch/profiles/cpu.json"))
-    assert profile.source.startswith("measured") and profile.kernel("norm").fixed_s == 0.0
+    assert profile.source.startswith("measured")
+    assert set(profile.layers) == {"embedding", "mamba", "attention", "mlp", "final_norm", "head", "loss"}
+    assert set(profile.engine) == {"0", "1", "2"} and set(profile.collective_call_s) == {"tp", "cp"}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_a_layer_fit_turns_its_kernels_time_into_the_layers_measured_time(recompute):
+    """forward = fixed + scale x the kernels' forward (twice under recomputation), backward likewise."""
+    fitted = dataclasses.replace(H100, layers={"mamba": LayerFit(1e-3, 2.0, 3e-3, 0.5)})
+    work = layer_work(RankShape(HYBRID, 2, 256), "mamba")
+    forward, backward = kernel_seconds_of(work, fitted)
+    one = Grid(1, 1, 1, 1, 1)
+    time = layer_time("mamba", work, one, fitted, recompute)
+    assert time.forward == pytest.approx(1e-3 + 2 * forward)
+    assert time.compute == pytest.approx((1 + recompute) * (1e-3 + 2 * forward) + 3e-3 + 0.5 * backward)
+    unfitted = layer_time("mlp", work, one, fitted, recompute)
+    assert unfitted.compute == pytest.approx((1 + recompute) * forward + backward)
+
+
+def test_the_engine_costs_its_share_per_micro_batch_and_once_per_step():
+    measured = dataclasses.replace(H100, engine={"1": EngineCost(micro_batch_s=0.01, step_s=0.1)})
+    request = Request(HYBRID, 1, 1, 256, 4, 16 * 2**30, fixed={"micro_batch_size": 1, "zero_stage": 1})
+    plan = search(request, measured).plans[0]
+    assert plan.grad_accum == 4 and plan.time.overhead == pytest.approx(4 * 0.01 + 0.1)
+    assert search(request, H100).plans[0].time.overhead == 0
+
+
+def test_the_layers_run_at_the_models_scale_and_at_the_shared_nodes_only_beside_other_ranks():
+    scaled = dataclasses.replace(H100, model_scale=1.25, shared_node_scale=1.5)
+    work = layer_work(RankShape(HYBRID, 2, 256), "mlp")
+    alone, beside = (layer_time("mlp", work, grid, scaled, False).compute
+                     for grid in (Grid(1, 1, 1, 1, 8), Grid(2, 1, 1, 1, 8)))
+    forward, backward = kernel_seconds_of(work, scaled)
+    assert alone == pytest.approx(1.25 * (forward + backward)) and beside == pytest.approx(1.5 * alone)
+    assert layer_time("mlp", work, Grid(2, 1, 1, 1, 1), scaled, False).compute == pytest.approx(alone)
