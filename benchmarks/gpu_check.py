@@ -17,6 +17,8 @@ throughput:* training tokens/s at 130m, 370m, 1.3b, ours then mamba_ssm's (check
 parity       losses of ours and mamba_ssm over 20 bf16 steps from the same weights and batches
 memory_plan:* the start-up memory plan's activation estimate against one measured micro-batch
              (kept for the backward, and the peak) at 130m and 1.3b (check_memory_plan.py)
+planner_profile  `launch/plan.py --calibrate` at mamba2-130m's shapes: this GPU's planner profile,
+             <out>/planner_profile.json (one GPU: the links are launch/profiles/h200.json's)
 A section past its timeout is stopped (SIGTERM, then SIGKILL) and the next one runs; a section
 that no longer fits the budget is skipped with a record saying so. Each child's output streams to
 <out>/<section>.log. --dry-run: the CPU, our PyTorch reference for the kernels and for mamba_ssm,
@@ -45,7 +47,7 @@ REPO = os.path.dirname(HERE)
 # (section, seconds at most); the budget may cut a later one shorter.
 SECTIONS = [("imports", 60), ("nccl_smoke", 100), ("errors", 120), ("timings", 75), ("throughput:130m", 70),
             ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60), ("memory_plan:130m", 45),
-            ("memory_plan:1.3b", 60)]
+            ("memory_plan:1.3b", 60), ("planner_profile", 90)]
 PACKAGES = ["megamamba", "megamamba.kernels", "megamamba.kernels.reference", "megamamba.kernels.triton",
             "megamamba.pipelines", "megamamba.parallel", "megamamba.checkpoint", "megamamba.data",
             "megamamba.tokenizer"]
@@ -160,6 +162,9 @@ def run_section(args) -> int:
         from check_memory_plan import check
         results.write("memory_plan", **check(size, 0, args.dry_run))
         return 0
+    if name == "planner_profile":
+        planner_profile(results, args.out, args.dry_run, args.timeout or 90)
+        return 0
     theirs = mamba_ssm(results, args)
     if name in ("errors", "timings"):
         import check_ops
@@ -175,6 +180,24 @@ def run_section(args) -> int:
     else:
         results.write("parity_failed", error="mamba_ssm not loaded (see its record)")
     return 0
+
+
+def planner_profile(results, out: str, dry: bool, timeout: float) -> None:
+    """This machine's planner profile (`launch/plan.py --calibrate`), written to <out>/planner_profile.json."""
+    path = os.path.join(out, "planner_profile.json")
+    model, seq, micro = ("tiny-mamba2.json", 64, 1) if dry else ("mamba2-130m.json", 2048, 4)
+    cmd = [sys.executable, os.path.join(REPO, "launch/plan.py"), "--calibrate", "--out", path, "--ranks", "1",
+           "--model-config", os.path.join(REPO, "launch/models", model), "--seq-length", str(seq),
+           "--micro-batch-size", str(micro), "--profile", os.path.join(REPO, "launch/profiles/h200.json")]
+    status = run_logged(cmd, os.path.join(out, "planner_profile_calibrate.log"), timeout - 5)
+    if status["rc"] != 0 or not os.path.exists(path):
+        results.write("planner_profile_failed", **status)
+        return
+    with open(path) as f:
+        profile = json.load(f)
+    results.write("planner_profile", file=path, name=profile["name"], seconds=status["seconds"],
+                  matmul_tflops=profile["matmul_flops_per_s"] / 1e12, copy_gbps=profile["copy_bytes_per_s"] / 1e9,
+                  engine=profile["engine"], layers=profile["layers"])
 
 
 def mamba_ssm(results, args):
@@ -262,6 +285,11 @@ def summary(out: str) -> str:
     lines += timing_table(by_kind.get("timing", []) + by_kind.get("timing_failed", []), by_kind.get("ceilings", []))
     lines += memory_plan_lines(by_kind.get("memory_plan", []))
     lines += throughput_table(by_kind.get("throughput", []))
+    for r in by_kind.get("planner_profile", []) + by_kind.get("planner_profile_failed", []):
+        lines.append(f"planner profile {r['name']}: matmul {r['matmul_tflops']:.1f} TFLOP/s, copy "
+                     f"{r['copy_gbps']:.0f} GB/s, written to {r['file']}" if "file" in r else
+                     f"planner profile: calibration exit {r['rc']} after {r['seconds']} s "
+                     "(planner_profile_calibrate.log)")
     for r in by_kind.get("parity", []) + by_kind.get("parity_failed", []):
         lines.append(f"parity after {r['steps']} bf16 steps: ours {r['ours']:.4f}, mamba_ssm {r['theirs']:.4f}, "
                      f"relative difference {100 * r['rel_diff']:.2f}%" if "rel_diff" in r else f"parity: {r['error']}")

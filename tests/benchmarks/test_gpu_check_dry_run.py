@@ -1,6 +1,6 @@
 """The GPU check (benchmarks/gpu_check.sh) run end to end on the CPU in its dry mode: it installs the
-package, runs every section from outside the checkout and each section writes its JSONL records,
-so a GPU session is never the driver's first run."""
+package, runs every section from outside the checkout and each section writes its JSONL records (the
+last one a planner profile), so a GPU session is never the driver's first run."""
 import json
 import os
 import subprocess
@@ -26,7 +26,7 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         kinds.setdefault((r["section"], r["kind"]), []).append(r)
     sections = {r["name"]: r for r in kinds[("check", "section")]}
     assert list(sections) == ["imports", "nccl_smoke", "errors", "timings", *(f"throughput:{s}" for s in SIZES),
-                              "parity", "memory_plan:130m", "memory_plan:1.3b"]
+                              "parity", "memory_plan:130m", "memory_plan:1.3b", "planner_profile"]
     assert all(r["rc"] == 0 and not r["timed_out"] for r in sections.values()), sections
     imports = kinds[("imports", "import")]
     assert len(imports) == 9 and all(r["ok"] and r["file"].startswith(str(work / "site")) for r in imports), imports
@@ -54,6 +54,9 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         assert kinds[(f"throughput:{size}", "throughput")][0]["planned_total_gb"] > 0
     assert [r["size"] for r in kinds[("memory_plan:130m", "memory_plan")]] == ["tiny"]
     assert len(kinds[("parity", "parity_step")]) == 3 and kinds[("parity", "parity")][0]["rel_diff"] == 0.0
+    profile = kinds[("planner_profile", "planner_profile")][0]
+    assert set(profile["engine"]) == {"0", "1", "2"} and profile["matmul_tflops"] > 0, profile
+    assert json.loads((out / "planner_profile.json").read_text())["source"].startswith("measured")
     assert kinds[("check", "triton_cache")]
     for name in ("imports", "errors", "nccl_smoke_first", "nccl_smoke_resumed", "throughput_130m_ours", "parity"):
         assert (out / f"{name}.log").stat().st_size > 0, name
