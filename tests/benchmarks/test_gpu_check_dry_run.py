@@ -1,6 +1,7 @@
 """The GPU check (benchmarks/gpu_check.sh) run end to end on the CPU in its dry mode: it installs the
 package, runs every section from outside the checkout and each section writes its JSONL records (the
-last one a planner profile), so a GPU session is never the driver's first run."""
+last one a planner profile), leaving no temporary DeepSpeed config behind, so a GPU session is never the
+driver's first run."""
 import json
 import os
 import subprocess
@@ -15,8 +16,9 @@ SIZES = ("130m", "370m", "1.3b")
 
 @pytest.mark.slow
 def test_dry_run_writes_every_sections_records(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable}
+    out, work, scratch = tmp_path / "out", tmp_path / "work", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable, "TMPDIR": str(scratch)}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--dry-run"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -52,7 +54,11 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         assert len(engines) == 2 and engines[0].startswith("ours") and engines[1].startswith("mamba_ssm"), engines
         assert all("error" not in r for r in kinds[(f"throughput:{size}", "throughput")])
         assert kinds[(f"throughput:{size}", "throughput")][0]["planned_total_gb"] > 0
-    assert [r["size"] for r in kinds[("memory_plan:130m", "memory_plan")]] == ["tiny"]
+    memory_plan = kinds[("memory_plan:130m", "memory_plan")]
+    assert [(r["size"], r["seq"]) for r in memory_plan] == [("tiny", 64)]
+    for key in ("kept_measured", "kept_estimated", "peak_measured", "peak_estimated", "kept_error", "peak_error"):
+        assert isinstance(memory_plan[0][key], (int, float)), (key, memory_plan)
+    assert list(scratch.glob("*.json")) == [] and list(scratch.glob("*/ds_config.json")) == []  # no config left
     assert len(kinds[("parity", "parity_step")]) == 3 and kinds[("parity", "parity")][0]["rel_diff"] == 0.0
     profile = kinds[("planner_profile", "planner_profile")][0]
     assert set(profile["engine"]) == {"0", "1", "2"} and profile["matmul_tflops"] > 0, profile
