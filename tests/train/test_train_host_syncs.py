@@ -67,8 +67,8 @@ def _run(tmp_path, mixer, world, flags, ds, n_layer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mixer,world,flags,zero", [
-    ("mamba2", 1, [], 1), ("mamba2", 1, [], 0), ("mamba2", 2, ["--pp", "2"], 1), ("mamba2", 2, ["--tp", "2"], 0),
-    ("mamba1", 1, [], 1), ("mamba1", 2, ["--pp", "2"], 0),
+    ("mamba2", 1, [], 1), ("mamba2", 2, ["--pp", "2"], 1), ("mamba2", 2, ["--tp", "2"], 0),
+    ("mamba1", 2, ["--pp", "2"], 0),
 ])
 def test_one_host_synchronization_per_step_at_any_depth_and_accumulation(tmp_path, mixer, world, flags, zero):
     for n_layer, micro in ((2, 4), (4, 1)):  # gradient accumulation 8 / (micro x dp)
