@@ -98,7 +98,8 @@ CASES = [
     (2, "mamba1", 1, [], ODD),
     (2, "mamba2", 0, ["--tensor-parallel-size", "2"], None),
     (2, "mamba1", 1, ["--pipeline-parallel-size", "2", "--checkpoint-activations-interval", "1"], None),
-    (4, "mamba2", 1, ["--pipeline-parallel-size", "2", "--partition-method", "parameters"], HYBRID),
+    (8, "mamba2", 1, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--partition-method",
+                      "parameters", "--checkpoint-activations-interval", "1"], HYBRID),
     (4, "mamba2", 1, ["--tensor-parallel-size", "2"], HYBRID),
 ]
 
