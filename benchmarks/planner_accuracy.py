@@ -4,8 +4,9 @@
         [--seq-length 256] [--global-batch-size 8] [--steps 6] [--runs 3] [--results benchmarks/RESULTS.md]
 
 Each configuration (layout, micro-batch, ZeRO stage, recompute, CP on 1-2 ranks) runs `--runs` times through
-`deepspeed launch/train.py` (float32, one thread per rank); a run's step time is the median over its steps
-after the first two (warm-up), a configuration's the median of its runs. The prediction is the planner's
+`deepspeed launch/train.py` (float32, one thread per rank), in rounds of one run of each, so a machine whose
+speed drifts slows every configuration alike; a run's step time is the median over its steps after the first
+two (warm-up), a configuration's the median of its runs. The prediction is the planner's
 step time for the same plan with `--profile` (write one for this machine with `python launch/plan.py
 --calibrate`). Printed: a table per configuration, the Kendall tau of the two rankings, whether the measured
 best is in the predicted top 3, the regret of the predicted best (its measured time over the measured
@@ -76,27 +77,23 @@ def _flags(fixed: dict, world: int, batch: int) -> tuple:
     return {**fixed, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "recompute": bool(fixed.get("recompute"))}, ds, flags
 
 
-def measure(args, world: int, ds: dict, flags: list, folder: str) -> float:
-    """Median over runs of each run's median step time (seconds) after two warm-up steps."""
+def measure_once(args, world: int, ds: dict, flags: list, folder: str, run: int) -> float:
+    """One run's median step time (seconds) after two warm-up steps."""
     ds_path = os.path.join(folder, "ds.json")
     with open(ds_path, "w") as f:
         json.dump(ds, f)
     tokens = args.global_batch_size * args.seq_length
-    runs = []
-    for run in range(args.runs):
-        metrics = os.path.join(folder, f"metrics-{run}.jsonl")
-        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(world),
-               "--master_port", str(_free_port()), TRAIN_PY, "--deepspeed_config", ds_path,
-               "--model-config", args.model_config, "--seq-length", str(args.seq_length),
-               "--train-iters", str(args.steps), "--log-interval", "1", "--metrics-jsonl", metrics, *flags]
-        proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env={**os.environ,
-                                                                                    "OMP_NUM_THREADS": "1"})
-        if proc.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f]
-        runs.append(statistics.median(tokens / r["tokens_per_s"] for r in records[2:]))
-    return statistics.median(runs)
+    metrics = os.path.join(folder, f"metrics-{run}.jsonl")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(world),
+           "--master_port", str(_free_port()), TRAIN_PY, "--deepspeed_config", ds_path,
+           "--model-config", args.model_config, "--seq-length", str(args.seq_length),
+           "--train-iters", str(args.steps), "--log-interval", "1", "--metrics-jsonl", metrics, *flags]
+    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    with open(metrics) as f:
+        records = [json.loads(line) for line in f]
+    return statistics.median(tokens / r["tokens_per_s"] for r in records[2:])
 
 
 def kendall_tau(a: list, b: list) -> float:
@@ -116,14 +113,20 @@ def predict(args, model: MambaConfig, profile, fixed: dict, world: int) -> float
 def main(argv=None) -> int:
     args = parse_args(argv)
     model, profile = MambaConfig.from_json(args.model_config), load_profile(args.profile)
-    rows = []
+    times = {name: [] for name, _, _ in CONFIGS}
     with tempfile.TemporaryDirectory() as root:
-        for i, (name, world, settings) in enumerate(CONFIGS):
-            fixed, ds, flags = _flags(settings, world, args.global_batch_size)
-            folder = os.path.join(root, str(i))
-            os.makedirs(folder)
-            rows.append((name, measure(args, world, ds, flags, folder), predict(args, model, profile, fixed, world)))
-            print(f"{name}: measured {rows[-1][1]:.3f} s, predicted {rows[-1][2]:.3f} s", flush=True)
+        for run in range(args.runs):
+            for i, (name, world, settings) in enumerate(CONFIGS):
+                _, ds, flags = _flags(settings, world, args.global_batch_size)
+                folder = os.path.join(root, str(i))
+                os.makedirs(folder, exist_ok=True)
+                times[name].append(measure_once(args, world, ds, flags, folder, run))
+                print(f"round {run + 1}: {name}: {times[name][-1]:.3f} s", flush=True)
+    rows = []
+    for name, world, settings in CONFIGS:
+        fixed = _flags(settings, world, args.global_batch_size)[0]
+        rows.append((name, statistics.median(times[name]), predict(args, model, profile, fixed, world)))
+        print(f"{name}: measured {rows[-1][1]:.3f} s, predicted {rows[-1][2]:.3f} s", flush=True)
     measured, predicted = [r[1] for r in rows], [r[2] for r in rows]
     best = min(range(len(rows)), key=lambda i: measured[i])
     top3 = sorted(range(len(rows)), key=lambda i: predicted[i])[:3]
