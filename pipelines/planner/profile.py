@@ -1,6 +1,6 @@
 """What the planner knows of the hardware: rates per kernel kind, device memory, and the links' α–β;
-a measured profile adds each layer kind's fit, the engine's fixed costs and what a TP or CP collective
-costs inside a step beyond its ring.
+a measured profile adds each layer kind's fit, the engine's fixed costs, how much slower layers run inside
+a whole step and beside other ranks, and what a TP or CP collective costs inside a step beyond its ring.
 
 A profile is a JSON file. Published-figure profiles (launch/profiles/) hold the vendors' peak
 numbers with every kernel at the roofline, labelled "published"; `python launch/plan.py
