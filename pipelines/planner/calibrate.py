@@ -32,7 +32,7 @@ from megamamba.pipelines.planner.calibrate_engine import one_rank_costs, two_ran
 from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
 from megamamba.pipelines.planner.profile import Kernel, LayerFit, Link, Profile
 from megamamba.pipelines.planner.step_time import kernel_seconds_of
-from megamamba.pipelines.planner.timing import seconds
+from megamamba.pipelines.planner.timing import on_ranks, seconds
 
 SIZES = 4  # kernels are timed at the batch asked and SIZES times it
 
@@ -149,7 +149,7 @@ def layer_fits(model: MambaConfig, batch: int, seqlen: int, device: torch.device
     and SIZES x `batch` against what `kernel_profile`'s kernels predict for it."""
     cuda = device.type == "cuda"
     fits = {}
-    for kind in dict.fromkeys(["embedding", *model.block_kinds, "final_norm", "head", "loss"]):
+    for kind in dict.fromkeys([*layer_kinds(model), "loss"]):
         points = []
         for b in (batch, SIZES * batch):
             fn, inputs, parameters = _layer_inputs(model, kind, b, seqlen, device)
@@ -236,15 +236,5 @@ def _time_all_reduces(rank: int, world: int, port: int, results) -> None:
 
 def measure_links(world: int) -> dict:
     """Both tiers' Link from all-reduces on `world` processes of this machine."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(_time_all_reduces, args=(world, port, results), nprocs=world, start_method="spawn")
-    link = fit_link(results.get())
+    link = fit_link(on_ranks(_time_all_reduces, world))
     return {"intra_node": link, "inter_node": link}

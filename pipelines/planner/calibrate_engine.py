@@ -15,7 +15,6 @@ beyond the prediction is shared among the group's collectives of a micro-batch: 
 import dataclasses
 import functools
 import os
-import socket
 
 import torch
 
@@ -25,7 +24,7 @@ from megamamba.pipelines.config.layout import Layout, engine_config
 from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
 from megamamba.pipelines.planner.profile import EngineCost, Profile
 from megamamba.pipelines.planner.step_time import Grid, layer_time, optimizer_seconds
-from megamamba.pipelines.planner.timing import seconds
+from megamamba.pipelines.planner.timing import on_ranks, seconds
 
 SIZES = 4  # micro-batches of the longer step
 ONE_RANK = [(1, 1, zero, 1) for zero in (0, 1, 2)] + [(1, 1, 0, SIZES)]  # (tp, cp, ZeRO stage, batch multiple)
@@ -66,19 +65,6 @@ def _step_seconds(rank: int, world: int, port: int, model: MambaConfig, batch: i
     shutdown_distributed()
 
 
-def _measure(model: MambaConfig, batch: int, seqlen: int, world: int, layouts: list) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(_step_seconds, args=(world, port, model, batch, seqlen, layouts, results), nprocs=world,
-                       start_method="spawn")
-    return results.get()
-
-
 def _per_micro_batch(samples: dict, tp: int, cp: int, zero: int) -> float:
     return max(0.0, (samples[tp, cp, zero, 1, SIZES] - samples[tp, cp, zero, 1, 1]) / (SIZES - 1))
 
@@ -108,7 +94,7 @@ def parameter_count(model: MambaConfig) -> int:
 def one_rank_costs(model: MambaConfig, batch: int, seqlen: int, profile: Profile) -> Profile:
     """`profile` with its model scale and its engine costs per ZeRO stage ("0", "1", "2"), fitted against its
     layer fits and optimizer pass."""
-    samples = _measure(model, batch, seqlen, 1, ONE_RANK)
+    samples = on_ranks(_step_seconds, 1, model, batch, seqlen, ONE_RANK)
     small, large = (predicted_micro_batch(model, b, seqlen, profile) for b in (batch, SIZES * batch))
     step = {zero: samples[1, 1, zero, 1, 1] - _per_micro_batch(samples, 1, 1, zero) for zero in (0, 1, 2)}
     grows = samples[1, 1, 0, SIZES, 1] - step[0] - _per_micro_batch(samples, 1, 1, 0)
@@ -122,7 +108,7 @@ def one_rank_costs(model: MambaConfig, batch: int, seqlen: int, profile: Profile
 def two_rank_costs(model: MambaConfig, batch: int, seqlen: int, profile: Profile) -> Profile:
     """`profile` with its shared node's scale and its TP and CP collectives' cost per call, from steps on two
     ranks against `profile` (with its one-rank costs)."""
-    samples = _measure(model, batch, seqlen, 2, TWO_RANKS)
+    samples = on_ranks(_step_seconds, 2, model, batch, seqlen, TWO_RANKS)
     alone = predicted_micro_batch(model, batch, seqlen, profile)
     micro = profile.engine_cost(0).micro_batch_s
     shared = (_per_micro_batch(samples, 1, 1, 0) - micro) / alone if alone > 0 else 1.0

@@ -1,4 +1,6 @@
-"""The calibration's one clock: the median wall time of a call after warm-up runs, the device synchronized."""
+"""The calibration's one clock (the median wall time of a call after warm-up runs, the device synchronized)
+and its one way to time on several processes."""
+import socket
 import statistics
 import time
 from typing import Callable
@@ -22,3 +24,17 @@ def seconds(fn: Callable[[], object], device: torch.device) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def on_ranks(fn: Callable, world: int, *args):
+    """What rank 0 of `world` spawned processes puts in its queue, each run as fn(rank, world, port, *args,
+    queue) with `port` free on this host for their process group."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(fn, args=(world, port, *args, results), nprocs=world, start_method="spawn")
+    return results.get()
