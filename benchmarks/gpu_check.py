@@ -15,6 +15,7 @@ timings      op timings against the roofline measured in the same run, ours and 
              interleaved per shape (check_ops.py)
 throughput:* training tokens/s at 130m, 370m, 1.3b, ours then mamba_ssm's (check_train.py)
 parity       losses of ours and mamba_ssm over 20 bf16 steps from the same weights and batches
+profile:1.3b one training step of our 1.3b model under torch.profiler: operators by device time (check_profile.py)
 memory_plan:* the start-up memory plan's activation estimate against one measured micro-batch
              (kept for the backward, and the peak) at 130m and 1.3b (check_memory_plan.py)
 planner_profile  `launch/plan.py --calibrate` at mamba2-130m's shapes: this GPU's planner profile,
@@ -46,8 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # (section, seconds at most); the budget may cut a later one shorter.
 SECTIONS = [("imports", 60), ("nccl_smoke", 100), ("errors", 120), ("timings", 75), ("throughput:130m", 70),
-            ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60), ("memory_plan:130m", 45),
-            ("memory_plan:1.3b", 60), ("planner_profile", 90)]
+            ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60), ("profile:1.3b", 60),
+            ("memory_plan:130m", 45), ("memory_plan:1.3b", 60), ("planner_profile", 90)]
 PACKAGES = ["megamamba", "megamamba.kernels", "megamamba.kernels.reference", "megamamba.kernels.triton",
             "megamamba.pipelines", "megamamba.parallel", "megamamba.checkpoint", "megamamba.data",
             "megamamba.tokenizer"]
@@ -161,6 +162,10 @@ def run_section(args) -> int:
     if name == "memory_plan":
         from check_memory_plan import check
         results.write("memory_plan", **check(size, 0, args.dry_run))
+        return 0
+    if name == "profile":
+        from check_profile import profile_step
+        profile_step(results, args.out, size, args.dry_run)
         return 0
     if name == "planner_profile":
         planner_profile(results, args.out, args.dry_run, args.timeout or 90)
@@ -293,6 +298,7 @@ def summary(out: str) -> str:
     for r in by_kind.get("parity", []) + by_kind.get("parity_failed", []):
         lines.append(f"parity after {r['steps']} bf16 steps: ours {r['ours']:.4f}, mamba_ssm {r['theirs']:.4f}, "
                      f"relative difference {100 * r['rel_diff']:.2f}%" if "rel_diff" in r else f"parity: {r['error']}")
+    lines += profile_lines(by_kind.get("profile", []), by_kind.get("profile_op", []))
     for r in by_kind.get("triton_identity", []):
         lines.append(f"triton cache key inputs (triton_key, ptxas, env) as shipped: {r['match']}"
                      + ("" if r["match"] else f" (here {r.get('here', r.get('error'))}, shipped {r['shipped']})"))
@@ -369,6 +375,16 @@ def memory_plan_lines(rows) -> list:
                      f"{r['kept_measured'] / 2**30:.2f} GiB measured, {r['kept_estimated'] / 2**30:.2f} estimated "
                      f"({100 * r['kept_error']:.0f}% off); peak {r['peak_measured'] / 2**30:.2f} measured, "
                      f"{r['peak_estimated'] / 2**30:.2f} estimated ({100 * r['peak_error']:.0f}% off; 20% allowed)")
+    return lines
+
+
+def profile_lines(steps, ops) -> list:
+    lines = []
+    for r in steps:
+        lines += ["", f"profile of one {r['size']} step (micro batch {r['micro_batch']} x {r['seq']}): "
+                      f"{r['wall_ms']:.1f} ms wall, {r['self_total_ms']:.1f} ms of {r['by']} ({r['table']})"]
+        lines += [f"  {o['self_ms']:9.2f} ms {100 * o['share']:5.1f}% {o['calls']:5d}x  {o['op'][:70]}"
+                  for o in ops if o["size"] == r["size"]]
     return lines
 
 

@@ -28,7 +28,7 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         kinds.setdefault((r["section"], r["kind"]), []).append(r)
     sections = {r["name"]: r for r in kinds[("check", "section")]}
     assert list(sections) == ["imports", "nccl_smoke", "errors", "timings", *(f"throughput:{s}" for s in SIZES),
-                              "parity", "memory_plan:130m", "memory_plan:1.3b", "planner_profile"]
+                              "parity", "profile:1.3b", "memory_plan:130m", "memory_plan:1.3b", "planner_profile"]
     assert all(r["rc"] == 0 and not r["timed_out"] for r in sections.values()), sections
     imports = kinds[("imports", "import")]
     assert len(imports) == 9 and all(r["ok"] and r["file"].startswith(str(work / "site")) for r in imports), imports
@@ -60,6 +60,10 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         assert isinstance(memory_plan[0][key], (int, float)), (key, memory_plan)
     assert list(scratch.glob("*.json")) == [] and list(scratch.glob("*/ds_config.json")) == []  # no config left
     assert len(kinds[("parity", "parity_step")]) == 3 and kinds[("parity", "parity")][0]["rel_diff"] == 0.0
+    step = kinds[("profile:1.3b", "profile")][0]
+    ops = kinds[("profile:1.3b", "profile_op")]
+    assert len(ops) == 20 and step["self_total_ms"] > 0 and 0 < sum(o["share"] for o in ops) <= 1 + 1e-9, (step, ops)
+    assert "Self CPU" in Path(step["table"]).read_text()
     profile = kinds[("planner_profile", "planner_profile")][0]
     assert set(profile["engine"]) == {"0", "1", "2"} and profile["matmul_tflops"] > 0, profile
     assert json.loads((out / "planner_profile.json").read_text())["source"].startswith("measured")
