@@ -9,7 +9,9 @@
 #     scripts/setup.sh fetched), which the benchmarks compare against (its CUDA extension is never built:
 #     the benchmarks stub it);
 #   - Triton's cache, pre-filled for sm_90 with Triton 3.6 (.venv/triton-3.6) for every kernel the
-#     check launches (benchmarks/triton_cache.py; rebuilt each time: it follows the kernel sources).
+#     check launches (benchmarks/triton_cache.py; rebuilt each time: it follows the kernel sources),
+#     keyed as the GPU machine's Triton keys it: its key hashes libtriton, which differs between the
+#     Python 3.11 build here and the 3.12 build there, so the 3.12 wheel is fetched to read its hash.
 # Then one device call carrying .whl runs every check: `bash benchmarks/gpu_check.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -24,5 +26,10 @@ if [ ! -d .whl/mamba_ssm-src/mamba_ssm ]; then
   cp -r .venv/mamba_ssm-src/mamba_ssm .whl/mamba_ssm-src/
 fi
 rm -f .whl/triton-cache-*.tar.gz
-env -u TRITON_INTERPRET PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py --out .whl/triton-cache-3.6.0.tar.gz
+wheel=$(mktemp -d)
+python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$wheel" "triton==3.6.0"
+env -u TRITON_INTERPRET PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py \
+  --out .whl/triton-cache-3.6.0.tar.gz --triton-wheel "$wheel"/triton-3.6.0-*.whl
+rm -rf "$wheel"
 du -sh .whl

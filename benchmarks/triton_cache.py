@@ -2,7 +2,8 @@
 and pack it for the check (.whl/ is carried to the GPU machine; gpu_check.sh unpacks it and points
 TRITON_CACHE_DIR at it).
 
-    PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py [--out .whl/triton-cache-3.6.0.tar.gz] [--verify]
+    PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py [--out .whl/triton-cache-3.6.0.tar.gz]
+        [--triton-wheel WHEEL] [--verify]
 
 The check's work runs on CPU tensors with Triton's launcher replaced by compile_kernels.py's recorder
 (each launch specialized as the GPU's launcher would): the ops at the error and timing shapes
@@ -16,9 +17,11 @@ Whether the GPU finds them: Triton 3.6 files a kernel under sha256 of triton_key
 the hashes of its compiler sources and libtriton), the kernel's source hash (its text, starting line,
 callees and constexpr globals; no file path), the backend's hash (the `ptxas --version` output of
 the ptxas that Triton ships, and the arch), the compile options (libdevice by content) and any
-cache-invalidating TRITON_* variables set. No driver, GPU or torch version enters it, so the same
-Triton wheel and sources give the same keys. Those inputs are written beside the archive (.json);
-the check compares them with the GPU machine's and reports the hits (gpu_check.py's summary).
+cache-invalidating TRITON_* variables set. No driver, GPU or torch version enters it, but the wheel
+does: each Python's build of a release has its own libtriton, so --triton-wheel (the GPU machine's
+Python's wheel) keys the entries as that build does (keys_of_wheel). Those inputs are written beside
+the archive (.json); the check compares them with the GPU machine's and reports the hits (gpu_check.py's
+summary).
 The cache's group files name their kernel files by absolute path: check_io.unpack_triton_cache
 rewrites them wherever the archive is unpacked (--verify does, then looks every kernel up).
 """
@@ -204,6 +207,50 @@ def verify(tarball, mamba_ssm_src, target) -> int:
     return 1 if missed else 0
 
 
+@contextlib.contextmanager
+def keys_of_wheel(wheel: str):
+    """Inside: Triton files cache entries under the keys that the Triton of `wheel` (the same release,
+    built for the GPU machine's Python) computes. Its key hashes its Python sources, equal here, and
+    its libtriton, which each Python's build has its own of: that hash is put in place of ours.
+    SystemExit when the wheel is another release or its Python sources differ from ours."""
+    import hashlib
+    import zipfile
+
+    import triton
+    import triton.runtime.cache as cache
+    root = os.path.dirname(triton.__file__)
+    hashed = ("compiler/", "backends/", "language/", "runtime/cache.py")
+    with zipfile.ZipFile(wheel) as whl:
+        names = [n for n in whl.namelist() if n.startswith("triton/")]
+        version = next(n.split("/")[0][len("triton-"):-len(".dist-info")] for n in whl.namelist()
+                       if n.endswith(".dist-info/METADATA"))
+        if version != triton.__version__:
+            raise SystemExit(f"--triton-wheel {wheel}: Triton {version}, but this process runs {triton.__version__}; "
+                             "its key hashes its own sources: give the wheel of the same release")
+        for name in names:
+            rel = name[len("triton/"):]
+            if rel.endswith(".py") and rel.startswith(hashed):
+                mine = os.path.join(root, rel)
+                if not os.path.exists(mine) or open(mine, "rb").read() != whl.read(name):
+                    raise SystemExit(f"--triton-wheel {wheel}: its {name} differs from {mine}; only libtriton "
+                                     "may differ between the two builds")
+        theirs = hashlib.sha256()
+        with whl.open("triton/_C/libtriton.so") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                theirs.update(chunk)
+    with open(os.path.join(root, "_C", "libtriton.so"), "rb") as f:
+        ours = hashlib.file_digest(f, "sha256").hexdigest()
+    original = cache.triton_key
+    key = original()
+    if ours not in key:
+        raise SystemExit(f"Triton {triton.__version__}'s triton_key() does not hash its libtriton as expected")
+    cache.triton_key = lambda: key.replace(ours, theirs.hexdigest())
+    try:
+        yield
+    finally:
+        cache.triton_key = original
+
+
 def identity_path(tarball: str) -> str:
     """Where the cache's key inputs are written beside it (gpu_check.sh hands them to the check)."""
     return tarball[: -len(".tar.gz")] + ".json" if tarball.endswith(".tar.gz") else tarball + ".json"
@@ -215,19 +262,27 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(REPO, ".whl", f"triton-cache-{triton.__version__}.tar.gz"))
     parser.add_argument("--mamba-ssm-src", default=os.path.join(REPO, ".whl", "mamba_ssm-src"),
                         help="unpacked mamba_ssm source release, whose kernels are added (skipped when absent)")
+    parser.add_argument("--triton-wheel", default=None,
+                        help="the GPU machine's Triton wheel (this release, built for its Python): key the cache "
+                             "as that Triton does")
     parser.add_argument("--verify", action="store_true",
                         help="instead: look every specialization up in the --out archive, report the hits")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: interpreted kernels are not compiled; unset it")
     from triton.backends.compiler import GPUTarget
+    os.environ["MEGAMAMBA_KERNELS"] = "triton"
+    target = GPUTarget("cuda", 90, 32)
+    with keys_of_wheel(args.triton_wheel) if args.triton_wheel else contextlib.nullcontext():
+        return verify(args.out, args.mamba_ssm_src, target) if args.verify else build(args, target)
+
+
+def build(args, target) -> int:
+    """Record, compile and pack; print what was compiled. 1 if a specialization fails or does not fit."""
+    import triton
 
     import compile_kernels
     from check_io import CHOICES, triton_cache_identity
-    os.environ["MEGAMAMBA_KERNELS"] = "triton"
-    target = GPUTarget("cuda", 90, 32)
-    if args.verify:
-        return verify(args.out, args.mamba_ssm_src, target)
     start = time.time()
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
