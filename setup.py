@@ -15,7 +15,9 @@ def _tree(root: str, name: str) -> dict[str, str]:
 
 PACKAGE_DIRS = {
     **_tree("megamamba", "megamamba"),
-    **_tree("kernels", "megamamba.kernels"),
+    **_tree("kernels/api", "megamamba.kernels"),
+    **_tree("kernels/triton", "megamamba.kernels.triton"),
+    **_tree("kernels/reference", "megamamba.kernels.reference"),
     **_tree("pipelines", "megamamba.pipelines"),
 }
 

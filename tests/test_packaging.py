@@ -12,7 +12,9 @@ from pathlib import Path
 from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parents[1]
-TREES = {"megamamba": "megamamba", "kernels": "megamamba.kernels", "pipelines": "megamamba.pipelines"}
+FOLDERS = ("megamamba", "kernels", "pipelines")
+TREES = {"megamamba": "megamamba", "kernels/api": "megamamba.kernels", "kernels/triton": "megamamba.kernels.triton",
+         "kernels/reference": "megamamba.kernels.reference", "pipelines": "megamamba.pipelines"}
 PROBE = """
 import importlib, json, os, sys
 names = json.loads(sys.argv[1])
@@ -34,7 +36,7 @@ def test_every_subpackage_imports_from_the_installed_copy(tmp_path):
     src.mkdir(), cwd.mkdir()
     # A copy of the sources: pip builds in the source tree, and a stale build/ there could leak files.
     shutil.copy(ROOT / "setup.py", src)
-    for folder in TREES:
+    for folder in FOLDERS:
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                            "--no-build-isolation", "--target", str(site), str(src)],
