@@ -1,5 +1,5 @@
 """The GPU check's kernel sections: each op's error against float64, and op timings, ours next to
-mamba_ssm's on the same inputs (inputs and layer shapes from benchmarks/kernels.py).
+mamba_ssm's on the same inputs (inputs and layer shapes from benchmarks/kernel_bench.py).
 
 errors   ssd_chunk_scan, selective_scan, causal_conv1d, rmsnorm_gated at a Mamba-2 / Mamba-1 130M
          layer's training shape (2 x 2048 tokens), in float32 (TF32 off) and bfloat16: the relative
@@ -30,8 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_kernel_benchmark():
-    """benchmarks/kernels.py as a module (its inputs, shapes and timer)."""
-    spec = importlib.util.spec_from_file_location("benchmark_kernels", os.path.join(HERE, "kernels.py"))
+    """benchmarks/kernel_bench.py as a module (its inputs, shapes and timer)."""
+    spec = importlib.util.spec_from_file_location("benchmark_kernels", os.path.join(HERE, "kernel_bench.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -6,7 +6,7 @@ The ops run forward and backward on CPU tensors with Triton's launcher replaced 
 each launch is specialized as Triton's own launcher would specialize it on the GPU (argument
 types, constexprs, integer and alignment hints, num_warps / num_stages), and every distinct
 specialization is compiled to a cubin for the target. The launches come from the cases the GPU
-benchmark (benchmarks/kernels.py) checks and times, in float32 and bfloat16, past 64K tokens,
+benchmark (benchmarks/kernel_bench.py) checks and times, in float32 and bfloat16, past 64K tokens,
 and from a training step of a Mamba-1 and a Mamba-2 layer (float32 and bf16 autocast, with and
 without documents). Each kernel's registers, spilled bytes and shared memory are read from its
 cubin and checked against what one block may use on the target, and the largest grid it was
@@ -76,8 +76,9 @@ class LaunchRecorder:
 
 
 def load_benchmark():
-    """benchmarks/kernels.py as a module (its inputs and op table)."""
-    spec = importlib.util.spec_from_file_location("benchmark_kernels", os.path.join(REPO, "benchmarks", "kernels.py"))
+    """benchmarks/kernel_bench.py as a module (its inputs and op table)."""
+    path = os.path.join(REPO, "benchmarks", "kernel_bench.py")
+    spec = importlib.util.spec_from_file_location("benchmark_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

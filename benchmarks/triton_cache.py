@@ -71,7 +71,7 @@ def op_work(table):
 
 
 def timed_calls(fn, tensors, kwargs):
-    """The two calls benchmarks/kernels.py's time_op makes: forward without grad, forward+backward."""
+    """The two calls benchmarks/kernel_bench.py's time_op makes: forward without grad, forward+backward."""
     import check_ops
     with torch.no_grad():
         fn(**tensors, **kwargs)

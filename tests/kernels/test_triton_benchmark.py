@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py (a GPU-only script): the parts that must be right before it ever runs
+"""benchmarks/kernel_bench.py (a GPU-only script): the parts that must be right before it ever runs
 on a GPU — its layer shapes, FLOP count, mamba_ssm loading and command line — and its correctness
 and timing sections run end to end on the CPU with the reference standing in for the kernels."""
 import importlib.util
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kernels.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kernel_bench.py")
 
 
 @pytest.fixture(scope="module")

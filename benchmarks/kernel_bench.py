@@ -1,6 +1,6 @@
 """Kernel benchmark and GPU correctness check (one CUDA GPU; finishes in a few minutes).
 
-    python benchmarks/kernels.py [--mamba-ssm-src PATH] [--json PATH] [--skip-timing] [--skip-check]
+    python benchmarks/kernel_bench.py [--mamba-ssm-src PATH] [--json PATH] [--skip-timing] [--skip-check]
 
 Correctness: every Triton op, forward and every gradient, against the PyTorch reference in
 float32 with TF32 off (<= 1e-4 relative) and in bfloat16 (<= 1e-2 relative to the float32
