@@ -14,6 +14,8 @@ import types
 
 import torch
 
+from benchmark_scripts import load_benchmark
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SRC = os.path.join(ROOT, ".venv", "mamba_ssm-src")
 
@@ -42,12 +44,7 @@ def cpu_stand_ins():
 
 def load():
     """(namespace of mamba_ssm's entry points, None) or (None, why it is not available)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        from check_io import load_mamba_ssm
-    finally:
-        sys.path.pop(0)
-    theirs, why = load_mamba_ssm(source_folder())
+    theirs, why = load_benchmark("check_io").load_mamba_ssm(source_folder())
     return (theirs, None) if theirs is not None else (None, f"mamba_ssm's source release: {why}; "
                                                             "scripts/setup.sh fetches it")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bf16_errors imports check_ops by name, as the GPU check runs it
 
 import bf16_errors  # noqa: E402
 import check_ops  # noqa: E402

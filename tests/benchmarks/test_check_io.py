@@ -5,10 +5,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmark_scripts import BENCHMARKS, load_benchmark
 
-from check_io import Results, read_results, run_logged  # noqa: E402
+check_io = load_benchmark("check_io")
+Results, read_results, run_logged = check_io.Results, check_io.read_results, check_io.run_logged
 
 
 def test_each_record_is_on_disk_when_written_and_a_cut_line_is_skipped(tmp_path):
@@ -42,8 +42,11 @@ def test_a_finished_child_reports_its_exit_status(tmp_path):
 def test_a_stopped_section_stops_the_groups_it_started(tmp_path):
     """A section runs launch/train.py in a session of its own; when the driver stops the section,
     that session must not outlive it."""
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-            "from check_io import run_logged, stop_children_on_sigterm\n"
+    code = ("import importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('check_io', {str(BENCHMARKS / 'check_io.py')!r})\n"
+            "check_io = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(check_io)\n"
+            "run_logged, stop_children_on_sigterm = check_io.run_logged, check_io.stop_children_on_sigterm\n"
             "stop_children_on_sigterm(grace=1.0)\n"
             "run_logged(['bash', '-c', 'echo $$ > inner; sleep 60'], 'inner.log', timeout=60)\n")
     status = run_logged([sys.executable, "-c", code], str(tmp_path / "outer.log"), timeout=3, cwd=tmp_path, grace=5)
@@ -60,15 +63,13 @@ def test_an_unpacked_triton_cache_is_found_in_its_new_folder(tmp_path, monkeypat
     import tarfile
 
     from triton.runtime.cache import FileCacheManager
-
-    from check_io import unpack_triton_cache
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "made"))
     made = FileCacheManager("KERNELKEY")
     made.put_group("k.json", {"k.json": made.put("{}", "k.json"), "k.cubin": made.put(b"\0", "k.cubin", binary=True)})
     with tarfile.open(tmp_path / "cache.tar.gz", "w:gz") as tar:
         tar.add(tmp_path / "made" / "KERNELKEY", arcname="KERNELKEY")
     shutil.rmtree(tmp_path / "made")
-    assert unpack_triton_cache(str(tmp_path / "cache.tar.gz"), str(tmp_path / "moved")) == 1
+    assert check_io.unpack_triton_cache(str(tmp_path / "cache.tar.gz"), str(tmp_path / "moved")) == 1
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "moved"))
     group = FileCacheManager("KERNELKEY").get_group("k.json")
     assert group == {name: str(tmp_path / "moved" / "KERNELKEY" / name) for name in ("k.json", "k.cubin")}

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from benchmark_scripts import load_benchmark
+
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "compile_kernels.py")
@@ -88,11 +90,12 @@ def test_memory_bound_kernels_keep_16_warps_resident_per_sm(report):
 
 
 PROBE = textwrap.dedent('''
-    import json, sys
-    sys.path.insert(0, {benchmarks!r})
+    import importlib.util, json, sys
     import torch, triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
-    import compile_kernels
+    spec = importlib.util.spec_from_file_location("compile_kernels", {script!r})
+    compile_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_kernels)
 
     @triton.jit
     def square_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
@@ -113,7 +116,7 @@ PROBE = textwrap.dedent('''
 
 def probe(tmp_path, block, limits):
     path = tmp_path / "probe.py"
-    path.write_text(PROBE.format(benchmarks=os.path.dirname(SCRIPT), block=block, limits=limits))
+    path.write_text(PROBE.format(script=SCRIPT, block=block, limits=limits))
     run = subprocess.run([sys.executable, str(path)], env=compiler_env("venv"), capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -133,11 +136,7 @@ def test_a_kernel_over_the_register_or_shared_memory_limit_is_reported(tmp_path)
 
 
 def test_occupancy_is_limited_by_registers_shared_memory_or_the_warp_count():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    try:
-        import compile_kernels
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
+    compile_kernels = load_benchmark("compile_kernels")
     sm90 = compile_kernels.LIMITS[90]
     assert compile_kernels.resident_warps(255, 8, 149_000, sm90) == 8     # registers: one block of 8 warps
     assert compile_kernels.resident_warps(40, 4, 100_000, sm90) == 8      # shared memory: two blocks

@@ -1,0 +1,13 @@
+"""A script of benchmarks/ as a module, loaded by its path: the tests keep benchmarks/ off sys.path."""
+import importlib.util
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py, executed afresh as the module `benchmark_<name>`."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
