@@ -1,8 +1,10 @@
 """megamamba: pretraining Mamba-1 / Mamba-2 language models with 3D parallelism.
 
-The repository keeps the design card's top-level folders (`kernels/`, `pipelines/`) but
-installs them as `megamamba.kernels` and `megamamba.pipelines`, so nothing shadows the
-unrelated PyPI package `kernels` that Hugging Face transformers probes for.
+The repository keeps the design card's top-level folders and installs them under `megamamba`:
+`kernels/api/` is `megamamba.kernels` (the dispatching ops), `kernels/triton/` and
+`kernels/reference/` its subpackages, `pipelines/` is `megamamba.pipelines`. `kernels/` has no
+`__init__.py`, so it never shadows PyPI's `kernels`, which transformers imports
+(docs/architecture.md).
 """
 from setuptools import find_packages, setup
 

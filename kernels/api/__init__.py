@@ -1,4 +1,4 @@
-"""Scan, conv and norm ops: Triton on CUDA, the PyTorch reference elsewhere (see dispatch)."""
+"""megamamba.kernels: scan, conv and norm ops, Triton on CUDA and the PyTorch reference elsewhere (see dispatch)."""
 from .dispatch import (
     add_rmsnorm,
     causal_conv1d,
