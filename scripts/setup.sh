@@ -2,11 +2,24 @@
 # Set up a fresh machine for megamamba: a virtual environment in .venv with torch,
 # DeepSpeed, Triton and megamamba installed (editable) with its test extras.
 #
+# Every package is installed at the version constraints.txt pins, the versions the suite last
+# passed with, so a new upstream release does not change what CI installs. `--latest` installs
+# the newest releases setup.py's bounds allow instead (torch stays the build already installed),
+# to try them on purpose; scripts/freeze.sh records them once the suite passes (docs/testing.md).
+#
 # On a CPU-only machine torch 2.13.0 (CPU build) is installed; a machine that already has a
 # CUDA torch should create the venv with --system-site-packages (MEGAMAMBA_SYSTEM_SITE=1)
-# so that torch is kept. DeepSpeed's source build imports torch, hence --no-build-isolation.
+# so that torch and its Triton are kept (their pins do not apply). DeepSpeed's source build
+# imports torch, hence --no-build-isolation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+latest=0
+for arg in "$@"; do
+  case "$arg" in
+    --latest) latest=1 ;;
+    *) echo "setup.sh: unknown argument '$arg' (the only option is --latest)" >&2; exit 2 ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   if [ "${MEGAMAMBA_SYSTEM_SITE:-0}" = 1 ]; then
@@ -16,11 +29,25 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip setuptools wheel
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q ninja
-python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
-python -m pip install -q --no-build-isolation -e ".[dev]"
+pins=$(mktemp)
+trap 'rm -f "$pins"' EXIT
+if [ "$latest" = 1 ]; then
+  upgrade=(--upgrade --upgrade-strategy eager)
+elif [ "${MEGAMAMBA_SYSTEM_SITE:-0}" = 1 ]; then
+  upgrade=(--upgrade)
+  grep -Ev '^(torch|triton)==' constraints.txt > "$pins"
+else
+  upgrade=(--upgrade)
+  cp constraints.txt "$pins"
+fi
+python -m pip install -q "${upgrade[@]}" -c "$pins" pip setuptools wheel
+python -c "import torch" 2>/dev/null || python -m pip install -q -c "$pins" "torch==2.13.0"
+if [ "$latest" = 1 ]; then  # the torch build installed stays; everything else moves to its newest release
+  python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$pins"
+fi
+python -m pip install -q "${upgrade[@]}" -c "$pins" ninja
+python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation "deepspeed>=0.19,<0.20"
+python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation -e ".[dev]"
 # Triton 3.6, our H200 benchmark machine's, beside the venv's own: the kernels are compiled with it for
 # sm_90 on this machine (tests/kernels/test_triton_compile.py); only its compiler is used.
 [ -d .venv/triton-3.6/triton ] || python -m pip install -q --no-deps --target .venv/triton-3.6 "triton==3.6.0"
@@ -35,4 +62,4 @@ if [ ! -d .venv/mamba_ssm-src/mamba_ssm ]; then
   cp -r "$tmp/mamba_ssm-2.3.2.post1/mamba_ssm" .venv/mamba_ssm-src/
   rm -rf "$tmp"
 fi
-python -c "import torch, triton, deepspeed, megamamba; print('megamamba ready: torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep -v 'Setting accelerator'
+python -c "import torch, triton, deepspeed, transformers, megamamba; print('megamamba ready: torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)" 2>&1 | grep -v 'Setting accelerator'
