@@ -43,7 +43,8 @@ setup(
         "safetensors>=0.4",
         "numpy>=1.26",
     ],
-    # The test extras: from the release the suite passes with (constraints.txt) to below the next
-    # major (ruff: the next minor, whose rules change).
-    extras_require={"dev": ["pytest>=9.2,<10", "ninja>=1.13", "transformers>=5.25,<6", "ruff>=0.17,<0.18"]},
+    # The test and lint extras: from the release the suite passes with (constraints.txt) to below the
+    # next major (ruff and mypy: the next minor, whose rules and inference change).
+    extras_require={"dev": ["pytest>=9.2,<10", "ninja>=1.13", "transformers>=5.25,<6", "ruff>=0.17,<0.18",
+                            "mypy>=2.4,<2.5"]},
 )
