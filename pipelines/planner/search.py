@@ -245,6 +245,9 @@ def _family_plans(request: Request, profile: Profile, grid: Grid, usable: int, t
     if not zeros:
         return [], Rejection(family, f"ZeRO stage {fixed['zero_stage']} with pp {grid.pp}: DeepSpeed's pipeline "
                                      "engine runs ZeRO 0 or 1 only")
+    if not micros:
+        return [], Rejection(family, f"micro batch {fixed['micro_batch_size']} does not divide the {per_replica} "
+                                     f"sequences per replica of dp {dp}")
     plans, smallest = [], None
     for zero in zeros:
         for recompute in [r for r in (False, True) if fixed.get("recompute", r) == r]:

@@ -54,6 +54,14 @@ def test_a_fixed_setting_is_kept_and_the_rest_chosen():
     assert result.plans and all(p.tp == 2 and p.zero_stage == 1 for p in result.plans)
 
 
+def test_a_fixed_micro_batch_rejects_only_the_families_whose_replicas_it_does_not_divide():
+    """Micro batch 4 of 8 sequences on 4 GPUs: dp 1 and 2 take it, dp 4 (2 sequences per replica) cannot."""
+    result = search(Request(model("mamba2-130m.json"), 4, 4, 2048, 8, 16 * GiB, fixed={"micro_batch_size": 4}), H100)
+    assert result.plans and all(p.micro_batch_size == 4 and p.dp <= 2 for p in result.plans)
+    reasons = {r.family: r.reason for r in result.rejected}
+    assert reasons["dp 4 x cp 1 x tp 1 x pp 1"] == "micro batch 4 does not divide the 2 sequences per replica of dp 4"
+
+
 def test_a_pipeline_with_zero_2_fixed_is_refused_naming_the_engine():
     with pytest.raises(PlanError, match="pipeline engine runs ZeRO 0 or 1 only"):
         search(Request(model("mamba2-130m.json"), 8, 8, 2048, 64, 16 * GiB, fixed={"pp": 2, "zero_stage": 2}), H100)
