@@ -6,7 +6,8 @@ interpreter is made to compute bf16 as a GPU does (tests/interpreter_bf16.py). E
 virtual environment gets its own torch-extension cache (DeepSpeed JIT-builds an op on
 `init_distributed`), so two environments never rebuild it for each other. Every Python process
 a test starts runs in strict-collectives mode (tests/strict_collectives.py) through
-tests/strict_site/sitecustomize.py.
+tests/strict_site/sitecustomize.py. The shared training runs' fixtures come from tests/train_runs.py
+and tests/resume_runs.py.
 """
 import os
 import sys
@@ -14,6 +15,9 @@ import time
 
 import pytest
 import torch
+
+from resume_runs import resume_reference, resume_runs  # noqa: F401  (fixtures)
+from train_runs import packed_documents, train_reference, train_runs  # noqa: F401  (fixtures)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -3,7 +3,8 @@
 Three ways to run it: `direct` (one process, `python launch/train.py` with the launcher's
 environment), `spawned` (ranks spawned by tests/distributed.py, returning their summaries) and
 `launch` (the real `deepspeed` launcher, as a Popen). The model has 4 layers so 4 pipeline
-stages get one block each; the global batch (8) does not depend on the layout.
+stages get one block each; the global batch (8) does not depend on the layout. The fixtures
+`resume_runs` and `resume_reference` serve every test (tests/conftest.py).
 """
 import hashlib
 import json
@@ -11,6 +12,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from distributed import free_port, run_ranks
 from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
@@ -108,3 +111,17 @@ class Runs:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@pytest.fixture(scope="session")
+def resume_runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("resume_runs"))
+
+
+@pytest.fixture(scope="session")
+def resume_reference(resume_runs):
+    """(1,1,1) without ZeRO, 8 steps, one checkpoint every 4 steps: its records and save directory."""
+    out = resume_runs.new_dir()
+    run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=["--save", str(out / "ckpt"), "--save-interval",
+                                                                   str(SAVE_AT)]), out=out)
+    assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
+    assert [r["step"] for r in run["records"]] == list(range(STEPS))
+    return run

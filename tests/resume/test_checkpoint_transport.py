@@ -93,9 +93,9 @@ def _measured_rank(argv, extensions_dir):
     return {**run_train(argv, extensions_dir), **seen}
 
 
-def _run(runs, flags):
-    out = runs.new_dir()
-    ranks = run_ranks(_measured_rank, 4, args=(runs.argv(out, LAYOUT, 1, flags), runs.extensions_dir),
+def _run(resume_runs, flags):
+    out = resume_runs.new_dir()
+    ranks = run_ranks(_measured_rank, 4, args=(resume_runs.argv(out, LAYOUT, 1, flags), resume_runs.extensions_dir),
                       init_process_group=False, timeout=400)
     return ranks
 
@@ -112,9 +112,9 @@ def _stage_bytes(path: str, stage_files: list) -> int:
 
 
 @pytest.fixture(scope="module")
-def saved(runs, tmp_path_factory):
+def saved(resume_runs, tmp_path_factory):
     save = tmp_path_factory.mktemp("transport") / "ckpt"
-    ranks = _run(runs, ["--train-iters", "3", "--save", str(save), "--save-interval", "2"])
+    ranks = _run(resume_runs, ["--train-iters", "3", "--save", str(save), "--save-interval", "2"])
     return ranks, save
 
 
@@ -137,9 +137,9 @@ def test_a_pipeline_save_moves_tensors_through_files_and_each_rank_writes_only_i
     assert sum(written) == total and max(written) < total / 2
 
 
-def test_a_pipeline_resume_is_exact_and_puts_optimizer_state_where_torch_adamw_keeps_it(runs, saved):
+def test_a_pipeline_resume_is_exact_and_puts_optimizer_state_where_torch_adamw_keeps_it(resume_runs, saved):
     ranks, save = saved
-    resumed = _run(runs, ["--train-iters", "3", "--load", str(save / "step_000002")])
+    resumed = _run(resume_runs, ["--train-iters", "3", "--load", str(save / "step_000002")])
     assert [r["step"] for r in resumed[0]["records"]] == [2]
     assert resumed[0]["records"][0]["loss"] == ranks[0]["records"][2]["loss"]
     for r in resumed:

@@ -36,11 +36,11 @@ def run_processes(out):
     return [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly(runs):
-    reference = runs.spawned((2, 1, 1), 1)["records"]
-    out = runs.new_dir()
+def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly(resume_runs):
+    reference = resume_runs.spawned((2, 1, 1), 1)["records"]
+    out = resume_runs.new_dir()
     save = out / "ckpt"
-    proc = runs.launch(2, runs.argv(out, (2, 1, 1), 1, ["--save", str(save)]), out)
+    proc = resume_runs.launch(2, resume_runs.argv(out, (2, 1, 1), 1, ["--save", str(save)]), out)
     wait_for_steps(proc, out, 2)
     os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler or a terminal does: the launchers and the ranks
     sent = time.monotonic()
@@ -57,14 +57,14 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
     checkpoint = Checkpoint(find_latest(str(save)))
     assert checkpoint.step == stopped + 1
     assert losses(records_of(out)) == losses(reference)[:stopped + 1]
-    resumed = runs.spawned((2, 1, 1), 1, ["--load", "auto", "--save", str(save)])["records"]
+    resumed = resume_runs.spawned((2, 1, 1), 1, ["--load", "auto", "--save", str(save)])["records"]
     assert [r["step"] for r in resumed] == list(range(stopped + 1, STEPS))
     assert losses(resumed) == losses(reference)[stopped + 1:]
 
 
-def test_a_rank_killed_mid_training_ends_the_launched_job_non_zero_within_60_s(runs):
-    out = runs.new_dir()
-    proc = runs.launch(2, runs.argv(out, (2, 1, 1), 1, ["--train-iters", "400"]), out)
+def test_a_rank_killed_mid_training_ends_the_launched_job_non_zero_within_60_s(resume_runs):
+    out = resume_runs.new_dir()
+    proc = resume_runs.launch(2, resume_runs.argv(out, (2, 1, 1), 1, ["--train-iters", "400"]), out)
     wait_for_steps(proc, out, 2)
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in " ".join(p.cmdline())]
     assert len(ranks) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -81,26 +81,27 @@ def test_a_rank_killed_mid_training_ends_the_launched_job_non_zero_within_60_s(r
 # 5: the tensor files written, not the JSON ones; 10: before the manifest; 16: the new checkpoint in place,
 # before `latest`.
 @pytest.mark.parametrize("at", [5, 10, 16])
-def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resumes_from_it(runs, reference, at):
-    out = runs.new_dir()
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resumes_from_it(resume_runs,
+                                                                                          resume_reference, at):
+    out = resume_runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--save-interval", "2"]
-    killed = runs.direct(runs.argv(out, zero=0, flags=flags), out=out, faults={"kill_save": [4, at]})
+    killed = resume_runs.direct(resume_runs.argv(out, zero=0, flags=flags), out=out, faults={"kill_save": [4, at]})
     assert killed["returncode"] == -signal.SIGKILL, killed["stderr"][-3000:]
     assert Checkpoint(find_latest(str(save))).step == 2
-    out2 = runs.new_dir()
-    run = runs.direct(runs.argv(out2, zero=0, flags=["--load", "auto", *flags]), out=out2)
+    out2 = resume_runs.new_dir()
+    run = resume_runs.direct(resume_runs.argv(out2, zero=0, flags=["--load", "auto", *flags]), out=out2)
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == list(range(2, STEPS))
-    assert losses(run["records"]) == losses(reference["records"])[2:]
+    assert losses(run["records"]) == losses(resume_reference["records"])[2:]
     assert Checkpoint(find_latest(str(save))).step == STEPS
 
 
 @pytest.mark.parametrize("zero", [0, 1])
-def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(runs, zero):
-    out = runs.new_dir()
+def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(resume_runs, zero):
+    out = resume_runs.new_dir()
     save = out / "ckpt"
-    run = runs.direct(runs.argv(out, zero=zero, flags=["--train-iters", "4", "--save", str(save),
+    run = resume_runs.direct(resume_runs.argv(out, zero=zero, flags=["--train-iters", "4", "--save", str(save),
                                                        "--save-interval", "1"]),
                       out=out, faults={"nan_steps": [2]})
     assert run["returncode"] == 0, run["stderr"][-3000:]
@@ -113,9 +114,9 @@ def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(runs, 
     assert any((weights[0][k] != weights[1][k]).any() for k in weights[0]), "the step after did not train"
 
 
-def test_too_many_non_finite_steps_in_a_row_abort_with_one_message(runs):
-    out = runs.new_dir()
-    run = runs.direct(runs.argv(out, zero=0, flags=["--max-skipped-steps", "2"]),
+def test_too_many_non_finite_steps_in_a_row_abort_with_one_message(resume_runs):
+    out = resume_runs.new_dir()
+    run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=["--max-skipped-steps", "2"]),
                       out=out, faults={"nan_steps": [1, 2]})
     assert run["returncode"] == 1
     assert errors(run["stderr"]) == ["train.py: error: 2 steps in a row up to step 2 had non-finite loss or "

@@ -18,28 +18,28 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def run222(runs):
-    save = runs.new_dir() / "ckpt"
-    run = runs.spawned((2, 2, 2), 1, ["--save", str(save), "--save-interval", str(SAVE_AT)])
+def run222(resume_runs):
+    save = resume_runs.new_dir() / "ckpt"
+    run = resume_runs.spawned((2, 2, 2), 1, ["--save", str(save), "--save-interval", str(SAVE_AT)])
     assert [r["step"] for r in run["records"]] == list(range(STEPS))
     return {**run, "save": save}
 
 
-def resumed(runs, run222, layout, zero):
+def resumed(resume_runs, run222, layout, zero):
     load = ["--load", str(run222["save"] / f"step_{SAVE_AT:06d}")]
-    run = runs.spawned(layout, zero, load)
+    run = resume_runs.spawned(layout, zero, load)
     assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, STEPS))
     return losses(run["records"])
 
 
-def test_2_2_2_resume_is_bit_identical(runs, run222):
-    assert resumed(runs, run222, (2, 2, 2), 1) == losses(run222["records"])[SAVE_AT:]
+def test_2_2_2_resume_is_bit_identical(resume_runs, run222):
+    assert resumed(resume_runs, run222, (2, 2, 2), 1) == losses(run222["records"])[SAVE_AT:]
 
 
 @pytest.mark.parametrize("layout, zero", [((1, 1, 4), 1), ((4, 1, 1), 1), ((1, 2, 1), 0)],
                          ids=["1-1-4-zero1", "4-1-1-zero1", "1-2-1-zero0"])
-def test_2_2_2_checkpoint_continues_the_curve_at_another_layout(runs, run222, layout, zero):
-    got = torch.tensor(resumed(runs, run222, layout, zero), dtype=torch.float64)
+def test_2_2_2_checkpoint_continues_the_curve_at_another_layout(resume_runs, run222, layout, zero):
+    got = torch.tensor(resumed(resume_runs, run222, layout, zero), dtype=torch.float64)
     ref = torch.tensor(losses(run222["records"])[SAVE_AT:], dtype=torch.float64)
     assert torch.isfinite(got).all(), got
     error = ((got - ref).abs() / ref.abs()).max().item()
@@ -47,11 +47,11 @@ def test_2_2_2_checkpoint_continues_the_curve_at_another_layout(runs, run222, la
     assert error <= TOLERANCE, (got, ref)
 
 
-def test_single_rank_checkpoint_continues_the_curve_in_a_pipeline_without_zero(runs, reference):
-    load = ["--load", str(reference["dir"] / "ckpt" / f"step_{SAVE_AT:06d}")]
-    run = runs.spawned((1, 1, 2), 0, load)
+def test_single_rank_checkpoint_continues_the_curve_in_a_pipeline_without_zero(resume_runs, resume_reference):
+    load = ["--load", str(resume_reference["dir"] / "ckpt" / f"step_{SAVE_AT:06d}")]
+    run = resume_runs.spawned((1, 1, 2), 0, load)
     got = torch.tensor(losses(run["records"]), dtype=torch.float64)
-    ref = torch.tensor(losses(reference["records"])[SAVE_AT:], dtype=torch.float64)
+    ref = torch.tensor(losses(resume_reference["records"])[SAVE_AT:], dtype=torch.float64)
     assert torch.isfinite(got).all() and len(got) == len(ref), got
     error = ((got - ref).abs() / ref.abs()).max().item()
     print(f"(1,1,1) zero 0 step {SAVE_AT} -> (1,1,2) zero 0: max relative loss difference {error:.1e}")

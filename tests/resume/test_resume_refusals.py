@@ -13,10 +13,10 @@ from resume_runs import SAVE_AT, STEPS, errors
 pytestmark = pytest.mark.slow
 
 
-def _resume(runs, reference, flags, zero: int = 0) -> dict:
-    out = runs.new_dir()
-    checkpoint = reference["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
-    run = runs.direct(runs.argv(out, zero=zero, flags=["--load", str(checkpoint), *flags]), out=out)
+def _resume(resume_runs, resume_reference, flags, zero: int = 0) -> dict:
+    out = resume_runs.new_dir()
+    checkpoint = resume_reference["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
+    run = resume_runs.direct(resume_runs.argv(out, zero=zero, flags=["--load", str(checkpoint), *flags]), out=out)
     resumed = [line for line in run["stdout"].splitlines() if line.startswith("train.py: resumed from")]
     return {**run, "checkpoint": checkpoint, "resumed": resumed}
 
@@ -25,17 +25,18 @@ def _resume(runs, reference, flags, zero: int = 0) -> dict:
     (["--seq-length", "64"], "--seq-length: checkpoint 32, run 64", "--override-data-check"),
     (["--lr", "2e-3"], "peak: checkpoint 0.001, run 0.002", "--override-opt_param-scheduler"),
 ], ids=["seq-length", "lr"])
-def test_a_change_the_run_cannot_honour_is_refused_with_one_line_naming_it_and_the_override(runs, reference, flags,
+def test_a_change_the_run_cannot_honour_is_refused_with_one_line_naming_it_and_the_override(resume_runs,
+                                                                                          resume_reference, flags,
                                                                                           named, override):
-    run = _resume(runs, reference, flags)
+    run = _resume(resume_runs, resume_reference, flags)
     assert run["returncode"] == 2, run["stderr"][-3000:]
     lines = errors(run["stderr"])
     assert len(set(lines)) == 1 and named in lines[0] and override in lines[0], run["stderr"][-3000:]
     assert str(run["checkpoint"]) in lines[0] and run["records"] == []
 
 
-def test_the_overrides_continue_with_the_new_sequence_length_and_lr_plan(runs, reference):
-    run = _resume(runs, reference, ["--seq-length", "64", "--override-data-check", "--lr", "2e-3",
+def test_the_overrides_continue_with_the_new_sequence_length_and_lr_plan(resume_runs, resume_reference):
+    run = _resume(resume_runs, resume_reference, ["--seq-length", "64", "--override-data-check", "--lr", "2e-3",
                                     "--override-opt_param-scheduler"])
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, STEPS))
@@ -46,13 +47,15 @@ def test_the_overrides_continue_with_the_new_sequence_length_and_lr_plan(runs, r
 
 
 @pytest.mark.parametrize("zero", [0, 1], ids=["torch-adamw", "zero1"])
-def test_no_load_optim_continues_the_steps_from_the_weights_with_a_fresh_optimizer_and_schedule(runs, reference, zero):
-    save = runs.new_dir() / "ckpt"
-    run = _resume(runs, reference, ["--no-load-optim", "--no-load-rng", "--train-iters", str(SAVE_AT + 1),
-                                    "--save", str(save)], zero)
+def test_no_load_optim_continues_the_steps_from_the_weights_with_a_fresh_optimizer_and_schedule(resume_runs,
+                                                                                               resume_reference, zero):
+    save = resume_runs.new_dir() / "ckpt"
+    run = _resume(resume_runs, resume_reference, ["--no-load-optim", "--no-load-rng", "--train-iters", str(SAVE_AT + 1),
+                                                  "--save", str(save)], zero)
     assert run["returncode"] == 0, run["stderr"][-3000:]
     (record,) = run["records"]
-    assert record["step"] == SAVE_AT and record["loss"] == reference["records"][SAVE_AT]["loss"]  # the same weights
+    assert record["step"] == SAVE_AT
+    assert record["loss"] == resume_reference["records"][SAVE_AT]["loss"]  # the same weights
     assert record["lr"] == LRSchedule(1e-3, 1e-4, 1, SAVE_AT + 1)(0)  # the schedule's first step
     assert run["resumed"] == [f"train.py: resumed from {run['checkpoint']}: next step {SAVE_AT} of {SAVE_AT + 1}, "
                               f"next sample {SAVE_AT * 8} (fresh optimizer state and LR schedule (--no-load-optim); "

@@ -19,19 +19,19 @@ def checkpoints(save) -> list:
     return sorted(n for n in os.listdir(save) if n.startswith("step_"))
 
 
-def test_a_second_trainer_on_the_same_save_directory_is_refused_and_the_first_is_untouched(runs):
-    out = runs.new_dir()
+def test_a_second_trainer_on_the_same_save_directory_is_refused_and_the_first_is_untouched(resume_runs):
+    out = resume_runs.new_dir()
     save = out / "ckpt"
-    first = runs.direct_background(runs.argv(out, zero=0, flags=["--train-iters", "400", "--save", str(save),
-                                                                "--save-interval", "2"]), out)
+    argv = resume_runs.argv(out, zero=0, flags=["--train-iters", "400", "--save", str(save), "--save-interval", "2"])
+    first = resume_runs.direct_background(argv, out)
     try:
         deadline = time.monotonic() + 240
         while len(read_metrics(out / "metrics.jsonl")) < 3:
             assert first.poll() is None and time.monotonic() < deadline, (out / "stderr.txt").read_text()[-3000:]
             time.sleep(0.2)
         before = snapshot(save / "step_000002")
-        out2 = runs.new_dir()
-        second = runs.direct(runs.argv(out2, zero=0, flags=["--save", str(save), "--save-interval", "1",
+        out2 = resume_runs.new_dir()
+        second = resume_runs.direct(resume_runs.argv(out2, zero=0, flags=["--save", str(save), "--save-interval", "1",
                                                             "--load", "auto"]), out=out2)
         assert first.poll() is None, "the first run ended before the second was refused: lengthen it"
     finally:
@@ -52,11 +52,11 @@ def test_a_second_trainer_on_the_same_save_directory_is_refused_and_the_first_is
     assert not (save / LOCK_FILE).exists()
 
 
-def test_a_blow_up_writes_and_prunes_nothing_and_the_good_checkpoint_survives_keep_last_1(runs):
-    out = runs.new_dir()
+def test_a_blow_up_writes_and_prunes_nothing_and_the_good_checkpoint_survives_keep_last_1(resume_runs):
+    out = resume_runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--save-interval", "1", "--keep-last", "1", "--max-skipped-steps", "3"]
-    run = runs.direct(runs.argv(out, zero=0, flags=flags), out=out, faults={"nan_steps": [4, 5, 6]})
+    run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=flags), out=out, faults={"nan_steps": [4, 5, 6]})
     assert run["returncode"] == 1, run["stderr"][-3000:]
     good = save / "step_000004"
     assert errors(run["stderr"]) == [
@@ -69,11 +69,11 @@ def test_a_blow_up_writes_and_prunes_nothing_and_the_good_checkpoint_survives_ke
     assert find_latest(str(save)) == str(good) and Checkpoint(str(good), hashes=True).step == 4
 
 
-def test_after_a_recovered_blow_up_keep_last_still_keeps_the_checkpoint_from_before_it(runs):
-    out = runs.new_dir()
+def test_after_a_recovered_blow_up_keep_last_still_keeps_the_checkpoint_from_before_it(resume_runs):
+    out = resume_runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--save-interval", "1", "--keep-last", "1"]
-    run = runs.direct(runs.argv(out, zero=0, flags=flags), out=out, faults={"nan_steps": [2]})
+    run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=flags), out=out, faults={"nan_steps": [2]})
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert checkpoints(save) == ["step_000002", "step_000008"]
     assert find_latest(str(save)) == str(save / "step_000008")

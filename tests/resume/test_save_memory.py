@@ -104,13 +104,13 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
     return state | {"step": torch.tensor(step)}
 
 
-def test_a_2_2_2_save_grows_no_rank_by_more_than_its_shard_and_loads_at_1_1_1_bit_identically(runs):
-    out = runs.new_dir()
+def test_a_2_2_2_save_grows_no_rank_by_more_than_its_shard_and_loads_at_1_1_1_bit_identically(resume_runs):
+    out = resume_runs.new_dir()
     save = out / "ckpt"
-    config = ["--model-config", runs.model_config(d_model=512, pad_vocab_size_multiple=1)]
-    argv = runs.argv(out, LAYOUT, 1, ["--train-iters", "2", "--save", str(save)])
+    config = ["--model-config", resume_runs.model_config(d_model=512, pad_vocab_size_multiple=1)]
+    argv = resume_runs.argv(out, LAYOUT, 1, ["--train-iters", "2", "--save", str(save)])
     argv[argv.index("--model-config"):argv.index("--model-config") + 2] = config
-    ranks = run_ranks(_saving_rank, 8, args=(argv, runs.extensions_dir, str(out)), init_process_group=False,
+    ranks = run_ranks(_saving_rank, 8, args=(argv, resume_runs.extensions_dir, str(out)), init_process_group=False,
                       timeout=600)
     print("rank: save growth / own shard / the stage a gathering writer holds (MiB)")
     for rank, r in enumerate(ranks):
@@ -121,9 +121,9 @@ def test_a_2_2_2_save_grows_no_rank_by_more_than_its_shard_and_loads_at_1_1_1_bi
     for stage in range(LAYOUT[2]):
         part = load_file(str(out / f"assembled-stage{stage}.safetensors"))
         assembled |= {k: t for k, t in part.items() if k not in assembled}  # a tied embedding: stage 0's
-    single = runs.argv(out, (1, 1, 1), 1, ["--train-iters", "2"])
+    single = resume_runs.argv(out, (1, 1, 1), 1, ["--train-iters", "2"])
     single[single.index("--model-config"):single.index("--model-config") + 2] = config
-    (loaded,) = run_ranks(_loading_rank, 1, args=(single, runs.extensions_dir, ranks[0]["path"]),
+    (loaded,) = run_ranks(_loading_rank, 1, args=(single, resume_runs.extensions_dir, ranks[0]["path"]),
                           init_process_group=False, timeout=300)
     assert loaded.keys() == assembled.keys()
     differ = sorted(k for k in assembled if not torch.equal(loaded[k], assembled[k]))

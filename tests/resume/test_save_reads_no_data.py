@@ -27,10 +27,11 @@ def run_train_counting_fingerprints(argv, extensions_dir) -> int:
     return len(calls)
 
 
-def test_three_saves_fingerprint_the_one_dataset_once(runs):
-    out = runs.new_dir()
-    argv = runs.argv(out, zero=0, flags=["--train-iters", "3", "--save", str(out / "ckpt"), "--save-interval", "1"])
-    (fingerprints,) = run_ranks(run_train_counting_fingerprints, 1, args=(argv, runs.extensions_dir),
+def test_three_saves_fingerprint_the_one_dataset_once(resume_runs):
+    out = resume_runs.new_dir()
+    argv = resume_runs.argv(out, zero=0, flags=["--train-iters", "3", "--save", str(out / "ckpt"), "--save-interval",
+                                                "1"])
+    (fingerprints,) = run_ranks(run_train_counting_fingerprints, 1, args=(argv, resume_runs.extensions_dir),
                                 init_process_group=False, timeout=300)
     assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("step_")) == [
         "step_000001", "step_000002", "step_000003"]

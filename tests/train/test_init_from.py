@@ -15,7 +15,6 @@ import shutil
 import pytest
 import torch
 
-from conftest import COMMON
 from megamamba.checkpoint import CheckpointError, save_training_checkpoint
 from megamamba.checkpoint.model_folder import FolderWeights, load_model_folder
 from megamamba.config import MambaConfig
@@ -24,6 +23,7 @@ from megamamba.model.lm import MambaLM, lm_loss
 from megamamba.optim import param_groups
 from megamamba.pipelines.job import init_from
 from train_entry import load_train_script
+from train_runs import COMMON
 
 FOLDER_SEED, SAVED_STEP = 7, 3
 SHORT = ["--train-iters", "2", "--eval-interval", "0"]
@@ -31,10 +31,10 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def folders(runs, tmp_path_factory):
+def folders(train_runs, tmp_path_factory):
     """{"checkpoint": step folder after one AdamW step, "hf": its transformers export, "config": path}."""
     root = tmp_path_factory.mktemp("init_from")
-    config_path = runs.model_config("mamba2")
+    config_path = train_runs.model_config("mamba2")
     torch.manual_seed(FOLDER_SEED)
     model = MambaLM(MambaConfig.from_json(config_path))
     # the run's groups and betas, and a scheduler: one test resumes from it
@@ -60,16 +60,16 @@ def first_batch_loss(model: MambaLM, argv: list) -> float:
     return torch.stack(losses).mean().item()
 
 
-def run_argv(runs, folders) -> list:
+def run_argv(train_runs, folders) -> list:
     """The flags of the runs below, without the initial weights (they do not change the data or the LR)."""
-    return ["--deepspeed_config", str(runs.ds_config()), "--model-config", folders["config"], *COMMON, *SHORT]
+    return ["--deepspeed_config", str(train_runs.ds_config()), "--model-config", folders["config"], *COMMON, *SHORT]
 
 
 @pytest.fixture(scope="module")
-def second_loss_without_zero(runs, folders) -> float:
+def second_loss_without_zero(train_runs, folders) -> float:
     """Step 1's loss of a run at (1,1,1) with ZeRO stage 0 initialized from the checkpoint."""
-    run = runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["checkpoint"]],
-                        ds_config=runs.ds_config(zero_optimization={"stage": 0}))
+    run = train_runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["checkpoint"]],
+                        ds_config=train_runs.ds_config(zero_optimization={"stage": 0}))
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == [0, 1]
     return run["records"][1]["loss"]
@@ -90,10 +90,10 @@ def check_started_at_weights(run, reference_loss: float, second_loss: float, arg
 
 
 @pytest.mark.slow
-def test_init_from_a_transformers_export_starts_at_its_weights_at_step_0(runs, folders, second_loss_without_zero):
+def test_init_from_a_transformers_export_starts_at_its_weights_at_step_0(train_runs, folders, second_loss_without_zero):
     imported = import_weights("hf", folders["hf"], str(folders["root"] / "imported"))
-    argv = run_argv(runs, folders)
-    run = runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["hf"]])
+    argv = run_argv(train_runs, folders)
+    run = train_runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["hf"]])
     first_loss = first_batch_loss(load_model_folder(imported), argv)
     check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
     assert (f"train.py: initialized from {folders['hf']} (transformers Mamba2ForCausalLM folder, not verified: no "
@@ -101,10 +101,11 @@ def test_init_from_a_transformers_export_starts_at_its_weights_at_step_0(runs, f
 
 
 @pytest.mark.slow
-def test_init_from_a_checkpoint_at_tensor_parallel_2_starts_at_its_weights_verified(runs, folders,
+def test_init_from_a_checkpoint_at_tensor_parallel_2_starts_at_its_weights_verified(train_runs, folders,
                                                                                    second_loss_without_zero):
-    argv = run_argv(runs, folders)
-    run = runs.launched(2, "mamba2", [*SHORT, "--tensor-parallel-size", "2", "--init-from", folders["checkpoint"]])
+    argv = run_argv(train_runs, folders)
+    run = train_runs.launched(2, "mamba2", [*SHORT, "--tensor-parallel-size", "2", "--init-from",
+                                            folders["checkpoint"]])
     first_loss = first_batch_loss(load_model_folder(folders["checkpoint"]), argv)
     check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
     assert (f"train.py: initialized from {folders['checkpoint']} (checkpoint of step {SAVED_STEP}, verified: sizes "
@@ -113,19 +114,19 @@ def test_init_from_a_checkpoint_at_tensor_parallel_2_starts_at_its_weights_verif
 
 
 @pytest.mark.slow
-def test_finetune_takes_only_the_weights_of_load(runs, folders, second_loss_without_zero):
-    argv = run_argv(runs, folders)
-    run = runs.launched(1, "mamba2", [*SHORT, "--finetune", "--load", folders["checkpoint"]])
+def test_finetune_takes_only_the_weights_of_load(train_runs, folders, second_loss_without_zero):
+    argv = run_argv(train_runs, folders)
+    run = train_runs.launched(1, "mamba2", [*SHORT, "--finetune", "--load", folders["checkpoint"]])
     first_loss = first_batch_loss(load_model_folder(folders["checkpoint"]), argv)
     check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
     assert f"train.py: initialized from {folders['checkpoint']} (checkpoint of step {SAVED_STEP}" in run["stdout"]
 
 
 @pytest.mark.slow
-def test_a_checkpoint_that_load_finds_wins_over_init_from(runs, folders):
+def test_a_checkpoint_that_load_finds_wins_over_init_from(train_runs, folders):
     save = folders["root"] / "requeued"
     shutil.copytree(os.path.dirname(folders["checkpoint"]), save)
-    run = runs.launched(1, "mamba2", ["--train-iters", str(SAVED_STEP + 1), "--eval-interval", "0",
+    run = train_runs.launched(1, "mamba2", ["--train-iters", str(SAVED_STEP + 1), "--eval-interval", "0",
                                       "--init-from", folders["hf"], "--save", str(save), "--load", "auto"])
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == [SAVED_STEP]
@@ -134,8 +135,8 @@ def test_a_checkpoint_that_load_finds_wins_over_init_from(runs, folders):
 
 
 @pytest.mark.slow
-def test_a_run_whose_config_differs_from_the_folder_is_refused_in_one_line(runs, folders):
-    run = runs.launched(1, "mamba1", [*SHORT, "--init-from", folders["checkpoint"]])
+def test_a_run_whose_config_differs_from_the_folder_is_refused_in_one_line(train_runs, folders):
+    run = train_runs.launched(1, "mamba1", [*SHORT, "--init-from", folders["checkpoint"]])
     assert run["returncode"] == 2
     lines = [line for line in run["stderr"].splitlines() if "train.py: error:" in line]
     assert lines and "the model config of" in lines[0] and "ssm_cfg.layer: folder 'Mamba2', run 'Mamba1'" in lines[0]

@@ -114,13 +114,14 @@ def _run_with_device(argv, extensions_dir, device_gib):
     return status, err.getvalue(), out.getvalue()
 
 
-def _argv(runs, *flags):
-    return ["--deepspeed_config", runs.ds_config(), "--model-config", str(ROOT / "launch/models/mamba2-130m.json"),
-            "--train-iters", "1", "--seq-length", "2048", *flags]
+def _argv(train_runs, *flags):
+    return ["--deepspeed_config", train_runs.ds_config(), "--model-config",
+            str(ROOT / "launch/models/mamba2-130m.json"), "--train-iters", "1", "--seq-length", "2048", *flags]
 
 
-def test_train_py_refuses_a_run_that_does_not_fit_in_one_line_with_status_2(runs):
-    (status, err, out), = run_ranks(_run_with_device, 1, args=(_argv(runs), os.environ["TORCH_EXTENSIONS_DIR"], 3),
+def test_train_py_refuses_a_run_that_does_not_fit_in_one_line_with_status_2(train_runs):
+    (status, err, out), = run_ranks(_run_with_device, 1,
+                                    args=(_argv(train_runs), os.environ["TORCH_EXTENSIONS_DIR"], 3),
                                     init_process_group=False, timeout=300)
     lines = err.strip().splitlines()
     assert status == 2 and len(lines) == 1, (status, err)
@@ -143,9 +144,9 @@ def test_on_the_cpu_the_plan_is_printed_and_the_fit_not_checked(monkeypatch):
 
 
 @pytest.mark.slow
-def test_no_memory_check_starts_a_run_that_does_not_fit_and_says_so(runs):
-    argv = ["--deepspeed_config", runs.ds_config(), "--model-config", runs.model_config("mamba2"), "--train-iters", "1",
-            "--seq-length", "32", "--no-memory-check"]
+def test_no_memory_check_starts_a_run_that_does_not_fit_and_says_so(train_runs):
+    argv = ["--deepspeed_config", train_runs.ds_config(), "--model-config", train_runs.model_config("mamba2"),
+            "--train-iters", "1", "--seq-length", "32", "--no-memory-check"]
     (status, err, out), = run_ranks(_run_with_device, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"], 1),
                                     init_process_group=False, timeout=300)
     assert status == 0, (status, err[-2000:])

@@ -78,12 +78,12 @@ HYBRID = {"hybrid_layer_pattern": "M*-", "d_intermediate": 96, "mlp_activation":
           "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True}}
 
 
-def _argv(runs, tmp_path, mixer, zero, flags, changes=None):
-    model = runs.model_config(mixer)
+def _argv(train_runs, tmp_path, mixer, zero, flags, changes=None):
+    model = train_runs.model_config(mixer)
     if changes:
         model = tmp_path / "model.json"
-        model.write_text(json.dumps({**json.loads(Path(runs.model_config(mixer)).read_text()), **changes}))
-    return ["--deepspeed_config", runs.ds_config(zero_optimization={"stage": zero}), "--model-config", str(model),
+        model.write_text(json.dumps({**json.loads(Path(train_runs.model_config(mixer)).read_text()), **changes}))
+    return ["--deepspeed_config", train_runs.ds_config(zero_optimization={"stage": zero}), "--model-config", str(model),
             "--train-iters", "1", "--seq-length", str(SEQ), *flags]
 
 
@@ -109,8 +109,8 @@ CASES = [
                          ids=[f"{m}-world{w}-zero{z}-{' '.join(f)}{'-hybrid' if c is HYBRID else '-odd' if c else ''}"
                               for w, m, z, f, c in CASES])
 def test_planned_parameters_gradients_optimizer_state_and_buckets_are_what_the_engine_holds(
-        runs, tmp_path, world, mixer, zero, flags, changes):
-    ranks = _ranks(_argv(runs, tmp_path, mixer, zero, flags, changes), world)
+        train_runs, tmp_path, world, mixer, zero, flags, changes):
+    ranks = _ranks(_argv(train_runs, tmp_path, mixer, zero, flags, changes), world)
     for rank, (measured, planned) in enumerate(ranks):
         print(f"{mixer} world {world} ZeRO {zero} {' '.join(flags)} {changes or ''} rank {rank}: measured {measured}, "
               f"planned {planned} (parameters, gradients, optimizer state, ZeRO's reduce buckets: bytes)")
@@ -120,11 +120,11 @@ def test_planned_parameters_gradients_optimizer_state_and_buckets_are_what_the_e
 
 
 @pytest.mark.slow
-def test_zero2_planned_parameters_optimizer_state_and_bucket_are_what_the_engine_holds(runs, tmp_path):
+def test_zero2_planned_parameters_optimizer_state_and_bucket_are_what_the_engine_holds(train_runs, tmp_path):
     """ZeRO-2 reduces gradients through its bucket during the backward: their partition is estimated. A hybrid
     of odd width (d_model 63, Mamba-2 heads of 18 channels), so ZeRO pads its groups."""
     ssm = {"layer": "Mamba2", "d_state": 16, "headdim": 18, "chunk_size": 32}
-    argv = _argv(runs, tmp_path, "mamba2", 2, [], {**HYBRID, **ODD, "ssm_cfg": ssm})
+    argv = _argv(train_runs, tmp_path, "mamba2", 2, [], {**HYBRID, **ODD, "ssm_cfg": ssm})
     for rank, (measured, planned) in enumerate(_ranks(argv, 2)):
         print(f"ZeRO 2 odd hybrid rank {rank}: measured {measured}, planned {planned}")
         exact = (0, 2, 3)  # parameters, optimizer state, bucket

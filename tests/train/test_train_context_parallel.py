@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from conftest import losses, relative_curve_error
+from train_runs import losses, relative_curve_error
 
 pytestmark = pytest.mark.slow
 
@@ -36,52 +36,52 @@ def _flags(mixer, packed_documents):
     return packed_documents if mixer == "hybrid" else []
 
 
-def _run(runs, mixer, world, flags, ds_changes=None):
-    run = runs.launched(world, mixer, flags, runs.ds_config(**ds_changes) if ds_changes else None)
+def _run(train_runs, mixer, world, flags, ds_changes=None):
+    run = train_runs.launched(world, mixer, flags, train_runs.ds_config(**ds_changes) if ds_changes else None)
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     return run
 
 
-def _launched(runs, packed_documents, name):
+def _launched(train_runs, packed_documents, name):
     mixer, world, flags, ds_changes = LAYOUTS[name]
-    return _run(runs, mixer, world, [*_flags(mixer, packed_documents), *flags], ds_changes)
+    return _run(train_runs, mixer, world, [*_flags(mixer, packed_documents), *flags], ds_changes)
 
 
-def _reference(runs, packed_documents, mixer):
-    return _run(runs, mixer, 1, _flags(mixer, packed_documents))
+def _reference(train_runs, packed_documents, mixer):
+    return _run(train_runs, mixer, 1, _flags(mixer, packed_documents))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_trains_the_single_rank_loss_curve(runs, packed_documents, name):
-    run = _launched(runs, packed_documents, name)
-    ref = _reference(runs, packed_documents, LAYOUTS[name][0])["records"]
+def test_layout_trains_the_single_rank_loss_curve(train_runs, packed_documents, name):
+    run = _launched(train_runs, packed_documents, name)
+    ref = _reference(train_runs, packed_documents, LAYOUTS[name][0])["records"]
     for key in ("loss", "grad_norm", "val_loss"):
         error = relative_curve_error(losses(run["records"], key), losses(ref, key))
         print(f"{name} (launcher): max relative {key} difference to (1,1,1,1) {error:.1e}")
         assert error <= 1e-4, (key, losses(run["records"], key), losses(ref, key))
 
 
-def test_the_console_names_the_context_parallel_size_and_the_hybrids_layer_kinds(runs, packed_documents):
-    stdout = _launched(runs, packed_documents, "hybrid-2-2-1-2-recompute")["stdout"]
+def test_the_console_names_the_context_parallel_size_and_the_hybrids_layer_kinds(train_runs, packed_documents):
+    stdout = _launched(train_runs, packed_documents, "hybrid-2-2-1-2-recompute")["stdout"]
     assert "layout: world 8 = dp 2 x cp 2 x tp 1 x pp 2 | micro batch 2 x grad accumulation 2 x dp 2 = global " \
            "batch 8" in stdout
     assert "run: Mamba2, 3 layers (1 Mamba2, 1 attention, 1 MLP), d_model 64 | parameters " in stdout
 
 
-def test_zero2_partitions_the_hybrids_optimizer_state_over_dp(runs, packed_documents):
-    stdout = _launched(runs, packed_documents, "hybrid-2-1-1-1-zero2")["stdout"]
+def test_zero2_partitions_the_hybrids_optimizer_state_over_dp(train_runs, packed_documents):
+    stdout = _launched(train_runs, packed_documents, "hybrid-2-1-1-1-zero2")["stdout"]
     assert "ZeRO stage 2" in stdout and " = 12.000 x stage parameters / dp" in stdout
 
 
-def test_a_tp2_pp2_hybrid_checkpoint_continues_the_curve_at_dp2_with_zero2(runs, packed_documents):
+def test_a_tp2_pp2_hybrid_checkpoint_continues_the_curve_at_dp2_with_zero2(train_runs, packed_documents):
     """Saved with the key/value head replicated over TP 2 and the layers on 2 stages; read as one
     TP-1 stage whose ZeRO-2 partitions split the optimizer state over 2 data ranks."""
-    saved = _launched(runs, packed_documents, "hybrid-1-1-2-2")["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
+    saved = _launched(train_runs, packed_documents, "hybrid-1-1-2-2")["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
     state = json.loads((saved / "trainer_state.json").read_text())
     assert state["extra"]["layout"] == {"dp": 1, "cp": 1, "tp": 2, "pp": 2}
-    run = _run(runs, "hybrid", 2, [*packed_documents, "--load", str(saved)], ZERO_2)
+    run = _run(train_runs, "hybrid", 2, [*packed_documents, "--load", str(saved)], ZERO_2)
     assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, 5))
-    ref = _reference(runs, packed_documents, "hybrid")["records"][SAVE_AT:]
+    ref = _reference(train_runs, packed_documents, "hybrid")["records"][SAVE_AT:]
     for key in ("loss", "grad_norm", "val_loss"):
         error = relative_curve_error(losses(run["records"], key), losses(ref, key))
         print(f"hybrid (1,1,2,2) step {SAVE_AT} -> (2,1,1,1) ZeRO-2: max relative {key} difference {error:.1e}")

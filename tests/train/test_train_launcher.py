@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from conftest import DEEPSPEED, losses, relative_curve_error
 from distributed import free_port
 from train_entry import ROOT, TRAIN_PY
+from train_runs import DEEPSPEED, losses, relative_curve_error
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +18,8 @@ NAMES = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device",
 
 
 @pytest.mark.parametrize("mixer", ["mamba1", "mamba2"])
-def test_single_rank_run_logs_every_metric_once_per_step(reference, mixer):
-    run = reference(mixer)
+def test_single_rank_run_logs_every_metric_once_per_step(train_reference, mixer):
+    run = train_reference(mixer)
     records = run["records"]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     for r in records:
@@ -48,18 +48,18 @@ def _ranks(line: str, world: int) -> list:
     return [r for span in spans for r in range(int(span[0]), int(span[-1]) + 1)]
 
 
-def _launched(runs, layout, mixer, extra):
+def _launched(train_runs, layout, mixer, extra):
     dp, tp, pp = layout
-    run = runs.launched(dp * tp * pp, mixer, ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-                                              *extra])
+    run = train_runs.launched(dp * tp * pp, mixer, ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size",
+                                                    str(pp), *extra])
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     return run
 
 
 @pytest.mark.parametrize("layout, mixer, extra", LAUNCHED, ids=[f"{m}-{lay}-{' '.join(e)}" for lay, m, e in LAUNCHED])
-def test_launched_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer, extra):
-    run = _launched(runs, layout, mixer, extra)
-    ref = reference(mixer)["records"]
+def test_launched_layout_trains_the_single_rank_loss_curve(train_runs, train_reference, layout, mixer, extra):
+    run = _launched(train_runs, layout, mixer, extra)
+    ref = train_reference(mixer)["records"]
     error = relative_curve_error(losses(run["records"]), losses(ref))
     print(f"{mixer} {layout} {' '.join(extra)} (launcher): max relative loss difference to (1,1,1) {error:.1e}")
     assert error <= 1e-4, (losses(run["records"]), losses(ref))
@@ -73,21 +73,21 @@ def test_launched_layout_trains_the_single_rank_loss_curve(runs, reference, layo
     assert len(console) == 5, "the console log comes from one rank only"
 
 
-def test_tensorboard_gets_every_metric_name_at_every_step(runs):
+def test_tensorboard_gets_every_metric_name_at_every_step(train_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = _launched(runs, *LAUNCHED[1])
+    run = _launched(train_runs, *LAUNCHED[1])
     events = EventAccumulator(str(run["dir"] / "tb"))
     events.Reload()
     assert NAMES - {"step"} | {"val_loss"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("loss")] == [0, 1, 2, 3, 4]
 
 
-def test_an_invalid_layout_stops_the_launched_job_before_training_with_one_message(runs, tmp_path):
-    ds = runs.ds_config(zero_optimization={"stage": 2})
+def test_an_invalid_layout_stops_the_launched_job_before_training_with_one_message(train_runs, tmp_path):
+    ds = train_runs.ds_config(zero_optimization={"stage": 2})
     cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN_PY),
-           "--deepspeed_config", ds, "--model-config", runs.model_config("mamba2"), "--pipeline-parallel-size", "2",
-           "--train-iters", "5"]
+           "--deepspeed_config", ds, "--model-config", train_runs.model_config("mamba2"),
+           "--pipeline-parallel-size", "2", "--train-iters", "5"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     message = "train.py: error: ZeRO stage 2 with pipeline parallel size 2"

@@ -8,7 +8,7 @@ Mamba-2 is the ZeRO-2/3 test below).
 """
 import pytest
 
-from conftest import losses, relative_curve_error
+from train_runs import losses, relative_curve_error
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +33,10 @@ def _flags(layout, extra):
 
 @pytest.mark.parametrize("layout, mixer, zero, extra", LAYOUTS,
                          ids=[f"{m}-{lay}-zero{z}-{' '.join(e)}" for lay, m, z, e in LAYOUTS])
-def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer, zero, extra):
-    ds = runs.ds_config(zero_optimization={"stage": zero})
-    ranks = runs.spawned(layout[0] * layout[1] * layout[2], mixer, _flags(layout, extra), ds_config=ds)
-    ref = reference(mixer)["records"]
+def test_layout_trains_the_single_rank_loss_curve(train_runs, train_reference, layout, mixer, zero, extra):
+    ds = train_runs.ds_config(zero_optimization={"stage": zero})
+    ranks = train_runs.spawned(layout[0] * layout[1] * layout[2], mixer, _flags(layout, extra), ds_config=ds)
+    ref = train_reference(mixer)["records"]
     for rank, summary in enumerate(ranks):
         curve = losses(summary["records"])
         assert all(loss == loss for loss in curve), curve  # no NaN
@@ -48,15 +48,15 @@ def test_layout_trains_the_single_rank_loss_curve(runs, reference, layout, mixer
         assert relative_curve_error(losses(summary["records"], "grad_norm"), losses(ref, "grad_norm")) <= 1e-5
 
 
-def test_loss_falls_over_the_five_steps(reference):
+def test_loss_falls_over_the_five_steps(train_reference):
     for mixer in ("mamba1", "mamba2"):
-        curve = losses(reference(mixer)["records"])
+        curve = losses(train_reference(mixer)["records"])
         assert curve[0] > 5.0 and curve[-1] < curve[0] - 0.05, (mixer, curve)
 
 
-def test_zero1_holds_12_bytes_per_stage_parameter_over_dp_on_every_rank(runs):
-    ranks = runs.spawned(4, "mamba2", _flags((2, 1, 2), ["--checkpoint-activations-interval", "1"]),
-                         ds_config=runs.ds_config(zero_optimization={"stage": 1}))
+def test_zero1_holds_12_bytes_per_stage_parameter_over_dp_on_every_rank(train_runs):
+    ranks = train_runs.spawned(4, "mamba2", _flags((2, 1, 2), ["--checkpoint-activations-interval", "1"]),
+                         ds_config=train_runs.ds_config(zero_optimization={"stage": 1}))
     assert {s["stage_parameters"] for s in ranks} == {ranks[0]["stage_parameters"], ranks[-1]["stage_parameters"]}
     for rank, s in enumerate(ranks):
         expected = 12 * s["stage_parameters"] / 2
@@ -66,19 +66,21 @@ def test_zero1_holds_12_bytes_per_stage_parameter_over_dp_on_every_rank(runs):
 
 # ZeRO-3 keeps no separate float32 master: the float32 parameter shard it owns is the master.
 @pytest.mark.parametrize("stage, state_bytes_per_parameter", [(2, 12), (3, 8)])
-def test_zero_2_and_3_at_pipeline_size_1_train_the_same_curve(runs, reference, stage, state_bytes_per_parameter):
-    ds = runs.ds_config(zero_optimization={"stage": stage})
-    ranks = runs.spawned(2, "mamba2", [], ds_config=ds)
+def test_zero_2_and_3_at_pipeline_size_1_train_the_same_curve(train_runs, train_reference, stage,
+                                                               state_bytes_per_parameter):
+    ds = train_runs.ds_config(zero_optimization={"stage": stage})
+    ranks = train_runs.spawned(2, "mamba2", [], ds_config=ds)
     for summary in ranks:
-        assert relative_curve_error(losses(summary["records"]), losses(reference("mamba2")["records"])) <= TOLERANCE
+        reference = losses(train_reference("mamba2")["records"])
+        assert relative_curve_error(losses(summary["records"]), reference) <= TOLERANCE
     expected = state_bytes_per_parameter * ranks[0]["stage_parameters"] / 2
     assert expected <= ranks[0]["optimizer_state_bytes"] <= expected * 1.01
 
 
-def test_bf16_autocast_follows_the_float32_curve_with_float32_parameters(runs):
+def test_bf16_autocast_follows_the_float32_curve_with_float32_parameters(train_runs):
     longer = ["--train-iters", "30", "--lr", "3e-3", "--lr-warmup-iters", "3", "--eval-interval", "0"]
-    (fp32,) = runs.spawned(1, "mamba2", longer)
-    (bf16,) = runs.spawned(1, "mamba2", longer, ds_config=runs.ds_config(
+    (fp32,) = train_runs.spawned(1, "mamba2", longer)
+    (bf16,) = train_runs.spawned(1, "mamba2", longer, ds_config=train_runs.ds_config(
         torch_autocast={"enabled": True, "dtype": "bfloat16"}))
     assert bf16["parameter_dtypes"] == ["torch.float32"]  # A_log, D, dt_bias and the masters stay float32
     curve, ref = losses(bf16["records"]), losses(fp32["records"])

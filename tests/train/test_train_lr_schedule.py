@@ -59,7 +59,8 @@ def test_invalid_settings_are_refused_by_name(kwargs, words):
 
 
 @pytest.mark.slow
-def test_the_logged_lr_is_the_optimizers_and_a_skipped_step_does_not_advance_it(runs):
-    (summary,) = runs.spawned(1, "mamba2", ["--lr-warmup-iters", "4", "--log-interval", "1"], faults={"nan_steps": [2]})
+def test_the_logged_lr_is_the_optimizers_and_a_skipped_step_does_not_advance_it(train_runs):
+    (summary,) = train_runs.spawned(1, "mamba2", ["--lr-warmup-iters", "4", "--log-interval", "1"],
+                                    faults={"nan_steps": [2]})
     s = LRSchedule(peak=1e-3, minimum=1e-4, warmup_iters=4, total_iters=5)
     assert [r["lr"] for r in summary["records"]] == pytest.approx([s(0), s(1), s(2), s(2), s(3)], rel=1e-12)

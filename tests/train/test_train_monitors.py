@@ -136,13 +136,13 @@ def test_a_disabled_logger_starts_no_wandb_run_and_writes_no_csv(tmp_path, fake_
 
 
 @pytest.mark.slow
-def test_a_launched_run_writes_csv_and_wandb_values_equal_to_the_jsonl(runs, tmp_path, monkeypatch):
+def test_a_launched_run_writes_csv_and_wandb_values_equal_to_the_jsonl(train_runs, tmp_path, monkeypatch):
     calls = tmp_path / "wandb_calls.jsonl"
     monkeypatch.setenv("FAKE_WANDB_CALLS", str(calls))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_WANDB), os.environ.get("PYTHONPATH", "")]))
-    ds = runs.ds_config(csv_monitor={"enabled": True, "output_path": "csv", "job_name": "tiny"},
+    ds = train_runs.ds_config(csv_monitor={"enabled": True, "output_path": "csv", "job_name": "tiny"},
                         wandb={"enabled": True, "team": "t", "group": "g", "project": "p"})
-    run = runs.launched(2, "mamba2", ds_config=ds)
+    run = train_runs.launched(2, "mamba2", ds_config=ds)
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     records = run["records"]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]

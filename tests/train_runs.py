@@ -1,9 +1,10 @@
-"""Training runs shared by the tests of tests/train: each distinct run happens once per session.
+"""Training runs shared by the tests that compare whole runs: each distinct run happens once per session.
 
 Models: the tiny Mamba-1 / Mamba-2 / hybrid configs of launch/models with n_layer = 3, which two
 pipeline stages cannot split evenly; the hybrid's 3 layers are one of each kind ("M*-"), with one
 key/value head, which TP 2 replicates. Runs go through the real `deepspeed` launcher (`launched`)
-or through ranks spawned directly by tests/distributed.py (`spawned`), both on gloo.
+or through ranks spawned directly by tests/distributed.py (`spawned`), both on gloo. The fixtures
+`train_runs`, `train_reference` and `packed_documents` serve every test (tests/conftest.py).
 """
 import hashlib
 import io
@@ -15,8 +16,6 @@ from pathlib import Path
 import pytest
 
 from distributed import free_port, run_ranks
-from megamamba.corpus import python_docs
-from megamamba.data.preprocess import preprocess
 from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 
 N_LAYER = 3
@@ -89,7 +88,7 @@ class Runs:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
+def train_runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("train_runs"))
 
 
@@ -97,6 +96,9 @@ def runs(tmp_path_factory):
 def packed_documents(tmp_path_factory):
     """--data / --valid-data flags of the built-in corpus cut into its lines, one short document each
     (bytes; several document boundaries in every 32-token sample)."""
+    from megamamba.corpus import python_docs
+    from megamamba.data.preprocess import preprocess
+
     root = tmp_path_factory.mktemp("packed_documents")
     corpus = root / "lines.jsonl"
     with open(corpus, "w") as f:
@@ -110,10 +112,10 @@ def packed_documents(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(runs):
+def train_reference(train_runs):
     """The (1,1,1) float32 run of a mixer, through the real launcher."""
     def get(mixer):
-        run = runs.launched(1, mixer)
+        run = train_runs.launched(1, mixer)
         assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
         return run
     return get
