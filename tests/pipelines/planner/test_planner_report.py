@@ -9,8 +9,7 @@ from megamamba import MambaConfig
 from megamamba.pipelines.planner.profile import load_profile
 from megamamba.pipelines.planner.report import TIME_PARTS, search_dict, search_lines
 from megamamba.pipelines.planner.search import Request, search
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train_entry import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from megamamba.pipelines.memory.plan import RunShape, plan_memory
 from megamamba.pipelines.planner.profile import load_profile
 from megamamba.pipelines.planner.search import PlanError, Request, run_shape, search
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION
+from train_entry import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H100 = load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
 GiB = 2**30
 

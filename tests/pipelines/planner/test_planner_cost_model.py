@@ -23,8 +23,8 @@ from megamamba.pipelines.planner.step_time import (
     kernel_seconds_of,
     layer_time,
 )
+from train_entry import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H100 = load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
 HYBRID = MambaConfig(d_model=96, n_layer=4, vocab_size=257, hybrid_layer_pattern="M*-M", d_intermediate=192,
                      attn_cfg={"num_heads": 6, "num_heads_kv": 2, "causal": True, "rotary_emb_dim": 8},
