@@ -2,7 +2,7 @@
 
 Private or undocumented attributes of DeepSpeed's engine, ZeRO optimizers and parameters, the
 engine methods we replace, and the torch internals those paths hand to DeepSpeed, each behind one
-small function. tests/train/test_deepspeed_internals.py checks that each still has the shape used
+small function. tests/pipelines/test_deepspeed_internals.py checks that each still has the shape used
 here: upgrading DeepSpeed means reading this file and running that test.
 """
 from typing import Callable, Optional

@@ -6,7 +6,7 @@ a rank's: channels and heads divided by TP (key/value heads and B/C groups kept 
 replicated), tokens m x seq / CP (the worst context-parallel rank for attention, whose causal work grows
 along the sequence). Bytes move activations at `act` bytes (2 under bf16 autocast, 4 in float32) and the
 float32 stream at 4. Collectives are those our layers issue (docs/code.md, docs/context-parallel.md), with
-the `nbytes` `megamamba.parallel.comm_counter` counts; tests/planner/test_planner_collectives.py checks them
+the `nbytes` `megamamba.parallel.comm_counter` counts; tests/pipelines/planner/test_planner_collectives.py checks them
 against the counter. The worst rank's: a context-parallel halo is both sent and received.
 """
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """Hybrid models and context parallelism through the real `deepspeed` launcher train the single-rank curve.
 
-Every layout below runs 5 steps (float32, gloo, the 3-layer tiny models of tests/train/conftest.py)
+Every layout below runs 5 steps (float32, gloo, the 3-layer tiny models of tests/train_runs.py)
 and its loss, gradient-norm and validation-loss curves are compared with the (1,1,1,1) run of the
 same model: the batches are the same (each CP rank keeps its slice of its replica's sequences) and
 the averaged gradients are the single-device ones, so only reduction order differs. The hybrid

@@ -1,6 +1,6 @@
 """Packed short documents with seq_idx on: pipeline and tensor-parallel layouts train the (1,1,1) curve.
 
-The dataset is tests/train/conftest.py's `packed_documents`: the built-in corpus cut into its lines,
+The dataset is tests/train_runs.py's `packed_documents`: the built-in corpus cut into its lines,
 one short document each, so every 32-token sample holds several document boundaries. A run with
 --no-reset-at-documents shows that the resets move the curve well beyond the tolerance (by 1.2e-3
 over these 5 steps), so a stage that dropped seq_idx would fail the comparison.

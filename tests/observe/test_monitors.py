@@ -1,6 +1,6 @@
 """The DeepSpeed config's monitor blocks: csv_monitor and wandb next to TensorBoard, with DeepSpeed's keys.
 
-wandb is not installed here: its path runs against a fake `wandb` module (tests/train/fake_wandb)
+wandb is not installed here: its path runs against a fake `wandb` module (tests/observe/fake_wandb)
 that records its calls as JSON lines in $FAKE_WANDB_CALLS.
 """
 import csv

@@ -1,6 +1,6 @@
 """A plan's memory is the start-up plan of the run its printed flags launch: launch/train.py, given the plan's
 layout flags and DeepSpeed keys, computes the same per-rank parameters, gradients, optimizer state, buffers
-and activations. (That start-up plan is the built engine's: tests/train/test_memory_plan.py.)
+and activations. (That start-up plan is the built engine's: tests/pipelines/memory/test_memory_plan.py.)
 
 Plans of the tiny hybrid on 1, 2, 4 and 8 ranks: the fastest with each ZeRO stage and recompute setting,
 and with each use of TP, PP and CP.

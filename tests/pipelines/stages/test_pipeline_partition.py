@@ -1,6 +1,6 @@
 """Pipeline stages by cost: each layer weighs its forward FLOPs at the run's sequence length, so a hybrid's
 stages even out its attention, MLP and Mamba layers and the head where counting layers does not; a
-pattern's | marks set the stages. (That the engine builds these stages: test_train_pipeline_stages.py.)"""
+pattern's | marks set the stages. (That the engine builds these stages: test_pipeline_stages.py.)"""
 import dataclasses
 import itertools
 import random
