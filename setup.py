@@ -46,5 +46,5 @@ setup(
     # The test and lint extras: from the release the suite passes with (constraints.txt) to below the
     # next major (ruff and mypy: the next minor, whose rules and inference change).
     extras_require={"dev": ["pytest>=9.2,<10", "ninja>=1.13", "transformers>=5.25,<6", "ruff>=0.17,<0.18",
-                            "mypy>=2.4,<2.5"]},
+                            "mypy>=2.4,<2.5", "pre-commit>=4.7,<5"]},
 )
