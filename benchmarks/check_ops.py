@@ -110,6 +110,7 @@ def errors(results, device, theirs, dry):
     """One record per (op, dtype, output or gradient): ours' and theirs' error against float64."""
     import megamamba.kernels as ours
     from megamamba.kernels.reference import conv, norm, selective_scan, ssd
+    from megamamba.testing.numerics import relative_error
     oracle = {"ssd_chunk_scan": ssd.ssd_chunk_scan, "selective_scan": selective_scan.selective_scan,
               "causal_conv1d": conv.causal_conv1d, "rmsnorm_gated": norm.rmsnorm_gated}
     bench = load_kernel_benchmark()
@@ -160,14 +161,6 @@ def bf16_comparison(results, device, theirs, dry):
         return
     for row in rows:
         results.write("bf16_model", **row)
-
-
-def relative_error(value, ref) -> float:
-    """||value - ref|| / ||ref|| in float64; inf when value is not finite."""
-    value = value.double()
-    if not bool(torch.isfinite(value).all()):
-        return float("inf")
-    return ((value - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def cpu_time(fn):

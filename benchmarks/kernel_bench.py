@@ -106,11 +106,6 @@ def roofline_fractions(work, fwd_ms, fwd_bwd_ms, ceiling):
                 bwd_roof=least_ms(work["bwd_bytes"], work["bwd_flops"]) / bwd_ms)
 
 
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 # ----------------------------------------------------------------------------- inputs
 
 def ssd_inputs(shape, dtype, device, gen, docs=False, initial=False):
@@ -204,11 +199,12 @@ def forward_backward(fn, tensors, kwargs, seed=0):
 
 def compare(name, dtype, triton_fn, reference_fn, tensors, kwargs, tol):
     """Triton on `tensors` vs the reference on their float32 copies: worst relative error."""
+    from megamamba.testing.numerics import relative_error
     out, grads = forward_backward(triton_fn, tensors, kwargs)
     ref32 = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
     ref_out, ref_grads = forward_backward(reference_fn, ref32, kwargs)
-    errs = {"out": rel_err(out, ref_out)}
-    errs.update({f"d{k}": rel_err(grads[k], ref_grads[k]) for k in grads})
+    errs = {"out": relative_error(out, ref_out)}
+    errs.update({f"d{k}": relative_error(grads[k], ref_grads[k]) for k in grads})
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
     worst = max(errs, key=errs.get)
     return dict(op=name, dtype=str(dtype).replace("torch.", ""), shape={k: list(v.shape) for k, v in tensors.items()},

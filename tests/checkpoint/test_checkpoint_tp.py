@@ -35,6 +35,7 @@ from megamamba.checkpoint import (
     write_shard,
 )
 from megamamba.parallel import TensorParallel
+from megamamba.testing.numerics import relative_error
 
 pytestmark = pytest.mark.slow
 
@@ -87,12 +88,6 @@ def tp_ranks(case: str, save_dir: str, tp1_checkpoint: str) -> dict:
             "from_tp1": from_tp1_losses}
 
 
-def rel(a: list, b: list) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert torch.isfinite(a).all() and torch.isfinite(b).all()
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.mark.parametrize("case", CONFIGS)
 def test_checkpoints_resume_across_tensor_parallel_sizes(tmp_path, case):
     config = CONFIGS[case]
@@ -110,8 +105,8 @@ def test_checkpoints_resume_across_tensor_parallel_sizes(tmp_path, case):
     at_tp1 = training_run(config, seed=9)
     load_training_checkpoint(Checkpoint(str(tmp_path / "tp2" / f"step_{SAVE_AT:06d}")), *at_tp1)
     tp2_to_tp1 = [train_step(*at_tp1, s) for s in range(SAVE_AT, STEPS)]
-    errors = {"tp2 vs tp1 curve": rel(r["losses"], tp1_losses),
-              "tp2 -> tp1 resume": rel(tp2_to_tp1, r["losses"][SAVE_AT:]),
-              "tp1 -> tp2 resume": rel(r["from_tp1"], tp1_losses[SAVE_AT:])}
+    errors = {"tp2 vs tp1 curve": relative_error(r["losses"], tp1_losses),
+              "tp2 -> tp1 resume": relative_error(tp2_to_tp1, r["losses"][SAVE_AT:]),
+              "tp1 -> tp2 resume": relative_error(r["from_tp1"], tp1_losses[SAVE_AT:])}
     print(case, {k: f"{v:.1e}" for k, v in errors.items()})
     assert all(v <= 1e-5 for v in errors.values()), errors

@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint_fixtures import perturbed_model, snapshot, tiny
-from convert_cli import convert, refused, rel
+from convert_cli import convert, refused
 from megamamba.checkpoint import model_tensors, save_checkpoint
 from megamamba.checkpoint.hf import HFFormatError, config_from_hf, hf_config
 from megamamba.checkpoint.model_folder import load_model_folder, save_model_folder
+from megamamba.testing.numerics import relative_error
 from megamamba.tokenizer import Bytes, load_tokenizer
 
 CASES = {
@@ -173,6 +174,6 @@ def test_transformers_logits_of_the_export_equal_ours(tmp_path, case, monkeypatc
         ours = model.float()(ids)
         theirs = hf.eval()(ids).logits
     assert theirs.dtype == torch.float32 and theirs.shape == ref.shape
-    err, our_err = rel(theirs, ref), rel(ours, ref)
+    err, our_err = relative_error(theirs, ref), relative_error(ours, ref)
     print(f"{case}: transformers vs float64 {err:.2e}, ours (float32) vs float64 {our_err:.2e}")
     assert err <= 1e-4, (case, err)

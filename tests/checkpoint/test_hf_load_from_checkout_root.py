@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from checkpoint_fixtures import perturbed_model, tiny
-from convert_cli import convert, rel
+from convert_cli import convert
 from megamamba.checkpoint.model_folder import save_model_folder
+from megamamba.testing.numerics import relative_error
 from megamamba.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,4 +48,4 @@ def test_transformers_loads_our_mamba2_and_nemotron_h_exports_from_the_root(tmp_
         vocab = cases[hf_class].vocab_size
         with torch.no_grad():
             ours = model(ids)[..., :vocab]
-        assert rel(torch.tensor(answer["logits"])[..., :vocab], ours) < 1e-5, hf_class
+        assert relative_error(torch.tensor(answer["logits"])[..., :vocab], ours) < 1e-5, hf_class

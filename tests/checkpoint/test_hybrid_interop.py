@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from checkpoint_fixtures import perturbed_model, tiny
-from convert_cli import convert, refused, rel
+from convert_cli import convert, refused
 from megamamba.checkpoint import config_differences
 from megamamba.checkpoint.hf import HFFormatError
 from megamamba.checkpoint.model_folder import FolderWeights, load_model_folder, save_model_folder
 from megamamba.checkpoint.nemotron_h import config_from_nemotron_h, nemotron_h_config
+from megamamba.testing.numerics import relative_error
 from megamamba.tokenizer import load_tokenizer
 
 NO_BIAS = {"qkv_proj_bias": False, "out_proj_bias": False}
@@ -143,7 +144,7 @@ def test_transformers_nemotron_h_logits_of_the_export_equal_ours(tmp_path, case,
     with torch.no_grad():
         ours, theirs = model(ids), hf.eval()(ids).logits
     assert theirs.dtype == torch.float32 and theirs.shape == ours.shape
-    err = rel(theirs, ours)
+    err = relative_error(theirs, ours)
     print(f"{case}: NemotronHForCausalLM vs ours (float32) {err:.2e}")
     assert err <= 1e-5, f"{case}: relative error {err:.2e} (model seed 3, ids seed 11)"
 
@@ -198,7 +199,7 @@ def test_a_mamba_ssm_hybrid_folder_gives_its_logits_in_ours(tmp_path, mamba_ssm)
     assert ours.config.to_dict() == json.loads(open(tmp_path / "ssm" / "config.json").read())
     ids = ids_for(ours, batch=1)  # interpreted, each of its Triton programs costs milliseconds
     with torch.no_grad():
-        err = rel(ours(ids), theirs.eval()(ids).logits)
+        err = relative_error(ours(ids), theirs.eval()(ids).logits)
     print(f"mamba_ssm MambaLMHeadModel (attn_layer_idx, GQA, d_intermediate) vs ours: {err:.2e}")
     assert err <= 1e-5, f"relative error {err:.2e} (model seed 5, ids seed 11)"
 
@@ -211,6 +212,6 @@ def test_mamba_ssm_reads_our_hybrid_export_with_our_logits(tmp_path, mamba_ssm):
     theirs = mamba_ssm.MambaLMHeadModel.from_pretrained(exported(tmp_path, model, "mamba_ssm"), device="cpu")
     ids = ids_for(model, batch=1)
     with torch.no_grad():
-        err = rel(theirs.eval()(ids).logits, model(ids))
+        err = relative_error(theirs.eval()(ids).logits, model(ids))
     print(f"our pattern hybrid read by mamba_ssm's from_pretrained vs ours: {err:.2e}")
     assert err <= 1e-5, f"relative error {err:.2e} (model seed 2, ids seed 11)"

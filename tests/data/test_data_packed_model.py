@@ -5,14 +5,11 @@ import torch
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.data.packing import segment_ids
+from megamamba.testing.numerics import relative_error
 
 EOD = 0
 SSM = {"Mamba1": {"layer": "Mamba1", "d_state": 5, "dt_rank": 3},
        "Mamba2": {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 8}}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def packed(before: list, document: list):
@@ -37,7 +34,8 @@ def test_document_logits_do_not_depend_on_the_document_before(layer):
         with_reset = model(x1, seq_idx=s1)[0, at1:], model(x2, seq_idx=s2)[0, at2:]
         without = model(x1)[0, at1:], model(x2)[0, at2:]
     assert torch.isfinite(with_reset[0]).all() and torch.isfinite(with_reset[1]).all()
-    err = rel_err(with_reset[0], with_reset[1])
+    err = relative_error(with_reset[0], with_reset[1])
     assert err <= 1e-5, f"{layer} seed {seed}: document logits depend on the previous document (rel err {err:.2e})"
-    leak = rel_err(without[0], without[1])
-    assert leak > 1e-3, f"{layer} seed {seed}: without seq_idx the previous document should matter (rel {leak:.2e})"
+    leak = relative_error(without[0], without[1])
+    assert 1e-3 < leak < float("inf"), \
+        f"{layer} seed {seed}: without seq_idx the previous document should matter (rel {leak:.2e})"

@@ -6,7 +6,7 @@ from megamamba.kernels.reference.conv import causal_conv1d
 from megamamba.kernels.reference.selective_scan import selective_scan
 from megamamba.kernels.reference.ssd import ssd_chunk_scan
 from megamamba.kernels.reference.step import causal_conv1d_update, selective_state_update
-from naive_ops import relative_error
+from megamamba.testing.numerics import relative_error
 
 TOL = 1e-10  # float64 throughout
 

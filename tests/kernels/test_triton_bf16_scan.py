@@ -68,7 +68,7 @@ def assert_within_bar(ours, bar, seed):
     """Each quantity finite and at most RATIO x bar[name] (or FLOOR; FLOOR alone where bar has none)."""
     for name, err in ours.items():
         limit = max(RATIO * bar[name], FLOOR) if name in bar else FLOOR
-        assert err <= limit, f"seed {seed}: {name} error {err:.2e} > {limit:.2e} " \
+        assert math.isfinite(limit) and err <= limit, f"seed {seed}: {name} error {err:.2e} > {limit:.2e} " \
                              f"(ours: {' '.join(f'{k} {v:.1e}' for k, v in ours.items())})"
 
 

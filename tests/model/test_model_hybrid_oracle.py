@@ -15,7 +15,8 @@ from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 from hybrid_direct import direct_attention, direct_mixer, direct_mlp, rotary_direct
 from megamamba import MambaConfig, MambaLM
 from megamamba.model.rotary import rotate
-from test_model_oracle import packed_seq_idx, randomise, rel_err
+from megamamba.testing.numerics import relative_error
+from test_model_oracle import packed_seq_idx, randomise
 
 SEED = 43
 TOL = 1e-10
@@ -68,7 +69,7 @@ def test_attention_equals_direct_computation_from_its_weights(case, packed):
     with torch.no_grad():
         out = mixer(u, seq_idx=seq_idx)
         ref = direct_attention(mixer, u, cfg.attn_cfg, seq_idx)
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     assert torch.isfinite(out).all() and err <= TOL, f"{case} packed={packed} seed {SEED}: rel err {err:.2e}"
 
 
@@ -85,7 +86,7 @@ def test_attention_gradients_equal_the_direct_computations(case):
     ref_grads = torch.autograd.grad((direct_attention(mixer, u, cfg.attn_cfg, seq_idx) * up).sum(),
                                     [u, *mixer.parameters()])
     names = ["input", *(n for n, _ in mixer.named_parameters())]
-    errs = {n: rel_err(g, r) for n, g, r in zip(names, out_grads, ref_grads)}
+    errs = {n: relative_error(g, r) for n, g, r in zip(names, out_grads, ref_grads)}
     worst = max(errs, key=errs.get)
     assert all(torch.isfinite(g).all() for g in out_grads), f"{case} seed {SEED}: a gradient is not finite"
     assert errs[worst] <= TOL, f"{case} seed {SEED}: gradient of {worst} off by {errs[worst]:.2e}"
@@ -100,7 +101,7 @@ def test_mlp_equals_direct_computation_from_its_weights(activation):
     u = inputs(cfg.d_model, SEED)
     with torch.no_grad():
         out, ref = mixer(u), direct_mlp(mixer, u, activation)
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     assert torch.isfinite(out).all() and err <= TOL, f"{activation} seed {SEED}: rel err {err:.2e}"
 
 
@@ -119,9 +120,9 @@ def test_rotary_equals_transformers_bamba_rotate_half_on_the_first_channels(dim,
     emb = torch.cat([freqs, freqs], dim=-1)[None]  # (1, seqlen, dim), as its forward returns
     ref_q, ref_k = bamba_apply_rotary(q, k, emb.cos(), emb.sin(), unsqueeze_dim=2)
     out_q, out_k = rotate(q, positions, dim, base, False), rotate(k, positions, dim, base, False)
-    err = max(rel_err(out_q, ref_q), rel_err(out_k, ref_k))
+    err = max(relative_error(out_q, ref_q), relative_error(out_k, ref_k))
     assert err <= 1e-14, f"rotary dim {dim} base {base} seed {SEED}: rel err {err:.2e}"
-    assert rel_err(rotary_direct(q, range(q.shape[1]), dim, base, False), ref_q) <= 1e-14
+    assert relative_error(rotary_direct(q, range(q.shape[1]), dim, base, False), ref_q) <= 1e-14
 
 
 def test_interleaved_rotary_equals_transformers_gptj_rotate_every_two():
@@ -132,9 +133,9 @@ def test_interleaved_rotary_equals_transformers_gptj_rotate_every_two():
     sincos = create_sinusoidal_positions(q.shape[1], dim).double()[positions][None]
     sin, cos = sincos.chunk(2, dim=-1)
     ref = torch.cat([gptj_apply_rotary(q[..., :dim], sin, cos), q[..., dim:]], dim=-1)
-    err = rel_err(rotate(q, positions, dim, 10000.0, True), ref)
+    err = relative_error(rotate(q, positions, dim, 10000.0, True), ref)
     assert err <= 1e-6, f"seed {SEED + 1}: rel err {err:.2e}"  # GPT-J's table is float32
-    assert rel_err(rotary_direct(q, range(q.shape[1]), dim, 10000.0, True), ref) <= 1e-6
+    assert relative_error(rotary_direct(q, range(q.shape[1]), dim, 10000.0, True), ref) <= 1e-6
 
 
 def direct_lm(model, cfg, ids, seq_idx=None):
@@ -176,6 +177,6 @@ def test_hybrid_lm_equals_the_direct_computation(name, packed):
     with torch.no_grad():
         out, ref = model(ids, seq_idx=seq_idx), direct_lm(model, cfg, ids, seq_idx)
     assert out.shape == (2, 11, 40)
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     assert torch.isfinite(out).all() and err <= TOL, f"{name} packed={packed} seed {SEED}: rel err {err:.2e}"
 

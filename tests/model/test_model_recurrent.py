@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megamamba import MambaLM
+from megamamba.testing.numerics import relative_error
 
 LAYERS = ["Mamba1", "Mamba2"]
 SEQLEN = 21  # not a multiple of the tiny Mamba-2 chunk_size (8)
@@ -13,10 +14,6 @@ HYBRIDS = {  # mamba_ssm's fields (GQA attention, a gated MLP inside every block
     "pattern": {"n_layer": 4, "hybrid_layer_pattern": "M*-*", "d_intermediate": 20, "mlp_activation": "squared_relu",
                 "attn_cfg": {**ATTN, "num_heads_kv": 1, "rotary_emb_interleaved": True}},
 }
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def model_and_ids(tiny_config, layer, seed, batch=3, ssm=None, fields=None, seqlen=SEQLEN):
@@ -39,7 +36,7 @@ def test_token_by_token_step_equals_parallel_forward(tiny_config, layer, ssm, hy
         cache = model.allocate_inference_cache(ids.shape[0])
         stepped = torch.stack([model.step(ids[:, t], cache) for t in range(SEQLEN)], dim=1)
     assert torch.isfinite(stepped).all()
-    err = rel_err(stepped, parallel)
+    err = relative_error(stepped, parallel)
     assert err <= 1e-5, f"{layer} {ssm} {hybrid} seed {seed}: step vs forward rel err {err:.2e}"
 
 
@@ -55,7 +52,7 @@ def test_prefill_then_step_continues_the_sequence(tiny_config, layer, hybrid):
         rest = torch.stack([model.step(ids[:, t], cache) for t in range(prompt, SEQLEN)], dim=1)
     out = torch.cat([prefill, rest], dim=1)
     assert torch.isfinite(out).all()
-    err = rel_err(out, parallel)
+    err = relative_error(out, parallel)
     assert err <= 1e-5, f"{layer} {hybrid} seed {seed}: prefill+step vs forward rel err {err:.2e}"
 
 
@@ -69,7 +66,7 @@ def test_hybrid_prefill_then_step_under_bf16_autocast(tiny_config):
         cache = model.allocate_inference_cache(ids.shape[0])
         prefill = model(ids[:, :prompt], inference_cache=cache)
         rest = torch.stack([model.step(ids[:, t], cache) for t in range(prompt, SEQLEN)], dim=1)
-    err = rel_err(torch.cat([prefill, rest], dim=1), parallel)
+    err = relative_error(torch.cat([prefill, rest], dim=1), parallel)
     assert err <= 2e-2, f"seed {seed}: prefill+step vs forward under bf16 autocast rel err {err:.2e}"
 
 
@@ -85,7 +82,7 @@ def test_kv_cache_grows_past_its_first_capacity(tiny_config, prompt):
         prefill = model(ids[:, :prompt], inference_cache=cache)
         rest = torch.stack([model.step(ids[:, t], cache) for t in range(prompt, seqlen)], dim=1)
     assert cache[1].length == seqlen and cache[1].keys.shape[1] >= seqlen
-    err = rel_err(torch.cat([prefill, rest], dim=1), parallel)
+    err = relative_error(torch.cat([prefill, rest], dim=1), parallel)
     assert err <= 1e-5, f"prompt {prompt} seed {seed}: prefill+step vs forward rel err {err:.2e}"
 
 
@@ -101,7 +98,7 @@ def test_a_prefill_into_a_used_cache_starts_the_sequence_over(tiny_config, layer
         model.step(ids[:, 0], cache)
         prefill = model(ids[:, :prompt], inference_cache=cache)
         rest = torch.stack([model.step(ids[:, t], cache) for t in range(prompt, SEQLEN)], dim=1)
-    err = rel_err(torch.cat([prefill, rest], dim=1), parallel)
+    err = relative_error(torch.cat([prefill, rest], dim=1), parallel)
     assert err <= 1e-5, f"{layer} {hybrid} seed {seed}: prefill+step after an earlier sequence rel err {err:.2e}"
 
 
@@ -114,7 +111,7 @@ def test_prefill_shorter_than_the_conv_width(tiny_config, layer):
         cache = model.allocate_inference_cache(2)
         prefill = model(ids[:, :2], inference_cache=cache)
         rest = torch.stack([model.step(ids[:, t], cache) for t in range(2, 6)], dim=1)
-    err = rel_err(torch.cat([prefill, rest], dim=1), parallel)
+    err = relative_error(torch.cat([prefill, rest], dim=1), parallel)
     assert err <= 1e-5, f"{layer} seed {seed}: rel err {err:.2e}"
 
 

@@ -9,10 +9,7 @@ import torch
 
 from megamamba import MambaLM
 from megamamba.optim import param_groups
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from megamamba.testing.numerics import relative_error
 
 
 def logits_and_grads(model, ids, seq_idx):
@@ -38,11 +35,11 @@ def test_triton_kernels_match_reference_in_the_model(tiny_config, layer, monkeyp
     monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
     out, grads = logits_and_grads(model, ids, seq_idx)
     assert torch.isfinite(out).all()
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     assert err <= 1e-5, f"{layer} seed {seed}: logits rel err {err:.2e}"
     for name, g in grads.items():
         assert torch.isfinite(g).all(), name
-        err = rel_err(g, ref_grads[name])
+        err = relative_error(g, ref_grads[name])
         assert err <= 1e-4, f"{layer} seed {seed}: grad of {name} rel err {err:.2e}"
 
 
@@ -74,5 +71,5 @@ def test_training_on_triton_kernels_follows_the_reference_loss_curve(tiny_config
     out = train_losses(cfg, seed, steps)
     assert torch.isfinite(out).all(), out
     assert ref[-1] < ref[0], f"seed {seed}: the reference run did not learn: {ref.tolist()}"
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     assert err <= 1e-4, f"{layer} seed {seed}: loss curve rel err {err:.2e}: {out.tolist()} vs {ref.tolist()}"

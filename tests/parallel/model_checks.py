@@ -14,6 +14,7 @@ from megamamba.parallel import (
     local_shard,
 )
 from megamamba.parallel.context.context_parallel import sequence_slice
+from megamamba.testing.numerics import relative_error
 
 NO_GROUP = object()  # stands in for a process group: building a TP model communicates nothing
 
@@ -38,14 +39,6 @@ def parameters_not_their_slices(cfg, tp_size: int, rank: int, seed: int) -> list
         if not torch.equal(p.detach(), expected):
             wrong.append(name)
     return wrong
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64; inf when out is not finite (NaN never passes)."""
-    out = out.detach()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def assert_equal_to_single_process(results: list, where: str, tol: float = 1e-5) -> None:

@@ -27,13 +27,13 @@ from megamamba import MambaLM
 from megamamba.model.block import AttentionBlock
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
+from megamamba.testing.numerics import relative_error
 from model_cases import hybrid_config, lm_inputs
 from model_checks import (
     assert_equal_to_single_process,
     context_parallel_errors,
     perturb,
     recompute_blocks_in_backward,
-    relative_error,
 )
 
 pytestmark = pytest.mark.slow

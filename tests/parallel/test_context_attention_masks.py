@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megamamba.model.causal_attention import causal_attention, document_block_mask, document_mask
-from model_checks import relative_error
+from megamamba.testing.numerics import relative_error
 
 SEED = 4127
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 6, 2, 5  # grouped-query: 3 query heads per key/value head

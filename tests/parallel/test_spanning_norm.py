@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megamamba.parallel import RowParallelLinear, TensorParallel
 from megamamba.parallel.tensor.spanning_norm import gated_rmsnorm_row_parallel
-from model_checks import relative_error
+from megamamba.testing.numerics import relative_error
 
 SEED = 7
 BATCH, SEQLEN, CHANNELS, D_MODEL = 2, 12, 64, 32

@@ -27,19 +27,13 @@ from megamamba.parallel import (
     tp_padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
+from megamamba.testing.numerics import relative_error
 
 pytestmark = pytest.mark.slow
 
 SEED = 1234
 BATCH, SEQLEN = 3, 8
 F32 = 4  # bytes
-
-
-def _rel(out, ref):
-    out = out.detach().double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def _gather(t, tp, dim):
@@ -114,8 +108,8 @@ def check_column(tp, comps, gather_output=False):
     full_out = out if gather_output else _features(out, tp, comps)
     grads = full_tensors(layer, tp, lambda p: p.grad)
     return dict(
-        out=_rel(full_out, ref), x_grad=_rel(x_in.grad, _seq_local(xr.grad, tp)),
-        weight_grad=_rel(grads["weight"], wr.grad), bias_grad=_rel(grads["bias"], br.grad),
+        out=relative_error(full_out, ref), x_grad=relative_error(x_in.grad, _seq_local(xr.grad, tp)),
+        weight_grad=relative_error(grads["weight"], wr.grad), bias_grad=relative_error(grads["bias"], br.grad),
         weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
         fwd=fwd, bwd=bwd, numel_in=x.numel(), numel_out=BATCH * SEQLEN * n_out,
     )
@@ -136,8 +130,9 @@ def check_row(tp):
     out, fwd, bwd = _run(layer, x_in, _seq_local(up, tp))
     grads = full_tensors(layer, tp, lambda p: p.grad)
     return dict(
-        out=_rel(_seq_full(out, tp), ref), x_grad=_rel(x_in.grad, xr.grad.chunk(tp.size, -1)[tp.rank]),
-        weight_grad=_rel(grads["weight"], wr.grad), bias_grad=_rel(grads["bias"], br.grad),
+        out=relative_error(_seq_full(out, tp), ref),
+        x_grad=relative_error(x_in.grad, xr.grad.chunk(tp.size, -1)[tp.rank]),
+        weight_grad=relative_error(grads["weight"], wr.grad), bias_grad=relative_error(grads["bias"], br.grad),
         weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
         fwd=fwd, bwd=bwd, numel_out=ref.numel(),
     )
@@ -156,8 +151,8 @@ def check_embedding(tp):
     load_full_tensors(layer, {"weight": w.float()}, tp)
     out, fwd, bwd = _run(layer, ids, _seq_local(up, tp))
     return dict(
-        out=_rel(_seq_full(out, tp), ref),
-        weight_grad=_rel(full_tensors(layer, tp, lambda p: p.grad)["weight"], wr.grad),
+        out=relative_error(_seq_full(out, tp), ref),
+        weight_grad=relative_error(full_tensors(layer, tp, lambda p: p.grad)["weight"], wr.grad),
         weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
         local_rows=layer.weight.shape[0], fwd=fwd, bwd=bwd, numel_out=ref.numel(),
     )
@@ -182,8 +177,8 @@ def check_head_loss(tp):
     with comm_counter.capture() as bwd:
         loss.backward()
     return dict(
-        loss=_rel(loss, ref), h_grad=_rel(h_in.grad, _seq_local(hr.grad, tp)),
-        weight_grad=_rel(full_tensors(head, tp, lambda p: p.grad)["weight"], wr.grad),
+        loss=relative_error(loss, ref), h_grad=relative_error(h_in.grad, _seq_local(hr.grad, tp)),
+        weight_grad=relative_error(full_tensors(head, tp, lambda p: p.grad)["weight"], wr.grad),
         fwd=fwd, bwd=bwd, tokens=target.numel(), numel_h=h.numel(),
     )
 
@@ -205,7 +200,7 @@ def check_cross_entropy(tp):
     loss = vocab_parallel_cross_entropy(local, target, tp, vocab_size=vocab, reduction="none")
     loss.sum().backward()
     grad = _gather(local.grad, tp, -1)
-    return dict(loss=_rel(loss, ref), logits_grad=_rel(grad[..., :vocab], lr.grad),
+    return dict(loss=relative_error(loss, ref), logits_grad=relative_error(grad[..., :vocab], lr.grad),
                 padding_grad_zero=bool((grad[..., vocab:] == 0).all()),
                 ignored_loss_zero=bool((loss[1, 2:5] == 0).all()))
 
