@@ -18,7 +18,7 @@ model  a 2-layer Mamba-2 LM (d_model 128, headdim 32, d_state 32, chunk 64, voca
        the loss, the logits and each parameter group's gradient.
 
 Without a GPU the Triton kernels, ours and theirs, run under TRITON_INTERPRET=1 with the test
-harness's bf16 fix (tests/interpreter_bf16.py) and mamba_ssm's CPU stand-ins
+harness's bf16 fix (megamamba/testing/interpreter_bf16.py) and mamba_ssm's CPU stand-ins
 (tests/mamba_ssm_source.py). The GPU check's errors section runs the same (benchmarks/check_ops.py).
 """
 import argparse
@@ -269,7 +269,7 @@ def load_theirs(device, src):
     theirs, how = load_mamba_ssm(src or mamba_ssm_source.source_folder())
     if device.type == "cuda":
         return theirs, how, contextlib.nullcontext()
-    import interpreter_bf16
+    from megamamba.testing import interpreter_bf16
     interpreter_bf16.install()
     return theirs, how, mamba_ssm_source.cpu_stand_ins()
 

@@ -2,7 +2,7 @@
 
 Without a GPU, Triton kernels run under its interpreter; the variable is read when
 `@triton.jit` runs, so it is set here, before any test module imports a kernel, and the
-interpreter is made to compute bf16 as a GPU does (tests/interpreter_bf16.py). Each
+interpreter is made to compute bf16 as a GPU does (megamamba/testing/interpreter_bf16.py). Each
 virtual environment gets its own torch-extension cache (DeepSpeed JIT-builds an op on
 `init_distributed`), so two environments never rebuild it for each other. Every Python process
 a test starts runs in strict-collectives mode (tests/strict_collectives.py) through
@@ -22,7 +22,7 @@ from train_runs import packed_documents, train_reference, train_runs  # noqa: F4
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    import interpreter_bf16  # imports triton.language, whose own jit functions read the variable then
+    from megamamba.testing import interpreter_bf16  # imports triton.language, whose jit functions read it then
 
     interpreter_bf16.install()
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))

@@ -1,4 +1,4 @@
-"""Triton ssd_chunk_scan in bf16 (under the interpreter's GPU-like bf16, tests/interpreter_bf16.py)
+"""Triton ssd_chunk_scan in bf16 (under the interpreter's GPU-like bf16, megamamba/testing/interpreter_bf16.py)
 against the float64 per-timestep oracle, beside mamba_ssm's mamba_chunk_scan_combined on the
 same inputs: the output and every gradient at most 1.5 times its error (tests/kernels/bf16_checks.py).
 

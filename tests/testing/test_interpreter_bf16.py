@@ -1,4 +1,4 @@
-"""The test harness's bf16 for Triton's interpreter (tests/interpreter_bf16.py): a bf16 dot is the
+"""The bf16 for Triton's interpreter (megamamba/testing/interpreter_bf16.py): a bf16 dot is the
 float32 matmul of the bf16 values, a float32 dot is untouched, and float32 -> bf16 casts round to
 nearest even as torch (and a GPU) do."""
 import os
