@@ -17,9 +17,11 @@ model  a 2-layer Mamba-2 LM (d_model 128, headdim 32, d_state 32, chunk 64, voca
        weights (use_mem_eff_path off), against our model in float64 on the reference kernels:
        the loss, the logits and each parameter group's gradient.
 
-Without a GPU the Triton kernels, ours and theirs, run under TRITON_INTERPRET=1 with the test
-harness's bf16 fix (megamamba/testing/interpreter_bf16.py) and mamba_ssm's CPU stand-ins
-(tests/mamba_ssm_source.py). The GPU check's errors section runs the same (benchmarks/check_ops.py).
+Without a GPU the Triton kernels, ours and theirs, run under TRITON_INTERPRET=1 with the
+interpreter's bf16 fix (megamamba/testing/interpreter_bf16.py) and mamba_ssm's CPU stand-ins
+(megamamba/testing/mamba_ssm_release.py); mamba_ssm's source release is --mamba-ssm-src, else
+$MAMBA_SSM_SRC, else .venv/mamba_ssm-src (scripts/setup.sh fetches it). The GPU check's errors
+section runs the same (benchmarks/check_ops.py).
 """
 import argparse
 import contextlib
@@ -262,16 +264,14 @@ def model_table(rows) -> list:
 
 def load_theirs(device, src):
     """(mamba_ssm's namespace or None, how it loaded, the context its kernels run in). Without a GPU:
-    Triton's interpreter with the tests' bf16 fix, and their CPU stand-ins."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    import mamba_ssm_source
-    from check_io import load_mamba_ssm
-    theirs, how = load_mamba_ssm(src or mamba_ssm_source.source_folder())
+    Triton's interpreter with its bf16 fix, and their CPU stand-ins."""
+    from megamamba.testing.mamba_ssm_release import cpu_stand_ins, load
+    theirs, how = load(src or os.environ.get("MAMBA_SSM_SRC") or os.path.join(REPO, ".venv", "mamba_ssm-src"))
     if device.type == "cuda":
         return theirs, how, contextlib.nullcontext()
     from megamamba.testing import interpreter_bf16
     interpreter_bf16.install()
-    return theirs, how, mamba_ssm_source.cpu_stand_ins()
+    return theirs, how, cpu_stand_ins()
 
 
 def parse_args(argv=None):

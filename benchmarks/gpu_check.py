@@ -36,7 +36,6 @@ from check_io import (
     COMPILES,
     Results,
     count_triton_compiles,
-    load_mamba_ssm,
     read_results,
     run_logged,
     stop_children_on_sigterm,
@@ -210,7 +209,8 @@ def mamba_ssm(results, args):
     if args.dry_run:
         results.write("mamba_ssm", loaded=False, how="dry run: our reference stands in")
         return None
-    theirs, how = load_mamba_ssm(args.mamba_ssm_src)
+    from megamamba.testing.mamba_ssm_release import load
+    theirs, how = load(args.mamba_ssm_src)
     results.write("mamba_ssm", loaded=theirs is not None, how=how)
     return theirs
 

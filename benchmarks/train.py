@@ -115,9 +115,9 @@ def train_ours(ds_config, model_config, steps, warmup, seq_length, peak_tflops, 
 
 
 def load_mamba_ssm(src):
-    """mamba_ssm's (MambaLMHeadModel, MambaConfig) through the check's loader (extension stubbed, autotuning
+    """mamba_ssm's (MambaLMHeadModel, MambaConfig) from its source release (extension stubbed, autotuning
     capped to one config per kernel), or (None, why not)."""
-    from check_io import load_mamba_ssm as load
+    from megamamba.testing.mamba_ssm_release import load
 
     theirs, how = load(src)
     return (None if theirs is None else (theirs.MambaLMHeadModel, theirs.MambaConfig)), how

@@ -132,8 +132,8 @@ def choose_mamba_ssm_configs(src, target, limits):
     configurations often need more shared memory than sm_90 has: its autotuner skips them there).
     Returns (kernel name -> chosen configuration number, compile rows of the chosen ones)."""
     import compile_kernels
-    from check_io import autotuners, cap_autotuning, load_mamba_ssm
-    theirs, how = load_mamba_ssm(src)
+    from megamamba.testing.mamba_ssm_release import autotuners, cap_autotuning, load
+    theirs, how = load(src)
     print(f"mamba_ssm: {how}", flush=True)
     if theirs is None:
         return {}, []
@@ -185,7 +185,8 @@ def verify(tarball, mamba_ssm_src, target) -> int:
 
     import compile_kernels
     import megamamba.kernels as ours
-    from check_io import load_mamba_ssm, unpack_triton_cache
+    from check_io import unpack_triton_cache
+    from megamamba.testing.mamba_ssm_release import load as load_mamba_ssm
     table = {op: getattr(ours, op) for op in OUR_OPS}
     with tempfile.TemporaryDirectory() as cache:
         unpack_triton_cache(tarball, cache)
@@ -282,7 +283,8 @@ def build(args, target) -> int:
     import triton
 
     import compile_kernels
-    from check_io import CHOICES, triton_cache_identity
+    from check_io import triton_cache_identity
+    from megamamba.testing.mamba_ssm_release import CHOICES
     start = time.time()
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache

@@ -1,20 +1,18 @@
 """mamba_ssm's Triton kernels and PyTorch references, to run beside ours under Triton's interpreter.
 
 Its source release's Python files (scripts/setup.sh fetches them into .venv/mamba_ssm-src;
-MAMBA_SSM_SRC names another folder holding mamba_ssm/) load through the GPU check's loader, which
-stubs the CUDA extension and keeps one configuration per autotuned kernel. On the CPU its kernels
-also need a CUDA device context and an SM count, which `cpu_stand_ins` provides. `loaded()` leaves
+MAMBA_SSM_SRC names another folder holding mamba_ssm/) load through megamamba.testing's loader,
+which stubs the CUDA extension, keeps one configuration per autotuned kernel and, on the CPU,
+stands in for the CUDA device context and SM count its kernels ask for. `loaded()` leaves
 mamba_ssm importable only inside it: transformers runs mamba_ssm's CUDA kernels whenever it can
 import it, so it must not stay importable for the tests after.
 """
 import contextlib
 import os
 import sys
-import types
 
-import torch
-
-from benchmark_scripts import load_benchmark
+from megamamba.testing.mamba_ssm_release import cpu_stand_ins
+from megamamba.testing.mamba_ssm_release import load as load_release
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SRC = os.path.join(ROOT, ".venv", "mamba_ssm-src")
@@ -29,22 +27,9 @@ def present() -> bool:
     return os.path.isdir(os.path.join(source_folder(), "mamba_ssm"))
 
 
-@contextlib.contextmanager
-def cpu_stand_ins():
-    """torch.cuda.device as a no-op and a two-SM device, while mamba_ssm's kernels run on CPU tensors."""
-    saved = torch.cuda.device, torch.cuda.get_device_properties
-    torch.cuda.device = lambda *args, **kwargs: contextlib.nullcontext()
-    torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(
-        multi_processor_count=2, name="cpu", gcnArchName="")
-    try:
-        yield
-    finally:
-        torch.cuda.device, torch.cuda.get_device_properties = saved
-
-
 def load():
     """(namespace of mamba_ssm's entry points, None) or (None, why it is not available)."""
-    theirs, why = load_benchmark("check_io").load_mamba_ssm(source_folder())
+    theirs, why = load_release(source_folder())
     return (theirs, None) if theirs is not None else (None, f"mamba_ssm's source release: {why}; "
                                                             "scripts/setup.sh fetches it")
 
