@@ -6,9 +6,9 @@ Runs launch/train.py's start-up (`prepare`, the process groups, `build_trainer`)
 launch/configs/tiny-cpu.json (ZeRO 1, float32) at (dp, tp, pp) = (1, 1, 1) on one rank, then at
 (1, 2, 2) on four, never both at once, the stages holding equal numbers of blocks (`type:Block`: the
 default cost partition gives the first stage more blocks, the last the head). Each rank is a freshly
-spawned process on gloo (tests/distributed.py's `run_ranks`), so its ru_maxrss is its peak since
-process start; it reports that peak (GiB) and the seconds since its process started, once its engine
-is built.
+spawned process on gloo with the environment the deepspeed launcher gives a rank, so its ru_maxrss is
+its peak since process start; it reports that peak (GiB) and the seconds since its process started,
+once its engine is built.
 Prints both runs and the ratio of the largest (1,2,2) peak to the (1,1,1) peak; exits 1 when the
 ratio is above --max-ratio.
 
@@ -19,20 +19,18 @@ MEMORY_TRIES looks it exits 3 without running.
 """
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import logging
 import os
 import resource
+import socket
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "tests"))
-
-from distributed import run_ranks  # noqa: E402 - tests/ is put on the path just above
-from train_entry import load_train_script  # noqa: E402
 
 DS_CONFIG = os.path.join(REPO, "launch/configs/tiny-cpu.json")
 LAYOUTS = ((1, 1, 1), (1, 2, 2))  # (dp, tp, pp)
@@ -51,6 +49,45 @@ def seconds_since_process_start() -> float:
     with open("/proc/uptime") as f:
         uptime = float(f.read().split()[0])
     return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def load_train_script():
+    """launch/train.py as a module."""
+    spec = importlib.util.spec_from_file_location("megamamba_train_script", os.path.join(REPO, "launch", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank(rank: int, fn, args: tuple, world: int, port: int, results) -> None:
+    """One spawned rank: the environment the deepspeed launcher gives it, then fn(*args) into `results`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                      CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    results.put((rank, fn(*args)))
+
+
+def run_ranks(fn, world: int, args: tuple, timeout: float) -> list:
+    """fn(*args) on `world` freshly spawned processes, their results in rank order; a rank's exception is
+    raised here, and ranks still running after `timeout` seconds are killed."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(_rank, args=(fn, args, world, port, results), nprocs=world, join=False,
+                               start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise TimeoutError(f"{world} ranks did not finish within {timeout:.0f} s")
+    found = dict(results.get() for _ in range(world))
+    return [found[rank] for rank in range(world)]
 
 
 def rank_startup(model_config: str, tp: int, pp: int) -> tuple:
@@ -130,8 +167,7 @@ def main(argv=None) -> int:
         if not wait_for_memory(estimated_gib(args.model_config, tp, pp), what):
             print(f"startup_memory.py: not enough memory for {what}; it did not run", file=sys.stderr)
             return 3
-        ranks = run_ranks(rank_startup, tp * pp, args=(args.model_config, tp, pp), init_process_group=False,
-                          strict=False, timeout=RANK_TIMEOUT_S)
+        ranks = run_ranks(rank_startup, tp * pp, (args.model_config, tp, pp), RANK_TIMEOUT_S)
         peaks[(dp, tp, pp)] = max(peak for peak, _ in ranks)
         print(f"  {what}: " + ", ".join(f"{peak:.2f} GiB in {s:.0f} s" for peak, s in ranks), flush=True)
     ratio = peaks[LAYOUTS[1]] / peaks[LAYOUTS[0]]
