@@ -26,6 +26,7 @@ section runs the same (benchmarks/check_ops.py).
 import argparse
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import sys
@@ -33,8 +34,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-import check_ops
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -52,6 +51,44 @@ GROUPS = ("embedding", "A_log", "dt_bias", "D", "in_proj", "conv1d", "norm (gate
 
 
 # ----------------------------------------------------------------------------- ops
+
+def load_kernel_benchmark():
+    """benchmarks/kernel_bench.py as a module (its inputs, shapes and timer)."""
+    spec = importlib.util.spec_from_file_location("benchmark_kernels", os.path.join(HERE, "kernel_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def torch_causal_conv1d(x, weight, bias=None, activation=None):
+    """Depthwise causal conv1d with torch's conv1d: mamba_ssm's path without causal-conv1d."""
+    out = F.conv1d(x, weight.unsqueeze(1).to(x.dtype), None if bias is None else bias.to(x.dtype),
+                   padding=weight.shape[1] - 1, groups=x.shape[1])[..., : x.shape[-1]]
+    return F.silu(out) if activation in ("silu", "swish") else out
+
+
+def theirs_table(theirs):
+    """op -> (mamba_ssm's function with our op's keyword arguments, its label), None where it has none."""
+    def norm(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+        return theirs.rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size,
+                                 norm_before_gate=norm_before_gate)
+    return {"ssd_chunk_scan": (theirs.mamba_chunk_scan_combined, "mamba_chunk_scan_combined (Triton)"),
+            "selective_scan": (theirs.selective_scan_ref, "selective_scan_ref (PyTorch; CUDA kernel not built)"),
+            "causal_conv1d": (torch_causal_conv1d, "torch conv1d + silu (no causal-conv1d package)"),
+            "rmsnorm_gated": (norm, "layernorm_gated.rmsnorm_fn (Triton)")}
+
+
+def forward_backward(fn, tensors, kwargs, dtype):
+    """The outputs (a tuple) and the gradient of every float input, for fixed random output gradients
+    rounded to `dtype` (the same values whatever the outputs' own dtypes)."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items() if v.is_floating_point()}
+    outs = fn(**{**tensors, **leaves}, **kwargs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator(device=outs[0].device).manual_seed(1)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen, device=o.device).to(dtype).to(o.dtype)
+                                   for o in outs])
+    return tuple(o.detach() for o in outs), {k: v.grad for k, v in leaves.items()}
+
 
 def op_cases(bench, ops, seqlens):
     """(op, seqlen, inputs(dtype, device, gen) -> (tensors, kwargs)) for each op and seqlen."""
@@ -71,7 +108,7 @@ def theirs_ops(theirs):
     def add_norm(x, residual, weight, eps=1e-6, residual_dtype=None):
         return theirs.rms_norm_fn(x, weight, None, residual=residual, eps=eps, prenorm=True,
                                   residual_in_fp32=residual_dtype == torch.float32)
-    return {**check_ops.theirs_table(theirs), "add_rmsnorm": (add_norm, "layer_norm.rms_norm_fn (Triton), prenorm")}
+    return {**theirs_table(theirs), "add_rmsnorm": (add_norm, "layer_norm.rms_norm_fn (Triton), prenorm")}
 
 
 def oracle_ops():
@@ -97,15 +134,15 @@ def op_rows(device, theirs, ops=OPS, seqlens=SEQLENS):
     """One row per (op, seqlen, output or input gradient): ours' and theirs' bf16 error against float64,
     their ratio, and each side's seconds for the forward+backward."""
     import megamamba.kernels as ours
-    bench = check_ops.load_kernel_benchmark()
+    bench = load_kernel_benchmark()
     oracle, table = oracle_ops(), theirs_ops(theirs) if theirs is not None else {}
     bf16, rows = torch.bfloat16, []
     for op, seqlen, make in op_cases(bench, ops, seqlens):
         tensors, kwargs = make(bf16, device, torch.Generator(device=device).manual_seed(0))
-        ref, _ = timed(check_ops.forward_backward, oracle[op], *float64(tensors, kwargs), bf16)
-        mine, s_ours = timed(check_ops.forward_backward, getattr(ours, op), tensors, kwargs, bf16)
+        ref, _ = timed(forward_backward, oracle[op], *float64(tensors, kwargs), bf16)
+        mine, s_ours = timed(forward_backward, getattr(ours, op), tensors, kwargs, bf16)
         fn, impl = table.get(op, (None, "none"))
-        other, s_theirs = timed(check_ops.forward_backward, fn, tensors, kwargs, bf16) if fn else (None, None)
+        other, s_theirs = timed(forward_backward, fn, tensors, kwargs, bf16) if fn else (None, None)
         for quantity, pick in quantities(op, ref):
             err_ours = error(pick(mine), pick(ref))
             err_theirs = error(pick(other), pick(ref)) if other else None

@@ -18,60 +18,11 @@ extension that is not built, so its PyTorch selective_scan_ref stands in for the
 for the timing; causal_conv1d is torch's depthwise conv1d + SiLU, what mamba_ssm runs without the
 causal-conv1d package. In the dry run everything is our reference at tiny shapes.
 """
-import importlib.util
-import os
 import time
-import types
 
 import torch
-import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def load_kernel_benchmark():
-    """benchmarks/kernel_bench.py as a module (its inputs, shapes and timer)."""
-    spec = importlib.util.spec_from_file_location("benchmark_kernels", os.path.join(HERE, "kernel_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def torch_causal_conv1d(x, weight, bias=None, activation=None):
-    """Depthwise causal conv1d with torch's conv1d: mamba_ssm's path without causal-conv1d."""
-    out = F.conv1d(x, weight.unsqueeze(1).to(x.dtype), None if bias is None else bias.to(x.dtype),
-                   padding=weight.shape[1] - 1, groups=x.shape[1])[..., : x.shape[-1]]
-    return F.silu(out) if activation in ("silu", "swish") else out
-
-
-def theirs_table(theirs):
-    """op -> (mamba_ssm's function with our op's keyword arguments, its label), None where it has none."""
-    def norm(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
-        return theirs.rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size,
-                                 norm_before_gate=norm_before_gate)
-    return {"ssd_chunk_scan": (theirs.mamba_chunk_scan_combined, "mamba_chunk_scan_combined (Triton)"),
-            "selective_scan": (theirs.selective_scan_ref, "selective_scan_ref (PyTorch; CUDA kernel not built)"),
-            "causal_conv1d": (torch_causal_conv1d, "torch conv1d + silu (no causal-conv1d package)"),
-            "rmsnorm_gated": (norm, "layernorm_gated.rmsnorm_fn (Triton)")}
-
-
-def stand_in():
-    """mamba_ssm's op entry points played by our reference, and its model by ours (the dry run)."""
-    from check_train import stand_in_models
-    from megamamba.kernels.reference.add_norm import add_rmsnorm
-    from megamamba.kernels.reference.norm import rmsnorm_gated
-    from megamamba.kernels.reference.selective_scan import selective_scan
-    from megamamba.kernels.reference.ssd import ssd_chunk_scan
-
-    def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
-        return rmsnorm_gated(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
-
-    def rms_norm_fn(x, weight, bias, residual=None, eps=1e-6, prenorm=False, residual_in_fp32=False):
-        out = add_rmsnorm(x, residual, weight, eps=eps, residual_dtype=torch.float32 if residual_in_fp32 else None)
-        return out if prenorm else out[0]
-    return types.SimpleNamespace(mamba_chunk_scan_combined=ssd_chunk_scan, rmsnorm_fn=rmsnorm_fn,
-                                 rms_norm_fn=rms_norm_fn, selective_scan_ref=selective_scan,
-                                 **vars(stand_in_models()))
+import bf16_errors
 
 
 def error_cases(bench, dry):
@@ -94,18 +45,6 @@ def error_cases(bench, dry):
              lambda dt, dev, g: bench.norm_inputs(*norm, dt, dev, g))]
 
 
-def forward_backward(fn, tensors, kwargs, dtype):
-    """The outputs (a tuple) and the gradient of every float input, for fixed random output gradients
-    rounded to `dtype` (the same values whatever the outputs' own dtypes)."""
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items() if v.is_floating_point()}
-    outs = fn(**{**tensors, **leaves}, **kwargs)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    gen = torch.Generator(device=outs[0].device).manual_seed(1)
-    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen, device=o.device).to(dtype).to(o.dtype)
-                                   for o in outs])
-    return tuple(o.detach() for o in outs), {k: v.grad for k, v in leaves.items()}
-
-
 def errors(results, device, theirs, dry):
     """One record per (op, dtype, output or gradient): ours' and theirs' error against float64."""
     import megamamba.kernels as ours
@@ -113,8 +52,8 @@ def errors(results, device, theirs, dry):
     from megamamba.testing.numerics import relative_error
     oracle = {"ssd_chunk_scan": ssd.ssd_chunk_scan, "selective_scan": selective_scan.selective_scan,
               "causal_conv1d": conv.causal_conv1d, "rmsnorm_gated": norm.rmsnorm_gated}
-    bench = load_kernel_benchmark()
-    table = theirs_table(theirs) if theirs else {}
+    bench = bf16_errors.load_kernel_benchmark()
+    table = bf16_errors.theirs_table(theirs) if theirs else {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     for op, label, make in error_cases(bench, dry):
@@ -123,10 +62,10 @@ def errors(results, device, theirs, dry):
             try:
                 tensors, kwargs = make(dtype, device, torch.Generator(device=device).manual_seed(0))
                 exact = {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
-                ref_out, ref_grads = forward_backward(oracle[op], exact, kwargs, dtype)
-                mine = forward_backward(getattr(ours, op), tensors, kwargs, dtype)
+                ref_out, ref_grads = bf16_errors.forward_backward(oracle[op], exact, kwargs, dtype)
+                mine = bf16_errors.forward_backward(getattr(ours, op), tensors, kwargs, dtype)
                 fn, impl = table.get(op, (None, "none"))
-                other = forward_backward(fn, tensors, kwargs, dtype) if fn else None
+                other = bf16_errors.forward_backward(fn, tensors, kwargs, dtype) if fn else None
             except Exception as exc:  # noqa: BLE001 - one failing op must not hide the others
                 results.write("error_failed", op=op, dtype=name, shape=label, error=repr(exc)[:500])
                 continue
@@ -144,7 +83,6 @@ def errors(results, device, theirs, dry):
 def bf16_comparison(results, device, theirs, dry):
     """benchmarks/bf16_errors.py's tables: one record per (op, seqlen, quantity), then one per
     quantity of the small LM (ours on Triton, on the reference in the dry run)."""
-    import bf16_errors
     seqlens = bf16_errors.SEQLENS[:1] if dry else bf16_errors.SEQLENS
     for op in bf16_errors.OPS:
         try:
@@ -197,13 +135,13 @@ def timings(results, device, theirs, dry):
     """The measured roofline, then one record per (op, layer, implementation): forward and
     forward+backward ms, least bytes and FLOPs, and the roofline fractions, ours then theirs."""
     import megamamba.kernels as ours
-    bench = load_kernel_benchmark()
+    bench = bf16_errors.load_kernel_benchmark()
     if dry:
         bench.cuda_time = cpu_time
     ceiling = bench.ceilings(device, bench.cuda_time, *((2**20, 128) if dry else
                                                         (bench.CEILING_COPY_BYTES, bench.CEILING_MATMUL_N)))
     results.write("ceilings", **ceiling)
-    table = theirs_table(theirs) if theirs else {}
+    table = bf16_errors.theirs_table(theirs) if theirs else {}
     gen = torch.Generator(device=device).manual_seed(2)
     for op, layer, make in timing_cases(bench, dry):
         tensors, kwargs = make(device, gen)

@@ -16,7 +16,6 @@ The dry run uses the tiny CPU model and DeepSpeed config, and our model as mamba
 import json
 import os
 import re
-import types
 
 import torch
 import torch.nn.functional as F
@@ -162,30 +161,3 @@ def train_step(model, optimizer, inputs, labels, vocab_size) -> float:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
-
-
-class StandInConfig(types.SimpleNamespace):
-    """mamba_ssm's MambaConfig in the dry run: the fields as given."""
-
-
-class StandInLMHeadModel(torch.nn.Module):
-    """mamba_ssm's MambaLMHeadModel in the dry run: our MambaLM, its output under .logits, the same
-    state-dict keys and parameter names (unprefixed)."""
-
-    def __init__(self, config, device=None, dtype=None):
-        super().__init__()
-        from megamamba import MambaConfig, MambaLM
-        self.model = MambaLM(MambaConfig.from_dict(vars(config))).to(device=device, dtype=dtype)
-
-    def forward(self, input_ids):
-        return types.SimpleNamespace(logits=self.model(input_ids))
-
-    def load_state_dict(self, state, strict=True):
-        return self.model.load_state_dict(state, strict=strict)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.model.named_parameters(*args, **kwargs)
-
-
-def stand_in_models():
-    return types.SimpleNamespace(MambaLMHeadModel=StandInLMHeadModel, MambaConfig=StandInConfig)

@@ -49,7 +49,7 @@ def op_work(table):
     `table` (op name -> function), bf16_errors.py's included."""
     import bf16_errors
     import check_ops
-    bench = check_ops.load_kernel_benchmark()
+    bench = bf16_errors.load_kernel_benchmark()
     gen = torch.Generator().manual_seed(0)
     work = []
     for op, _label, make in check_ops.error_cases(bench, dry=False):
@@ -57,12 +57,12 @@ def op_work(table):
             if op in table:
                 tensors, kwargs = make(dtype, "cpu", gen)
                 work.append((f"errors {op} {dtype}", lambda f=table[op], t=tensors, k=kwargs, d=dtype:
-                             check_ops.forward_backward(f, t, k, d)))
+                             bf16_errors.forward_backward(f, t, k, d)))
     for op, seqlen, make in bf16_errors.op_cases(bench, bf16_errors.OPS, bf16_errors.SEQLENS):
         if op in table:
             tensors, kwargs = make(torch.bfloat16, "cpu", gen)
             work.append((f"bf16 errors {op} {seqlen}", lambda f=table[op], t=tensors, k=kwargs:
-                         check_ops.forward_backward(f, t, k, torch.bfloat16)))
+                         bf16_errors.forward_backward(f, t, k, torch.bfloat16)))
     for op, layer, make in check_ops.timing_cases(bench, dry=False):
         if op in table:
             tensors, kwargs = make("cpu", gen)
@@ -72,10 +72,10 @@ def op_work(table):
 
 def timed_calls(fn, tensors, kwargs):
     """The two calls benchmarks/kernel_bench.py's time_op makes: forward without grad, forward+backward."""
-    import check_ops
+    import bf16_errors
     with torch.no_grad():
         fn(**tensors, **kwargs)
-    check_ops.forward_backward(fn, tensors, kwargs, torch.bfloat16)
+    bf16_errors.forward_backward(fn, tensors, kwargs, torch.bfloat16)
 
 
 def model_work(theirs=None):

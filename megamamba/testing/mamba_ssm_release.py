@@ -1,6 +1,7 @@
 """mamba_ssm's kernels, references and model, loaded from its unpacked source release (the folder
 holding mamba_ssm/) to run beside ours: its compiled extension stubbed, each autotuned Triton kernel
-left one configuration, and on the CPU the CUDA device context and SM count its kernels ask for."""
+left one configuration, and on the CPU the CUDA device context and SM count its kernels ask for.
+Where no release is loaded, `stand_in` plays its entry points with ours."""
 import contextlib
 import json
 import os
@@ -102,3 +103,45 @@ def cpu_stand_ins():
         yield
     finally:
         torch.cuda.device, torch.cuda.get_device_properties = saved  # type: ignore[misc]
+
+
+class StandInConfig(types.SimpleNamespace):
+    """mamba_ssm's MambaConfig played by ours: the fields as given."""
+
+
+class StandInLMHeadModel(torch.nn.Module):
+    """mamba_ssm's MambaLMHeadModel played by our MambaLM: its output under .logits, the same
+    state-dict keys and parameter names (unprefixed)."""
+
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        from megamamba import MambaConfig, MambaLM
+        self.model = MambaLM(MambaConfig.from_dict(vars(config))).to(device=device, dtype=dtype)
+
+    def forward(self, input_ids):
+        return types.SimpleNamespace(logits=self.model(input_ids))
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.model.named_parameters(*args, **kwargs)
+
+
+def stand_in():
+    """The namespace `load` gives, played by ours (the GPU check's dry run, the benchmarks' tests): our
+    PyTorch reference ops for mamba_ssm's, our MambaLM for its model."""
+    from megamamba.kernels.reference.add_norm import add_rmsnorm
+    from megamamba.kernels.reference.norm import rmsnorm_gated
+    from megamamba.kernels.reference.selective_scan import selective_scan
+    from megamamba.kernels.reference.ssd import ssd_chunk_scan
+
+    def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+        return rmsnorm_gated(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+
+    def rms_norm_fn(x, weight, bias, residual=None, eps=1e-6, prenorm=False, residual_in_fp32=False):
+        out = add_rmsnorm(x, residual, weight, eps=eps, residual_dtype=torch.float32 if residual_in_fp32 else None)
+        return out if prenorm else out[0]
+    return types.SimpleNamespace(mamba_chunk_scan_combined=ssd_chunk_scan, rmsnorm_fn=rmsnorm_fn,
+                                 rms_norm_fn=rms_norm_fn, selective_scan_ref=selective_scan,
+                                 MambaLMHeadModel=StandInLMHeadModel, MambaConfig=StandInConfig)

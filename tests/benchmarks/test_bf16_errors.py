@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # bf16_errors imports check_ops by name, as the GPU check runs it
+from benchmark_scripts import load_benchmark
+from megamamba.testing.mamba_ssm_release import stand_in
 
-import bf16_errors  # noqa: E402
-import check_ops  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+bf16_errors = load_benchmark("bf16_errors")
 
 QUANTITIES = {"ssd_chunk_scan": ["y", "dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias"],
               "selective_scan": ["out", "du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"],
@@ -31,7 +31,7 @@ def reference_kernels(monkeypatch):
 
 
 def test_every_op_and_quantity_has_a_row_and_the_reference_matches_itself(reference_kernels):
-    rows = bf16_errors.op_rows(torch.device("cpu"), check_ops.stand_in(), seqlens=[64])
+    rows = bf16_errors.op_rows(torch.device("cpu"), stand_in(), seqlens=[64])
     for op, names in QUANTITIES.items():
         mine = [r for r in rows if r["op"] == op]
         assert [r["quantity"] for r in mine] == names
@@ -43,7 +43,7 @@ def test_every_op_and_quantity_has_a_row_and_the_reference_matches_itself(refere
 
 @pytest.mark.slow
 def test_the_model_rows_cover_the_loss_and_every_parameter_group(reference_kernels):
-    rows = bf16_errors.model_rows(torch.device("cpu"), check_ops.stand_in(), backend="reference")
+    rows = bf16_errors.model_rows(torch.device("cpu"), stand_in(), backend="reference")
     assert [r["quantity"] for r in rows] == ["loss", "logits", *bf16_errors.GROUPS]
     assert all(0 < r["ours"] < 5e-2 and r["ratio"] == 1.0 for r in rows), rows
     assert "| A_log |" in "\n".join(bf16_errors.model_table(rows))
