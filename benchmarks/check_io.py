@@ -1,19 +1,16 @@
-"""What every section of the GPU check shares: its JSONL records, child processes with a streamed
-log and a hard timeout, and the count of Triton compilations that the shipped cache answered
-(mamba_ssm comes from megamamba.testing.mamba_ssm_release).
+"""What every section of the GPU check shares: its JSONL records and the count of Triton
+compilations that the shipped cache answered (child processes with a hard timeout come from
+megamamba.testing.processes, mamba_ssm from megamamba.testing.mamba_ssm_release).
 
 The check may be cut short at any moment, so nothing is kept for the end: each record is one
 line appended and flushed to $OUT/results.jsonl as soon as it is measured.
 """
 import json
 import os
-import signal
-import subprocess
 import time
 
 RESULTS = "results.jsonl"
 COMPILES = "triton_compiles.jsonl"
-_RUNNING = set()  # process groups run_logged has started and not yet reaped
 
 
 class Results:
@@ -47,65 +44,6 @@ def read_results(out: str) -> list:
             except json.JSONDecodeError:
                 pass
     return records
-
-
-def run_logged(cmd, log: str, timeout: float, env=None, cwd=None, grace: float = 10.0) -> dict:
-    """Run `cmd` in its own process group, its stdout and stderr streamed to `log`; past `timeout`
-    seconds the whole group gets SIGTERM (train.py saves and stops on it), then SIGKILL after
-    `grace`. Returns dict(rc, seconds, timed_out)."""
-    start = time.time()
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
-        _RUNNING.add(proc.pid)
-        timed_out = False
-        try:
-            proc.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _stop_group(proc, grace)
-        finally:
-            _signal_group(proc.pid, signal.SIGKILL)  # strays of a finished group (e.g. a launcher's ranks)
-            _RUNNING.discard(proc.pid)
-    return dict(rc=proc.returncode, seconds=round(time.time() - start, 1), timed_out=timed_out)
-
-
-def _stop_group(proc, grace: float) -> None:
-    _signal_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def stop_children_on_sigterm(grace: float = 5.0) -> None:
-    """On SIGTERM (the driver's timeout), stop the groups run_logged started, which live in their own
-    sessions and would outlive this process on the GPU, then exit with 143."""
-    def handler(signum, frame):
-        for pid in list(_RUNNING):
-            _signal_group(pid, signal.SIGTERM)
-        deadline = time.time() + grace
-        while time.time() < deadline and any(_alive(pid) for pid in _RUNNING):
-            time.sleep(0.2)
-        for pid in list(_RUNNING):
-            _signal_group(pid, signal.SIGKILL)
-        os._exit(143)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _signal_group(pid: int, sig) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def count_triton_compiles(out: str, section: str) -> None:

@@ -20,7 +20,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from check_io import run_logged
+from megamamba.testing.processes import run_logged
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -37,10 +37,9 @@ from check_io import (
     Results,
     count_triton_compiles,
     read_results,
-    run_logged,
-    stop_children_on_sigterm,
     unpack_triton_cache,
 )
+from megamamba.testing.processes import run_logged, stop_children_on_sigterm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -26,7 +26,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # check_io beside it, never the checkout
 
 SIZES = ("130m", "370m", "1.3b", "2.7b")
 H200_PEAK_TFLOPS = 989.0  # dense bf16, the H100/H200 datasheet figure
@@ -91,7 +90,8 @@ def train_ours(ds_config, model_config, steps, warmup, seq_length, peak_tflops, 
     """Averaged metrics of launch/train.py on one device, with the installed megamamba (the checkout
     is not put on the import path). Its output streams to `log` (a temporary file when None, its
     tail returned on failure); past `timeout` seconds it is stopped (SIGTERM, then SIGKILL)."""
-    from check_io import run_logged
+    from megamamba.testing.processes import run_logged
+
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         flags = _train_flags(ds_config, model_config, steps, seq_length, peak_tflops, metrics)
