@@ -18,7 +18,7 @@ def search_folders() -> list:
     """The root, each script folder, and every folder holding test files (pytest's default import
     mode puts a test file's folder first on sys.path)."""
     tests = sorted({path.parent for path in (ROOT / "tests").rglob("*.py")})
-    return [ROOT, ROOT / "benchmarks", ROOT / "scripts", ROOT / "launch", *tests]
+    return [ROOT, ROOT / "benchmarks", ROOT / "benchmarks" / "gpu_check", ROOT / "scripts", ROOT / "launch", *tests]
 
 
 def top_level_names(folder: Path) -> dict:

@@ -1,4 +1,4 @@
-"""Every Triton kernel compiles for the H200 (sm_90), without a GPU: benchmarks/compile_kernels.py
+"""Every Triton kernel compiles for the H200 (sm_90), without a GPU: benchmarks/gpu_check/compile_kernels.py
 records the launches of every op (forward and backward, float32 and bfloat16, model steps) and
 compiles each specialization to a cubin (registers, shared memory and grid checked against the
 GPU's limits; no register spills; 16 resident warps per SM for the memory-bound kernels), with
@@ -17,7 +17,7 @@ from benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "compile_kernels.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check", "compile_kernels.py")
 TRITON_36 = os.path.join(ROOT, ".venv", "triton-3.6")
 TRITON_MODULES = ("ssd", "selective_scan", "conv", "norm", "add_norm")
 
@@ -136,7 +136,7 @@ def test_a_kernel_over_the_register_or_shared_memory_limit_is_reported(tmp_path)
 
 
 def test_occupancy_is_limited_by_registers_shared_memory_or_the_warp_count():
-    compile_kernels = load_benchmark("compile_kernels")
+    compile_kernels = load_benchmark("gpu_check/compile_kernels")
     sm90 = compile_kernels.LIMITS[90]
     assert compile_kernels.resident_warps(255, 8, 149_000, sm90) == 8     # registers: one block of 8 warps
     assert compile_kernels.resident_warps(40, 4, 100_000, sm90) == 8      # shared memory: two blocks

@@ -1,5 +1,5 @@
 """The shipped Triton cache is keyed as the GPU machine's Triton keys it: the same release built for
-another Python hashes the same sources and its own libtriton (benchmarks/triton_cache.py)."""
+another Python hashes the same sources and its own libtriton (benchmarks/gpu_check/triton_cache.py)."""
 import hashlib
 import importlib.util
 import os
@@ -10,12 +10,12 @@ import pytest
 import triton
 import triton.runtime.cache
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HASHED = ("compiler", "backends", "language")
 
 
 def load_triton_cache():
-    spec = importlib.util.spec_from_file_location("triton_cache", ROOT / "benchmarks" / "triton_cache.py")
+    spec = importlib.util.spec_from_file_location("triton_cache", ROOT / "benchmarks" / "gpu_check" / "triton_cache.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -20,10 +20,10 @@ import re
 import torch
 import torch.nn.functional as F
 
+from check_io import load_benchmark
 from megamamba.testing.processes import run_logged
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_PY = os.path.join(REPO, "launch", "train.py")
 SMOKE_DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": 1}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
@@ -97,7 +97,7 @@ def planned_memory(log: str) -> dict:
 
 def throughput(results, out, size, dry, theirs, timeout):
     """Ours (launch/train.py, one rank) then theirs (this process) at one size; one record each."""
-    import train as train_bench
+    train_bench = load_benchmark("train")
     ds_config, model_config = model_paths(size, dry)
     steps, warmup, seq = (2, 1, 64) if dry else (5, 2, 2048)
     peak = train_bench.H200_PEAK_TFLOPS

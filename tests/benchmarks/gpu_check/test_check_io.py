@@ -2,7 +2,7 @@
 cache is found wherever it is unpacked."""
 from benchmark_scripts import load_benchmark
 
-check_io = load_benchmark("check_io")
+check_io = load_benchmark("gpu_check/check_io")
 Results, read_results = check_io.Results, check_io.read_results
 
 

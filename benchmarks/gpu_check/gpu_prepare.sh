@@ -29,7 +29,7 @@ rm -f .whl/triton-cache-*.tar.gz
 wheel=$(mktemp -d)
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d "$wheel" "triton==3.6.0"
-env -u TRITON_INTERPRET PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py \
+env -u TRITON_INTERPRET PYTHONPATH=.venv/triton-3.6 python benchmarks/gpu_check/triton_cache.py \
   --out .whl/triton-cache-3.6.0.tar.gz --triton-wheel "$wheel"/triton-3.6.0-*.whl
 rm -rf "$wheel"
 du -sh .whl

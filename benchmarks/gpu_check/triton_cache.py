@@ -2,7 +2,7 @@
 and pack it for the check (.whl/ is carried to the GPU machine; gpu_check.sh unpacks it and points
 TRITON_CACHE_DIR at it).
 
-    PYTHONPATH=.venv/triton-3.6 python benchmarks/triton_cache.py [--out .whl/triton-cache-3.6.0.tar.gz]
+    PYTHONPATH=.venv/triton-3.6 python benchmarks/gpu_check/triton_cache.py [--out .whl/triton-cache-3.6.0.tar.gz]
         [--triton-wheel WHEEL] [--verify]
 
 The check's work runs on CPU tensors with Triton's launcher replaced by compile_kernels.py's recorder
@@ -37,18 +37,23 @@ import types
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = ("130m", "370m", "1.3b")
 H200_SMS = 132
 OUR_OPS = ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated", "add_rmsnorm")  # timed by the check
 
 
+def _bf16_errors():
+    """benchmarks/bf16_errors.py, whose ops and model the check also runs."""
+    from check_io import load_benchmark
+    return load_benchmark("bf16_errors")
+
+
 def op_work(table):
     """(case, thunk) for every call of the check's errors and timings sections to the ops in
     `table` (op name -> function), bf16_errors.py's included."""
-    import bf16_errors
     import check_ops
+    bf16_errors = _bf16_errors()
     bench = bf16_errors.load_kernel_benchmark()
     gen = torch.Generator().manual_seed(0)
     work = []
@@ -72,7 +77,7 @@ def op_work(table):
 
 def timed_calls(fn, tensors, kwargs):
     """The two calls benchmarks/kernel_bench.py's time_op makes: forward without grad, forward+backward."""
-    import bf16_errors
+    bf16_errors = _bf16_errors()
     with torch.no_grad():
         fn(**tensors, **kwargs)
     bf16_errors.forward_backward(fn, tensors, kwargs, torch.bfloat16)
@@ -82,7 +87,7 @@ def model_work(theirs=None):
     """(case, thunk) for a bf16-autocast training step of two layers of each size at its micro-batch
     (and the NCCL smoke's and the parity's), and of bf16_errors.py's small LM: ours with and without
     documents, or mamba_ssm's."""
-    import bf16_errors
+    bf16_errors = _bf16_errors()
     from megamamba import MambaConfig, MambaLM
     work = []
     for size in SIZES:
@@ -119,7 +124,7 @@ def train_step(model, batch, seqlen, docs):
 def mamba_ssm_work(theirs):
     """(case, thunk) for mamba_ssm's Triton kernels in the check: its SSD and gated norm at the
     errors and timings shapes, and training steps of its model (throughput and parity)."""
-    import bf16_errors
+    bf16_errors = _bf16_errors()
     table = {op: fn for op, (fn, _) in bf16_errors.theirs_ops(theirs).items()
              if op in ("ssd_chunk_scan", "rmsnorm_gated", "add_rmsnorm")}
     return [(case, lambda thunk=thunk: without_device_switch(thunk))

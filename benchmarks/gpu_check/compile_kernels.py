@@ -1,6 +1,6 @@
 """Compile every Triton kernel our ops launch for a CUDA GPU, on a machine without one.
 
-    python benchmarks/compile_kernels.py [--arch 90|80] [--json PATH]
+    python benchmarks/gpu_check/compile_kernels.py [--arch 90|80] [--json PATH]
 
 The ops run forward and backward on CPU tensors with Triton's launcher replaced by a recorder:
 each launch is specialized as Triton's own launcher would specialize it on the GPU (argument
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megamamba is imported as installed
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # megamamba: as installed
 
 # What one block may use (registers; shared memory, the opt-in maximum) and what one SM holds.
 LIMITS = {90: dict(gpu="sm_90 (H100/H200)", regs_per_block=65536, shared_bytes=232448,

@@ -22,7 +22,9 @@ import time
 
 import torch
 
-import bf16_errors
+from check_io import load_benchmark
+
+bf16_errors = load_benchmark("bf16_errors")
 
 
 def error_cases(bench, dry):

@@ -18,7 +18,7 @@
 # (CPU, reference kernels, tiny configs, gloo, no mamba_ssm) installs only the package, with the
 # running environment's setuptools. PYTHON picks the interpreter (default python3).
 set -uo pipefail
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 dry=${DRY_RUN:-0}
 args=()
 for a in "$@"; do
@@ -47,9 +47,9 @@ triton_cache=()
 if [ "$dry" != 1 ] && [ -f "$cache" ]; then
   triton_cache=(--triton-cache "$cache")
 elif [ "$dry" != 1 ]; then
-  echo "gpu_check.sh: no $cache (benchmarks/gpu_prepare.sh makes it): every kernel compiles cold"
+  echo "gpu_check.sh: no $cache (benchmarks/gpu_check/gpu_prepare.sh makes it): every kernel compiles cold"
 fi
 flags=(--out "$OUT" --work "$WORK" --site "$site" --mamba-ssm-src "$repo/.whl/mamba_ssm-src" ${triton_cache[@]+"${triton_cache[@]}"}
        --budget "${BUDGET:-$((560 - (SECONDS - start)))}")
 [ "$dry" = 1 ] && flags+=(--dry-run --budget "${BUDGET:-2400}")
-cd "$OUT" && exec "$PYTHON" "$repo/benchmarks/gpu_check.py" "${flags[@]}" ${args[@]+"${args[@]}"}
+cd "$OUT" && exec "$PYTHON" "$repo/benchmarks/gpu_check/gpu_check.py" "${flags[@]}" ${args[@]+"${args[@]}"}

@@ -1,6 +1,6 @@
 """GPU check of the memory plan's activation estimate (pipelines/memory/activations.py) on one rank.
 
-    python benchmarks/check_memory_plan.py --size 130m [--checkpoint-activations-interval 1] [--dry-run]
+    python benchmarks/gpu_check/check_memory_plan.py --size 130m [--checkpoint-activations-interval 1] [--dry-run]
 
 The size's DeepSpeed config (bf16 autocast, its micro batch) with ZeRO 0 and one accumulation step
 at (1,1,1), seq 2048. After a first step (the optimizer state exists), one micro-batch is measured:
@@ -19,8 +19,7 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _train_script():

@@ -1,10 +1,10 @@
 """The GPU check's driver: every section in its own child process with a timeout, in this order,
 within one time budget, each measurement appended to <out>/results.jsonl as it is made.
 
-    python benchmarks/gpu_check.py --out DIR [--work DIR] [--site DIR] [--mamba-ssm-src DIR]
+    python benchmarks/gpu_check/gpu_check.py --out DIR [--work DIR] [--site DIR] [--mamba-ssm-src DIR]
         [--triton-cache ARCHIVE] [--budget 450] [--dry-run]
-        [--only imports errors ...]        (run by benchmarks/gpu_check.sh, which installs the package)
-    python benchmarks/gpu_check.py --out DIR --summary     (the tables of what a run wrote so far)
+        [--only imports errors ...]        (run by gpu_check.sh, which installs the package)
+    python benchmarks/gpu_check/gpu_check.py --out DIR --summary    (the tables of what a run wrote so far)
 
 imports      every megamamba subpackage, from --site (the installed copy) and not from the checkout;
              versions of python, torch, Triton, DeepSpeed, CUDA and the GPU
@@ -36,13 +36,13 @@ from check_io import (
     COMPILES,
     Results,
     count_triton_compiles,
+    load_benchmark,
     read_results,
     unpack_triton_cache,
 )
 from megamamba.testing.processes import run_logged, stop_children_on_sigterm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (section, seconds at most); the budget may cut a later one shorter.
 SECTIONS = [("imports", 60), ("nccl_smoke", 100), ("errors", 120), ("timings", 75), ("throughput:130m", 70),
             ("throughput:370m", 70), ("throughput:1.3b", 110), ("parity", 60), ("profile:1.3b", 60),
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--work", default=None, help="scratch folder for checkpoints (default: a new temporary one)")
     p.add_argument("--site", default=None, help="where the package was installed (the imports section checks it)")
     p.add_argument("--triton-cache", default=None,
-                   help="Triton cache archive (benchmarks/triton_cache.py) to unpack under --work and use")
+                   help="Triton cache archive (benchmarks/gpu_check/triton_cache.py) to unpack under --work and use")
     p.add_argument("--cache-identity", default=None, help=argparse.SUPPRESS)  # the archive's key inputs
     p.add_argument("--mamba-ssm-src", default=None, help="unpacked mamba_ssm source release (holding mamba_ssm/)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds for all sections together")
@@ -328,7 +328,7 @@ def bf16_tables(ops, model, failed) -> list:
     """bf16_errors.py's markdown tables of the errors section's bf16 records."""
     if not (ops or model or failed):
         return []
-    import bf16_errors
+    bf16_errors = load_benchmark("bf16_errors")
     lines = ["", "bf16 error vs float64 (relative norm): ours, mamba_ssm, ours/theirs (benchmarks/bf16_errors.py)"]
     lines += bf16_errors.op_tables(ops) + bf16_errors.model_table(model)
     return lines + [f"bf16 {r['op']}: FAILED: {r['error'][:160]}" for r in failed]

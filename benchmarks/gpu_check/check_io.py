@@ -1,16 +1,31 @@
-"""What every section of the GPU check shares: its JSONL records and the count of Triton
-compilations that the shipped cache answered (child processes with a hard timeout come from
-megamamba.testing.processes, mamba_ssm from megamamba.testing.mamba_ssm_release).
+"""What every section of the GPU check shares: its JSONL records, the count of Triton compilations
+that the shipped cache answered, and the benchmarks it runs (benchmarks/*.py, loaded by path; child
+processes with a hard timeout come from megamamba.testing.processes, mamba_ssm from
+megamamba.testing.mamba_ssm_release).
 
 The check may be cut short at any moment, so nothing is kept for the end: each record is one
 line appended and flushed to $OUT/results.jsonl as soon as it is measured.
 """
+import importlib.util
 import json
 import os
+import sys
 import time
 
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = "results.jsonl"
 COMPILES = "triton_compiles.jsonl"
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py, a benchmark the check runs, as the module benchmark_<name> (loaded once)."""
+    key = f"benchmark_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(BENCHMARKS, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 class Results:
@@ -64,7 +79,7 @@ def count_triton_compiles(out: str, section: str) -> None:
 
 
 def unpack_triton_cache(archive: str, dest: str) -> int:
-    """Unpack a Triton cache archive (benchmarks/triton_cache.py) into `dest` and point each kernel's
+    """Unpack a Triton cache archive (benchmarks/gpu_check/triton_cache.py) into `dest` and point each kernel's
     group file at its new place: Triton 3.6 records a group's files by absolute path
     (FileCacheManager.put_group) and treats a group whose files it cannot find there as a miss, so a
     cache moved to another folder is never hit until they are rewritten. Returns the entry count."""

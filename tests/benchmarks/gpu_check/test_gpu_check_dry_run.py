@@ -1,4 +1,4 @@
-"""The GPU check (benchmarks/gpu_check.sh) run end to end on the CPU in its dry mode: it installs the
+"""The GPU check (benchmarks/gpu_check/gpu_check.sh) run end to end on the CPU in its dry mode: it installs the
 package, runs every section from outside the checkout and each section writes its JSONL records (the
 last one a planner profile), leaving no temporary DeepSpeed config behind, so a GPU session is never the
 driver's first run."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SIZES = ("130m", "370m", "1.3b")
 
 
@@ -19,7 +19,7 @@ def test_dry_run_writes_every_sections_records(tmp_path):
     out, work, scratch = tmp_path / "out", tmp_path / "work", tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable, "TMPDIR": str(scratch)}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--dry-run"], env=env, cwd=tmp_path,
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check/gpu_check.sh"), "--dry-run"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
