@@ -21,7 +21,7 @@ Without a GPU the Triton kernels, ours and theirs, run under TRITON_INTERPRET=1 
 interpreter's bf16 fix (megamamba/testing/interpreter_bf16.py) and mamba_ssm's CPU stand-ins
 (megamamba/testing/mamba_ssm_release.py); mamba_ssm's source release is --mamba-ssm-src, else
 $MAMBA_SSM_SRC, else .venv/mamba_ssm-src (scripts/setup.sh fetches it). The GPU check's errors
-section runs the same (benchmarks/check_ops.py).
+section runs the same (benchmarks/gpu_check/check_ops.py).
 """
 import argparse
 import contextlib

@@ -14,7 +14,7 @@ Reported per run: tokens/s, TFLOP/s (megamamba.model.flops, the same count for b
 --peak-tflops, peak GPU memory; the first --warmup steps (compilation, autotuning) are left out.
 mamba_ssm comes from its unpacked source release (--mamba-ssm-src, the folder holding mamba_ssm/);
 its compiled extension and the modules of its package that only generation needs are stubbed.
-megamamba is imported as installed (`pip install -e .`, or benchmarks/gpu_check.sh's site folder),
+megamamba is imported as installed (`pip install -e .`, or benchmarks/gpu_check/gpu_check.sh's site folder),
 never from the checkout: megamamba.kernels and megamamba.pipelines exist only once installed.
 """
 import argparse

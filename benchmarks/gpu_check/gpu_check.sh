@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check, in one device call on an H200 with torch 2.11: at most 9.5 minutes with install and
-# compilation (a budget of 560 s, sections cut to fit), with .whl/ from benchmarks/gpu_prepare.sh carried:
+# compilation (a budget of 560 s, sections cut to fit), with .whl/ from benchmarks/gpu_check/gpu_prepare.sh carried:
 #
-#   bash benchmarks/gpu_check.sh [--dry-run] [--only SECTION ...]      (DRY_RUN=1 also: the CPU)
+#   bash benchmarks/gpu_check/gpu_check.sh [--dry-run] [--only SECTION ...]      (DRY_RUN=1 also: the CPU)
 #
 # 1. installs the wheels of .whl/ and then the package itself (from a fresh copy of its sources)
 #    into $WORK/site (WORK: a new temporary folder unless set) with pip --no-deps --no-index: the check imports megamamba from there, never
 #    from the checkout (megamamba.kernels and .pipelines exist only once installed);
-# 2. hands the driver Triton's cache shipped in .whl/ (benchmarks/triton_cache.py), which it unpacks
+# 2. hands the driver Triton's cache shipped in .whl/ (benchmarks/gpu_check/triton_cache.py), which it unpacks
 #    under $WORK and points TRITON_CACHE_DIR at;
-# 3. runs benchmarks/gpu_check.py from outside the checkout: import smoke, NCCL smoke with save and
+# 3. runs benchmarks/gpu_check/gpu_check.py from outside the checkout: import smoke, NCCL smoke with save and
 #    resume, op errors against float64, op timings, training throughput, 20-step loss parity with
 #    mamba_ssm; each section in its own process with a timeout.
 # Everything lands in $OUT (default runs/gpu_check): results.jsonl (one record per measurement,

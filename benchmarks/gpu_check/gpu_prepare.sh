@@ -9,10 +9,10 @@
 #     scripts/setup.sh fetched), which the benchmarks compare against (its CUDA extension is never built:
 #     the benchmarks stub it);
 #   - Triton's cache, pre-filled for sm_90 with Triton 3.6 (.venv/triton-3.6) for every kernel the
-#     check launches (benchmarks/triton_cache.py; rebuilt each time: it follows the kernel sources),
+#     check launches (benchmarks/gpu_check/triton_cache.py; rebuilt each time: it follows the kernel sources),
 #     keyed as the GPU machine's Triton keys it: its key hashes libtriton, which differs between the
 #     Python 3.11 build here and the 3.12 build there, so the 3.12 wheel is fetched to read its hash.
-# Then one device call carrying .whl runs every check: `bash benchmarks/gpu_check.sh`.
+# Then one device call carrying .whl runs every check: `bash benchmarks/gpu_check/gpu_check.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 . .venv/bin/activate

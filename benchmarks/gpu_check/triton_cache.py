@@ -7,7 +7,7 @@ TRITON_CACHE_DIR at it).
 
 The check's work runs on CPU tensors with Triton's launcher replaced by compile_kernels.py's recorder
 (each launch specialized as the GPU's launcher would): the ops at the error and timing shapes
-(benchmarks/check_ops.py), and a training step, bf16 autocast, of a two-layer model of each size at
+(benchmarks/gpu_check/check_ops.py), and a training step, bf16 autocast, of a two-layer model of each size at
 its micro-batch and 2048 tokens, with documents (launch/train.py) and without (the parity section).
 The same for mamba_ssm's Triton kernels (SSD, gated norm, its model's fused add+norm), autotuning
 capped to one configuration as the check caps it. Each specialization is compiled for sm_90 into a
