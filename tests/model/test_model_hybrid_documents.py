@@ -1,7 +1,7 @@
 """Packed documents in a hybrid: no token sees another document, through Mamba, attention and MLP layers.
 
 The attention masks alone (the CPU's boolean mask, FlexAttention's block mask, the causal paths) are
-tests/parallel/test_context_attention_masks.py's.
+tests/model/test_causal_attention.py's.
 """
 import pytest
 import torch
