@@ -170,57 +170,71 @@ def _empty_like(x):
     return common.empty((batch, dim, seqlen), device=x.device, dtype=x.dtype)
 
 
-class _CausalConv1d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, doc, silu):
-        batch, dim, seqlen = x.shape
-        block_d, block_l = _blocks(x)
-        out = _empty_like(x)
-        _conv_fwd_kernel[(batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, block_l))](
-            x, weight, bias, doc, out, dim, seqlen, *x.stride(), *weight.stride(),
-            doc.stride(0) if doc is not None else 0, *out.stride(),
-            WIDTH=weight.shape[1], HAS_BIAS=bias is not None, HAS_DOC=doc is not None,
-            SILU=silu, INT64=_needs_int64(x, out), BLOCK_D=block_d, BLOCK_L=block_l)
-        ctx.save_for_backward(x, weight, bias, doc)
-        ctx.silu = silu
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, weight, bias, doc = ctx.saved_tensors
-        batch, dim, seqlen = x.shape
-        width = weight.shape[1]
-        block_d, block_l = _blocks(x)
-        d_blocks, t_blocks = triton.cdiv(dim, block_d), triton.cdiv(seqlen, block_l)
-        target = max(1, 8 * common.multiprocessors(x.device) // (batch * d_blocks))
-        per = triton.cdiv(t_blocks, min(t_blocks, target))
-        time_programs = triton.cdiv(t_blocks, per)
-        rows = batch * time_programs
-        dx = _empty_like(x)
-        dw_part = common.empty((rows, dim, width), device=x.device, dtype=torch.float32)
-        db_part = common.empty((rows, dim), device=x.device, dtype=torch.float32) if bias is not None else None
-        # 8 warps of <= 128 registers: 16 resident warps per SM on sm_90 without spills (with 4
-        # warps, 128 registers spill in bf16 with documents).
-        _conv_bwd_kernel[(rows, d_blocks)](
-            x, weight, bias, doc, dout, dx, dw_part, db_part, dim, seqlen, time_programs, per,
-            *x.stride(), *weight.stride(), doc.stride(0) if doc is not None else 0, *dout.stride(),
-            *dx.stride(), WIDTH=width, HAS_BIAS=bias is not None, HAS_DOC=doc is not None, SILU=ctx.silu,
-            INT64=_needs_int64(x, dout, dx), BLOCK_D=block_d, BLOCK_L=block_l, num_warps=8, maxnreg=128)
-        dweight = dw_part.sum(0).to(weight.dtype)
-        dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
-        return dx, dweight, dbias, None, None
-
-
-def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):
-    """Depthwise causal conv over (batch, dim, seqlen) with weight (dim, width), width 2-4."""
+def _check(x, weight, bias, activation):
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     if x.dim() != 3:
         raise ValueError(f"x must have shape (batch, dim, seqlen), got {tuple(x.shape)}")
-    batch, dim, seqlen = x.shape
+    dim = x.shape[1]
     if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
         raise ValueError(f"weight must have shape (dim={dim}, width in 2..4), got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (dim,):
         raise ValueError(f"bias must have shape (dim,) = ({dim},), got {tuple(bias.shape)}")
+
+
+def forward(x, weight, bias=None, seq_idx=None, activation=None):
+    """The conv's output, in x's layout."""
+    _check(x, weight, bias, activation)
+    batch, dim, seqlen = x.shape
     doc = common.document_counters(seq_idx, batch, seqlen)
-    return _CausalConv1d.apply(x, weight, bias, doc, activation is not None)
+    block_d, block_l = _blocks(x)
+    out = _empty_like(x)
+    _conv_fwd_kernel[(batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, block_l))](
+        x, weight, bias, doc, out, dim, seqlen, *x.stride(), *weight.stride(),
+        doc.stride(0) if doc is not None else 0, *out.stride(),
+        WIDTH=weight.shape[1], HAS_BIAS=bias is not None, HAS_DOC=doc is not None,
+        SILU=activation is not None, INT64=_needs_int64(x, out), BLOCK_D=block_d, BLOCK_L=block_l)
+    return out
+
+
+def backward(dout, x, weight, bias=None, seq_idx=None, activation=None):
+    """(dx in x's layout, dweight, dbias or None) from the output's gradient."""
+    batch, dim, seqlen = x.shape
+    doc = common.document_counters(seq_idx, batch, seqlen)
+    width = weight.shape[1]
+    block_d, block_l = _blocks(x)
+    d_blocks, t_blocks = triton.cdiv(dim, block_d), triton.cdiv(seqlen, block_l)
+    target = max(1, 8 * common.multiprocessors(x.device) // (batch * d_blocks))
+    per = triton.cdiv(t_blocks, min(t_blocks, target))
+    time_programs = triton.cdiv(t_blocks, per)
+    rows = batch * time_programs
+    dx = _empty_like(x)
+    dw_part = common.empty((rows, dim, width), device=x.device, dtype=torch.float32)
+    db_part = common.empty((rows, dim), device=x.device, dtype=torch.float32) if bias is not None else None
+    # 8 warps of <= 128 registers: 16 resident warps per SM on sm_90 without spills (with 4
+    # warps, 128 registers spill in bf16 with documents).
+    _conv_bwd_kernel[(rows, d_blocks)](
+        x, weight, bias, doc, dout, dx, dw_part, db_part, dim, seqlen, time_programs, per,
+        *x.stride(), *weight.stride(), doc.stride(0) if doc is not None else 0, *dout.stride(),
+        *dx.stride(), WIDTH=width, HAS_BIAS=bias is not None, HAS_DOC=doc is not None, SILU=activation is not None,
+        INT64=_needs_int64(x, dout, dx), BLOCK_D=block_d, BLOCK_L=block_l, num_warps=8, maxnreg=128)
+    dweight = dw_part.sum(0).to(weight.dtype)
+    dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dweight, dbias
+
+
+class _CausalConv1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_idx, activation):
+        ctx.save_for_backward(x, weight, bias, seq_idx)
+        ctx.activation = activation
+        return forward(x, weight, bias, seq_idx, activation)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return *backward(dout, *ctx.saved_tensors, ctx.activation), None, None
+
+
+def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):
+    """Depthwise causal conv over (batch, dim, seqlen) with weight (dim, width), width 2-4."""
+    return _CausalConv1d.apply(x, weight, bias, seq_idx, activation)

@@ -113,51 +113,8 @@ def _norm_bwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr,
         tl.store(db_ptr + pid_m * n + c, tl.sum(db_acc, axis=0), mask=c_mask)
 
 
-class _RMSNormGated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, z, eps, group_size, norm_before_gate):
-        shape = x.shape
-        n = shape[-1]
-        x2 = _rows(x, n)
-        z2 = _rows(z, n) if z is not None else None
-        rows = x2.shape[0]
-        out = common.empty(x2.shape, device=x.device, dtype=x.dtype)
-        block_m, block_g, warps = _launch(group_size)
-        grid = (triton.cdiv(rows, block_m), n // group_size)
-        _norm_fwd_kernel[grid](x2, z2, weight, bias, out, rows, group_size, eps, x2.stride(0),
-                               z2.stride(0) if z2 is not None else 0, out.stride(0),
-                               HAS_Z=z is not None, HAS_BIAS=bias is not None,
-                               NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g,
-                               num_warps=warps)
-        ctx.save_for_backward(x2, z2, weight, bias)
-        ctx.meta = (shape, eps, group_size, norm_before_gate)
-        return out.reshape(shape)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x2, z2, weight, bias = ctx.saved_tensors
-        shape, eps, group_size, norm_before_gate = ctx.meta
-        rows, n = x2.shape
-        dy = _rows(dout, n)
-        block_m, block_g, warps = _launch(group_size)
-        programs, per = _programs(rows, block_m, n // group_size, x2.device)
-        dx = common.empty(x2.shape, device=x2.device, dtype=x2.dtype)
-        dz = common.empty(x2.shape, device=x2.device, dtype=z2.dtype) if z2 is not None else None
-        dw_part = common.empty((programs, n), device=x2.device, dtype=torch.float32)
-        db_part = common.empty((programs, n), device=x2.device, dtype=torch.float32) if bias is not None else None
-        _norm_bwd_kernel[(programs, n // group_size)](
-            x2, z2, weight, bias, dy, dx, dz, dw_part, db_part, rows, n, group_size, eps, per,
-            x2.stride(0), z2.stride(0) if z2 is not None else 0, dy.stride(0), dx.stride(0),
-            dz.stride(0) if dz is not None else 0, HAS_Z=z2 is not None, HAS_BIAS=bias is not None,
-            NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g, num_warps=warps)
-        dweight = dw_part.sum(0).to(weight.dtype)
-        dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
-        dz = dz.reshape(shape) if dz is not None else None
-        return dx.reshape(shape), dweight, dbias, dz, None, None, None
-
-
-def rmsnorm_gated(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
-    """RMSNorm of x over groups of group_size channels of the last dim, gated by silu(z)."""
+def _group_size(x, weight, bias, z, group_size):
+    """group_size (the last dim when None), after checking the arguments' shapes."""
     n = x.shape[-1]
     group_size = n if group_size is None else group_size
     if group_size <= 0 or n % group_size != 0:
@@ -168,4 +125,66 @@ def rmsnorm_gated(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have the shape of x {tuple(x.shape)}, got {tuple(z.shape)}")
+    return group_size
+
+
+def forward(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """The gated norm of x, contiguous, in x's dtype."""
+    group_size = _group_size(x, weight, bias, z, group_size)
+    shape = x.shape
+    n = shape[-1]
+    x2 = _rows(x, n)
+    z2 = _rows(z, n) if z is not None else None
+    rows = x2.shape[0]
+    out = common.empty(x2.shape, device=x.device, dtype=x.dtype)
+    block_m, block_g, warps = _launch(group_size)
+    grid = (triton.cdiv(rows, block_m), n // group_size)
+    _norm_fwd_kernel[grid](x2, z2, weight, bias, out, rows, group_size, eps, x2.stride(0),
+                           z2.stride(0) if z2 is not None else 0, out.stride(0),
+                           HAS_Z=z is not None, HAS_BIAS=bias is not None,
+                           NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g,
+                           num_warps=warps)
+    return out.reshape(shape)
+
+
+def backward(dout, x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """(dx, dweight, dbias or None, dz or None), dx and dz contiguous."""
+    shape = x.shape
+    n = shape[-1]
+    group_size = n if group_size is None else group_size
+    x2 = _rows(x, n)
+    z2 = _rows(z, n) if z is not None else None
+    rows = x2.shape[0]
+    dy = _rows(dout, n)
+    block_m, block_g, warps = _launch(group_size)
+    programs, per = _programs(rows, block_m, n // group_size, x2.device)
+    dx = common.empty(x2.shape, device=x2.device, dtype=x2.dtype)
+    dz = common.empty(x2.shape, device=x2.device, dtype=z2.dtype) if z2 is not None else None
+    dw_part = common.empty((programs, n), device=x2.device, dtype=torch.float32)
+    db_part = common.empty((programs, n), device=x2.device, dtype=torch.float32) if bias is not None else None
+    _norm_bwd_kernel[(programs, n // group_size)](
+        x2, z2, weight, bias, dy, dx, dz, dw_part, db_part, rows, n, group_size, eps, per,
+        x2.stride(0), z2.stride(0) if z2 is not None else 0, dy.stride(0), dx.stride(0),
+        dz.stride(0) if dz is not None else 0, HAS_Z=z2 is not None, HAS_BIAS=bias is not None,
+        NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g, num_warps=warps)
+    dweight = dw_part.sum(0).to(weight.dtype)
+    dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dz = dz.reshape(shape) if dz is not None else None
+    return dx.reshape(shape), dweight, dbias, dz
+
+
+class _RMSNormGated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, z, eps, group_size, norm_before_gate):
+        ctx.save_for_backward(x, weight, bias, z)
+        ctx.meta = (eps, group_size, norm_before_gate)
+        return forward(x, weight, bias, z, eps, group_size, norm_before_gate)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return *backward(dout, *ctx.saved_tensors, *ctx.meta), None, None, None
+
+
+def rmsnorm_gated(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """RMSNorm of x over groups of group_size channels of the last dim, gated by silu(z)."""
     return _RMSNormGated.apply(x, weight, bias, z, eps, group_size, norm_before_gate)

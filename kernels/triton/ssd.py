@@ -664,97 +664,122 @@ def _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out, pre_gate=False):
         BLOCK_P=block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.scan_stages)
 
 
+def _check_sizes(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states):
+    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states)
+    if B.shape[3] > 256:
+        raise ValueError(f"dstate must be at most 256 for the Triton kernel, got {B.shape[3]}")
+    if x.shape[3] > 256:
+        raise ValueError(f"headdim must be at most 256 for the Triton kernel, got {x.shape[3]}")
+
+
+def forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit):
+    """(y in x's dtype, the final states (batch, nheads, headdim, dstate) float32), both contiguous."""
+    _check_sizes(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states)
+    doc = common.document_counters(seq_idx, x.shape[0], x.shape[1])
+    sz = _Sizes(x, B, chunk_size)
+    dtp, cs, _, entering, final = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
+                                                  dt_softplus, dt_limit)
+    out = _empty(x.shape, x, x.dtype)
+    _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out)
+    return out, final
+
+
+def backward(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
+             dt_limit):
+    """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None for an absent input; dfinal None
+    when the final states are unused."""
+    doc = common.document_counters(seq_idx, x.shape[0], x.shape[1])
+    sz = _Sizes(x, B, chunk_size)
+    sdb = doc.stride(0) if doc is not None else 0
+    dtp, cs, states, entering, _ = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
+                                                   dt_softplus, dt_limit)
+    pre = None
+    if z is not None:
+        pre = _empty(x.shape, x)
+        _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, pre, pre_gate=True)
+    block_l = 32
+    n_lblocks = triton.cdiv(sz.seqlen, block_l)
+    dy = _empty(x.shape, x)
+    dz = _empty(z.shape, z, z.dtype) if z is not None else None
+    dd_part = _empty((sz.batch * n_lblocks, sz.nheads, sz.headdim), x) if D is not None else None
+    _gate_bwd_kernel[(sz.batch, n_lblocks, sz.nheads)](
+        dout, pre, x, z, dy, dz, dd_part, sz.seqlen, sz.nheads, sz.headdim, *x.stride(),
+        *_strides(z, 4), *dout.stride(), HAS_D=D is not None, HAS_Z=z is not None, BLOCK_L=block_l,
+        BLOCK_P=sz.block_p)
+    del pre
+
+    dout_states = _empty(states.shape, x)
+    _chunk_states(sz, dy, C, dtp, cs, doc, dout_states, mode=1)
+    dstates = _empty(states.shape, x)
+    dinit = _empty((sz.batch, sz.nheads, sz.headdim, sz.dstate), x)
+    n_eblocks = triton.cdiv(sz.state_size, sz.block_e)
+    sdot_part = _empty((sz.batch, sz.nheads, sz.nchunks, n_eblocks), x)
+    _state_pass_bwd_kernel[(sz.batch, sz.nheads, n_eblocks)](
+        cs, doc, entering, dfinal, dout_states, dstates, dinit, sdot_part,
+        sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, sz.state_size, sdb,
+        HAS_DFINAL=dfinal is not None, HAS_DOC=doc is not None, BLOCK=sz.block_e)
+    del dout_states
+
+    dx = _empty(x.shape, x, x.dtype)
+    ddt_direct = _empty(dtp.shape, x)
+    wstate = _empty(dtp.shape, x)
+    grid = (sz.batch * sz.nchunks * sz.nheads, triton.cdiv(sz.chunk, sz.block_m))
+    _dx_kernel[grid](
+        x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, wstate, *sz.dims(), *x.stride(), *B.stride(),
+        *C.stride(), sdb, HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
+        HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
+        BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, SLICE_N=sz.slice_n, num_warps=sz.warps)
+
+    row_blocks = triton.cdiv(sz.chunk, sz.block_m)
+    dlogdecay_parts = _empty((sz.batch, sz.nheads, sz.nchunks, row_blocks, sz.chunk), x)
+    _dlogdecay_kernel[(sz.batch * sz.nchunks * sz.nheads, row_blocks)](
+        x, B, C, dtp, cs, doc, dy, entering, dlogdecay_parts, *sz.dims(), *x.stride(), *B.stride(), *C.stride(),
+        sdb, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
+        BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, SLICE_P=sz.slice_p, SLICE_N=sz.slice_n, num_warps=sz.warps,
+        num_stages=sz.scan_stages)
+
+    dB = _empty(B.shape, B, B.dtype)
+    dC = _empty(C.shape, C, C.dtype)
+    for out, w, state in ((dC, B, entering), (dB, C, dstates)):
+        _dbc_kernel[(sz.batch * sz.nchunks * sz.ngroups, triton.cdiv(sz.chunk, sz.block_k))](
+            x, w, dtp, cs, doc, dy, state, out, *sz.dims(), *x.stride(), *w.stride(), sdb,
+            GRAD_C=out is dC, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_k, BLOCK_K=sz.block_k,
+            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.dbc_stages)
+
+    ddt = _empty(dt.shape, dt, dt.dtype)
+    da_part = _empty((sz.batch, sz.nchunks, sz.nheads), x)
+    dbias_part = _empty(da_part.shape, x) if dt_bias is not None else None
+    # 8 warps: 72-77 registers, 24 resident warps per SM on sm_90 (Triton 3.6).
+    _dt_bwd_kernel[(sz.batch, sz.nchunks, triton.cdiv(sz.nheads, sz.block_h))](
+        dt, dt_bias, A, dtp, dlogdecay_parts, ddt_direct, wstate, sdot_part.sum(-1), ddt, da_part, dbias_part,
+        sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, row_blocks, sz.block_m, *dt.stride(), *ddt.stride(),
+        float(dt_limit[0]), float(dt_limit[1]), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+        BLOCK_H=sz.block_h, BLOCK_Q=sz.block_q, num_warps=8)
+
+    dA = da_part.sum((0, 1)).to(A.dtype)
+    dD = None
+    if D is not None:
+        dD = dd_part.sum(0)
+        dD = (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
+    d_bias = dbias_part.sum((0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
+    d_init = dinit.to(initial_states.dtype) if initial_states is not None else None
+    return dx, ddt, dA, dB, dC, dD, dz, d_bias, d_init
+
+
 class _SSDChunkScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, doc, chunk_size, dt_softplus, dt_limit):
-        sz = _Sizes(x, B, chunk_size)
-        dtp, cs, _, entering, final = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
-                                                      dt_softplus, dt_limit)
-        out = _empty(x.shape, x, x.dtype)
-        _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, out)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, doc)
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size, dt_softplus, dt_limit):
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
         ctx.meta = (chunk_size, dt_softplus, dt_limit)
-        return out, final
+        return forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit)
 
     @staticmethod
     def backward(ctx, dout, dfinal):
-        x, dt, A, B, C, D, z, dt_bias, initial_states, doc = ctx.saved_tensors
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
         chunk_size, dt_softplus, dt_limit = ctx.meta
-        sz = _Sizes(x, B, chunk_size)
-        sdb = doc.stride(0) if doc is not None else 0
-        dtp, cs, states, entering, _ = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
-                                                       dt_softplus, dt_limit)
-        pre = None
-        if z is not None:
-            pre = _empty(x.shape, x)
-            _scan(sz, x, z, B, C, D, dtp, cs, entering, doc, pre, pre_gate=True)
-        block_l = 32
-        n_lblocks = triton.cdiv(sz.seqlen, block_l)
-        dy = _empty(x.shape, x)
-        dz = _empty(z.shape, z, z.dtype) if z is not None else None
-        dd_part = _empty((sz.batch * n_lblocks, sz.nheads, sz.headdim), x) if D is not None else None
-        _gate_bwd_kernel[(sz.batch, n_lblocks, sz.nheads)](
-            dout, pre, x, z, dy, dz, dd_part, sz.seqlen, sz.nheads, sz.headdim, *x.stride(),
-            *_strides(z, 4), *dout.stride(), HAS_D=D is not None, HAS_Z=z is not None, BLOCK_L=block_l,
-            BLOCK_P=sz.block_p)
-        del pre
-
-        dout_states = _empty(states.shape, x)
-        _chunk_states(sz, dy, C, dtp, cs, doc, dout_states, mode=1)
-        dstates = _empty(states.shape, x)
-        dinit = _empty((sz.batch, sz.nheads, sz.headdim, sz.dstate), x)
-        n_eblocks = triton.cdiv(sz.state_size, sz.block_e)
-        sdot_part = _empty((sz.batch, sz.nheads, sz.nchunks, n_eblocks), x)
-        _state_pass_bwd_kernel[(sz.batch, sz.nheads, n_eblocks)](
-            cs, doc, entering, dfinal, dout_states, dstates, dinit, sdot_part,
-            sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, sz.state_size, sdb,
-            HAS_DFINAL=dfinal is not None, HAS_DOC=doc is not None, BLOCK=sz.block_e)
-        del dout_states
-
-        dx = _empty(x.shape, x, x.dtype)
-        ddt_direct = _empty(dtp.shape, x)
-        wstate = _empty(dtp.shape, x)
-        grid = (sz.batch * sz.nchunks * sz.nheads, triton.cdiv(sz.chunk, sz.block_m))
-        _dx_kernel[grid](
-            x, B, C, D, dtp, cs, doc, dy, dstates, dx, ddt_direct, wstate, *sz.dims(), *x.stride(), *B.stride(),
-            *C.stride(), sdb, HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
-            HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
-            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, SLICE_N=sz.slice_n, num_warps=sz.warps)
-
-        row_blocks = triton.cdiv(sz.chunk, sz.block_m)
-        dlogdecay_parts = _empty((sz.batch, sz.nheads, sz.nchunks, row_blocks, sz.chunk), x)
-        _dlogdecay_kernel[(sz.batch * sz.nchunks * sz.nheads, row_blocks)](
-            x, B, C, dtp, cs, doc, dy, entering, dlogdecay_parts, *sz.dims(), *x.stride(), *B.stride(), *C.stride(),
-            sdb, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_m, BLOCK_K=sz.block_k,
-            BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, SLICE_P=sz.slice_p, SLICE_N=sz.slice_n, num_warps=sz.warps,
-            num_stages=sz.scan_stages)
-
-        dB = _empty(B.shape, B, B.dtype)
-        dC = _empty(C.shape, C, C.dtype)
-        for out, w, state in ((dC, B, entering), (dB, C, dstates)):
-            _dbc_kernel[(sz.batch * sz.nchunks * sz.ngroups, triton.cdiv(sz.chunk, sz.block_k))](
-                x, w, dtp, cs, doc, dy, state, out, *sz.dims(), *x.stride(), *w.stride(), sdb,
-                GRAD_C=out is dC, HAS_DOC=doc is not None, PREC=sz.prec, BLOCK_M=sz.block_k, BLOCK_K=sz.block_k,
-                BLOCK_P=sz.block_p, BLOCK_N=sz.block_n, num_warps=sz.warps, num_stages=sz.dbc_stages)
-
-        ddt = _empty(dt.shape, dt, dt.dtype)
-        da_part = _empty((sz.batch, sz.nchunks, sz.nheads), x)
-        dbias_part = _empty(da_part.shape, x) if dt_bias is not None else None
-        # 8 warps: 72-77 registers, 24 resident warps per SM on sm_90 (Triton 3.6).
-        _dt_bwd_kernel[(sz.batch, sz.nchunks, triton.cdiv(sz.nheads, sz.block_h))](
-            dt, dt_bias, A, dtp, dlogdecay_parts, ddt_direct, wstate, sdot_part.sum(-1), ddt, da_part, dbias_part,
-            sz.seqlen, sz.nheads, sz.nchunks, sz.chunk, row_blocks, sz.block_m, *dt.stride(), *ddt.stride(),
-            float(dt_limit[0]), float(dt_limit[1]), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-            BLOCK_H=sz.block_h, BLOCK_Q=sz.block_q, num_warps=8)
-
-        dA = da_part.sum((0, 1)).to(A.dtype)
-        dD = None
-        if D is not None:
-            dD = dd_part.sum(0)
-            dD = (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
-        d_bias = dbias_part.sum((0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
-        d_init = dinit.to(initial_states.dtype) if initial_states is not None else None
-        return dx, ddt, dA, dB, dC, dD, dz, d_bias, d_init, None, None, None, None
+        grads = backward(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                         dt_softplus, dt_limit)
+        return *grads, None, None, None, None
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -763,12 +788,6 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
 
     Returns y in x's dtype [, final_states (batch, nheads, headdim, dstate) in float32].
     """
-    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states)
-    if B.shape[3] > 256:
-        raise ValueError(f"dstate must be at most 256 for the Triton kernel, got {B.shape[3]}")
-    if x.shape[3] > 256:
-        raise ValueError(f"headdim must be at most 256 for the Triton kernel, got {x.shape[3]}")
-    doc = common.document_counters(seq_idx, x.shape[0], x.shape[1])
-    y, final = _SSDChunkScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, doc, chunk_size,
+    y, final = _SSDChunkScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, chunk_size,
                                    dt_softplus, tuple(dt_limit))
     return (y, final) if return_final_states else y
