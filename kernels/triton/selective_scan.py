@@ -51,7 +51,7 @@ def _flags(D, z, delta_bias, softplus, B, C, doc, init):
                 B_CONST=B.dim() == 2, C_CONST=C.dim() == 2, HAS_DOC=doc is not None, HAS_INIT=init is not None)
 
 
-def forward(u, delta, A, B, C, D, z, delta_bias, softplus, seq_idx, initial_state):
+def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, initial_state):
     """(out in u's dtype, the last state (batch, dim, dstate) float32, each chunk's entering state
     (batch, chunks, dim, dstate) float32, which the backward reads); B and C as `_as_groups` gives them."""
     batch, dim, seqlen = u.shape
@@ -69,11 +69,11 @@ def forward(u, delta, A, B, C, D, z, delta_bias, softplus, seq_idx, initial_stat
         u, delta, A, B, C, D, z, delta_bias, doc, init, out, ckpt, last, *shared,
         *u.stride(), *delta.stride(), *_bc_strides(B), *_bc_strides(C),
         *(z.stride() if z is not None else (0, 0, 0)), *out.stride(), doc.stride(0) if doc is not None else 0,
-        **_flags(D, z, delta_bias, softplus, B, C, doc, init), **meta, maxnreg=128)
+        **_flags(D, z, delta_bias, delta_softplus, B, C, doc, init), **meta, maxnreg=128)
     return out, last, ckpt
 
 
-def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, softplus, seq_idx, initial_state, ckpt):
+def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, initial_state, ckpt):
     """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), None for an absent input; dlast
     None when the last state is unused."""
     batch, dim, seqlen = u.shape
@@ -95,7 +95,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, softplus, seq_idx
     dd = buf((batch, dim)) if D is not None else None
     dbias = buf((batch, dim)) if delta_bias is not None else None
     dinit = buf((batch, dim, dstate)) if initial_state is not None else None
-    flags = _flags(D, z, delta_bias, softplus, B, C, doc, dinit)
+    flags = _flags(D, z, delta_bias, delta_softplus, B, C, doc, dinit)
     _scan_bwd_kernel[grid](
         u, delta, A, B, C, D, z, delta_bias, doc, ckpt, dout, dlast,
         du, ddelta, dz, da, db, dc, dd, dbias, dinit, *shared,
