@@ -80,6 +80,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dstate = A.shape[1]
     A = A.contiguous()
     doc = common.document_counters(seq_idx, batch, seqlen)
+    dlast = dlast.contiguous() if dlast is not None else None  # read as (batch, dim, dstate)
     grid, meta, shared = _launch(u, A, B, C)
     dev = u.device
 

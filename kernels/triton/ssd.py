@@ -689,6 +689,7 @@ def backward(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_st
     """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None for an absent input; dfinal None
     when the final states are unused."""
     doc = common.document_counters(seq_idx, x.shape[0], x.shape[1])
+    dfinal = dfinal.contiguous() if dfinal is not None else None  # read as (batch, nheads, headdim, dstate)
     sz = _Sizes(x, B, chunk_size)
     sdb = doc.stride(0) if doc is not None else 0
     dtp, cs, states, entering, _ = _forward_states(sz, x, dt, A, B, dt_bias, initial_states, doc,
