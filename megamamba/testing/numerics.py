@@ -6,9 +6,10 @@ import torch
 
 def relative_error(out, ref) -> float:
     """||out - ref|| / ||ref|| over the whole tensor, in float64; inf when `out` holds a NaN or an
-    infinity, so that no tolerance passes it (0 when both are exactly zero)."""
-    out = torch.as_tensor(out).detach().double()
-    ref = torch.as_tensor(ref).detach().double().to(out.device)
+    infinity, so that no tolerance passes it (0 when both are exactly zero). The same values give the
+    same error whatever the tensors' layouts (the norms sum in one order)."""
+    out = torch.as_tensor(out).detach().double().contiguous()
+    ref = torch.as_tensor(ref).detach().double().to(out.device).contiguous()
     if not bool(torch.isfinite(out).all()):
         return float("inf")
     difference, scale = (out - ref).norm().item(), ref.norm().item()
