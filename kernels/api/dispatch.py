@@ -1,57 +1,22 @@
-"""Public ops: each picks the Triton kernel or the PyTorch reference at call time.
+"""Public ops: mamba_ssm's signatures over the custom ops (ops.py), which pick the Triton kernel or the
+PyTorch reference at each call (choice.py)."""
+from typing import Optional
 
-MEGAMAMBA_KERNELS chooses: "triton" forces Triton (on CPU tensors it needs
-TRITON_INTERPRET=1), "reference" forces PyTorch, unset / "" / "auto" uses Triton for CUDA
-tensors and the reference otherwise. Each call costs one lookup of the variable (so tests and
-users can switch it at run time); its parsing is cached per value. Triton ops live in
-`megamamba.kernels.triton` under the same name and signature; that module is imported once,
-when first chosen. The single-step ops always use the reference.
-"""
-import importlib
-import os
+import torch
 
-from .reference import step
-from .reference.add_norm import add_rmsnorm as reference_add_rmsnorm
-from .reference.conv import causal_conv1d as reference_causal_conv1d
-from .reference.norm import rmsnorm_gated as reference_rmsnorm_gated
-from .reference.selective_scan import selective_scan as reference_selective_scan
-from .reference.ssd import ssd_chunk_scan as reference_ssd_chunk_scan
-
-BACKENDS = ("auto", "reference", "triton")
-ENV = "MEGAMAMBA_KERNELS"
+from . import ops
+from .choice import backend  # noqa: F401  (the choice, as this module has always offered it)
+from .reference.selective_scan import _as_groups
+from .reference.selective_scan import _check as _check_selective_scan
 
 
-_CHOICES = {}    # raw value of ENV -> parsed choice
-_TRITON = None   # megamamba.kernels.triton, once imported
-
-
-def _choice(raw) -> str:
-    choice = (raw or "").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"{ENV}={raw!r} is not one of {', '.join(BACKENDS)}")
-    _CHOICES[raw] = choice
-    return choice
-
-
-def backend(device_tensor) -> str:
-    """"triton" or "reference" for an op whose main input is `device_tensor`, as the env asks."""
-    raw = os.environ.get(ENV)
-    choice = _CHOICES.get(raw) or _choice(raw)
-    if choice == "auto":
-        return "triton" if device_tensor.is_cuda else "reference"
-    return choice
-
-
-def _pick(name, reference_fn, device_tensor):
-    global _TRITON
-    if backend(device_tensor) == "reference":
-        return reference_fn
-    if _TRITON is None:
-        _TRITON = importlib.import_module("megamamba.kernels.triton")
-    fn = getattr(_TRITON, name, None)
-    if fn is None:
-        raise NotImplementedError(f"megamamba.kernels.triton has no {name}; set {ENV}=reference to use PyTorch")
-    return fn
+def _autocast(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast computes in on t's device now, None when it is off: the reference runs under
+    it, as it ran under the caller's autocast before the kernels were ops."""
+    device_type = t.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -65,9 +30,13 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     state restarts from zero wherever the document id changes. initial_state (batch, dim, dstate):
     the state before the first step (it reaches only the first document); differentiable.
     """
-    fn = _pick("selective_scan", reference_selective_scan, u)
-    return fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-              return_last_state=return_last_state, seq_idx=seq_idx, initial_state=initial_state)
+    _check_selective_scan(u, delta, A, D, z, delta_bias, initial_state)
+    batch, dim, seqlen = u.shape
+    B = _as_groups("B", B, batch, dim, A.shape[1], seqlen)
+    C = _as_groups("C", C, batch, dim, A.shape[1], seqlen)
+    out, last, _ = ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
+                                      seq_idx, initial_state, _autocast(u))
+    return (out, last) if return_last_state else out
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -80,10 +49,11 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     dt_limit. y = scan (+ D*x) (* silu(z)) in x's dtype [, final_states]. seq_idx (batch, seqlen)
     int: the state restarts where the id changes; initial_states reach only the first document.
     """
-    fn = _pick("ssd_chunk_scan", reference_ssd_chunk_scan, x)
-    return fn(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-              seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit,
-              return_final_states=return_final_states)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    y, final = ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
+                                  [float(limit) for limit in dt_limit], return_final_states, _autocast(x))
+    return (y, final) if return_final_states else y
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):
@@ -91,23 +61,35 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):
 
     activation None, "silu" or "swish"; with seq_idx no tap crosses a document boundary.
     """
-    fn = _pick("causal_conv1d", reference_causal_conv1d, x)
-    return fn(x, weight, bias=bias, seq_idx=seq_idx, activation=activation)
+    return ops.causal_conv1d(x, weight, bias, seq_idx, activation, _autocast(x))
 
 
 def rmsnorm_gated(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
     """Gated RMSNorm over groups of group_size channels of the last dim, as mamba_ssm's rmsnorm_fn."""
-    fn = _pick("rmsnorm_gated", reference_rmsnorm_gated, x)
-    return fn(x, weight, bias=bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+    return ops.rmsnorm_gated(x, weight, bias, z, eps, group_size, norm_before_gate, _autocast(x))
 
 
 def add_rmsnorm(x, residual, weight, eps=1e-6, residual_dtype=None):
     """Pre-norm of a block: r = x + residual (x when residual is None); returns (rmsnorm(r) * weight in
     weight's dtype, computed on r cast to it; r in residual_dtype, default its own), as mamba_ssm's
     fused add + RMSNorm."""
-    fn = _pick("add_rmsnorm", reference_add_rmsnorm, x)
-    return fn(x, residual, weight, eps=eps, residual_dtype=residual_dtype)
+    normed, r = ops.add_rmsnorm(x, residual, weight, eps, residual_dtype, _autocast(x))
+    stores = residual is not None or (residual_dtype is not None and residual_dtype != x.dtype)
+    return normed, r if stores else x
 
 
-selective_state_update = step.selective_state_update
-causal_conv1d_update = step.causal_conv1d_update
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One step of h = exp(dt A) h + dt x B^T, y = h C (+ D x) (* silu z); writes h into `state`.
+
+    Mamba-1 form: state (batch, dim, dstate), x/dt/z (batch, dim), A (dim, dstate), B/C (batch, dstate)
+    or (batch, ngroups, dstate), D/dt_bias (dim,). Mamba-2 form: state (batch, nheads, headdim, dstate),
+    x/dt/z (batch, nheads, headdim), A (nheads, headdim, dstate), B/C (batch, ngroups, dstate),
+    D/dt_bias (nheads, headdim). Returns y shaped like x. The reference on every device.
+    """
+    return ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """Shift conv_state (batch, dim, width) left, append x (batch, dim), return the conv output (batch, dim).
+    The reference on every device."""
+    return ops.causal_conv1d_update(x, conv_state, weight, bias, activation)

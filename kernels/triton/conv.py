@@ -227,12 +227,12 @@ class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, activation):
         ctx.save_for_backward(x, weight, bias, seq_idx)
-        ctx.activation = activation
+        ctx.options = (activation,)
         return forward(x, weight, bias, seq_idx, activation)
 
     @staticmethod
     def backward(ctx, dout):
-        return *backward(dout, *ctx.saved_tensors, ctx.activation), None, None
+        return *backward(dout, *ctx.saved_tensors, *ctx.options), None, None
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):

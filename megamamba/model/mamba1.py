@@ -178,7 +178,8 @@ class Mamba1(nn.Module):
         """One token: hidden_states (batch, d_model) -> (batch, d_model); the states advance in place."""
         conv_state, ssm_state = inference_state
         x, z = self.split_in_proj(self.in_proj(hidden_states))
-        x = causal_conv1d_update(x, conv_state, *self.conv_weight_and_bias(), activation="silu")
+        weight, bias = self.conv_weight_and_bias()
+        x = causal_conv1d_update(x, conv_state, weight, bias, activation="silu")
         dt, B, C = self.split_x_proj(self.project_x(x))
         dt = dt @ self.dt_proj.weight.t()
         y = selective_state_update(ssm_state, x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,

@@ -185,7 +185,8 @@ class Mamba2(nn.Module):
         """One token: hidden_states (batch, d_model) -> (batch, d_model); the states advance in place."""
         conv_state, ssm_state = inference_state
         z, xBC, dt = self.split_in_proj(self.in_proj(hidden_states))
-        xBC = causal_conv1d_update(xBC, conv_state, *self.conv_weight_and_bias(), activation="silu")
+        weight, bias = self.conv_weight_and_bias()
+        xBC = causal_conv1d_update(xBC, conv_state, weight, bias, activation="silu")
         x, B, C = self.split_xBC(xBC)
         # dt as the scan computes it (bias, softplus, dt_limit), then broadcast over each head's channels.
         dt = F.softplus(fp32_or_wider(dt) + fp32_or_wider(self.dt_bias)).clamp(*self.dt_limit)
