@@ -7,6 +7,7 @@ nanoGPT and PaLM count all s keys, twice this term). What is counted, and the sc
 docs/code.md.
 """
 from megamamba.config import Mamba1Options, MambaConfig
+from megamamba.kernels.flops import conv_flops, selective_scan_flops, ssd_flops
 from megamamba.model.layers import layer_kinds
 
 
@@ -15,19 +16,18 @@ def mamba1_layer_flops(config: MambaConfig) -> int:
     o = config.mixer_options
     d, di, n, r = config.d_model, config.d_inner, o.d_state, config.dt_rank
     projections = 2 * d * 2 * di + 2 * di * (r + 2 * n) + 2 * r * di + 2 * di * d
-    return projections + 2 * di * o.d_conv + 9 * di * n
+    return projections + conv_flops(1, di, o.d_conv) + selective_scan_flops(1, di, n)
 
 
 def mamba2_layer_flops(config: MambaConfig, seq_length: int) -> int:
     """Forward FLOPs per token of one Mamba-2 mixer at sequence length `seq_length`."""
     o = config.mixer_options
     d, di, n, g, h = config.d_model, config.d_inner, o.d_state, o.ngroups, config.nheads
-    q = min(o.chunk_size, seq_length)
     d_in_proj = 2 * di + 2 * g * n + h
     conv_dim = di + 2 * g * n
     projections = 2 * d * d_in_proj + 2 * di * d
-    ssd = 2 * q * n * g + 2 * q * di + 2 * n * di + 2 * n * di
-    return projections + 2 * conv_dim * o.d_conv + ssd
+    ssd = ssd_flops(1, seq_length, h, di // h, g, n, o.chunk_size)
+    return projections + conv_flops(1, conv_dim, o.d_conv) + ssd
 
 
 def attention_projection_flops(config: MambaConfig) -> int:
