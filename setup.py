@@ -6,6 +6,7 @@ The repository keeps the design card's top-level folders and installs them under
 `__init__.py`, so it never shadows PyPI's `kernels`, which transformers imports
 (docs/architecture.md).
 """
+
 from setuptools import find_packages, setup
 
 
@@ -45,6 +46,14 @@ setup(
     ],
     # The test and lint extras: from the release the suite passes with (constraints.txt) to below the
     # next major (ruff and mypy: the next minor, whose rules and inference change).
-    extras_require={"dev": ["pytest>=9.2,<10", "ninja>=1.13", "transformers>=5.25,<6", "ruff>=0.17,<0.18",
-                            "mypy>=2.4,<2.5", "pre-commit>=4.7,<5"]},
+    extras_require={
+        "dev": [
+            "pytest>=9.2,<10",
+            "ninja>=1.13",
+            "transformers>=5.25,<6",
+            "ruff>=0.17,<0.18",
+            "mypy>=2.4,<2.5",
+            "pre-commit>=4.7,<5",
+        ]
+    },
 )

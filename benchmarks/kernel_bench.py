@@ -16,6 +16,7 @@ PyTorch reference.
 megamamba is imported as installed, never from the checkout. A short table is printed last;
 details go to --json (default $OUT/kernels_benchmark.json when OUT is set).
 """
+
 import argparse
 import functools
 import json
@@ -31,17 +32,25 @@ TOKENS = 16 * 1024
 MAMBA2_D_MODEL = {"130M": 768, "370M": 1024, "1.3B": 2048}
 MAMBA1_D_MODEL = {"130M": 768, "1.4B": 2048}
 HEADDIM, D_STATE2, CHUNK, D_STATE1, EXPAND, D_CONV = 64, 128, 256, 16, 2, 4
-LONG_SEQLEN = 65_600    # past 64K tokens and not a multiple of the chunk
+LONG_SEQLEN = 65_600  # past 64K tokens and not a multiple of the chunk
 CEILING_COPY_BYTES, CEILING_MATMUL_N = 2**30, 8192  # the roofline's measurements: a 1 GiB copy, an 8192^3 matmul
 
 
 # ----------------------------------------------------------------------------- shapes and counts
 
+
 def mamba2_shape(d_model, tokens=TOKENS, seqlen=2048):
     """Mamba-2 layer SSD shape: dict(batch, seqlen, nheads, headdim, ngroups, dstate, chunk)."""
     d_inner = EXPAND * d_model
-    return dict(batch=tokens // seqlen, seqlen=seqlen, nheads=d_inner // HEADDIM, headdim=HEADDIM,
-                ngroups=1, dstate=D_STATE2, chunk=CHUNK)
+    return dict(
+        batch=tokens // seqlen,
+        seqlen=seqlen,
+        nheads=d_inner // HEADDIM,
+        headdim=HEADDIM,
+        ngroups=1,
+        dstate=D_STATE2,
+        chunk=CHUNK,
+    )
 
 
 def mamba1_shape(d_model, tokens=TOKENS, seqlen=2048):
@@ -80,8 +89,12 @@ def least_work(op, tensors, kwargs, outputs):
     elif op == "selective_scan":
         b, d, L = tensors["u"].shape
         flops = scan_flops(b, L, d, tensors["A"].shape[1])
-    return dict(fwd_bytes=inputs + sum(o.nbytes for o in outputs), bwd_bytes=inputs + outputs[0].nbytes + grads,
-                fwd_flops=flops, bwd_flops=2 * flops)
+    return dict(
+        fwd_bytes=inputs + sum(o.nbytes for o in outputs),
+        bwd_bytes=inputs + outputs[0].nbytes + grads,
+        fwd_flops=flops,
+        bwd_flops=2 * flops,
+    )
 
 
 def ceilings(device, timer, copy_bytes, matmul_n):
@@ -93,29 +106,41 @@ def ceilings(device, timer, copy_bytes, matmul_n):
     a = torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16)
     b = torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16)
     matmul_ms = timer(lambda: a @ b)
-    return dict(copy_gbps=2 * src.nbytes / copy_ms / 1e6, matmul_tflops=2 * matmul_n ** 3 / matmul_ms / 1e9)
+    return dict(copy_gbps=2 * src.nbytes / copy_ms / 1e6, matmul_tflops=2 * matmul_n**3 / matmul_ms / 1e9)
 
 
 def roofline_fractions(work, fwd_ms, fwd_bwd_ms, ceiling):
     """Forward and backward time at the roofline (bytes at the copy bandwidth or FLOPs at the
     matmul rate, whichever is longer) over the measured time; backward = forward+backward - forward."""
+
     def least_ms(nbytes, flops):
         return max(nbytes / ceiling["copy_gbps"] / 1e6, flops / ceiling["matmul_tflops"] / 1e9)
+
     bwd_ms = max(fwd_bwd_ms - fwd_ms, 1e-9)
-    return dict(bwd_ms=bwd_ms, fwd_roof=least_ms(work["fwd_bytes"], work["fwd_flops"]) / fwd_ms,
-                bwd_roof=least_ms(work["bwd_bytes"], work["bwd_flops"]) / bwd_ms)
+    return dict(
+        bwd_ms=bwd_ms,
+        fwd_roof=least_ms(work["fwd_bytes"], work["fwd_flops"]) / fwd_ms,
+        bwd_roof=least_ms(work["bwd_bytes"], work["bwd_flops"]) / bwd_ms,
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
+
 
 def ssd_inputs(shape, dtype, device, gen, docs=False, initial=False):
     b, L, h, p, g, n = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "dstate"))
     r = functools.partial(torch.randn, generator=gen, device=device)
     dt_init = torch.exp(torch.rand(h, generator=gen, device=device) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    t = dict(x=r(b, L, h, p), dt=0.5 * r(b, L, h),
-             A=-torch.exp(torch.rand(h, generator=gen, device=device) * math.log(16)),
-             B=r(b, L, g, n) / math.sqrt(n), C=r(b, L, g, n), D=r(h), z=r(b, L, h, p),
-             dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)))
+    t = dict(
+        x=r(b, L, h, p),
+        dt=0.5 * r(b, L, h),
+        A=-torch.exp(torch.rand(h, generator=gen, device=device) * math.log(16)),
+        B=r(b, L, g, n) / math.sqrt(n),
+        C=r(b, L, g, n),
+        D=r(h),
+        z=r(b, L, h, p),
+        dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)),
+    )
     if initial:
         t["initial_states"] = 0.1 * r(b, h, p, n)
     t = {k: v.to(dtype) if k not in ("A", "D", "dt_bias") else v for k, v in t.items()}
@@ -128,8 +153,16 @@ def ssd_inputs(shape, dtype, device, gen, docs=False, initial=False):
 def scan_inputs(shape, dtype, device, gen, docs=False):
     b, L, d, n = (shape[k] for k in ("batch", "seqlen", "dim", "dstate"))
     r = functools.partial(torch.randn, generator=gen, device=device)
-    t = dict(u=r(b, d, L), delta=0.5 * r(b, d, L) - 4.0, A=-torch.arange(1, n + 1, device=device).float().repeat(d, 1),
-             B=r(b, n, L), C=r(b, n, L), D=r(d), z=r(b, d, L), delta_bias=0.1 * r(d))
+    t = dict(
+        u=r(b, d, L),
+        delta=0.5 * r(b, d, L) - 4.0,
+        A=-torch.arange(1, n + 1, device=device).float().repeat(d, 1),
+        B=r(b, n, L),
+        C=r(b, n, L),
+        D=r(d),
+        z=r(b, d, L),
+        delta_bias=0.1 * r(d),
+    )
     t = {k: v.to(dtype) if k in ("u", "delta", "B", "C", "z") else v for k, v in t.items()}
     kwargs = dict(delta_softplus=True)
     if docs:
@@ -138,9 +171,11 @@ def scan_inputs(shape, dtype, device, gen, docs=False):
 
 
 def conv_inputs(batch, dim, seqlen, dtype, device, gen, docs=False):
-    t = dict(x=torch.randn(batch, dim, seqlen, generator=gen, device=device).to(dtype),
-             weight=torch.randn(dim, D_CONV, generator=gen, device=device) / 2,
-             bias=torch.randn(dim, generator=gen, device=device))
+    t = dict(
+        x=torch.randn(batch, dim, seqlen, generator=gen, device=device).to(dtype),
+        weight=torch.randn(dim, D_CONV, generator=gen, device=device) / 2,
+        bias=torch.randn(dim, generator=gen, device=device),
+    )
     kwargs = dict(activation="silu")
     if docs:
         kwargs["seq_idx"] = documents(batch, seqlen, device)
@@ -148,17 +183,21 @@ def conv_inputs(batch, dim, seqlen, dtype, device, gen, docs=False):
 
 
 def norm_inputs(rows, dim, group_size, dtype, device, gen):
-    t = dict(x=torch.randn(rows, dim, generator=gen, device=device).to(dtype),
-             weight=1 + 0.1 * torch.randn(dim, generator=gen, device=device),
-             z=torch.randn(rows, dim, generator=gen, device=device).to(dtype))
+    t = dict(
+        x=torch.randn(rows, dim, generator=gen, device=device).to(dtype),
+        weight=1 + 0.1 * torch.randn(dim, generator=gen, device=device),
+        z=torch.randn(rows, dim, generator=gen, device=device).to(dtype),
+    )
     return t, dict(group_size=group_size, norm_before_gate=False, eps=1e-5)
 
 
 def add_norm_inputs(rows, dim, dtype, device, gen):
     """A block's residual add + RMSNorm: `dtype` branch output, float32 residual stream."""
-    t = dict(x=torch.randn(rows, dim, generator=gen, device=device).to(dtype),
-             residual=torch.randn(rows, dim, generator=gen, device=device),
-             weight=1 + 0.1 * torch.randn(dim, generator=gen, device=device))
+    t = dict(
+        x=torch.randn(rows, dim, generator=gen, device=device).to(dtype),
+        residual=torch.randn(rows, dim, generator=gen, device=device),
+        weight=1 + 0.1 * torch.randn(dim, generator=gen, device=device),
+    )
     return t, dict(eps=1e-5, residual_dtype=torch.float32)
 
 
@@ -172,6 +211,7 @@ def documents(batch, seqlen, device):
 
 # ----------------------------------------------------------------------------- running ops
 
+
 def ops():
     """name -> (Triton op, PyTorch reference op)."""
     from megamamba.kernels import triton as tri
@@ -180,11 +220,14 @@ def ops():
     from megamamba.kernels.reference.norm import rmsnorm_gated
     from megamamba.kernels.reference.selective_scan import selective_scan
     from megamamba.kernels.reference.ssd import ssd_chunk_scan
-    return {"ssd_chunk_scan": (tri.ssd_chunk_scan, ssd_chunk_scan),
-            "selective_scan": (tri.selective_scan, selective_scan),
-            "causal_conv1d": (tri.causal_conv1d, causal_conv1d),
-            "rmsnorm_gated": (tri.rmsnorm_gated, rmsnorm_gated),
-            "add_rmsnorm": (tri.add_rmsnorm, add_rmsnorm)}
+
+    return {
+        "ssd_chunk_scan": (tri.ssd_chunk_scan, ssd_chunk_scan),
+        "selective_scan": (tri.selective_scan, selective_scan),
+        "causal_conv1d": (tri.causal_conv1d, causal_conv1d),
+        "rmsnorm_gated": (tri.rmsnorm_gated, rmsnorm_gated),
+        "add_rmsnorm": (tri.add_rmsnorm, add_rmsnorm),
+    }
 
 
 def forward_backward(fn, tensors, kwargs, seed=0):
@@ -200,6 +243,7 @@ def forward_backward(fn, tensors, kwargs, seed=0):
 def compare(name, dtype, triton_fn, reference_fn, tensors, kwargs, tol):
     """Triton on `tensors` vs the reference on their float32 copies: worst relative error."""
     from megamamba.testing.numerics import relative_error
+
     out, grads = forward_backward(triton_fn, tensors, kwargs)
     ref32 = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
     ref_out, ref_grads = forward_backward(reference_fn, ref32, kwargs)
@@ -207,9 +251,17 @@ def compare(name, dtype, triton_fn, reference_fn, tensors, kwargs, tol):
     errs.update({f"d{k}": relative_error(grads[k], ref_grads[k]) for k in grads})
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
     worst = max(errs, key=errs.get)
-    return dict(op=name, dtype=str(dtype).replace("torch.", ""), shape={k: list(v.shape) for k, v in tensors.items()},
-                errors=errs, worst=worst, max_rel_err=errs[worst], tol=tol, finite=finite,
-                ok=finite and errs[worst] <= tol)
+    return dict(
+        op=name,
+        dtype=str(dtype).replace("torch.", ""),
+        shape={k: list(v.shape) for k, v in tensors.items()},
+        errors=errs,
+        worst=worst,
+        max_rel_err=errs[worst],
+        tol=tol,
+        finite=finite,
+        ok=finite and errs[worst] <= tol,
+    )
 
 
 def correctness(device):
@@ -237,20 +289,31 @@ def correctness(device):
         try:
             res = compare(name, dtype, *table[name], tensors, kwargs, tol)
         except Exception as exc:  # a kernel that fails to compile or run is reported, not fatal
-            res = dict(op=name, dtype=str(dtype).replace("torch.", ""), ok=False, error=repr(exc)[:500],
-                       shape={k: list(v.shape) for k, v in tensors.items()})
+            res = dict(
+                op=name,
+                dtype=str(dtype).replace("torch.", ""),
+                ok=False,
+                error=repr(exc)[:500],
+                shape={k: list(v.shape) for k, v in tensors.items()},
+            )
         res["seconds"] = round(time.time() - start, 2)
         results.append(res)
-        print(f"[check] {name:15s} {res['dtype']:8s} {str(res['shape'].get('x', res['shape'].get('u'))):24s} "
-              f"{'ok ' if res['ok'] else 'FAIL'} "
-              + (f"max rel err {res['max_rel_err']:.2e} ({res['worst']})" if "max_rel_err" in res
-                 else res.get("error", "")),
-              flush=True)
+        print(
+            f"[check] {name:15s} {res['dtype']:8s} {str(res['shape'].get('x', res['shape'].get('u'))):24s} "
+            f"{'ok ' if res['ok'] else 'FAIL'} "
+            + (
+                f"max rel err {res['max_rel_err']:.2e} ({res['worst']})"
+                if "max_rel_err" in res
+                else res.get("error", "")
+            ),
+            flush=True,
+        )
     torch.backends.cuda.matmul.allow_tf32 = True
     return results
 
 
 # ----------------------------------------------------------------------------- timing
+
 
 def cuda_time(fn, warmup=2, iters=5):
     """Mean milliseconds per call of fn, measured with CUDA events after warm-up."""
@@ -299,6 +362,7 @@ def load_mamba_ssm(src):
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
         return mamba_chunk_scan_combined, "imported with its package __init__"
     except Exception as first:  # e.g. its __init__ needs transformers: skip the __init__
         for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
@@ -308,6 +372,7 @@ def load_mamba_ssm(src):
         sys.modules["mamba_ssm"] = package
         try:
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
             return mamba_chunk_scan_combined, f"imported without its package __init__ ({first!r:.120})"
         except Exception as second:
             return None, f"import failed: {second!r:.300}"
@@ -318,8 +383,10 @@ def timing(device, mamba_ssm_src):
     theirs, how = load_mamba_ssm(mamba_ssm_src)
     print(f"[time] mamba_ssm: {how}", flush=True)
     ceiling = ceilings(device, cuda_time, CEILING_COPY_BYTES, CEILING_MATMUL_N)
-    print(f"[time] ceilings: copy {ceiling['copy_gbps']:.0f} GB/s, bf16 matmul {ceiling['matmul_tflops']:.0f} TFLOP/s",
-          flush=True)
+    print(
+        f"[time] ceilings: copy {ceiling['copy_gbps']:.0f} GB/s, bf16 matmul {ceiling['matmul_tflops']:.0f} TFLOP/s",
+        flush=True,
+    )
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = torch.bfloat16
     rows, ssd_cases = [], []
@@ -329,14 +396,23 @@ def timing(device, mamba_ssm_src):
         fwd_ms, fb_ms = time_op(fn, tensors, kwargs)
         with torch.no_grad():
             work = least_work(op, tensors, kwargs, fn(**tensors, **kwargs))
-        row = dict(op=op, layer=layer, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms, **work,
-                   **roofline_fractions(work, fwd_ms, fb_ms, ceiling))
+        row = dict(
+            op=op,
+            layer=layer,
+            fwd_ms=fwd_ms,
+            fwd_bwd_ms=fb_ms,
+            **work,
+            **roofline_fractions(work, fwd_ms, fb_ms, ceiling),
+        )
         if extra == "reference":
             ref = time_op(reference, tensors, kwargs)
             row.update(ref_fwd_ms=ref[0], ref_fwd_bwd_ms=ref[1], vs_reference_fwd_bwd=ref[1] / fb_ms)
         rows.append(row)
-        print(f"[time] {op:15s} {layer:12s} fwd {fwd_ms:8.3f} ms ({100 * row['fwd_roof']:5.1f}% of roofline)  "
-              f"bwd {row['bwd_ms']:8.3f} ms ({100 * row['bwd_roof']:5.1f}%)", flush=True)
+        print(
+            f"[time] {op:15s} {layer:12s} fwd {fwd_ms:8.3f} ms ({100 * row['fwd_roof']:5.1f}% of roofline)  "
+            f"bwd {row['bwd_ms']:8.3f} ms ({100 * row['bwd_roof']:5.1f}%)",
+            flush=True,
+        )
 
     for name, d_model in MAMBA2_D_MODEL.items():
         layer, shape = f"mamba2-{name}", mamba2_shape(d_model)
@@ -344,22 +420,38 @@ def timing(device, mamba_ssm_src):
         record("ssd_chunk_scan", layer, tensors, kwargs, extra="reference")
         ssd_cases.append((tensors, kwargs, rows[-1]))
         d_inner = EXPAND * d_model
-        record("causal_conv1d", layer, *conv_inputs(shape["batch"], d_inner + 2 * shape["ngroups"] * D_STATE2,
-                                                    shape["seqlen"], dtype, device, gen))
+        record(
+            "causal_conv1d",
+            layer,
+            *conv_inputs(
+                shape["batch"], d_inner + 2 * shape["ngroups"] * D_STATE2, shape["seqlen"], dtype, device, gen
+            ),
+        )
         record("rmsnorm_gated", layer, *norm_inputs(TOKENS, d_inner, d_inner, dtype, device, gen))
         record("add_rmsnorm", layer, *add_norm_inputs(TOKENS, d_model, dtype, device, gen))
     for name, d_model in MAMBA1_D_MODEL.items():
-        record("selective_scan", f"mamba1-{name}", *scan_inputs(mamba1_shape(d_model), dtype, device, gen),
-               extra="reference")
+        record(
+            "selective_scan",
+            f"mamba1-{name}",
+            *scan_inputs(mamba1_shape(d_model), dtype, device, gen),
+            extra="reference",
+        )
     # mamba_ssm last: its autotuner compiles and times many configurations on first use, which must
     # not leave our own timings out when the run is cut short.
     for tensors, kwargs, row in ssd_cases if theirs is not None else []:
         try:
             ms = time_op(theirs, tensors, kwargs)
-            row.update(mamba_ssm_fwd_ms=ms[0], mamba_ssm_fwd_bwd_ms=ms[1],
-                       vs_mamba_ssm_fwd=ms[0] / row["fwd_ms"], vs_mamba_ssm_fwd_bwd=ms[1] / row["fwd_bwd_ms"])
-            print(f"[time] mamba_ssm ssd   {row['layer']:12s} fwd {ms[0]:8.3f} ms  fwd+bwd {ms[1]:8.3f} ms  "
-                  f"theirs/ours {row['vs_mamba_ssm_fwd']:.2f} / {row['vs_mamba_ssm_fwd_bwd']:.2f}", flush=True)
+            row.update(
+                mamba_ssm_fwd_ms=ms[0],
+                mamba_ssm_fwd_bwd_ms=ms[1],
+                vs_mamba_ssm_fwd=ms[0] / row["fwd_ms"],
+                vs_mamba_ssm_fwd_bwd=ms[1] / row["fwd_bwd_ms"],
+            )
+            print(
+                f"[time] mamba_ssm ssd   {row['layer']:12s} fwd {ms[0]:8.3f} ms  fwd+bwd {ms[1]:8.3f} ms  "
+                f"theirs/ours {row['vs_mamba_ssm_fwd']:.2f} / {row['vs_mamba_ssm_fwd_bwd']:.2f}",
+                flush=True,
+            )
         except Exception as exc:
             row["mamba_ssm_error"] = repr(exc)[:300]
             print(f"[time] mamba_ssm ssd   {row['layer']:12s} failed: {row['mamba_ssm_error']}", flush=True)
@@ -370,31 +462,45 @@ def summary(checks, rows, ceiling=None):
     lines = ["", "== summary =="]
     if checks:
         bad = [c for c in checks if not c["ok"]]
-        lines.append(f"correctness: {len(checks) - len(bad)}/{len(checks)} cases pass"
-                     + ("" if not bad else "; failing: " + ", ".join(f"{c['op']}/{c['dtype']}" for c in bad)))
+        lines.append(
+            f"correctness: {len(checks) - len(bad)}/{len(checks)} cases pass"
+            + ("" if not bad else "; failing: " + ", ".join(f"{c['op']}/{c['dtype']}" for c in bad))
+        )
     if rows:
-        lines.append(f"roofline: copy {ceiling['copy_gbps']:.0f} GB/s, bf16 matmul {ceiling['matmul_tflops']:.0f} "
-                     "TFLOP/s (measured in this run)")
-        lines.append(f"{'op':15s} {'layer':12s} {'fwd MB':>8s} {'GFLOP':>7s} {'fwd ms':>8s} {'roof%':>6s} "
-                     f"{'bwd MB':>8s} {'bwd ms':>8s} {'roof%':>6s} {'x mamba_ssm':>11s} {'x ref':>6s}")
+        lines.append(
+            f"roofline: copy {ceiling['copy_gbps']:.0f} GB/s, bf16 matmul {ceiling['matmul_tflops']:.0f} "
+            "TFLOP/s (measured in this run)"
+        )
+        lines.append(
+            f"{'op':15s} {'layer':12s} {'fwd MB':>8s} {'GFLOP':>7s} {'fwd ms':>8s} {'roof%':>6s} "
+            f"{'bwd MB':>8s} {'bwd ms':>8s} {'roof%':>6s} {'x mamba_ssm':>11s} {'x ref':>6s}"
+        )
         for r in rows:
             vs_theirs = r.get("vs_mamba_ssm_fwd_bwd")
             vs_ref = r.get("vs_reference_fwd_bwd")
-            lines.append(f"{r['op']:15s} {r['layer']:12s} {r['fwd_bytes'] / 1e6:8.1f} {r['fwd_flops'] / 1e9:7.1f} "
-                         f"{r['fwd_ms']:8.3f} {100 * r['fwd_roof']:6.1f} {r['bwd_bytes'] / 1e6:8.1f} "
-                         f"{r['bwd_ms']:8.3f} {100 * r['bwd_roof']:6.1f} "
-                         f"{(f'{vs_theirs:11.2f}' if vs_theirs else '          -')} "
-                         f"{(f'{vs_ref:6.2f}' if vs_ref else '     -')}")
-        lines.append("(roof% = time at the roofline / measured time; bwd = forward+backward - forward; "
-                     "x mamba_ssm / x ref = their forward+backward time / ours, >1 means we are faster)")
+            lines.append(
+                f"{r['op']:15s} {r['layer']:12s} {r['fwd_bytes'] / 1e6:8.1f} {r['fwd_flops'] / 1e9:7.1f} "
+                f"{r['fwd_ms']:8.3f} {100 * r['fwd_roof']:6.1f} {r['bwd_bytes'] / 1e6:8.1f} "
+                f"{r['bwd_ms']:8.3f} {100 * r['bwd_roof']:6.1f} "
+                f"{(f'{vs_theirs:11.2f}' if vs_theirs else '          -')} "
+                f"{(f'{vs_ref:6.2f}' if vs_ref else '     -')}"
+            )
+        lines.append(
+            "(roof% = time at the roofline / measured time; bwd = forward+backward - forward; "
+            "x mamba_ssm / x ref = their forward+backward time / ours, >1 means we are faster)"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--mamba-ssm-src", default=None,
-                        help="unpacked mamba_ssm source release (folder holding mamba_ssm/), for the comparison")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "--mamba-ssm-src",
+        default=None,
+        help="unpacked mamba_ssm source release (folder holding mamba_ssm/), for the comparison",
+    )
     parser.add_argument("--json", default=None, help="where to write the details (default $OUT/kernels_benchmark.json)")
     parser.add_argument("--skip-check", action="store_true", help="skip the correctness section")
     parser.add_argument("--skip-timing", action="store_true", help="skip the timing section")
@@ -402,10 +508,16 @@ def main(argv=None):
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the CPU interpreter path is covered by tests/kernels/test_triton_*.py)")
     import triton
+
     device = torch.device("cuda")
     started = time.time()
-    info = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, python=sys.version.split()[0])
+    info = dict(
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=sys.version.split()[0],
+    )
     print("[info] " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     checks = [] if args.skip_check else correctness(device)
     rows, how, ceiling = ([], "skipped", None) if args.skip_timing else timing(device, args.mamba_ssm_src)

@@ -12,6 +12,7 @@ step time for the same plan with `--profile` (write one for this machine with `p
 best is in the predicted top 3, the regret of the predicted best (its measured time over the measured
 best's, minus 1) and the mean absolute step-time error.
 """
+
 import argparse
 import itertools
 import json
@@ -67,8 +68,12 @@ def _free_port() -> int:
 def _flags(fixed: dict, world: int, batch: int) -> tuple:
     tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
     dp = world // (tp * pp * cp)
-    ds = {"train_batch_size": batch, "train_micro_batch_size_per_gpu": fixed["micro_batch_size"],
-          "zero_optimization": {"stage": fixed["zero_stage"]}, "steps_per_print": 10**6}
+    ds = {
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": fixed["micro_batch_size"],
+        "zero_optimization": {"stage": fixed["zero_stage"]},
+        "steps_per_print": 10**6,
+    }
     flags = ["--tp", str(tp), "--pp", str(pp), "--cp", str(cp)]
     if tp > 1:
         flags.append("--sequence-parallel")
@@ -84,10 +89,27 @@ def measure_once(args, world: int, ds: dict, flags: list, folder: str, run: int)
         json.dump(ds, f)
     tokens = args.global_batch_size * args.seq_length
     metrics = os.path.join(folder, f"metrics-{run}.jsonl")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(world),
-           "--master_port", str(_free_port()), TRAIN_PY, "--deepspeed_config", ds_path,
-           "--model-config", args.model_config, "--seq-length", str(args.seq_length),
-           "--train-iters", str(args.steps), "--log-interval", "1", "--metrics-jsonl", metrics, *flags]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        str(world),
+        "--master_port",
+        str(_free_port()),
+        TRAIN_PY,
+        "--deepspeed_config",
+        ds_path,
+        "--model-config",
+        args.model_config,
+        "--seq-length",
+        str(args.seq_length),
+        "--train-iters",
+        str(args.steps),
+        "--log-interval",
+        "1",
+        "--metrics-jsonl",
+        metrics,
+        *flags,
+    ]
     proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -98,15 +120,23 @@ def measure_once(args, world: int, ds: dict, flags: list, folder: str, run: int)
 
 def kendall_tau(a: list, b: list) -> float:
     pairs = list(itertools.combinations(range(len(a)), 2))
-    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - \
-        sum((a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
+        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs
+    )
     return score / len(pairs)
 
 
 def predict(args, model: MambaConfig, profile, fixed: dict, world: int) -> float:
-    request = Request(model, world, world, args.seq_length, args.global_batch_size, profile.device_memory_bytes,
-                      autocast=False, fixed={k: fixed[k] for k in ("dp", "cp", "tp", "pp", "zero_stage",
-                                                                   "micro_batch_size", "recompute")})
+    request = Request(
+        model,
+        world,
+        world,
+        args.seq_length,
+        args.global_batch_size,
+        profile.device_memory_bytes,
+        autocast=False,
+        fixed={k: fixed[k] for k in ("dp", "cp", "tp", "pp", "zero_stage", "micro_batch_size", "recompute")},
+    )
     return search(request, profile).plans[0].time.total
 
 
@@ -134,10 +164,12 @@ def main(argv=None) -> int:
     error = statistics.fmean(abs(p - m) / m for m, p in zip(measured, predicted))
     lines = ["| configuration | measured s | predicted s | error |", "| --- | --- | --- | --- |"]
     lines += [f"| {n} | {m:.3f} | {p:.3f} | {100 * (p - m) / m:+.0f}% |" for n, m, p in rows]
-    lines.append(f"\nKendall tau {kendall_tau(measured, predicted):.2f}; measured best ({rows[best][0]}) "
-                 f"{'in' if best in top3 else 'not in'} the predicted top 3; regret of the predicted best "
-                 f"({rows[pick][0]}) {100 * (measured[pick] / measured[best] - 1):.0f}%; mean absolute step-time "
-                 f"error {100 * error:.0f}%")
+    lines.append(
+        f"\nKendall tau {kendall_tau(measured, predicted):.2f}; measured best ({rows[best][0]}) "
+        f"{'in' if best in top3 else 'not in'} the predicted top 3; regret of the predicted best "
+        f"({rows[pick][0]}) {100 * (measured[pick] / measured[best] - 1):.0f}%; mean absolute step-time "
+        f"error {100 * error:.0f}%"
+    )
     print("\n".join(lines))
     if args.results:
         with open(args.results, "a") as f:

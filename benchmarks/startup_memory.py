@@ -17,6 +17,7 @@ process itself plus RSS_PER_PARAMETER_BYTE x its stage's float32 parameter bytes
 `pipelines.memory.plan` counts them); while short it waits and looks again, and after
 MEMORY_TRIES looks it exits 3 without running.
 """
+
 import argparse
 import contextlib
 import importlib.util
@@ -61,10 +62,19 @@ def load_train_script():
 
 def _rank(rank: int, fn, args: tuple, world: int, port: int, results) -> None:
     """One spawned rank: the environment the deepspeed launcher gives it, then fn(*args) into `results`."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_SIZE=str(world),
+        CROSS_RANK="0",
+        CROSS_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import torch
+
     torch.set_num_threads(1)
     results.put((rank, fn(*args)))
 
@@ -78,8 +88,9 @@ def run_ranks(fn, world: int, args: tuple, timeout: float) -> list:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    ranks = mp.start_processes(_rank, args=(fn, args, world, port, results), nprocs=world, join=False,
-                               start_method="spawn")
+    ranks = mp.start_processes(
+        _rank, args=(fn, args, world, port, results), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     while not ranks.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
@@ -99,14 +110,38 @@ def rank_startup(model_config: str, tp: int, pp: int) -> tuple:
 
     logger.setLevel(logging.WARNING)
     script = load_train_script()
-    args = script.parse_args(["--deepspeed_config", DS_CONFIG, "--model-config", model_config, "--train-iters", "1",
-                              "--seq-length", "64", "--tp", str(tp), "--pp", str(pp), "--partition-method", PARTITION])
+    args = script.parse_args(
+        [
+            "--deepspeed_config",
+            DS_CONFIG,
+            "--model-config",
+            model_config,
+            "--train-iters",
+            "1",
+            "--seq-length",
+            "64",
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--partition-method",
+            PARTITION,
+        ]
+    )
     plan = script.prepare(args, int(os.environ["WORLD_SIZE"]))
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's op build and the pipeline's partition
         init_distributed()
-        script.build_trainer(plan.layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
-                             args.partition_method, args.checkpoint_activations_interval, args.sequence_parallel,
-                             seq_length=args.seq_length)
+        script.build_trainer(
+            plan.layout,
+            plan.model,
+            plan.engine_config,
+            plan.optimizer,
+            args.seed,
+            args.partition_method,
+            args.checkpoint_activations_interval,
+            args.sequence_parallel,
+            seq_length=args.seq_length,
+        )
     seconds = seconds_since_process_start()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
     shutdown_distributed()
@@ -140,27 +175,39 @@ def wait_for_memory(needed: float, what: str) -> bool:
         available = available_gib()
         if available >= needed:
             return True
-        print(f"{what}: needs about {needed:.1f} GiB, MemAvailable is {available:.1f} GiB "
-              f"(look {attempt} of {MEMORY_TRIES})", file=sys.stderr, flush=True)
+        print(
+            f"{what}: needs about {needed:.1f} GiB, MemAvailable is {available:.1f} GiB "
+            f"(look {attempt} of {MEMORY_TRIES})",
+            file=sys.stderr,
+            flush=True,
+        )
         if attempt < MEMORY_TRIES:
             time.sleep(MEMORY_WAIT_S)
     return False
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-config", default=os.path.join(REPO, "launch/models/mamba2-1.3b.json"))
-    p.add_argument("--max-ratio", type=float, default=0.35,
-                   help="largest (1,2,2) peak over the (1,1,1) peak above which the exit status is 1")
+    p.add_argument(
+        "--max-ratio",
+        type=float,
+        default=0.35,
+        help="largest (1,2,2) peak over the (1,1,1) peak above which the exit status is 1",
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))  # DeepSpeed's shm op
     import deepspeed
     import torch
 
     name = os.path.splitext(os.path.basename(args.model_config))[0]
-    print(f"{name} start-up peak RSS per rank (torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, "
-          f"{os.cpu_count()} CPUs, {available_gib():.1f} GiB available)", flush=True)
+    print(
+        f"{name} start-up peak RSS per rank (torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, "
+        f"{os.cpu_count()} CPUs, {available_gib():.1f} GiB available)",
+        flush=True,
+    )
     peaks = {}
     for dp, tp, pp in LAYOUTS:
         what = f"({dp},{tp},{pp}) on {tp * pp} rank{'s' if tp * pp > 1 else ''}"

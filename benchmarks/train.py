@@ -17,6 +17,7 @@ its compiled extension and the modules of its package that only generation needs
 megamamba is imported as installed (`pip install -e .`, or benchmarks/gpu_check/gpu_check.sh's site folder),
 never from the checkout: megamamba.kernels and megamamba.pipelines exist only once installed.
 """
+
 import argparse
 import json
 import os
@@ -37,8 +38,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the averages")
     p.add_argument("--seq-length", type=int, default=2048)
-    p.add_argument("--launch-size", default="2.7b", choices=SIZES + ("none",),
-                   help="config run through the deepspeed launcher at the end")
+    p.add_argument(
+        "--launch-size",
+        default="2.7b",
+        choices=SIZES + ("none",),
+        help="config run through the deepspeed launcher at the end",
+    )
     p.add_argument("--launch-steps", type=int, default=4)
     p.add_argument("--mamba-ssm-src", default=None, help="unpacked mamba_ssm source release")
     p.add_argument("--peak-tflops", type=float, default=H200_PEAK_TFLOPS)
@@ -53,8 +58,10 @@ def _free_port() -> int:
 
 
 def _paths(size):
-    return (os.path.join(REPO, f"launch/configs/mamba2-{size}.json"),
-            os.path.join(REPO, f"launch/models/mamba2-{size}.json"))
+    return (
+        os.path.join(REPO, f"launch/configs/mamba2-{size}.json"),
+        os.path.join(REPO, f"launch/models/mamba2-{size}.json"),
+    )
 
 
 def _train_flags(ds_config, model_config, steps, seq_length, peak_tflops, metrics):
@@ -65,28 +72,51 @@ def _train_flags(ds_config, model_config, steps, seq_length, peak_tflops, metric
     ds_config = os.path.join(os.path.dirname(metrics), "ds_config.json")
     with open(ds_config, "w") as f:
         json.dump(config, f)
-    return [os.path.join(REPO, "launch/train.py"), "--deepspeed_config", ds_config, "--model-config", model_config,
-            "--train-iters", str(steps), "--seq-length", str(seq_length), "--log-interval", "1",
-            "--metrics-jsonl", metrics, "--peak-tflops", str(peak_tflops)]
+    return [
+        os.path.join(REPO, "launch/train.py"),
+        "--deepspeed_config",
+        ds_config,
+        "--model-config",
+        model_config,
+        "--train-iters",
+        str(steps),
+        "--seq-length",
+        str(seq_length),
+        "--log-interval",
+        "1",
+        "--metrics-jsonl",
+        metrics,
+        "--peak-tflops",
+        str(peak_tflops),
+    ]
 
 
 def averaged(records, warmup):
     """Mean throughput over the steps after the warm-up; the largest peak memory."""
     timed = [r for r in records if r["step"] >= warmup] or records
     mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
-    return {"tokens_per_s": mean("tokens_per_s"), "tflops_per_device": mean("tflops_per_device"),
-            "mfu": mean("mfu") if "mfu" in timed[0] else None, "mem_peak_gb": max(r["mem_peak_gb"] for r in records),
-            "final_loss": records[-1]["loss"]}
+    return {
+        "tokens_per_s": mean("tokens_per_s"),
+        "tflops_per_device": mean("tflops_per_device"),
+        "mfu": mean("mfu") if "mfu" in timed[0] else None,
+        "mem_peak_gb": max(r["mem_peak_gb"] for r in records),
+        "final_loss": records[-1]["loss"],
+    }
 
 
 def run_ours(size, args, launcher=False):
     """launch/train.py on one GPU, as a plain process (one rank) or through the deepspeed launcher."""
-    return train_ours(*_paths(size), args.launch_steps if launcher else args.steps, 1 if launcher else args.warmup,
-                      args.seq_length, args.peak_tflops, launcher)
+    return train_ours(
+        *_paths(size),
+        args.launch_steps if launcher else args.steps,
+        1 if launcher else args.warmup,
+        args.seq_length,
+        args.peak_tflops,
+        launcher,
+    )
 
 
-def train_ours(ds_config, model_config, steps, warmup, seq_length, peak_tflops, launcher=False, log=None,
-               timeout=None):
+def train_ours(ds_config, model_config, steps, warmup, seq_length, peak_tflops, launcher=False, log=None, timeout=None):
     """Averaged metrics of launch/train.py on one device, with the installed megamamba (the checkout
     is not put on the import path). Its output streams to `log` (a temporary file when None, its
     tail returned on failure); past `timeout` seconds it is stopped (SIGTERM, then SIGKILL)."""
@@ -109,8 +139,10 @@ def train_ours(ds_config, model_config, steps, warmup, seq_length, peak_tflops, 
                 records = [json.loads(line) for line in f if line.endswith("\n")]
         if status["rc"] != 0 or not records:
             with open(log, errors="replace") as f:
-                return {"error": f"exit {status['rc']}{' (timed out)' if status['timed_out'] else ''}: "
-                                 + f.read()[-1500:], "wall_s": status["seconds"]}
+                return {
+                    "error": f"exit {status['rc']}{' (timed out)' if status['timed_out'] else ''}: " + f.read()[-1500:],
+                    "wall_s": status["seconds"],
+                }
     return {**averaged(records, warmup), "wall_s": status["seconds"]}
 
 
@@ -170,9 +202,13 @@ def train_mamba_ssm(classes, ds_config, model_config, steps, warmup, seq_length,
         times.append(time.perf_counter() - start)
     seconds = sum(times[warmup:]) / max(1, len(times[warmup:]))
     tflops = flops_per_step / seconds / 1e12
-    result = {"tokens_per_s": micro * accum * seq_length / seconds, "tflops_per_device": tflops,
-              "mfu": tflops / peak_tflops, "mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-              "final_loss": loss.item() * accum}
+    result = {
+        "tokens_per_s": micro * accum * seq_length / seconds,
+        "tflops_per_device": tflops,
+        "mfu": tflops / peak_tflops,
+        "mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "final_loss": loss.item() * accum,
+    }
     del model, optimizer
     if cuda:
         torch.cuda.empty_cache()
@@ -187,8 +223,10 @@ def table(rows) -> str:
             lines.append(f"| {size} | {engine} | failed: {r['error'][-200:]!r} | | | |")
             continue
         mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"| {size} | {engine} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} | "
-                     f"{r['mem_peak_gb']:.1f} |")
+        lines.append(
+            f"| {size} | {engine} | {r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} | "
+            f"{r['mem_peak_gb']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -212,8 +250,10 @@ def main(argv=None):
             print(table(rows[-1:]), flush=True)
     if args.launch_size != "none":
         rows.append((args.launch_size, "ours via `deepspeed --num_gpus 1`", run_ours(args.launch_size, args, True)))
-    text = (f"\n### Training throughput ({torch.cuda.get_device_name()}, seq {args.seq_length}, "
-            f"{args.steps} steps, MFU vs {args.peak_tflops:g} TFLOP/s)\n\n{table(rows)}\n")
+    text = (
+        f"\n### Training throughput ({torch.cuda.get_device_name()}, seq {args.seq_length}, "
+        f"{args.steps} steps, MFU vs {args.peak_tflops:g} TFLOP/s)\n\n{table(rows)}\n"
+    )
     print(text, flush=True)
     if args.results:
         with open(args.results, "a") as f:

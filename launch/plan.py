@@ -9,6 +9,7 @@ The memory of each plan is the start-up memory plan's (pipelines/memory); the ti
 pipelines/planner/step_time.py with the profile's rates. No GPU is needed to plan; --calibrate measures
 the machine it runs on (its GPU, or the CPU) at the model's shapes.
 """
+
 import argparse
 import contextlib
 import json
@@ -30,16 +31,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", required=True, help="a model config.json (launch/models/)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's profile into --out")
     p.add_argument("--out", help="with --calibrate: the profile file to write")
-    p.add_argument("--ranks", type=int, default=2, help="with --calibrate: processes for the collectives and the "
-                   "TP/CP steps (as many as there are GPUs; with one, the links of --profile are kept)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="with --calibrate: processes for the collectives and the "
+        "TP/CP steps (as many as there are GPUs; with one, the links of --profile are kept)",
+    )
     p.add_argument("--micro-batch-size", type=int, default=1, help="with --calibrate: sequences per kernel call")
     p.add_argument("--gpus", type=int, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: min(gpus, 8))")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 141GiB (default: the profile's)")
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
-    p.add_argument("--profile", default=os.path.join(PROFILES, "h100-80gb.json"),
-                   help="hardware profile JSON (launch/profiles/, or written by --calibrate)")
+    p.add_argument(
+        "--profile",
+        default=os.path.join(PROFILES, "h100-80gb.json"),
+        help="hardware profile JSON (launch/profiles/, or written by --calibrate)",
+    )
     p.add_argument("--top", type=int, default=5, help="plans to list")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -63,15 +72,21 @@ def calibrate_profile(args, model: MambaConfig) -> None:
         links, where = measure_links(ranks), f"all-reduces on {ranks} processes here, one tier used for both"
     profile = calibrate(model, args.seq_length, args.micro_batch_size, device, links, where, ranks >= 2)
     profile.to_json(args.out)
-    print(f"wrote {args.out}: {profile.name}, matmul {profile.matmul_flops_per_s / 1e12:.3f} TFLOP/s, copy "
-          f"{profile.copy_bytes_per_s / 1e9:.1f} GB/s, launch {profile.launch_s * 1e6:.1f} us; " +
-          ", ".join(f"{k} {v.fixed_s * 1e6:.1f} us + {v.efficiency:.3g} of the roofline "
-                    f"(backward x{v.backward_ratio:.2f})" for k, v in profile.kernels.items()) +
-          "; engine per micro-batch / step: " +
-          ", ".join(f"ZeRO {z} {e.micro_batch_s * 1e3:.2f} / {e.step_s * 1e3:.2f} ms"
-                    for z, e in profile.engine.items()) +
-          "".join(f"; a {g.upper()} collective {s * 1e6:.0f} us beyond its ring"
-                  for g, s in profile.collective_call_s.items()))
+    print(
+        f"wrote {args.out}: {profile.name}, matmul {profile.matmul_flops_per_s / 1e12:.3f} TFLOP/s, copy "
+        f"{profile.copy_bytes_per_s / 1e9:.1f} GB/s, launch {profile.launch_s * 1e6:.1f} us; "
+        + ", ".join(
+            f"{k} {v.fixed_s * 1e6:.1f} us + {v.efficiency:.3g} of the roofline (backward x{v.backward_ratio:.2f})"
+            for k, v in profile.kernels.items()
+        )
+        + "; engine per micro-batch / step: "
+        + ", ".join(
+            f"ZeRO {z} {e.micro_batch_s * 1e3:.2f} / {e.step_s * 1e3:.2f} ms" for z, e in profile.engine.items()
+        )
+        + "".join(
+            f"; a {g.upper()} collective {s * 1e6:.0f} us beyond its ring" for g, s in profile.collective_call_s.items()
+        )
+    )
 
 
 def memory_bytes(text: str) -> int:
@@ -91,16 +106,24 @@ def main(argv=None) -> int:
             calibrate_profile(args, model)
             return 0
         profile = load_profile(args.profile)
-        request = Request(model, args.gpus, args.gpus_per_node or min(args.gpus, 8), args.seq_length,
-                          args.global_batch_size, memory_bytes(args.gpu_memory) if args.gpu_memory else
-                          profile.device_memory_bytes)
+        request = Request(
+            model,
+            args.gpus,
+            args.gpus_per_node or min(args.gpus, 8),
+            args.seq_length,
+            args.global_batch_size,
+            memory_bytes(args.gpu_memory) if args.gpu_memory else profile.device_memory_bytes,
+        )
         result = search(request, profile)
     except (MegamambaError, ConfigError, OSError, ValueError) as e:
         print(f"plan.py: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"profile": {"name": profile.name, "source": profile.source}} | search_dict(result, args.top),
-                         indent=1))
+        print(
+            json.dumps(
+                {"profile": {"name": profile.name, "source": profile.source}} | search_dict(result, args.top), indent=1
+            )
+        )
     else:
         print(f"profile: {profile.name} ({profile.source})")
         print("\n".join(search_lines(result, args.top)))

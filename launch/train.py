@@ -8,6 +8,7 @@ group; a failure prints one line and exits with status 2), then `start_run` buil
 sets its weights, and `TrainingLoop` runs the steps. Flags: docs/flags.md; engines, data, metrics,
 checkpoints and resume: docs/training.md.
 """
+
 import argparse
 import dataclasses
 import json
@@ -63,55 +64,105 @@ def _parser() -> argparse.ArgumentParser:
     """Our flags, DeepSpeed's (--deepspeed, --deepspeed_config) and Megatron's names for the same settings
     (--tensor-model-parallel-size, --micro-batch-size, --data-path, ...); no abbreviations."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--deepspeed", action="store_true",
-                   help="accepted as DeepSpeed scripts take it; DeepSpeed is always on")
-    p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
-                   help="DeepSpeed config (JSON, or hjson as DeepSpeed reads it)")
+    p.add_argument(
+        "--deepspeed", action="store_true", help="accepted as DeepSpeed scripts take it; DeepSpeed is always on"
+    )
+    p.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        required=True,
+        help="DeepSpeed config (JSON, or hjson as DeepSpeed reads it)",
+    )
     p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
-    p.add_argument("--hybrid-layer-pattern", "--hybrid-override-pattern", default=None, metavar="PATTERN",
-                   help="Megatron's layer pattern, one symbol a layer: M Mamba, * attention, - MLP, | a pipeline-stage "
-                        "boundary; sets the model config's hybrid_layer_pattern (its layer count must equal n_layer)")
+    p.add_argument(
+        "--hybrid-layer-pattern",
+        "--hybrid-override-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="Megatron's layer pattern, one symbol a layer: M Mamba, * attention, - MLP, | a pipeline-stage "
+        "boundary; sets the model config's hybrid_layer_pattern (its layer count must equal n_layer)",
+    )
     p.add_argument("--tensor-parallel-size", "--tp", "--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", "--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--context-parallel-size", "--cp", type=int, default=1,
-                   help="split every sequence into this many consecutive slices, one per rank (state passing)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="train_micro_batch_size_per_gpu (a JSON giving another value is refused)")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="train_batch_size (a JSON giving another value is refused)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="split activations along the sequence over TP ranks")
-    p.add_argument("--partition-method", default=DEFAULT_PARTITION,
-                   help="pipeline stages: cost (balanced forward FLOPs at --seq-length) | DeepSpeed's uniform | "
-                        "parameters | type:<regex>; a hybrid_layer_pattern's | marks set them whatever the method")
-    p.add_argument("--checkpoint-activations-interval", type=int, default=0,
-                   help="recompute runs of this many consecutive layers in the backward (0: off)")
+    p.add_argument(
+        "--context-parallel-size",
+        "--cp",
+        type=int,
+        default=1,
+        help="split every sequence into this many consecutive slices, one per rank (state passing)",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="train_micro_batch_size_per_gpu (a JSON giving another value is refused)",
+    )
+    p.add_argument(
+        "--global-batch-size", type=int, default=None, help="train_batch_size (a JSON giving another value is refused)"
+    )
+    p.add_argument(
+        "--sequence-parallel", action="store_true", help="split activations along the sequence over TP ranks"
+    )
+    p.add_argument(
+        "--partition-method",
+        default=DEFAULT_PARTITION,
+        help="pipeline stages: cost (balanced forward FLOPs at --seq-length) | DeepSpeed's uniform | "
+        "parameters | type:<regex>; a hybrid_layer_pattern's | marks set them whatever the method",
+    )
+    p.add_argument(
+        "--checkpoint-activations-interval",
+        type=int,
+        default=0,
+        help="recompute runs of this many consecutive layers in the backward (0: off)",
+    )
     p.add_argument("--train-iters", type=int, default=None, help="optimizer steps (or --train-samples)")
-    p.add_argument("--train-samples", type=int, default=None,
-                   help="samples to train on: train iters = samples / global batch size")
+    p.add_argument(
+        "--train-samples", type=int, default=None, help="samples to train on: train iters = samples / global batch size"
+    )
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", "--data-path", nargs="*", default=[],
-                   help="preprocessed dataset prefix, or pairs 'weight prefix' to blend (default: the built-in "
-                        "corpus tokenized in memory)")
+    p.add_argument(
+        "--data",
+        "--data-path",
+        nargs="*",
+        default=[],
+        help="preprocessed dataset prefix, or pairs 'weight prefix' to blend (default: the built-in "
+        "corpus tokenized in memory)",
+    )
     p.add_argument("--valid-data", nargs="*", default=[], help="validation dataset prefix or blend (with --data)")
-    p.add_argument("--split", default=None,
-                   help="Megatron's: train,validation,test proportions carved from every --data dataset by document "
-                        "ranges, e.g. 969,30,1 (instead of --valid-data; the test part is unused)")
-    p.add_argument("--tokenizer", default="bytes",
-                   help="bytes | a SentencePiece .model | a tokenizer.json | a folder holding one")
-    p.add_argument("--allow-tokenizer-mismatch", action="store_true",
-                   help="train on --data made with another tokenizer than --tokenizer (refused otherwise)")
-    p.add_argument("--no-reset-at-documents", action="store_true",
-                   help="let the state run across packed documents (no seq_idx)")
+    p.add_argument(
+        "--split",
+        default=None,
+        help="Megatron's: train,validation,test proportions carved from every --data dataset by document "
+        "ranges, e.g. 969,30,1 (instead of --valid-data; the test part is unused)",
+    )
+    p.add_argument(
+        "--tokenizer", default="bytes", help="bytes | a SentencePiece .model | a tokenizer.json | a folder holding one"
+    )
+    p.add_argument(
+        "--allow-tokenizer-mismatch",
+        action="store_true",
+        help="train on --data made with another tokenizer than --tokenizer (refused otherwise)",
+    )
+    p.add_argument(
+        "--no-reset-at-documents", action="store_true", help="let the state run across packed documents (no seq_idx)"
+    )
     # None: not given; pipelines.config.ds_translate resolves the JSON's value, the flag's, or the default (in brackets)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate [3e-4]")
     p.add_argument("--min-lr", type=float, default=None, help="[3e-5]")
     p.add_argument("--lr-warmup-iters", type=int, default=None, help="[0]")
-    p.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warm-up as a fraction of the decay iters (instead of --lr-warmup-iters)")
-    p.add_argument("--lr-decay-iters", type=int, default=None, help="steps until the LR reaches --min-lr "
-                   "(default: the train iters)")
+    p.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="warm-up as a fraction of the decay iters (instead of --lr-warmup-iters)",
+    )
+    p.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="steps until the LR reaches --min-lr (default: the train iters)",
+    )
     p.add_argument("--lr-decay-style", default=None, choices=DECAY_STYLES, help="[cosine]")
     p.add_argument("--weight-decay", type=float, default=None, help="[0.1]")
     p.add_argument("--adam-beta1", type=float, default=None, help="[0.9]")
@@ -125,44 +176,86 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON object per logged step")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak TFLOP/s, for MFU")
     p.add_argument("--save", default=None, help="checkpoint directory (created and checked writable at start-up)")
-    p.add_argument("--load", default=None,
-                   help="resume from: auto (the newest complete checkpoint under --save; none yet: start afresh), "
-                        "a save directory (its latest) or a checkpoint directory")
-    p.add_argument("--no-load-optim", action="store_true",
-                   help="with --load: the weights and the step count only; fresh optimizer state and LR schedule")
+    p.add_argument(
+        "--load",
+        default=None,
+        help="resume from: auto (the newest complete checkpoint under --save; none yet: start afresh), "
+        "a save directory (its latest) or a checkpoint directory",
+    )
+    p.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="with --load: the weights and the step count only; fresh optimizer state and LR schedule",
+    )
     p.add_argument("--no-load-rng", action="store_true", help="with --load: do not restore the RNG states")
-    p.add_argument("--override-data-check", action="store_true",
-                   help="resume even though the data, tokenizer, --seq-length, --seed or document resets differ from "
-                        "the checkpoint's (refused otherwise): the sample stream continues at its count with the new "
-                        "settings")
-    p.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-                   help="resume even though the LR plan differs from the checkpoint's (refused otherwise): follow "
-                        "the flags' plan from the checkpoint's step")
-    p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from the weights of DIR (a checkpoint or save directory, a model folder, a mamba_ssm "
-                        "or transformers Mamba/Mamba2 folder; checksums verified when it has a manifest) at step 0 "
-                        "with a fresh optimizer, LR schedule and RNG; its config must equal --model-config. A "
-                        "checkpoint that --load finds wins: --init-from DIR --save D --load auto resumes on requeue")
-    p.add_argument("--finetune", action="store_true",
-                   help="Megatron's: only the weights of --load, at step 0 with a fresh optimizer, LR schedule and "
-                        "RNG (the same as --init-from, which a requeue-safe job uses with --load auto)")
+    p.add_argument(
+        "--override-data-check",
+        action="store_true",
+        help="resume even though the data, tokenizer, --seq-length, --seed or document resets differ from "
+        "the checkpoint's (refused otherwise): the sample stream continues at its count with the new "
+        "settings",
+    )
+    p.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="resume even though the LR plan differs from the checkpoint's (refused otherwise): follow "
+        "the flags' plan from the checkpoint's step",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of DIR (a checkpoint or save directory, a model folder, a mamba_ssm "
+        "or transformers Mamba/Mamba2 folder; checksums verified when it has a manifest) at step 0 "
+        "with a fresh optimizer, LR schedule and RNG; its config must equal --model-config. A "
+        "checkpoint that --load finds wins: --init-from DIR --save D --load auto resumes on requeue",
+    )
+    p.add_argument(
+        "--finetune",
+        action="store_true",
+        help="Megatron's: only the weights of --load, at step 0 with a fresh optimizer, LR schedule and "
+        "RNG (the same as --init-from, which a requeue-safe job uses with --load auto)",
+    )
     p.add_argument("--save-interval", type=int, default=0, help="checkpoint every this many steps (0: at the end)")
     p.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep (default: all)")
-    p.add_argument("--max-skipped-steps", type=int, default=5,
-                   help="abort after this many steps in a row skipped for non-finite loss or gradients (or spikes)")
-    p.add_argument("--loss-spike-factor", type=float, default=None,
-                   help="a loss above this many times the running median of recent losses counts as a skipped "
-                        "step: no checkpoint, counted toward --max-skipped-steps (its update is applied)")
-    p.add_argument("--step-timeout", type=float, default=600,
-                   help="exit when no step finishes for this many seconds after the first (0: off)")
-    p.add_argument("--no-memory-check", action="store_true",
-                   help="start even when the start-up memory plan says a rank does not fit its GPU")
-    p.add_argument("--auto-parallel", action="store_true",
-                   help="choose tp, pp, cp, the ZeRO stage, the micro batch and recomputation with the planner "
-                        "(launch/plan.py) for this world size and device memory; what you set stays fixed")
-    p.add_argument("--plan-profile", default=None, metavar="PROFILE",
-                   help="hardware profile for --auto-parallel (default: launch/profiles/ by GPU name; "
-                        "launch/profiles/cpu.json on the CPU)")
+    p.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=5,
+        help="abort after this many steps in a row skipped for non-finite loss or gradients (or spikes)",
+    )
+    p.add_argument(
+        "--loss-spike-factor",
+        type=float,
+        default=None,
+        help="a loss above this many times the running median of recent losses counts as a skipped "
+        "step: no checkpoint, counted toward --max-skipped-steps (its update is applied)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=600,
+        help="exit when no step finishes for this many seconds after the first (0: off)",
+    )
+    p.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="start even when the start-up memory plan says a rank does not fit its GPU",
+    )
+    p.add_argument(
+        "--auto-parallel",
+        action="store_true",
+        help="choose tp, pp, cp, the ZeRO stage, the micro batch and recomputation with the planner "
+        "(launch/plan.py) for this world size and device memory; what you set stays fixed",
+    )
+    p.add_argument(
+        "--plan-profile",
+        default=None,
+        metavar="PROFILE",
+        help="hardware profile for --auto-parallel (default: launch/profiles/ by GPU name; "
+        "launch/profiles/cpu.json on the CPU)",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     return p
 
@@ -189,8 +282,18 @@ def _read_json(path: str, what: str) -> dict:
 
 
 # Blocks of the DeepSpeed config that are read as objects (here, in pipelines.config.layout or by DeepSpeed).
-OBJECT_BLOCKS = ("zero_optimization", "bf16", "fp16", "torch_autocast", "pipeline", "tensorboard", "timers",
-                 "optimizer", "scheduler", "activation_checkpointing")
+OBJECT_BLOCKS = (
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "torch_autocast",
+    "pipeline",
+    "tensorboard",
+    "timers",
+    "optimizer",
+    "scheduler",
+    "activation_checkpointing",
+)
 
 
 def _read_deepspeed_config(path: str) -> dict:
@@ -204,16 +307,20 @@ def _read_deepspeed_config(path: str) -> dict:
         raise LayoutError(f"--deepspeed_config {path!r}: holds {type(config).__name__}, not an object of settings")
     for key in OBJECT_BLOCKS:
         if key in config and not isinstance(config[key], dict):
-            raise LayoutError(f"--deepspeed_config {path!r}: \"{key}\" is {json.dumps(config[key])}; it must be an "
-                              f"object (e.g. {{\"stage\": 1}} for zero_optimization), or leave the key out")
+            raise LayoutError(
+                f'--deepspeed_config {path!r}: "{key}" is {json.dumps(config[key])}; it must be an '
+                f'object (e.g. {{"stage": 1}} for zero_optimization), or leave the key out'
+            )
     return config
 
 
 def _with_batch_flags(ds_config: dict, args) -> dict:
     """The JSON's batch keys with --micro-batch-size / --global-batch-size applied; a disagreement is refused."""
     config = dict(ds_config)
-    for flag, key, value in (("--micro-batch-size", "train_micro_batch_size_per_gpu", args.micro_batch_size),
-                             ("--global-batch-size", "train_batch_size", args.global_batch_size)):
+    for flag, key, value in (
+        ("--micro-batch-size", "train_micro_batch_size_per_gpu", args.micro_batch_size),
+        ("--global-batch-size", "train_batch_size", args.global_batch_size),
+    ):
         if value is None:
             continue
         if config.get(key) is not None and config[key] != value:
@@ -231,8 +338,10 @@ def _model_config(path: str, pattern: Optional[str]) -> MambaConfig:
     where = f"--model-config {path!r}"
     if pattern is not None:
         if fields.get("hybrid_layer_pattern", pattern) not in ("", pattern):
-            raise LayoutError(f"--hybrid-layer-pattern {pattern!r} disagrees with {where}'s hybrid_layer_pattern="
-                              f"{fields['hybrid_layer_pattern']!r}; keep one")
+            raise LayoutError(
+                f"--hybrid-layer-pattern {pattern!r} disagrees with {where}'s hybrid_layer_pattern="
+                f"{fields['hybrid_layer_pattern']!r}; keep one"
+            )
         fields = {**fields, "hybrid_layer_pattern": pattern}
         where = f"--hybrid-layer-pattern {pattern!r} with {where}"
     try:
@@ -246,8 +355,14 @@ def optimizer_flags(args: argparse.Namespace) -> OptimizerFlags:
 
 
 def resume_flags(args: argparse.Namespace) -> ResumeFlags:
-    return ResumeFlags(args.train_samples, args.override_data_check, args.override_opt_param_scheduler,
-                       args.no_load_optim, args.no_load_rng, optimizer_flags(args))
+    return ResumeFlags(
+        args.train_samples,
+        args.override_data_check,
+        args.override_opt_param_scheduler,
+        args.no_load_optim,
+        args.no_load_rng,
+        optimizer_flags(args),
+    )
 
 
 def _train_iters(args, global_batch_size: int) -> int:
@@ -278,8 +393,9 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     """Every check that needs no process group; raises LayoutError with one message."""
     ds_config = _with_batch_flags(_read_deepspeed_config(args.deepspeed_config), args)
     model = _model_config(args.model_config, args.hybrid_layer_pattern)
-    layout = resolve_layout(world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config,
-                            args.context_parallel_size)
+    layout = resolve_layout(
+        world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config, args.context_parallel_size
+    )
     check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
     if args.checkpoint_activations_interval < 0:
         raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
@@ -290,10 +406,19 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         raise LayoutError(str(e)) from None
     settings = optimizer_settings(ds_config, optimizer_flags(args), train_iters)
     try:
-        data = training_data(model, args.tokenizer, args.data, args.valid_data, args.seq_length,
-                             layout.global_batch_size, args.seed, not args.no_reset_at_documents,
-                             needs_validation=args.eval_interval > 0,
-                             allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, split=args.split)
+        data = training_data(
+            model,
+            args.tokenizer,
+            args.data,
+            args.valid_data,
+            args.seq_length,
+            layout.global_batch_size,
+            args.seed,
+            not args.no_reset_at_documents,
+            needs_validation=args.eval_interval > 0,
+            allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
+            split=args.split,
+        )
     except (OSError, ValueError) as e:
         raise LayoutError(str(e)) from None
     try:
@@ -312,14 +437,27 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
     except ValueError as e:
         raise LayoutError(str(e)) from None
     without_monitors = {k: v for k, v in ds_config.items() if k not in MONITOR_BLOCKS}  # our logger writes them
-    return RunPlan(train_iters, layout, model,
-                   engine_config(without_monitors, layout, args.clip_grad, args.sequence_parallel),
-                   settings.optimizer.schedule, monitors, data, settings.optimizer,
-                   None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}", ds_config)
+    return RunPlan(
+        train_iters,
+        layout,
+        model,
+        engine_config(without_monitors, layout, args.clip_grad, args.sequence_parallel),
+        settings.optimizer.schedule,
+        monitors,
+        data,
+        settings.optimizer,
+        None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}",
+        ds_config,
+    )
 
 
-PLANNED = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
-           "checkpoint_activations_interval": "recompute", "micro_batch_size": "micro_batch_size"}
+PLANNED = {
+    "tensor_parallel_size": "tp",
+    "pipeline_parallel_size": "pp",
+    "context_parallel_size": "cp",
+    "checkpoint_activations_interval": "recompute",
+    "micro_batch_size": "micro_batch_size",
+}
 
 
 def auto_parallel(args: argparse.Namespace, argv, world_size: int) -> list:
@@ -381,9 +519,20 @@ def main(argv=None) -> dict:
     layout = plan.layout
     try:
         check_placement(topology(layout.tp, layout.pp, layout.dp, layout.cp))
-        memory_lines = check_at_start(plan_memory(RunShape.of_run(
-            plan.model, layout, plan.engine_config, args.seq_length // layout.cp, args.partition_method,
-            args.checkpoint_activations_interval, args.sequence_parallel)), args.no_memory_check)
+        memory_lines = check_at_start(
+            plan_memory(
+                RunShape.of_run(
+                    plan.model,
+                    layout,
+                    plan.engine_config,
+                    args.seq_length // layout.cp,
+                    args.partition_method,
+                    args.checkpoint_activations_interval,
+                    args.sequence_parallel,
+                )
+            ),
+            args.no_memory_check,
+        )
         lock = checkpointing.lock_save_dir(args.save) if args.save else None
     except (PlacementError, MemoryPlanError, CheckpointError) as e:
         fail(e)
@@ -407,13 +556,26 @@ def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
         resume = checkpointing.open_for_run(load, args.save, plan.model)
         stream = run_stream(plan.data, args.tokenizer) if args.save or resume else None
         global_batch = plan.layout.global_batch_size
-        run_start = fresh(plan.train_iters, plan.schedule, global_batch) if not resume else resumed_run(
-            resume, resume_flags(args), stream, global_batch, plan.train_iters, plan.schedule, plan.ds_config)
+        run_start = (
+            fresh(plan.train_iters, plan.schedule, global_batch)
+            if not resume
+            else resumed_run(
+                resume, resume_flags(args), stream, global_batch, plan.train_iters, plan.schedule, plan.ds_config
+            )
+        )
         settings = dataclasses.replace(plan.optimizer, schedule=run_start.schedule)
         source = init_from.open_source(*initial, plan.model) if initial and not resume else None
-        trainer = build_trainer(plan.layout, plan.model, plan.engine_config, settings, args.seed,
-                                args.partition_method, args.checkpoint_activations_interval, args.sequence_parallel,
-                                seq_length=args.seq_length)
+        trainer = build_trainer(
+            plan.layout,
+            plan.model,
+            plan.engine_config,
+            settings,
+            args.seed,
+            args.partition_method,
+            args.checkpoint_activations_interval,
+            args.sequence_parallel,
+            seq_length=args.seq_length,
+        )
         if args.save or load:
             checkpointing.check_trainer(trainer)
         if resume:
@@ -430,11 +592,25 @@ def announce(args: argparse.Namespace, plan: RunPlan, run: StartedRun, loop: Tra
     low, high = agree([-loop.stage_params, loop.stage_params], op="max")
     if loop.rank != 0:
         return
-    console_log.show("\n".join(startup_summary(
-        model=plan.model, layout=plan.layout, seq_length=args.seq_length, train_iters=loop.train_iters,
-        schedule=run.run_start.lr_plan, engine_config=plan.engine_config, data=plan.data,
-        total_params=count_parameters(plan.model), stage_params=(int(-low), int(high)), save=args.save,
-        load=args.load, save_interval=args.save_interval, keep_last=args.keep_last)))
+    console_log.show(
+        "\n".join(
+            startup_summary(
+                model=plan.model,
+                layout=plan.layout,
+                seq_length=args.seq_length,
+                train_iters=loop.train_iters,
+                schedule=run.run_start.lr_plan,
+                engine_config=plan.engine_config,
+                data=plan.data,
+                total_params=count_parameters(plan.model),
+                stage_params=(int(-low), int(high)),
+                save=args.save,
+                load=args.load,
+                save_interval=args.save_interval,
+                keep_last=args.keep_last,
+            )
+        )
+    )
     if run.resume:
         if run.run_start.warning:
             log.warning(run.run_start.warning)
@@ -446,9 +622,21 @@ def announce(args: argparse.Namespace, plan: RunPlan, run: StartedRun, loop: Tra
 
 
 def loop_settings(args: argparse.Namespace) -> LoopSettings:
-    return LoopSettings(args.seq_length, args.log_interval, args.eval_interval, args.eval_iters, args.save,
-                        args.save_interval, args.keep_last, args.peak_tflops, args.metrics_jsonl,
-                        args.max_skipped_steps, args.loss_spike_factor, args.step_timeout, vars(args))
+    return LoopSettings(
+        args.seq_length,
+        args.log_interval,
+        args.eval_interval,
+        args.eval_iters,
+        args.save,
+        args.save_interval,
+        args.keep_last,
+        args.peak_tflops,
+        args.metrics_jsonl,
+        args.max_skipped_steps,
+        args.loss_spike_factor,
+        args.step_timeout,
+        vars(args),
+    )
 
 
 def run_training(args: argparse.Namespace, plan: RunPlan, job_start: float) -> dict:

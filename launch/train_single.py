@@ -6,6 +6,7 @@ Text is the built-in Python-documentation corpus, byte-level tokenized. Each ste
 drawn from a generator seeded by (seed, step), so a run is reproducible and any step's batch
 can be recomputed without replaying the ones before it.
 """
+
 import argparse
 import json
 import math
@@ -98,8 +99,10 @@ def main(argv=None):
                 "grad_norm": grad_norm.item(),
                 "tokens_per_s": (step + 1) * inputs.numel() / elapsed,
             }
-            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()),
-                  flush=True)
+            print(
+                " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()),
+                flush=True,
+            )
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()

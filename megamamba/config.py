@@ -5,6 +5,7 @@ only pick mamba_ssm's fused kernels are accepted, options we do not implement ar
 Two fields of our own describe hybrids the Megatron way (`hybrid_layer_pattern`, `mlp_activation`);
 at their defaults they are left out of config.json. More: docs/code.md ("The model in code").
 """
+
 import dataclasses
 import json
 import math
@@ -251,8 +252,7 @@ class MambaConfig:
         for key in self.ssm_cfg:
             if key != "layer" and key not in known:
                 raise ConfigError(
-                    f"ssm_cfg.{key}={self.ssm_cfg[key]!r} is not an option of {self.layer}; "
-                    f"known: {sorted(known)}"
+                    f"ssm_cfg.{key}={self.ssm_cfg[key]!r} is not an option of {self.layer}; known: {sorted(known)}"
                 )
         for key in ("A_init_range", "dt_limit"):
             if key in self.ssm_cfg:
@@ -271,26 +271,33 @@ class MambaConfig:
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ConfigError(f"mlp_activation={self.mlp_activation!r}: choose one of {MLP_ACTIVATIONS}")
         if not isinstance(self.attn_layer_idx, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in self.attn_layer_idx):
+            isinstance(i, int) and not isinstance(i, bool) for i in self.attn_layer_idx
+        ):
             raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: must be a list of layer numbers")
         if not isinstance(self.attn_cfg, dict):
             raise ConfigError(f"attn_cfg={self.attn_cfg!r}: must be a dict of attention options")
         if not isinstance(self.hybrid_layer_pattern, str):
-            raise ConfigError(f"hybrid_layer_pattern={self.hybrid_layer_pattern!r}: must be a string such as "
-                              "\"M-M*-\" (M Mamba, * attention, - MLP, | a pipeline-stage boundary)")
+            raise ConfigError(
+                f"hybrid_layer_pattern={self.hybrid_layer_pattern!r}: must be a string such as "
+                '"M-M*-" (M Mamba, * attention, - MLP, | a pipeline-stage boundary)'
+            )
         if self.hybrid_layer_pattern:
             self._validate_pattern()
         outside = sorted(i for i in self.attn_layer_idx if not 0 <= i < self.n_layer)
         if outside:
-            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: {outside} outside the layers "
-                              f"0 .. {self.n_layer - 1} of n_layer={self.n_layer}")
+            raise ConfigError(
+                f"attn_layer_idx={self.attn_layer_idx!r}: {outside} outside the layers "
+                f"0 .. {self.n_layer - 1} of n_layer={self.n_layer}"
+            )
         if len(set(self.attn_layer_idx)) != len(self.attn_layer_idx):
             raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: names a layer twice")
         if "attention" in self.block_kinds:
             self._validate_attention()
         elif self.attn_cfg:
-            raise ConfigError(f"attn_cfg={self.attn_cfg!r} with no attention layer: add layers to attn_layer_idx "
-                              "(or * to hybrid_layer_pattern / --hybrid-layer-pattern), or remove attn_cfg")
+            raise ConfigError(
+                f"attn_cfg={self.attn_cfg!r} with no attention layer: add layers to attn_layer_idx "
+                "(or * to hybrid_layer_pattern / --hybrid-layer-pattern), or remove attn_cfg"
+            )
 
     def _validate_pattern(self) -> None:
         pattern = self.hybrid_layer_pattern
@@ -298,31 +305,42 @@ class MambaConfig:
         if "E" in unknown:
             raise ConfigError(f"hybrid_layer_pattern={pattern!r}: E (mixture-of-experts) layers are not implemented")
         if unknown:
-            raise ConfigError(f"hybrid_layer_pattern={pattern!r}: unknown symbol(s) {unknown}; use M (Mamba), "
-                              "* (attention), - (MLP) and | (a pipeline-stage boundary)")
+            raise ConfigError(
+                f"hybrid_layer_pattern={pattern!r}: unknown symbol(s) {unknown}; use M (Mamba), "
+                "* (attention), - (MLP) and | (a pipeline-stage boundary)"
+            )
         if any(n == 0 for n in self.pattern_stages):
             raise ConfigError(f"hybrid_layer_pattern={pattern!r}: a pipeline stage between | marks holds no layer")
         layers = len(self.block_kinds)
         if layers != self.n_layer:
-            raise ConfigError(f"hybrid_layer_pattern={pattern!r} has {layers} layers but n_layer={self.n_layer}: "
-                              f"set n_layer to {layers}, or give one symbol per layer")
+            raise ConfigError(
+                f"hybrid_layer_pattern={pattern!r} has {layers} layers but n_layer={self.n_layer}: "
+                f"set n_layer to {layers}, or give one symbol per layer"
+            )
         if self.attn_layer_idx:
-            raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r} with hybrid_layer_pattern={pattern!r}: the "
-                              "pattern places the attention layers (*); use one of the two")
+            raise ConfigError(
+                f"attn_layer_idx={self.attn_layer_idx!r} with hybrid_layer_pattern={pattern!r}: the "
+                "pattern places the attention layers (*); use one of the two"
+            )
         if "mlp" in self.block_kinds and self.d_intermediate == 0:
-            raise ConfigError(f"hybrid_layer_pattern={pattern!r} has MLP layers (-) but d_intermediate=0: "
-                              "set d_intermediate to their hidden width")
+            raise ConfigError(
+                f"hybrid_layer_pattern={pattern!r} has MLP layers (-) but d_intermediate=0: "
+                "set d_intermediate to their hidden width"
+            )
         if "mlp" not in self.block_kinds and self.d_intermediate:
-            raise ConfigError(f"d_intermediate={self.d_intermediate} with hybrid_layer_pattern={pattern!r}, which has "
-                              "no MLP layers (-): with a pattern it is their width, no block holds an MLP inside; add "
-                              "- layers or set d_intermediate to 0")
+            raise ConfigError(
+                f"d_intermediate={self.d_intermediate} with hybrid_layer_pattern={pattern!r}, which has "
+                "no MLP layers (-): with a pattern it is their width, no block holds an MLP inside; add "
+                "- layers or set d_intermediate to 0"
+            )
 
     def _validate_attention(self) -> None:
         known = {f.name for f in dataclasses.fields(AttentionOptions)}
         for key in self.attn_cfg:
             if key not in known:
-                raise ConfigError(f"attn_cfg.{key}={self.attn_cfg[key]!r} is not an option of mamba_ssm's MHA; "
-                                  f"known: {sorted(known)}")
+                raise ConfigError(
+                    f"attn_cfg.{key}={self.attn_cfg[key]!r} is not an option of mamba_ssm's MHA; known: {sorted(known)}"
+                )
         if "num_heads" not in self.attn_cfg:
             raise ConfigError(f"attn_cfg={self.attn_cfg!r} has no num_heads: attention layers need their head count")
         o = self.attention_options
@@ -330,29 +348,38 @@ class MambaConfig:
         if o.num_heads_kv is not None:
             _positive_int("attn_cfg.num_heads_kv", o.num_heads_kv)
             if o.num_heads % o.num_heads_kv:
-                raise ConfigError(f"attn_cfg.num_heads_kv={o.num_heads_kv}: num_heads={o.num_heads} is not "
-                                  "divisible by it (each key/value head serves a whole group of query heads)")
+                raise ConfigError(
+                    f"attn_cfg.num_heads_kv={o.num_heads_kv}: num_heads={o.num_heads} is not "
+                    "divisible by it (each key/value head serves a whole group of query heads)"
+                )
         if o.head_dim is not None:
             _positive_int("attn_cfg.head_dim", o.head_dim)
         elif self.d_model % o.num_heads:
-            raise ConfigError(f"attn_cfg.num_heads={o.num_heads}: d_model={self.d_model} is not divisible by it; "
-                              "set attn_cfg.head_dim")
+            raise ConfigError(
+                f"attn_cfg.num_heads={o.num_heads}: d_model={self.d_model} is not divisible by it; "
+                "set attn_cfg.head_dim"
+            )
         for name in ("qkv_proj_bias", "out_proj_bias", "causal", "rotary_emb_interleaved"):
             _boolean(f"attn_cfg.{name}", getattr(o, name))
         if not o.causal:
-            raise ConfigError("attn_cfg.causal=false: a language model's attention must be causal; set "
-                              "\"causal\": true (mamba_ssm's MHA defaults to false, its LM configs set it)")
+            raise ConfigError(
+                "attn_cfg.causal=false: a language model's attention must be causal; set "
+                '"causal": true (mamba_ssm\'s MHA defaults to false, its LM configs set it)'
+            )
         for name, what in (("mlp_dim", "parallel MLP"), ("d_conv", "convolution")):
             if getattr(o, name) != 0:
-                raise ConfigError(f"attn_cfg.{name}={getattr(o, name)!r}: the attention layer's {what} is not "
-                                  "implemented (use 0)")
+                raise ConfigError(
+                    f"attn_cfg.{name}={getattr(o, name)!r}: the attention layer's {what} is not implemented (use 0)"
+                )
         if o.softmax_scale is not None:
             _positive_number("attn_cfg.softmax_scale", o.softmax_scale)
         head_dim = self.head_dim_of(o)
         rotary = o.rotary_emb_dim
         if isinstance(rotary, bool) or not isinstance(rotary, int) or rotary < 0 or rotary % 2 or rotary > head_dim:
-            raise ConfigError(f"attn_cfg.rotary_emb_dim={rotary!r}: must be an even number of channels from 0 "
-                              f"(no rotary) to the head dim {head_dim}")
+            raise ConfigError(
+                f"attn_cfg.rotary_emb_dim={rotary!r}: must be an even number of channels from 0 "
+                f"(no rotary) to the head dim {head_dim}"
+            )
         _positive_number("attn_cfg.rotary_emb_base", o.rotary_emb_base)
 
     def _validate_common(self, o: MixerOptions) -> None:
@@ -394,8 +421,9 @@ class MambaConfig:
         _positive_int("ssm_cfg.ngroups", o.ngroups)
         nheads = d_inner // o.headdim
         if nheads % o.ngroups:
-            raise ConfigError(f"ssm_cfg.ngroups={o.ngroups}: nheads = d_inner / headdim = {nheads} "
-                              "is not divisible by it")
+            raise ConfigError(
+                f"ssm_cfg.ngroups={o.ngroups}: nheads = d_inner / headdim = {nheads} is not divisible by it"
+            )
         lo, hi = o.A_init_range
         if not 0 < lo <= hi:
             raise ConfigError(f"ssm_cfg.A_init_range={list(o.A_init_range)!r}: need 0 < low <= high")

@@ -9,6 +9,7 @@ transformers' format is Mamba / Mamba2 for Mamba-only models and NemotronH for h
 Nothing is unpickled and nothing overwritten; refusals are one line, exit status 2.
 Usage and formats: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
+
 import argparse
 import os
 import shutil
@@ -63,8 +64,11 @@ def _source(directory: str, tag: str = None) -> tuple:
     folder, verified = resolve_model_folder(directory)
     if verified:
         return Checkpoint(folder, hashes=False).config, folder
-    print(f"convert: note: {folder} has no manifest.json: reading it as a plain model folder, without checksums",
-          file=sys.stderr, flush=True)
+    print(
+        f"convert: note: {folder} has no manifest.json: reading it as a plain model folder, without checksums",
+        file=sys.stderr,
+        flush=True,
+    )
     return _our_config(os.path.join(directory, CONFIG_FILE)), directory
 
 
@@ -131,8 +135,9 @@ def _finish(staging: str, output: str, tokenizer_source: str = None) -> None:
     rename(staging, output)
 
 
-def export_hf(directory: str, output: str, tag: str = None, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
-              tokenizer: bool = True) -> str:
+def export_hf(
+    directory: str, output: str, tag: str = None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, tokenizer: bool = True
+) -> str:
     """Write transformers' folder for the checkpoint / model folder `directory`; returns `output`.
 
     Tensors stream one at a time (sharded above `max_shard_size`); tokenizer=False writes no tokenizer files.
@@ -172,14 +177,17 @@ def mamba_ssm_config(config: MambaConfig) -> dict:
     if config.hybrid_layer_pattern:
         kinds = config.block_kinds
         if "mlp" in kinds:
-            raise ConvertError(f"hybrid_layer_pattern={config.hybrid_layer_pattern!r}: mamba_ssm has no MLP layers "
-                               "(-) of their own (its MLP, d_intermediate, sits inside every block); export to "
-                               "transformers' NemotronH instead (--to hf)")
+            raise ConvertError(
+                f"hybrid_layer_pattern={config.hybrid_layer_pattern!r}: mamba_ssm has no MLP layers "
+                "(-) of their own (its MLP, d_intermediate, sits inside every block); export to "
+                "transformers' NemotronH instead (--to hf)"
+            )
         del fields["hybrid_layer_pattern"]
         fields.update(attn_layer_idx=[i for i, kind in enumerate(kinds) if kind == "attention"], d_intermediate=0)
     if config.mlp_inside_blocks and config.mlp_activation != "gated_silu":
-        raise ConvertError(f"mlp_activation={config.mlp_activation!r}: mamba_ssm's MLP (d_intermediate) is gated "
-                           "SiLU only")
+        raise ConvertError(
+            f"mlp_activation={config.mlp_activation!r}: mamba_ssm's MLP (d_intermediate) is gated SiLU only"
+        )
     fields.pop("mlp_activation", None)
     return fields
 
@@ -225,8 +233,9 @@ def _read_weights(directory: str) -> dict:
             return torch.load(torch_file, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling refusal or damage: one message
             reason = " ".join(str(e).split())
-            raise ConvertError(f"{torch_file}: not loadable with weights_only=True, which refuses pickled code "
-                               f"({reason})") from None
+            raise ConvertError(
+                f"{torch_file}: not loadable with weights_only=True, which refuses pickled code ({reason})"
+            ) from None
     raise ConvertError(f"{directory}: holds none of {WEIGHTS_FILE}, {SHARD_INDEX}, {TORCH_WEIGHTS}")
 
 
@@ -283,15 +292,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--checkpoint", required=True, help="checkpoint, save directory (uses latest) or model folder")
     e.add_argument("--tag", default=None, help="checkpoint in the save directory, e.g. step_000100")
     e.add_argument("--output", required=True)
-    e.add_argument("--to", dest="target", default="hf", choices=["hf", "mamba_ssm"],
-                   help="hf: transformers' Mamba / Mamba2, NemotronH for hybrids (default); mamba_ssm: config.json + "
-                        "pytorch_model.bin for its MambaLMHeadModel.from_pretrained")
-    e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
-                   help="(--to hf) largest weights file, e.g. 5GB (10**9 bytes), 4GiB or a byte count; above it the "
-                        "weights are sharded with an index, as transformers shards")
-    e.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
-                   help="write no tokenizer files (when the source's tokenizer cannot be exported: the "
-                        "refusal says why)")
+    e.add_argument(
+        "--to",
+        dest="target",
+        default="hf",
+        choices=["hf", "mamba_ssm"],
+        help="hf: transformers' Mamba / Mamba2, NemotronH for hybrids (default); mamba_ssm: config.json + "
+        "pytorch_model.bin for its MambaLMHeadModel.from_pretrained",
+    )
+    e.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="(--to hf) largest weights file, e.g. 5GB (10**9 bytes), 4GiB or a byte count; above it the "
+        "weights are sharded with an index, as transformers shards",
+    )
+    e.add_argument(
+        "--no-tokenizer",
+        dest="tokenizer",
+        action="store_false",
+        help="write no tokenizer files (when the source's tokenizer cannot be exported: the refusal says why)",
+    )
     i = sub.add_parser("import", help="Hugging Face or mamba_ssm folder -> our model folder")
     i.add_argument("--from", dest="source_format", required=True, choices=["hf", "mamba_ssm"])
     i.add_argument("--input", required=True)

@@ -4,6 +4,7 @@ Documents come in a fixed order (the documentation topics of `pydoc_data`, sorte
 optionally the standard library's sources sorted by path), so the same Python version always
 yields the same corpus. Users train on their own data; this serves the quickstart and tests.
 """
+
 import os
 import pydoc_data.topics
 import sysconfig

@@ -10,6 +10,7 @@ token then costs one `model.step`. DIR is a checkpoint (its manifest's sizes and
 checksums verified first), a save directory (the checkpoint its `latest` names) or a plain model
 folder (model_folder.py; loaded unverified, with a note). Refusals are one line, exit status 2.
 """
+
 import argparse
 import sys
 from typing import Optional
@@ -48,9 +49,14 @@ def allowed_tokens(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opt
     return allowed
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, greedy: bool = False,
-                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    greedy: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """logits (batch, vocab) -> next ids (batch,) int64."""
     if greedy:
         return logits.argmax(dim=-1)
@@ -62,9 +68,17 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
 
 
 @torch.no_grad()
-def generate_ids(model: MambaLM, prompt_ids: torch.Tensor, max_new_tokens: int, vocab_size: Optional[int] = None,
-                 temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 greedy: bool = False, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def generate_ids(
+    model: MambaLM,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    greedy: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """prompt_ids (batch, prompt_len >= 1) -> new ids (batch, max_new_tokens); ids >= vocab_size are never picked."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids shape {tuple(prompt_ids.shape)}: need (batch, length >= 1)")
@@ -82,9 +96,17 @@ def generate_ids(model: MambaLM, prompt_ids: torch.Tensor, max_new_tokens: int, 
     return torch.stack(new, dim=1) if new else prompt_ids.new_zeros(prompt_ids.shape[0], 0)
 
 
-def generate(model: MambaLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 100,
-             temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-             greedy: bool = False, seed: Optional[int] = None) -> str:
+def generate(
+    model: MambaLM,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    greedy: bool = False,
+    seed: Optional[int] = None,
+) -> str:
     """The continuation of `prompt` (without the prompt), cut at the first end-of-document token."""
     check_vocab(model.config, tokenizer)
     device = next(model.parameters()).device
@@ -92,18 +114,22 @@ def generate(model: MambaLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: 
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    new = generate_ids(model.eval(), ids, max_new_tokens, tokenizer.vocab_size, temperature, top_k, top_p, greedy,
-                       generator)[0].tolist()
+    new = generate_ids(
+        model.eval(), ids, max_new_tokens, tokenizer.vocab_size, temperature, top_k, top_p, greedy, generator
+    )[0].tolist()
     if tokenizer.eod in new:
-        new = new[:new.index(tokenizer.eod)]
+        new = new[: new.index(tokenizer.eod)]
     return tokenizer.decode(new)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="model folder (config.json + model.safetensors or its shards + tokenizer; every checkpoint "
-                        "is one), or a --save directory: the checkpoint its `latest` names")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="model folder (config.json + model.safetensors or its shards + tokenizer; every checkpoint "
+        "is one), or a --save directory: the checkpoint its `latest` names",
+    )
     p.add_argument("--prompt", default="")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the one saved in the folder)")
     p.add_argument("--max-new-tokens", type=int, default=100)
@@ -147,16 +173,28 @@ def main(argv=None) -> None:
     except (CheckpointError, ValueError) as e:
         refuse(e)
     if not verified:
-        print(f"generate: note: {folder} has no manifest.json: loading it as a plain model folder, without "
-              "checksums", file=sys.stderr, flush=True)
+        print(
+            f"generate: note: {folder} has no manifest.json: loading it as a plain model folder, without checksums",
+            file=sys.stderr,
+            flush=True,
+        )
     spec = args.tokenizer or find_tokenizer(folder)
     if spec is None:
         refuse(f"{folder} holds no tokenizer files; pass --tokenizer (e.g. bytes or a .model)")
     try:
         tokenizer = load_tokenizer(spec)
         model = load_model_folder(folder, device=device, dtype=DTYPES[args.dtype])
-        text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                        args.top_p, args.greedy, args.seed)
+        text = generate(
+            model,
+            tokenizer,
+            args.prompt,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.greedy,
+            args.seed,
+        )
     except (OSError, ValueError) as e:
         refuse(e)
     print(args.prompt + text)

@@ -8,6 +8,7 @@ instead. The rule reads only the parameter itself, so every pipeline stage or te
 holding a parameter (a tied embedding on two stages, a slice of in_proj) puts it in the same
 group.
 """
+
 from torch import nn
 
 

@@ -5,6 +5,7 @@ engine methods we replace, and the torch internals those paths hand to DeepSpeed
 small function. tests/pipelines/test_deepspeed_internals.py checks that each still has the shape used
 here: upgrading DeepSpeed means reading this file and running that test.
 """
+
 from typing import Callable, Optional
 
 import torch

@@ -1,5 +1,6 @@
 """A script of benchmarks/ or benchmarks/gpu_check/ as a module, loaded by its path: the tests keep
 those folders off sys.path."""
+
 import importlib.util
 from pathlib import Path
 

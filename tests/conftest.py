@@ -9,6 +9,7 @@ a test starts runs in strict-collectives mode (tests/strict_collectives.py) thro
 tests/strict_site/sitecustomize.py. The shared training runs' fixtures come from tests/train_runs.py
 and tests/resume_runs.py.
 """
+
 import os
 import sys
 import time

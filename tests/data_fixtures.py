@@ -1,4 +1,5 @@
 """Small corpora and datasets for the data tests (helpers importable as `data_fixtures`)."""
+
 import json
 
 import numpy as np

@@ -13,6 +13,7 @@ does not finish within `timeout` seconds is killed and fails, naming the ranks s
 Ranks run in strict mode (tests/strict_collectives.py: host tensors in collectives and large
 object collectives fail as they would under NCCL) unless `strict=False`.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -48,8 +49,15 @@ def free_port() -> int:
 
 def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, strict, results):
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-        CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
+        CROSS_RANK="0",
+        CROSS_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
     )
     try:
         import torch
@@ -95,9 +103,11 @@ def run_ranks(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, tuple(args), r, world_size, port, init_process_group, timeout, strict,
-                                                  results),
-                    name=f"rank{r}")
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, tuple(args), r, world_size, port, init_process_group, timeout, strict, results),
+            name=f"rank{r}",
+        )
         for r in range(world_size)
     ]
     previous = os.environ.get(strict_collectives.ENV)
@@ -133,8 +143,10 @@ def run_ranks(
                         outcome[rank] = payload
                     silent = [r for r in silent if r not in outcome]
                     if silent:
-                        raise RankFailed(f"rank(s) {silent} exited with codes "
-                                         f"{[procs[r].exitcode for r in silent]} without reporting a result") from None
+                        raise RankFailed(
+                            f"rank(s) {silent} exited with codes "
+                            f"{[procs[r].exitcode for r in silent]} without reporting a result"
+                        ) from None
     finally:
         for p in procs:
             if p.is_alive():
@@ -153,8 +165,10 @@ def run_ranks(
         raise RankFailed(f"rank {rank} failed{others}") from cause
     missing = [r for r in range(world_size) if r not in outcome]
     if missing:
-        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
-                           f"(running {fn.__module__}.{fn.__qualname__})")
+        raise TimeoutError(
+            f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
+            f"(running {fn.__module__}.{fn.__qualname__})"
+        )
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
 
 
@@ -162,6 +176,7 @@ def group_members(group) -> list[int]:
     """Global ranks in `group`, found by communicating over it (so the group is real)."""
     import torch
     import torch.distributed as dist
+
     size = dist.get_world_size(group)
     mine = torch.tensor([dist.get_rank()])
     parts = [torch.empty_like(mine) for _ in range(size)]

@@ -11,6 +11,7 @@
 `python tests/fault_injection.py FAULTS_JSON ARGV...` installs FAULTS_JSON's keywords and runs
 launch/train.py ARGV as `python launch/train.py ARGV` would.
 """
+
 import json
 import math
 import os
@@ -59,6 +60,7 @@ def _kill_during_save(step: int, at: int) -> None:
             if len(calls) == at:
                 os.kill(os.getpid(), signal.SIGKILL)
             return primitive(*args, **kwargs)
+
         return counted
 
     def save(trainer, config, save_dir, steps_done, **kwargs):

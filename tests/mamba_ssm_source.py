@@ -7,6 +7,7 @@ stands in for the CUDA device context and SM count its kernels ask for. `loaded(
 mamba_ssm importable only inside it: transformers runs mamba_ssm's CUDA kernels whenever it can
 import it, so it must not stay importable for the tests after.
 """
+
 import contextlib
 import os
 import sys
@@ -30,8 +31,11 @@ def present() -> bool:
 def load():
     """(namespace of mamba_ssm's entry points, None) or (None, why it is not available)."""
     theirs, why = load_release(source_folder())
-    return (theirs, None) if theirs is not None else (None, f"mamba_ssm's source release: {why}; "
-                                                            "scripts/setup.sh fetches it")
+    return (
+        (theirs, None)
+        if theirs is not None
+        else (None, f"mamba_ssm's source release: {why}; scripts/setup.sh fetches it")
+    )
 
 
 @contextlib.contextmanager

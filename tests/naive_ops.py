@@ -9,6 +9,7 @@ Document boundaries (seq_idx): a position starts a new document when its id diff
 the previous position's id; the state is zero before the first token of every document
 but the first, and nothing from one document reaches another.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +28,20 @@ def _silu(v):
     return v * torch.sigmoid(v)
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, seq_idx=None, initial_state=None):
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    return_last_state=False,
+    seq_idx=None,
+    initial_state=None,
+):
     """Mamba-1: h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t, y_t = C_t . h_t (+ D u_t) (* silu z_t);
     h_{-1} = initial_state (batch, dim, dstate), else zero."""
     batch, dim, seqlen = u.shape
@@ -64,9 +77,22 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     return (out, h) if return_last_state else out
 
 
-def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                   seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                   return_final_states=False):
+def ssd_chunk_scan(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+):
     """Mamba-2: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t (+ D x_t) (* silu z_t).
 
     Head h reads group h // (nheads / ngroups). chunk_size is accepted for the signature and
@@ -88,7 +114,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     ys = []
     for t in range(seqlen):
         h = torch.where(starts[:, t, None, None, None], torch.zeros_like(h), h)
-        step = dt[:, t, :, None, None]                                       # (batch, nheads, 1, 1)
+        step = dt[:, t, :, None, None]  # (batch, nheads, 1, 1)
         Bt = B[:, t].repeat_interleave(heads_per_group, dim=1)[:, :, None, :]  # (batch, nheads, 1, dstate)
         Ct = C[:, t].repeat_interleave(heads_per_group, dim=1)[:, :, None, :]
         h = torch.exp(step * A[:, None, None]) * h + step * x[:, t, :, :, None] * Bt
@@ -114,7 +140,7 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):
             s = t - (width - 1) + k
             if s < 0:
                 continue
-            same_document = ~starts[:, s + 1:t + 1].any(dim=1)               # (batch,)
+            same_document = ~starts[:, s + 1 : t + 1].any(dim=1)  # (batch,)
             acc = acc + torch.where(same_document[:, None], weight[:, k] * x[:, :, s], 0.0)
         cols.append(acc)
     out = torch.stack(cols, dim=-1)
@@ -130,7 +156,7 @@ def rmsnorm_gated(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_
     v = x if z is None or norm_before_gate else x * _silu(z)
     pieces = []
     for start in range(0, n, group_size):
-        part = v[..., start:start + group_size]
+        part = v[..., start : start + group_size]
         pieces.append(part / torch.sqrt(part.pow(2).mean(-1, keepdim=True) + eps))
     out = torch.cat(pieces, dim=-1) * weight
     if bias is not None:

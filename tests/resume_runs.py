@@ -6,6 +6,7 @@ environment), `spawned` (ranks spawned by tests/distributed.py, returning their 
 stages get one block each; the global batch (8) does not depend on the layout. The fixtures
 `resume_runs` and `resume_reference` serve every test (tests/conftest.py).
 """
+
 import hashlib
 import json
 import os
@@ -21,8 +22,22 @@ from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 FAULT_INJECTION_PY = str(ROOT / "tests" / "fault_injection.py")
 
 STEPS, SAVE_AT = 8, 4
-COMMON = ["--train-iters", str(STEPS), "--seq-length", "32", "--log-interval", "1", "--lr", "1e-3", "--min-lr",
-          "1e-4", "--lr-warmup-iters", "1", "--seed", "1234"]
+COMMON = [
+    "--train-iters",
+    str(STEPS),
+    "--seq-length",
+    "32",
+    "--log-interval",
+    "1",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "1",
+    "--seed",
+    "1234",
+]
 
 
 def losses(records) -> list:
@@ -69,16 +84,32 @@ class Runs:
 
     def argv(self, out: Path, layout=(1, 1, 1), zero: int = 1, flags=()) -> list:
         _, tp, pp = layout
-        return ["--deepspeed_config", self.ds_config(zero), "--model-config", self.model_config(),
-                "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-                "--metrics-jsonl", str(out / "metrics.jsonl"), *COMMON, *flags]
+        return [
+            "--deepspeed_config",
+            self.ds_config(zero),
+            "--model-config",
+            self.model_config(),
+            "--tensor-parallel-size",
+            str(tp),
+            "--pipeline-parallel-size",
+            str(pp),
+            "--metrics-jsonl",
+            str(out / "metrics.jsonl"),
+            *COMMON,
+            *flags,
+        ]
 
     def spawned(self, layout, zero: int, flags=()) -> dict:
         """Rank summaries and directory of a run on dp x tp x pp spawned ranks."""
         out = self.new_dir()
         world = layout[0] * layout[1] * layout[2]
-        ranks = run_ranks(run_train, world, args=(self.argv(out, layout, zero, flags), self.extensions_dir),
-                          init_process_group=False, timeout=400)
+        ranks = run_ranks(
+            run_train,
+            world,
+            args=(self.argv(out, layout, zero, flags), self.extensions_dir),
+            init_process_group=False,
+            timeout=400,
+        )
         return {"ranks": ranks, "records": ranks[0]["records"], "dir": out}
 
     def env(self, **extra) -> dict:
@@ -86,29 +117,57 @@ class Runs:
 
     def direct_env(self) -> dict:
         """The environment of `python launch/train.py` as rank 0 of 1."""
-        return self.env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(free_port()))
+        return self.env(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
 
     def direct(self, argv, out=None, faults=None) -> dict:
         """`python launch/train.py ARGV` as rank 0 of 1, with `faults` (tests/fault_injection.py's `install`
         keywords) injected: exit code, output, JSONL records."""
         out = out or self.new_dir()
         script = [str(TRAIN_PY)] if faults is None else [FAULT_INJECTION_PY, json.dumps(faults)]
-        proc = subprocess.run([sys.executable, *script, *argv], cwd=out, capture_output=True, text=True,
-                              timeout=300, env=self.direct_env())
-        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
-                "records": read_metrics(out / "metrics.jsonl"), "dir": out}
+        proc = subprocess.run(
+            [sys.executable, *script, *argv],
+            cwd=out,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=self.direct_env(),
+        )
+        return {
+            "returncode": proc.returncode,
+            "stdout": proc.stdout,
+            "stderr": proc.stderr,
+            "records": read_metrics(out / "metrics.jsonl"),
+            "dir": out,
+        }
 
     def direct_background(self, argv, out: Path) -> subprocess.Popen:
         """`direct` in the background, its output in out/stdout.txt and out/stderr.txt."""
-        return subprocess.Popen([sys.executable, str(TRAIN_PY), *argv], cwd=out, env=self.direct_env(),
-                                stdout=open(out / "stdout.txt", "w"), stderr=open(out / "stderr.txt", "w"))
+        return subprocess.Popen(
+            [sys.executable, str(TRAIN_PY), *argv],
+            cwd=out,
+            env=self.direct_env(),
+            stdout=open(out / "stdout.txt", "w"),
+            stderr=open(out / "stderr.txt", "w"),
+        )
 
     def launch(self, world: int, argv, out: Path) -> subprocess.Popen:
         """The real launcher in the background (its own session, so signals reach it alone)."""
         cmd = [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(free_port()), str(TRAIN_PY), *argv]
-        return subprocess.Popen(cmd, cwd=out, env=self.env(), stdout=open(out / "stdout.txt", "w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=out,
+            env=self.env(),
+            stdout=open(out / "stdout.txt", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -120,8 +179,9 @@ def resume_runs(tmp_path_factory):
 def resume_reference(resume_runs):
     """(1,1,1) without ZeRO, 8 steps, one checkpoint every 4 steps: its records and save directory."""
     out = resume_runs.new_dir()
-    run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=["--save", str(out / "ckpt"), "--save-interval",
-                                                                   str(SAVE_AT)]), out=out)
+    run = resume_runs.direct(
+        resume_runs.argv(out, zero=0, flags=["--save", str(out / "ckpt"), "--save-interval", str(SAVE_AT)]), out=out
+    )
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == list(range(STEPS))
     return run

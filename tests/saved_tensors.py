@@ -1,4 +1,5 @@
 """What autograd keeps for a backward, counted with saved-tensor hooks (importable as `saved_tensors`)."""
+
 from collections.abc import Callable
 
 import torch

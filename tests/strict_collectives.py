@@ -23,6 +23,7 @@ host tensors to the device and `torch.tensor(..., device=...)`), which the sync-
 every spawned rank (unless strict=False), and `tests/strict_site/sitecustomize.py` in every
 Python process a test launches with MEGAMAMBA_STRICT_COLLECTIVES=1 (tests/conftest.py sets it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,21 +45,55 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SITE = "_megamamba_host_site"
 
 TENSOR_COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather", "scatter",
-    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
 )
 OBJECT_COLLECTIVES = {  # name -> the argument that carries this rank's payload
-    "all_gather_object": "obj", "gather_object": "obj", "broadcast_object_list": "object_list",
-    "scatter_object_list": "scatter_object_input_list", "send_object_list": "object_list",
+    "all_gather_object": "obj",
+    "gather_object": "obj",
+    "broadcast_object_list": "object_list",
+    "scatter_object_list": "scatter_object_input_list",
+    "send_object_list": "object_list",
 }
 FACTORIES = {
-    torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
-    torch.linspace, torch.rand, torch.randn, torch.randint, torch.eye, torch.from_numpy,
+    torch.tensor,
+    torch.as_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.eye,
+    torch.from_numpy,
 }
 SYNCS = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-    torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
 }
 _DEVICE_MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 
@@ -70,8 +105,9 @@ class StrictCollectiveError(RuntimeError):
 def _caller() -> str | None:
     """file:line of the first frame outside torch and this file, when it is project code."""
     frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                 or frame.f_code.co_filename == __file__):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
+    ):
         frame = frame.f_back
     if frame is None or not frame.f_code.co_filename.startswith(tuple(PROJECT_PATHS)):
         return None
@@ -151,7 +187,8 @@ def _check_tensors(name: str, args, kwargs) -> None:
         if site is not None:
             raise StrictCollectiveError(
                 f"dist.{name} got a host tensor made at {site} without a device: NCCL takes only tensors on "
-                "the current accelerator device (make it with device=get_accelerator().current_device_name())")
+                "the current accelerator device (make it with device=get_accelerator().current_device_name())"
+            )
 
 
 def _check_object(name: str, payload) -> None:
@@ -160,7 +197,8 @@ def _check_object(name: str, payload) -> None:
         raise StrictCollectiveError(
             f"dist.{name} carries a {size}-byte object (cap {OBJECT_CAP}): under NCCL object collectives are "
             "pickled onto the GPU and rank 0 allocates world size x the largest payload; move data as tensors "
-            "or files and keep object collectives to small metadata")
+            "or files and keep object collectives to small metadata"
+        )
 
 
 def _wrap_tensor_collective(name: str, original):
@@ -168,6 +206,7 @@ def _wrap_tensor_collective(name: str, original):
     def collective(*args, **kwargs):
         _check_tensors(name, args, kwargs)
         return original(*args, **kwargs)
+
     return collective
 
 
@@ -180,6 +219,7 @@ def _wrap_object_collective(name: str, argument: str, original):
         if payload is not None:
             _check_object(name, payload)
         return original(*args, **kwargs)
+
     return collective
 
 

@@ -1,4 +1,5 @@
 """The multi-rank harness: results in rank order, a rank's exception re-raised, hangs time out."""
+
 import os
 import time
 

@@ -1,6 +1,7 @@
 """The documentation keeps up with launch/train.py: docs/flags.md names every flag, the commands the
 README and docs/ show pass only flags train.py has (the README's pass every start-up check), and
 their links lead to files that exist."""
+
 import argparse
 import io
 import re
@@ -41,7 +42,7 @@ def _train_commands(text: str) -> list:
             words = shlex.split(command, comments=True)
             if "launch/train.py" in words:
                 at = words.index("launch/train.py")
-                commands.append((words[:at], words[at + 1:]))
+                commands.append((words[:at], words[at + 1 :]))
     return commands
 
 
@@ -70,8 +71,9 @@ def test_the_readmes_train_commands_pass_every_start_up_check_at_their_gpu_count
     """Their tokenizer, data and save directory replaced by a small bytes dataset and a scratch folder."""
     text = tmp_path / "text.jsonl"
     text.write_text("".join(f'{{"text": "document {i}: {"Mamba " * 50}"}}\n' for i in range(40)))
-    train, valid = preprocess([str(text)], "bytes", str(tmp_path / "d"), valid_fraction=0.25,
-                              progress_stream=io.StringIO())
+    train, valid = preprocess(
+        [str(text)], "bytes", str(tmp_path / "d"), valid_fraction=0.25, progress_stream=io.StringIO()
+    )
     monkeypatch.chdir(ROOT)
     script = load_train_script()
     commands = _train_commands((ROOT / "README.md").read_text())

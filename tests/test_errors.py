@@ -1,4 +1,5 @@
 """Every refusal a user can act on is a MegamambaError, and there is one LayoutError."""
+
 import importlib
 import inspect
 import pkgutil
@@ -14,8 +15,9 @@ REFUSALS = ("Error", "NonFiniteSteps")
 def _classes():
     """(module, name, class) of every exception class defined in megamamba, its pipelines and kernels."""
     packages = (megamamba, megamamba.pipelines, megamamba.kernels)
-    modules = sorted({info.name for package in packages
-                      for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")})
+    modules = sorted(
+        {info.name for package in packages for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")}
+    )
     for module_name in modules:
         for name, value in vars(importlib.import_module(module_name)).items():
             if inspect.isclass(value) and issubclass(value, Exception) and value.__module__ == module_name:
@@ -23,8 +25,11 @@ def _classes():
 
 
 def test_every_error_class_of_the_package_is_a_megamamba_error():
-    strays = [f"{module}.{name}" for module, name, cls in _classes()
-              if name.endswith(REFUSALS) and not issubclass(cls, MegamambaError)]
+    strays = [
+        f"{module}.{name}"
+        for module, name, cls in _classes()
+        if name.endswith(REFUSALS) and not issubclass(cls, MegamambaError)
+    ]
     assert not strays, f"user-facing errors outside MegamambaError: {strays}"
 
 
@@ -33,4 +38,5 @@ def test_one_layout_error_is_defined():
     assert defined == ["megamamba.errors.LayoutError"], defined
     from megamamba.parallel.tensor.model_layout import LayoutError as model_layout_error
     from megamamba.pipelines.config.layout import LayoutError as run_layout_error
+
     assert model_layout_error is run_layout_error is LayoutError

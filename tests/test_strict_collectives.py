@@ -1,4 +1,5 @@
 """Strict mode (tests/strict_collectives.py) fails on what NCCL would refuse, as a GPU run would."""
+
 import os
 import subprocess
 import sys
@@ -54,8 +55,9 @@ def _counted_syncs():
 
 
 def test_host_tensor_in_a_collective_fails_in_strict_mode():
-    with pytest.raises(strict_collectives.StrictCollectiveError,
-                       match=r"host tensor made at .*test_strict_collectives.py"):
+    with pytest.raises(
+        strict_collectives.StrictCollectiveError, match=r"host tensor made at .*test_strict_collectives.py"
+    ):
         run_ranks(_planted_host_tensor, 2)
 
 
@@ -87,7 +89,9 @@ def test_host_synchronizations_of_project_code_are_counted():
 
 
 def test_processes_started_by_tests_run_in_strict_mode():
-    code = ("import sys, torch.distributed as d; "
-            "print('strict_collectives' in sys.modules, hasattr(d.all_reduce, '__wrapped__'))")
+    code = (
+        "import sys, torch.distributed as d; "
+        "print('strict_collectives' in sys.modules, hasattr(d.all_reduce, '__wrapped__'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

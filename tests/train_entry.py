@@ -4,6 +4,7 @@ module, a rank function that runs it, and the records of a --metrics-jsonl file.
 `run_train(argv)` is top-level so `tests/distributed.run_ranks` can run it on spawned ranks
 (with init_process_group=False: train.py initialises DeepSpeed's process group itself).
 """
+
 import importlib.util
 import json
 import os

@@ -6,6 +6,7 @@ key/value head, which TP 2 replicates. Runs go through the real `deepspeed` laun
 or through ranks spawned directly by tests/distributed.py (`spawned`), both on gloo. The fixtures
 `train_runs`, `train_reference` and `packed_documents` serve every test (tests/conftest.py).
 """
+
 import hashlib
 import io
 import json
@@ -21,8 +22,26 @@ from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 N_LAYER = 3
 HYBRID_PATTERN = "M*-"
 DS_CONFIG = ROOT / "launch/configs/tiny-cpu.json"
-COMMON = ["--train-iters", "5", "--seq-length", "32", "--log-interval", "1", "--lr", "1e-3", "--min-lr", "1e-4",
-          "--lr-warmup-iters", "1", "--eval-interval", "5", "--eval-iters", "1", "--seed", "1234"]
+COMMON = [
+    "--train-iters",
+    "5",
+    "--seq-length",
+    "32",
+    "--log-interval",
+    "1",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "1",
+    "--eval-interval",
+    "5",
+    "--eval-iters",
+    "1",
+    "--seed",
+    "1234",
+]
 
 
 def relative_curve_error(curve, reference):
@@ -57,8 +76,16 @@ class Runs:
         return str(path)
 
     def _argv(self, mixer, flags, ds_config, out):
-        return ["--deepspeed_config", ds_config or str(DS_CONFIG), "--model-config", self.model_config(mixer),
-                "--metrics-jsonl", str(out / "metrics.jsonl"), *COMMON, *flags]
+        return [
+            "--deepspeed_config",
+            ds_config or str(DS_CONFIG),
+            "--model-config",
+            self.model_config(mixer),
+            "--metrics-jsonl",
+            str(out / "metrics.jsonl"),
+            *COMMON,
+            *flags,
+        ]
 
     def spawned(self, world: int, mixer: str, flags=(), ds_config=None, faults=None) -> list:
         """Rank summaries of a run on `world` directly spawned ranks, with `faults` (tests/fault_injection.py's
@@ -67,9 +94,13 @@ class Runs:
         if key not in self._cache:
             out = self.root / f"run{len(self._cache)}"
             out.mkdir()
-            self._cache[key] = run_ranks(run_train, world, args=(self._argv(mixer, flags, ds_config, out),
-                                                                  self.extensions_dir, faults),
-                                         init_process_group=False, timeout=300)
+            self._cache[key] = run_ranks(
+                run_train,
+                world,
+                args=(self._argv(mixer, flags, ds_config, out), self.extensions_dir, faults),
+                init_process_group=False,
+                timeout=300,
+            )
         return self._cache[key]
 
     def launched(self, world: int, mixer: str, flags=(), ds_config=None) -> dict:
@@ -78,12 +109,24 @@ class Runs:
         if key not in self._cache:
             out = self.root / f"run{len(self._cache)}"
             out.mkdir()
-            cmd = [str(DEEPSPEED), "--num_gpus", str(world), "--master_port", str(free_port()), str(TRAIN_PY),
-                   *self._argv(mixer, flags, ds_config, out)]
+            cmd = [
+                str(DEEPSPEED),
+                "--num_gpus",
+                str(world),
+                "--master_port",
+                str(free_port()),
+                str(TRAIN_PY),
+                *self._argv(mixer, flags, ds_config, out),
+            ]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-            self._cache[key] = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
-                                "records": read_metrics(out / "metrics.jsonl"), "dir": out}
+            self._cache[key] = {
+                "returncode": proc.returncode,
+                "stdout": proc.stdout,
+                "stderr": proc.stderr,
+                "records": read_metrics(out / "metrics.jsonl"),
+                "dir": out,
+            }
         return self._cache[key]
 
 
@@ -106,16 +149,19 @@ def packed_documents(tmp_path_factory):
             for line in doc.split("\n"):
                 if line.strip():
                     f.write(json.dumps({"text": line.strip()}) + "\n")
-    train, valid = preprocess([str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1,
-                              progress_stream=io.StringIO())
+    train, valid = preprocess(
+        [str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1, progress_stream=io.StringIO()
+    )
     return ["--data", train, "--valid-data", valid]
 
 
 @pytest.fixture(scope="session")
 def train_reference(train_runs):
     """The (1,1,1) float32 run of a mixer, through the real launcher."""
+
     def get(mixer):
         run = train_runs.launched(1, mixer)
         assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
         return run
+
     return get

@@ -6,6 +6,7 @@ megamamba.testing.mamba_ssm_release).
 The check may be cut short at any moment, so nothing is kept for the end: each record is one
 line appended and flushed to $OUT/results.jsonl as soon as it is measured.
 """
+
 import importlib.util
 import json
 import os
@@ -73,8 +74,13 @@ def count_triton_compiles(out: str, section: str) -> None:
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         name = getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?")
         with open(path, "a") as f:
-            f.write(json.dumps({"section": section, "kernel": name, "cache_hit": bool(cache_hit),
-                                "hash": metadata.get("hash")}) + "\n")
+            f.write(
+                json.dumps(
+                    {"section": section, "kernel": name, "cache_hit": bool(cache_hit), "hash": metadata.get("hash")}
+                )
+                + "\n"
+            )
+
     knobs.compilation.listener = listener
 
 
@@ -84,6 +90,7 @@ def unpack_triton_cache(archive: str, dest: str) -> int:
     (FileCacheManager.put_group) and treats a group whose files it cannot find there as a miss, so a
     cache moved to another folder is never hit until they are rewritten. Returns the entry count."""
     import tarfile
+
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="data")
     entries = os.listdir(dest)
@@ -93,8 +100,9 @@ def unpack_triton_cache(archive: str, dest: str) -> int:
             if name.startswith("__grp__"):
                 with open(os.path.join(folder, name)) as f:
                     group = json.load(f)
-                group["child_paths"] = {child: os.path.join(folder, os.path.basename(path))
-                                        for child, path in group["child_paths"].items()}
+                group["child_paths"] = {
+                    child: os.path.join(folder, os.path.basename(path)) for child, path in group["child_paths"].items()
+                }
                 with open(os.path.join(folder, name), "w") as f:
                     json.dump(group, f)
     return len(entries)
@@ -109,6 +117,9 @@ def triton_cache_identity() -> dict:
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.nvidia.compiler import get_ptxas_version
     from triton.runtime.cache import triton_key
-    return {"triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
-            "ptxas": " | ".join(get_ptxas_version(90).strip().splitlines()[-2:]),
-            "env": get_cache_invalidating_env_vars()}
+
+    return {
+        "triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
+        "ptxas": " | ".join(get_ptxas_version(90).strip().splitlines()[-2:]),
+        "env": get_cache_invalidating_env_vars(),
+    }

@@ -12,6 +12,7 @@ at (1,1,1), seq 2048. After a first step (the optimizer state exists), one micro
 Prints one JSON line; exits 1 when either estimate is off by more than --tolerance (20%) of the
 measurement. --dry-run: the tiny CPU model and config, seq 64, no tolerance (host memory figures).
 """
+
 import argparse
 import importlib.util
 import json
@@ -51,19 +52,38 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     from megamamba.pipelines.memory.activations import ActivationShape, kept_bytes
     from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
-    ds, model = (("tiny-cpu", "tiny-mamba2") if dry else (f"mamba2-{size}", f"mamba2-{size}"))
+    ds, model = ("tiny-cpu", "tiny-mamba2") if dry else (f"mamba2-{size}", f"mamba2-{size}")
     script = _train_script()
-    args = script.parse_args([
-        "--deepspeed_config", _zero0_config(os.path.join(REPO, "launch/configs", f"{ds}.json"), scratch),
-        "--model-config", os.path.join(REPO, "launch/models", f"{model}.json"), "--train-iters", "2",
-        "--seq-length", "64" if dry else "2048", "--checkpoint-activations-interval", str(checkpoint_interval)])
+    args = script.parse_args(
+        [
+            "--deepspeed_config",
+            _zero0_config(os.path.join(REPO, "launch/configs", f"{ds}.json"), scratch),
+            "--model-config",
+            os.path.join(REPO, "launch/models", f"{model}.json"),
+            "--train-iters",
+            "2",
+            "--seq-length",
+            "64" if dry else "2048",
+            "--checkpoint-activations-interval",
+            str(checkpoint_interval),
+        ]
+    )
     plan = script.prepare(args, 1)
     layout = plan.layout
     init_distributed()
-    trainer = script.build_trainer(layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
-                                   args.partition_method, checkpoint_interval, seq_length=args.seq_length)
-    shape = RunShape.of_run(plan.model, layout, plan.engine_config, args.seq_length, args.partition_method,
-                            checkpoint_interval, False)
+    trainer = script.build_trainer(
+        layout,
+        plan.model,
+        plan.engine_config,
+        plan.optimizer,
+        args.seed,
+        args.partition_method,
+        checkpoint_interval,
+        seq_length=args.seq_length,
+    )
+    shape = RunShape.of_run(
+        plan.model, layout, plan.engine_config, args.seq_length, args.partition_method, checkpoint_interval, False
+    )
     stage = plan_memory(shape).stages[0]
     accelerator = get_accelerator()
     trainer.train_step(plan.data.train.micro_batches(0, 0, 1, layout.micro_batch_size))
@@ -79,32 +99,55 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     accelerator.synchronize()
     peak = accelerator.max_memory_allocated()
     last = plan.model.n_layer + 2
-    kept = kept_bytes(ActivationShape(plan.model, layout.micro_batch_size, args.seq_length, autocast=shape.autocast,
-                                      checkpoint_interval=checkpoint_interval), 0, last + 1, last)
+    kept = kept_bytes(
+        ActivationShape(
+            plan.model,
+            layout.micro_batch_size,
+            args.seq_length,
+            autocast=shape.autocast,
+            checkpoint_interval=checkpoint_interval,
+        ),
+        0,
+        last + 1,
+        last,
+    )
     shutdown_distributed()
-    return {"size": "tiny" if dry else size, "micro_batch": layout.micro_batch_size, "seq": args.seq_length,
-            "checkpoint_interval": checkpoint_interval, "kept_measured": after_forward - before,
-            "kept_estimated": kept, "peak_measured": peak - before,
-            "peak_estimated": stage.activations + stage.gradients - grads + stage.buffers}
+    return {
+        "size": "tiny" if dry else size,
+        "micro_batch": layout.micro_batch_size,
+        "seq": args.seq_length,
+        "checkpoint_interval": checkpoint_interval,
+        "kept_measured": after_forward - before,
+        "kept_estimated": kept,
+        "peak_measured": peak - before,
+        "peak_estimated": stage.activations + stage.gradients - grads + stage.buffers,
+    }
 
 
 def check(size: str, checkpoint_interval: int, dry: bool) -> dict:
     """`measure` as a one-rank job of its own (the environment a launcher would set), with each
     estimate's relative error against its measurement."""
-    for key, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29517")):
+    for key, value in (
+        ("WORLD_SIZE", "1"),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29517"),
+    ):
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory() as scratch:
         record = measure(size, checkpoint_interval, dry, scratch)
     for key in ("kept", "peak"):
         record[f"{key}_error"] = abs(record[f"{key}_estimated"] - record[f"{key}_measured"]) / max(
-            record[f"{key}_measured"], 1)
+            record[f"{key}_measured"], 1
+        )
     return record
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size", default="130m", help="mamba2 size: launch/configs and launch/models mamba2-<size>.json")
     p.add_argument("--checkpoint-activations-interval", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=0.2)

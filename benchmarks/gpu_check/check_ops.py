@@ -18,6 +18,7 @@ extension that is not built, so its PyTorch selective_scan_ref stands in for the
 for the timing; causal_conv1d is torch's depthwise conv1d + SiLU, what mamba_ssm runs without the
 causal-conv1d package. In the dry run everything is our reference at tiny shapes.
 """
+
 import time
 
 import torch
@@ -37,14 +38,24 @@ def error_cases(bench, dry):
         scan = bench.mamba1_shape(768, tokens=2 * 2048)
         d_inner = bench.EXPAND * 768
         conv, norm = (2, d_inner + 2 * bench.D_STATE2, 2048), (2 * 2048, d_inner, d_inner)
-    return [("ssd_chunk_scan", f"mamba2-130m {ssd['batch']}x{ssd['seqlen']} docs",
-             lambda dt, dev, g: bench.ssd_inputs(ssd, dt, dev, g, docs=True)),
-            ("selective_scan", f"mamba1-130m {scan['batch']}x{scan['seqlen']}",
-             lambda dt, dev, g: bench.scan_inputs(scan, dt, dev, g)),
-            ("causal_conv1d", f"dim {conv[1]} {conv[0]}x{conv[2]}",
-             lambda dt, dev, g: bench.conv_inputs(*conv, dt, dev, g)),
-            ("rmsnorm_gated", f"{norm[0]} rows x {norm[1]}",
-             lambda dt, dev, g: bench.norm_inputs(*norm, dt, dev, g))]
+    return [
+        (
+            "ssd_chunk_scan",
+            f"mamba2-130m {ssd['batch']}x{ssd['seqlen']} docs",
+            lambda dt, dev, g: bench.ssd_inputs(ssd, dt, dev, g, docs=True),
+        ),
+        (
+            "selective_scan",
+            f"mamba1-130m {scan['batch']}x{scan['seqlen']}",
+            lambda dt, dev, g: bench.scan_inputs(scan, dt, dev, g),
+        ),
+        (
+            "causal_conv1d",
+            f"dim {conv[1]} {conv[0]}x{conv[2]}",
+            lambda dt, dev, g: bench.conv_inputs(*conv, dt, dev, g),
+        ),
+        ("rmsnorm_gated", f"{norm[0]} rows x {norm[1]}", lambda dt, dev, g: bench.norm_inputs(*norm, dt, dev, g)),
+    ]
 
 
 def errors(results, device, theirs, dry):
@@ -52,8 +63,13 @@ def errors(results, device, theirs, dry):
     import megamamba.kernels as ours
     from megamamba.kernels.reference import conv, norm, selective_scan, ssd
     from megamamba.testing.numerics import relative_error
-    oracle = {"ssd_chunk_scan": ssd.ssd_chunk_scan, "selective_scan": selective_scan.selective_scan,
-              "causal_conv1d": conv.causal_conv1d, "rmsnorm_gated": norm.rmsnorm_gated}
+
+    oracle = {
+        "ssd_chunk_scan": ssd.ssd_chunk_scan,
+        "selective_scan": selective_scan.selective_scan,
+        "causal_conv1d": conv.causal_conv1d,
+        "rmsnorm_gated": norm.rmsnorm_gated,
+    }
     bench = bf16_errors.load_kernel_benchmark()
     table = bf16_errors.theirs_table(theirs) if theirs else {}
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -75,9 +91,17 @@ def errors(results, device, theirs, dry):
                 pick = (lambda res: res[0][0]) if quantity == "out" else (lambda res, k=quantity[1:]: res[1][k])
                 err_ours = relative_error(pick(mine), ref)
                 err_theirs = relative_error(pick(other), ref) if other else None
-                results.write("error", op=op, dtype=name, shape=label, quantity=quantity, ours=err_ours,
-                              theirs=err_theirs, theirs_impl=impl,
-                              ratio=err_ours / err_theirs if err_theirs else None)
+                results.write(
+                    "error",
+                    op=op,
+                    dtype=name,
+                    shape=label,
+                    quantity=quantity,
+                    ours=err_ours,
+                    theirs=err_theirs,
+                    theirs_impl=impl,
+                    ratio=err_ours / err_theirs if err_theirs else None,
+                )
     bf16_comparison(results, device, theirs, dry)
     torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -120,13 +144,20 @@ def timing_cases(bench, dry):
     for name, d_model in sizes2.items():
         shape = bench.mamba2_shape(d_model, tokens=tokens, seqlen=seqlen)
         d_inner, batch = bench.EXPAND * d_model, tokens // seqlen
-        cases += [("ssd_chunk_scan", f"mamba2-{name}", lambda dev, g, s=shape: bench.ssd_inputs(s, bf16, dev, g)),
-                  ("causal_conv1d", f"mamba2-{name}", lambda dev, g, b=batch, d=d_inner + 2 * shape["dstate"]:
-                   bench.conv_inputs(b, d, seqlen, bf16, dev, g)),
-                  ("rmsnorm_gated", f"mamba2-{name}", lambda dev, g, d=d_inner:
-                   bench.norm_inputs(tokens, d, d, bf16, dev, g)),
-                  ("add_rmsnorm", f"mamba2-{name}", lambda dev, g, d=d_model:
-                   bench.add_norm_inputs(tokens, d, bf16, dev, g))]
+        cases += [
+            ("ssd_chunk_scan", f"mamba2-{name}", lambda dev, g, s=shape: bench.ssd_inputs(s, bf16, dev, g)),
+            (
+                "causal_conv1d",
+                f"mamba2-{name}",
+                lambda dev, g, b=batch, d=d_inner + 2 * shape["dstate"]: bench.conv_inputs(b, d, seqlen, bf16, dev, g),
+            ),
+            (
+                "rmsnorm_gated",
+                f"mamba2-{name}",
+                lambda dev, g, d=d_inner: bench.norm_inputs(tokens, d, d, bf16, dev, g),
+            ),
+            ("add_rmsnorm", f"mamba2-{name}", lambda dev, g, d=d_model: bench.add_norm_inputs(tokens, d, bf16, dev, g)),
+        ]
     for name, d_model in sizes1.items():
         shape = bench.mamba1_shape(d_model, tokens=tokens, seqlen=seqlen)
         cases.append(("selective_scan", f"mamba1-{name}", lambda dev, g, s=shape: bench.scan_inputs(s, bf16, dev, g)))
@@ -137,11 +168,13 @@ def timings(results, device, theirs, dry):
     """The measured roofline, then one record per (op, layer, implementation): forward and
     forward+backward ms, least bytes and FLOPs, and the roofline fractions, ours then theirs."""
     import megamamba.kernels as ours
+
     bench = bf16_errors.load_kernel_benchmark()
     if dry:
         bench.cuda_time = cpu_time
-    ceiling = bench.ceilings(device, bench.cuda_time, *((2**20, 128) if dry else
-                                                        (bench.CEILING_COPY_BYTES, bench.CEILING_MATMUL_N)))
+    ceiling = bench.ceilings(
+        device, bench.cuda_time, *((2**20, 128) if dry else (bench.CEILING_COPY_BYTES, bench.CEILING_MATMUL_N))
+    )
     results.write("ceilings", **ceiling)
     table = bf16_errors.theirs_table(theirs) if theirs else {}
     gen = torch.Generator(device=device).manual_seed(2)
@@ -159,5 +192,13 @@ def timings(results, device, theirs, dry):
             except Exception as exc:  # noqa: BLE001
                 results.write("timing_failed", op=op, layer=layer, impl=who, error=repr(exc)[:500])
                 continue
-            results.write("timing", op=op, layer=layer, impl=who, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, **work,
-                          **bench.roofline_fractions(work, fwd, fwd_bwd, ceiling))
+            results.write(
+                "timing",
+                op=op,
+                layer=layer,
+                impl=who,
+                fwd_ms=fwd,
+                fwd_bwd_ms=fwd_bwd,
+                **work,
+                **bench.roofline_fractions(work, fwd, fwd_bwd, ceiling),
+            )

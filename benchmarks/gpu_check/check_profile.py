@@ -6,6 +6,7 @@ goes to <out>/profile_<size>.txt; the leading kernels by device time go to resul
 share of the step's kernel time, beside the step's wall time (timed apart from the profiled step).
 The dry run profiles the tiny model on the CPU, by operators' CPU time.
 """
+
 import json
 import os
 import time
@@ -22,6 +23,7 @@ def profile_step(results, out: str, size: str, dry: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from megamamba import MambaConfig, MambaLM
+
     device = torch.device("cpu" if dry else "cuda")
     ds_config, model_config = model_paths(size, dry)
     with open(ds_config) as f:
@@ -53,7 +55,21 @@ def profile_step(results, out: str, size: str, dry: bool) -> None:
     timed = [e for e in averages if dry or e.device_type != DeviceType.CPU]
     total = sum(getattr(e, key) for e in timed)
     for e in sorted(timed, key=lambda e: getattr(e, key), reverse=True)[:ROWS]:
-        results.write("profile_op", size=size, op=e.key, calls=e.count, self_ms=getattr(e, key) / 1e3,
-                      share=getattr(e, key) / total)
-    results.write("profile", size=size, micro_batch=micro, seq=seq, wall_ms=wall_ms, self_total_ms=total / 1e3,
-                  table=path, by="operators' CPU time" if dry else "kernels' device time")
+        results.write(
+            "profile_op",
+            size=size,
+            op=e.key,
+            calls=e.count,
+            self_ms=getattr(e, key) / 1e3,
+            share=getattr(e, key) / total,
+        )
+    results.write(
+        "profile",
+        size=size,
+        micro_batch=micro,
+        seq=seq,
+        wall_ms=wall_ms,
+        self_total_ms=total / 1e3,
+        table=path,
+        by="operators' CPU time" if dry else "kernels' device time",
+    )

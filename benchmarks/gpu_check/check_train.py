@@ -13,6 +13,7 @@ parity      our MambaLM and mamba_ssm's from the same initial weights (ours load
             difference. It compares the models and kernels; our engine's numbers are the smoke's.
 The dry run uses the tiny CPU model and DeepSpeed config, and our model as mamba_ssm's stand-in.
 """
+
 import json
 import os
 import re
@@ -25,17 +26,24 @@ from megamamba.testing.processes import run_logged
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_PY = os.path.join(REPO, "launch", "train.py")
-SMOKE_DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                   "zero_optimization": {"stage": 1}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
-                   "gradient_clipping": 1.0, "steps_per_print": 1000000}
+SMOKE_DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 1},
+    "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+    "gradient_clipping": 1.0,
+    "steps_per_print": 1000000,
+}
 
 
 def model_paths(size: str, dry: bool):
     """(DeepSpeed config, model config) of a size; the tiny CPU pair in the dry run."""
     if dry:
         return os.path.join(REPO, "launch/configs/tiny-cpu.json"), os.path.join(REPO, "launch/models/tiny-mamba2.json")
-    return (os.path.join(REPO, f"launch/configs/mamba2-{size}.json"),
-            os.path.join(REPO, f"launch/models/mamba2-{size}.json"))
+    return (
+        os.path.join(REPO, f"launch/configs/mamba2-{size}.json"),
+        os.path.join(REPO, f"launch/models/mamba2-{size}.json"),
+    )
 
 
 def read_losses(path: str) -> dict:
@@ -57,20 +65,49 @@ def nccl_smoke(results, out, scratch, dry, timeout):
         with open(ds_config, "w") as f:
             json.dump(SMOKE_DS_CONFIG, f)
     steps, seq = 6, 64 if dry else 2048
-    common = ["deepspeed", "--num_gpus", "1", TRAIN_PY, "--deepspeed_config", ds_config, "--model-config",
-              model_config, "--train-iters", str(steps), "--seq-length", str(seq), "--log-interval", "1"]
-    first = common + ["--metrics-jsonl", os.path.join(work, "first.jsonl"), "--save", os.path.join(work, "ckpt"),
-                      "--save-interval", "3"]
+    common = [
+        "deepspeed",
+        "--num_gpus",
+        "1",
+        TRAIN_PY,
+        "--deepspeed_config",
+        ds_config,
+        "--model-config",
+        model_config,
+        "--train-iters",
+        str(steps),
+        "--seq-length",
+        str(seq),
+        "--log-interval",
+        "1",
+    ]
+    first = common + [
+        "--metrics-jsonl",
+        os.path.join(work, "first.jsonl"),
+        "--save",
+        os.path.join(work, "ckpt"),
+        "--save-interval",
+        "3",
+    ]
     status = run_logged(first, os.path.join(out, "nccl_smoke_first.log"), timeout / 2, cwd=work)
     losses = read_losses(os.path.join(work, "first.jsonl"))
     results.write("smoke_run", run="first", **status, steps=sorted(losses), losses=losses)
-    tags = sorted(t for t in os.listdir(os.path.join(work, "ckpt")) if t.startswith("step_")) \
-        if os.path.isdir(os.path.join(work, "ckpt")) else []
+    tags = (
+        sorted(t for t in os.listdir(os.path.join(work, "ckpt")) if t.startswith("step_"))
+        if os.path.isdir(os.path.join(work, "ckpt"))
+        else []
+    )
     if status["rc"] != 0 or not tags:
         results.write("resume", ok=False, error=f"first run exit {status['rc']}, checkpoints {tags}")
         return
-    resumed = common + ["--metrics-jsonl", os.path.join(work, "resumed.jsonl"), "--load",
-                        os.path.join(work, "ckpt", tags[0]), "--save", os.path.join(work, "ckpt_resumed")]
+    resumed = common + [
+        "--metrics-jsonl",
+        os.path.join(work, "resumed.jsonl"),
+        "--load",
+        os.path.join(work, "ckpt", tags[0]),
+        "--save",
+        os.path.join(work, "ckpt_resumed"),
+    ]
     status = run_logged(resumed, os.path.join(out, "nccl_smoke_resumed.log"), timeout / 2, cwd=work)
     again = read_losses(os.path.join(work, "resumed.jsonl"))
     results.write("smoke_run", run="resumed", **status, steps=sorted(again), losses=again)
@@ -78,8 +115,15 @@ def nccl_smoke(results, out, scratch, dry, timeout):
     diff = max((abs(again[s] - losses[s]) / abs(losses[s]) for s in both), default=None)
     saved = os.path.isdir(os.path.join(work, "ckpt_resumed"))
     ok = status["rc"] == 0 and bool(both) and min(again) == both[0] > 0 and diff <= 1e-2 and saved
-    results.write("resume", ok=ok, resumed_from=tags[0], first_step=min(again, default=None), steps_compared=both,
-                  max_rel_loss_diff=diff, saved_again=saved)
+    results.write(
+        "resume",
+        ok=ok,
+        resumed_from=tags[0],
+        first_step=min(again, default=None),
+        steps_compared=both,
+        max_rel_loss_diff=diff,
+        saved_again=saved,
+    )
 
 
 def planned_memory(log: str) -> dict:
@@ -105,13 +149,22 @@ def throughput(results, out, size, dry, theirs, timeout):
     ours = train_bench.train_ours(ds_config, model_config, steps, warmup, seq, peak, log=log, timeout=timeout * 0.6)
     if os.path.exists(log):
         ours.update(planned_memory(log))
-    results.write("throughput", size=size, engine="ours (DeepSpeed ZeRO-1, bf16 autocast)", seq=seq, steps=steps,
-                  **ours)
+    results.write(
+        "throughput", size=size, engine="ours (DeepSpeed ZeRO-1, bf16 autocast)", seq=seq, steps=steps, **ours
+    )
     if theirs is None:
         return
     try:
-        res = train_bench.train_mamba_ssm((theirs.MambaLMHeadModel, theirs.MambaConfig), ds_config, model_config,
-                                          steps, warmup, seq, peak, device="cpu" if dry else "cuda")
+        res = train_bench.train_mamba_ssm(
+            (theirs.MambaLMHeadModel, theirs.MambaConfig),
+            ds_config,
+            model_config,
+            steps,
+            warmup,
+            seq,
+            peak,
+            device="cpu" if dry else "cuda",
+        )
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: recorded
         res = {"error": repr(exc)[:500]}
     results.write("throughput", size=size, engine="mamba_ssm + torch AMP", seq=seq, steps=steps, **res)
@@ -122,6 +175,7 @@ def parity(results, dry, theirs, steps=20):
     relative difference in a final record."""
     from megamamba import MambaConfig, MambaLM
     from megamamba.data.training_data import training_data
+
     device = torch.device("cpu" if dry else "cuda")
     _, model_config = model_paths("130m", dry)
     config = MambaConfig.from_json(model_config)
@@ -132,13 +186,22 @@ def parity(results, dry, theirs, steps=20):
     model = theirs.MambaLMHeadModel(theirs.MambaConfig(**fields), device=device, dtype=torch.float32)
     missing = model.load_state_dict(ours.state_dict(), strict=False)
     if missing.missing_keys or missing.unexpected_keys:
-        results.write("parity_failed", error=f"state-dict keys differ: theirs lacks {missing.unexpected_keys[:5]}, "
-                                             f"ours lacks {missing.missing_keys[:5]}")
+        results.write(
+            "parity_failed",
+            error=f"state-dict keys differ: theirs lacks {missing.unexpected_keys[:5]}, "
+            f"ours lacks {missing.missing_keys[:5]}",
+        )
         return
     data = training_data(config, "bytes", [], [], seq, micro, 1234, reset_at_documents=False).train
-    runs = {name: (m, torch.optim.AdamW(m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                        fused=device.type == "cuda"))
-            for name, m in (("ours", ours), ("theirs", model))}
+    runs = {
+        name: (
+            m,
+            torch.optim.AdamW(
+                m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+            ),
+        )
+        for name, m in (("ours", ours), ("theirs", model))
+    }
     steps = 3 if dry else steps
     for step in range(steps):
         inputs, labels, _ = data.micro_batches(step, 0, 1, micro)[0]
@@ -146,8 +209,16 @@ def parity(results, dry, theirs, steps=20):
         losses = {name: train_step(m, opt, inputs, labels, config.vocab_size) for name, (m, opt) in runs.items()}
         rel = abs(losses["ours"] - losses["theirs"]) / abs(losses["theirs"])
         results.write("parity_step", step=step, ours=losses["ours"], theirs=losses["theirs"], rel_diff=rel)
-    results.write("parity", steps=steps, micro_batch=micro, seq=seq, ours=losses["ours"], theirs=losses["theirs"],
-                  rel_diff=rel, ok=rel <= 0.01)
+    results.write(
+        "parity",
+        steps=steps,
+        micro_batch=micro,
+        seq=seq,
+        ours=losses["ours"],
+        theirs=losses["theirs"],
+        rel_diff=rel,
+        ok=rel <= 0.01,
+    )
 
 
 def train_step(model, optimizer, inputs, labels, vocab_size) -> float:

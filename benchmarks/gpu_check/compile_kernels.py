@@ -17,6 +17,7 @@ LOCAL column stays 0 for them). Exit 1 if a kernel fails to compile or does not 
 table is printed last, details go to --json.
 Run it without TRITON_INTERPRET, whose kernels are not compiled.
 """
+
 import argparse
 import importlib.util
 import json
@@ -33,10 +34,26 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # megamamba: as installed
 
 # What one block may use (registers; shared memory, the opt-in maximum) and what one SM holds.
-LIMITS = {90: dict(gpu="sm_90 (H100/H200)", regs_per_block=65536, shared_bytes=232448,
-                   regs_per_sm=65536, shared_per_sm=233472, warps_per_sm=64, blocks_per_sm=32),
-          80: dict(gpu="sm_80 (A100)", regs_per_block=65536, shared_bytes=166912,
-                   regs_per_sm=65536, shared_per_sm=167936, warps_per_sm=64, blocks_per_sm=32)}
+LIMITS = {
+    90: dict(
+        gpu="sm_90 (H100/H200)",
+        regs_per_block=65536,
+        shared_bytes=232448,
+        regs_per_sm=65536,
+        shared_per_sm=233472,
+        warps_per_sm=64,
+        blocks_per_sm=32,
+    ),
+    80: dict(
+        gpu="sm_80 (A100)",
+        regs_per_block=65536,
+        shared_bytes=166912,
+        regs_per_sm=65536,
+        shared_per_sm=167936,
+        warps_per_sm=64,
+        blocks_per_sm=32,
+    ),
+}
 MAX_GRID = (2**31 - 1, 65535, 65535)  # programs along x, y, z of one launch (every CUDA GPU)
 
 
@@ -45,6 +62,7 @@ class LaunchRecorder:
 
     def __init__(self, target):
         from triton.compiler import make_backend
+
         self.backend = make_backend(target)
         self.case = None
         self.launches = {}
@@ -52,6 +70,7 @@ class LaunchRecorder:
 
     def run(self, jit, grid, args, kwargs):
         from triton.runtime.jit import create_function_from_signature
+
         if jit not in self._binders:
             self._binders[jit] = create_function_from_signature(jit.signature, jit.params, self.backend)
         bound, specialization, options = self._binders[jit](*args, **kwargs)
@@ -59,19 +78,28 @@ class LaunchRecorder:
         grid = tuple(grid(bound) if callable(grid) else grid) + (1, 1)
         key = (jit.fn.__qualname__, repr(signature), repr(constexprs), repr(attrs), repr(options))
         if key not in self.launches:
-            self.launches[key] = dict(jit=jit, signature=signature, constexprs=constexprs, attrs=attrs,
-                                      options=options, case=self.case, grid=grid[:3])
+            self.launches[key] = dict(
+                jit=jit,
+                signature=signature,
+                constexprs=constexprs,
+                attrs=attrs,
+                options=options,
+                case=self.case,
+                grid=grid[:3],
+            )
         else:
             self.launches[key]["grid"] = tuple(max(a, b) for a, b in zip(self.launches[key]["grid"], grid))
 
     def __enter__(self):
         from triton.runtime.jit import JITFunction
+
         self._original = JITFunction.run
         JITFunction.run = lambda jit, *args, grid, warmup, **kwargs: self.run(jit, grid, args, kwargs)
         return self
 
     def __exit__(self, *exc):
         from triton.runtime.jit import JITFunction
+
         JITFunction.run = self._original
 
 
@@ -92,18 +120,24 @@ def op_cases(bench):
     small1 = dict(batch=2, seqlen=1000, dim=256, dstate=16)
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
-        cases += [(f"check {name} docs+initial", "ssd_chunk_scan",
-                   bench.ssd_inputs(small2, dtype, "cpu", gen, docs=True, initial=True)),
-                  (f"check {name}", "ssd_chunk_scan", bench.ssd_inputs(small2, dtype, "cpu", gen)),
-                  (f"check {name} docs", "selective_scan", bench.scan_inputs(small1, dtype, "cpu", gen, docs=True)),
-                  (f"check {name} docs", "causal_conv1d",
-                   bench.conv_inputs(2, 384, 1000, dtype, "cpu", gen, docs=True)),
-                  (f"check {name}", "rmsnorm_gated", bench.norm_inputs(2000, 512, 256, dtype, "cpu", gen))]
+        cases += [
+            (
+                f"check {name} docs+initial",
+                "ssd_chunk_scan",
+                bench.ssd_inputs(small2, dtype, "cpu", gen, docs=True, initial=True),
+            ),
+            (f"check {name}", "ssd_chunk_scan", bench.ssd_inputs(small2, dtype, "cpu", gen)),
+            (f"check {name} docs", "selective_scan", bench.scan_inputs(small1, dtype, "cpu", gen, docs=True)),
+            (f"check {name} docs", "causal_conv1d", bench.conv_inputs(2, 384, 1000, dtype, "cpu", gen, docs=True)),
+            (f"check {name}", "rmsnorm_gated", bench.norm_inputs(2000, 512, 256, dtype, "cpu", gen)),
+        ]
     long2 = dict(batch=1, seqlen=bench.LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
     long1 = dict(batch=1, seqlen=bench.LONG_SEQLEN, dim=64, dstate=16)
-    cases += [("check long docs", "ssd_chunk_scan", bench.ssd_inputs(long2, torch.float32, "cpu", gen, docs=True)),
-              ("check long docs", "selective_scan", bench.scan_inputs(long1, torch.float32, "cpu", gen, docs=True)),
-              ("check long", "causal_conv1d", bench.conv_inputs(1, 64, bench.LONG_SEQLEN, torch.float32, "cpu", gen))]
+    cases += [
+        ("check long docs", "ssd_chunk_scan", bench.ssd_inputs(long2, torch.float32, "cpu", gen, docs=True)),
+        ("check long docs", "selective_scan", bench.scan_inputs(long1, torch.float32, "cpu", gen, docs=True)),
+        ("check long", "causal_conv1d", bench.conv_inputs(1, 64, bench.LONG_SEQLEN, torch.float32, "cpu", gen)),
+    ]
     for size, d_model in bench.MAMBA2_D_MODEL.items():
         shape = bench.mamba2_shape(d_model, tokens=2 * 2048)
         cases.append((f"time Mamba-2 {size}", "ssd_chunk_scan", bench.ssd_inputs(shape, torch.bfloat16, "cpu", gen)))
@@ -118,18 +152,21 @@ def model_steps():
     second block adds the residual in its fused pre-norm)."""
     from megamamba.config import MambaConfig
     from megamamba.model.lm import MambaLM
+
     steps = []
     for layer, ssm in (("Mamba2", {"layer": "Mamba2"}), ("Mamba1", {"layer": "Mamba1"})):
         config = MambaConfig.from_dict(dict(d_model=256, n_layer=2, vocab_size=512, ssm_cfg=ssm))
         model = MambaLM(config)
         for autocast in (False, True):
             for docs in (False, True):
+
                 def step(model=model, autocast=autocast, docs=docs):
                     ids = torch.randint(0, 512, (2, 600), generator=torch.Generator().manual_seed(0))
                     seq_idx = (torch.arange(600) >= 250).int().expand(2, 600).contiguous() if docs else None
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                         loss = model.loss(ids[:, :-1], ids[:, 1:], seq_idx=None if seq_idx is None else seq_idx[:, :-1])
                     loss.backward()
+
                 steps.append((f"{layer} step{' bf16' if autocast else ''}{' docs' if docs else ''}", step))
     return steps
 
@@ -138,6 +175,7 @@ def resources(cubin: bytes) -> dict:
     """Registers per thread and stack bytes per thread (the registers spilled) of a cubin's
     kernel, from the cuobjdump that ships with Triton."""
     import triton
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -153,9 +191,12 @@ def resident_warps(regs: int, num_warps: int, shared_bytes: int, limits) -> int:
     """Warps of this kernel one SM can hold at once (occupancy), from its registers (allocated per
     warp in units of 256) and shared memory (plus 1 KiB the driver reserves per block)."""
     regs_per_warp = -(-regs * 32 // 256) * 256
-    blocks = min(limits["blocks_per_sm"], limits["warps_per_sm"] // num_warps,
-                 limits["regs_per_sm"] // (regs_per_warp * num_warps),
-                 limits["shared_per_sm"] // (shared_bytes + 1024))
+    blocks = min(
+        limits["blocks_per_sm"],
+        limits["warps_per_sm"] // num_warps,
+        limits["regs_per_sm"] // (regs_per_warp * num_warps),
+        limits["shared_per_sm"] // (shared_bytes + 1024),
+    )
     return blocks * num_warps
 
 
@@ -163,18 +204,25 @@ def compile_launch(launch, target, limits) -> dict:
     """Compile one recorded specialization for `target`; its resources, and ok or what is wrong."""
     import triton
     from triton.compiler import ASTSource
+
     t0 = time.time()
     options = launch["options"]
-    row = dict(kernel=launch["jit"].fn.__qualname__, case=launch["case"], num_warps=options.num_warps,
-               num_stages=options.num_stages, max_grid=list(launch["grid"]),
-               signature={k: str(v) for k, v in launch["signature"].items()})
+    row = dict(
+        kernel=launch["jit"].fn.__qualname__,
+        case=launch["case"],
+        num_warps=options.num_warps,
+        num_stages=options.num_stages,
+        max_grid=list(launch["grid"]),
+        signature={k: str(v) for k, v in launch["signature"].items()},
+    )
     try:
         source = ASTSource(launch["jit"], launch["signature"], launch["constexprs"], launch["attrs"])
         compiled = triton.compile(source, target=target, options=options.__dict__)
     except Exception as e:
         return dict(row, ok=False, error=f"{type(e).__name__}: {e}", seconds=round(time.time() - t0, 2))
-    row.update(resources(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared,
-               seconds=round(time.time() - t0, 2))
+    row.update(
+        resources(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared, seconds=round(time.time() - t0, 2)
+    )
     row["warps_per_sm"] = resident_warps(row["regs"], row["num_warps"], row["shared_bytes"], limits)
     regs_per_block = row["regs"] * 32 * row["num_warps"]
     problems = []
@@ -224,9 +272,11 @@ def record_launches(target) -> tuple:
 def summary(rows, arch) -> str:
     """One line per kernel: specializations, worst registers / spills / shared memory / occupancy
     (resident warps per SM, of 64), failures."""
-    lines = [f"Triton kernels compiled for {LIMITS[arch]['gpu']}",
-             f"{'kernel':24s} {'specs':>5s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'shared KiB':>10s} "
-             f"{'warps/SM':>8s}  status"]
+    lines = [
+        f"Triton kernels compiled for {LIMITS[arch]['gpu']}",
+        f"{'kernel':24s} {'specs':>5s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'shared KiB':>10s} "
+        f"{'warps/SM':>8s}  status",
+    ]
     for kernel in sorted({r["kernel"] for r in rows}):
         mine = [r for r in rows if r["kernel"] == kernel]
         done = [r for r in mine if "regs" in r]
@@ -237,8 +287,9 @@ def summary(rows, arch) -> str:
         shared = max((r["shared_bytes"] for r in done), default=0) / 1024
         resident = min((r["warps_per_sm"] for r in done), default=0)
         status = "ok" if not failed else f"FAILED {len(failed)}: {failed[0]['error'][:200]}"
-        lines.append(f"{kernel:24s} {len(mine):5d} {warps:>5s} {regs:5d} {spill:8d} {shared:10.1f} {resident:8d}  "
-                     f"{status}")
+        lines.append(
+            f"{kernel:24s} {len(mine):5d} {warps:>5s} {regs:5d} {spill:8d} {shared:10.1f} {resident:8d}  {status}"
+        )
     return "\n".join(lines)
 
 
@@ -246,19 +297,29 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, choices=sorted(LIMITS), help="CUDA compute capability")
     default_json = os.path.join(os.environ["OUT"], "compile_kernels.json") if os.environ.get("OUT") else None
-    parser.add_argument("--json", help="where to write the details (default $OUT/compile_kernels.json when OUT is set)",
-                        default=default_json)
+    parser.add_argument(
+        "--json",
+        help="where to write the details (default $OUT/compile_kernels.json when OUT is set)",
+        default=default_json,
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: interpreted kernels are not compiled; unset it")
     import triton
     from triton.backends.compiler import GPUTarget
+
     target = GPUTarget("cuda", args.arch, 32)
     t0 = time.time()
     launches, cases = record_launches(target)
     rows = compile_all(launches, target, LIMITS[args.arch])
-    report = dict(triton=triton.__version__, torch=torch.__version__, arch=args.arch, cases=cases, kernels=rows,
-                  seconds=round(time.time() - t0, 1))
+    report = dict(
+        triton=triton.__version__,
+        torch=torch.__version__,
+        arch=args.arch,
+        cases=cases,
+        kernels=rows,
+        seconds=round(time.time() - t0, 1),
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

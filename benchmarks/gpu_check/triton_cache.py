@@ -25,6 +25,7 @@ summary).
 The cache's group files name their kernel files by absolute path: check_io.unpack_triton_cache
 rewrites them wherever the archive is unpacked (--verify does, then looks every kernel up).
 """
+
 import argparse
 import contextlib
 import json
@@ -46,6 +47,7 @@ OUR_OPS = ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated",
 def _bf16_errors():
     """benchmarks/bf16_errors.py, whose ops and model the check also runs."""
     from check_io import load_benchmark
+
     return load_benchmark("bf16_errors")
 
 
@@ -53,6 +55,7 @@ def op_work(table):
     """(case, thunk) for every call of the check's errors and timings sections to the ops in
     `table` (op name -> function), bf16_errors.py's included."""
     import check_ops
+
     bf16_errors = _bf16_errors()
     bench = bf16_errors.load_kernel_benchmark()
     gen = torch.Generator().manual_seed(0)
@@ -61,13 +64,21 @@ def op_work(table):
         for dtype in (torch.float32, torch.bfloat16):
             if op in table:
                 tensors, kwargs = make(dtype, "cpu", gen)
-                work.append((f"errors {op} {dtype}", lambda f=table[op], t=tensors, k=kwargs, d=dtype:
-                             bf16_errors.forward_backward(f, t, k, d)))
+                work.append(
+                    (
+                        f"errors {op} {dtype}",
+                        lambda f=table[op], t=tensors, k=kwargs, d=dtype: bf16_errors.forward_backward(f, t, k, d),
+                    )
+                )
     for op, seqlen, make in bf16_errors.op_cases(bench, bf16_errors.OPS, bf16_errors.SEQLENS):
         if op in table:
             tensors, kwargs = make(torch.bfloat16, "cpu", gen)
-            work.append((f"bf16 errors {op} {seqlen}", lambda f=table[op], t=tensors, k=kwargs:
-                         bf16_errors.forward_backward(f, t, k, torch.bfloat16)))
+            work.append(
+                (
+                    f"bf16 errors {op} {seqlen}",
+                    lambda f=table[op], t=tensors, k=kwargs: bf16_errors.forward_backward(f, t, k, torch.bfloat16),
+                )
+            )
     for op, layer, make in check_ops.timing_cases(bench, dry=False):
         if op in table:
             tensors, kwargs = make("cpu", gen)
@@ -89,6 +100,7 @@ def model_work(theirs=None):
     documents, or mamba_ssm's."""
     bf16_errors = _bf16_errors()
     from megamamba import MambaConfig, MambaLM
+
     work = []
     for size in SIZES:
         with open(os.path.join(REPO, f"launch/configs/mamba2-{size}.json")) as f:
@@ -103,12 +115,20 @@ def model_work(theirs=None):
             batches, documents = {micro, 4}, (False,)
         for batch in sorted(batches if size == "130m" else {micro}):  # 2: the smoke's, 4: the parity's
             for docs in documents:
-                work.append((f"step {size} batch {batch}{' docs' if docs else ''}{' mamba_ssm' if theirs else ''}",
-                             lambda m=model, b=batch, d=docs: train_step(m, b, 2048, d)))
+                work.append(
+                    (
+                        f"step {size} batch {batch}{' docs' if docs else ''}{' mamba_ssm' if theirs else ''}",
+                        lambda m=model, b=batch, d=docs: train_step(m, b, 2048, d),
+                    )
+                )
     ours, theirs_model, ids = bf16_errors.models("cpu", theirs)
     model = ours if theirs is None else theirs_model
-    work.append((f"bf16 errors model{' mamba_ssm' if theirs else ''}",
-                 lambda: bf16_errors.lm_step(model, ids, bf16_errors.MODEL["vocab_size"], True)))
+    work.append(
+        (
+            f"bf16 errors model{' mamba_ssm' if theirs else ''}",
+            lambda: bf16_errors.lm_step(model, ids, bf16_errors.MODEL["vocab_size"], True),
+        )
+    )
     return work
 
 
@@ -125,10 +145,14 @@ def mamba_ssm_work(theirs):
     """(case, thunk) for mamba_ssm's Triton kernels in the check: its SSD and gated norm at the
     errors and timings shapes, and training steps of its model (throughput and parity)."""
     bf16_errors = _bf16_errors()
-    table = {op: fn for op, (fn, _) in bf16_errors.theirs_ops(theirs).items()
-             if op in ("ssd_chunk_scan", "rmsnorm_gated", "add_rmsnorm")}
-    return [(case, lambda thunk=thunk: without_device_switch(thunk))
-            for case, thunk in op_work(table) + model_work(theirs)]
+    table = {
+        op: fn
+        for op, (fn, _) in bf16_errors.theirs_ops(theirs).items()
+        if op in ("ssd_chunk_scan", "rmsnorm_gated", "add_rmsnorm")
+    }
+    return [
+        (case, lambda thunk=thunk: without_device_switch(thunk)) for case, thunk in op_work(table) + model_work(theirs)
+    ]
 
 
 def choose_mamba_ssm_configs(src, target, limits):
@@ -138,6 +162,7 @@ def choose_mamba_ssm_configs(src, target, limits):
     Returns (kernel name -> chosen configuration number, compile rows of the chosen ones)."""
     import compile_kernels
     from megamamba.testing.mamba_ssm_release import autotuners, cap_autotuning, load
+
     theirs, how = load(src)
     print(f"mamba_ssm: {how}", flush=True)
     if theirs is None:
@@ -150,8 +175,11 @@ def choose_mamba_ssm_configs(src, target, limits):
             for case, thunk in mamba_ssm_work(theirs):
                 recorder.case = case
                 thunk()
-        todo = [launch for launch in recorder.launches.values()
-                if launch["jit"].fn.__name__ in pending or (index == 0 and launch["jit"].fn.__name__ not in tuners)]
+        todo = [
+            launch
+            for launch in recorder.launches.values()
+            if launch["jit"].fn.__name__ in pending or (index == 0 and launch["jit"].fn.__name__ not in tuners)
+        ]
         compiled = compile_kernels.compile_all(todo, target, limits)
         for name in list(pending):
             mine = [r for r in compiled if r["kernel"] == name]
@@ -192,6 +220,7 @@ def verify(tarball, mamba_ssm_src, target) -> int:
     import megamamba.kernels as ours
     from check_io import unpack_triton_cache
     from megamamba.testing.mamba_ssm_release import load as load_mamba_ssm
+
     table = {op: getattr(ours, op) for op in OUR_OPS}
     with tempfile.TemporaryDirectory() as cache:
         unpack_triton_cache(tarball, cache)
@@ -208,8 +237,10 @@ def verify(tarball, mamba_ssm_src, target) -> int:
             triton.compile(source, target=target, options=launch["options"].__dict__)
     missed = sorted({name for name, hit in seen if not hit})
     print(f"megamamba from {os.path.dirname(ours.__file__)}; mamba_ssm: {how}")
-    print(f"{sum(hit for _, hit in seen)} of {len(seen)} specializations found in {tarball}"
-          + (f"; compiled anew: {', '.join(missed)}" if missed else ""))
+    print(
+        f"{sum(hit for _, hit in seen)} of {len(seen)} specializations found in {tarball}"
+        + (f"; compiled anew: {', '.join(missed)}" if missed else "")
+    )
     return 1 if missed else 0
 
 
@@ -224,22 +255,30 @@ def keys_of_wheel(wheel: str):
 
     import triton
     import triton.runtime.cache as cache
+
     root = os.path.dirname(triton.__file__)
     hashed = ("compiler/", "backends/", "language/", "runtime/cache.py")
     with zipfile.ZipFile(wheel) as whl:
         names = [n for n in whl.namelist() if n.startswith("triton/")]
-        version = next(n.split("/")[0][len("triton-"):-len(".dist-info")] for n in whl.namelist()
-                       if n.endswith(".dist-info/METADATA"))
+        version = next(
+            n.split("/")[0][len("triton-") : -len(".dist-info")]
+            for n in whl.namelist()
+            if n.endswith(".dist-info/METADATA")
+        )
         if version != triton.__version__:
-            raise SystemExit(f"--triton-wheel {wheel}: Triton {version}, but this process runs {triton.__version__}; "
-                             "its key hashes its own sources: give the wheel of the same release")
+            raise SystemExit(
+                f"--triton-wheel {wheel}: Triton {version}, but this process runs {triton.__version__}; "
+                "its key hashes its own sources: give the wheel of the same release"
+            )
         for name in names:
-            rel = name[len("triton/"):]
+            rel = name[len("triton/") :]
             if rel.endswith(".py") and rel.startswith(hashed):
                 mine = os.path.join(root, rel)
                 if not os.path.exists(mine) or open(mine, "rb").read() != whl.read(name):
-                    raise SystemExit(f"--triton-wheel {wheel}: its {name} differs from {mine}; only libtriton "
-                                     "may differ between the two builds")
+                    raise SystemExit(
+                        f"--triton-wheel {wheel}: its {name} differs from {mine}; only libtriton "
+                        "may differ between the two builds"
+                    )
         theirs = hashlib.sha256()
         with whl.open("triton/_C/libtriton.so") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -264,19 +303,29 @@ def identity_path(tarball: str) -> str:
 
 def main(argv=None):
     import triton
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, ".whl", f"triton-cache-{triton.__version__}.tar.gz"))
-    parser.add_argument("--mamba-ssm-src", default=os.path.join(REPO, ".whl", "mamba_ssm-src"),
-                        help="unpacked mamba_ssm source release, whose kernels are added (skipped when absent)")
-    parser.add_argument("--triton-wheel", default=None,
-                        help="the GPU machine's Triton wheel (this release, built for its Python): key the cache "
-                             "as that Triton does")
-    parser.add_argument("--verify", action="store_true",
-                        help="instead: look every specialization up in the --out archive, report the hits")
+    parser.add_argument(
+        "--mamba-ssm-src",
+        default=os.path.join(REPO, ".whl", "mamba_ssm-src"),
+        help="unpacked mamba_ssm source release, whose kernels are added (skipped when absent)",
+    )
+    parser.add_argument(
+        "--triton-wheel",
+        default=None,
+        help="the GPU machine's Triton wheel (this release, built for its Python): key the cache as that Triton does",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="instead: look every specialization up in the --out archive, report the hits",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: interpreted kernels are not compiled; unset it")
     from triton.backends.compiler import GPUTarget
+
     os.environ["MEGAMAMBA_KERNELS"] = "triton"
     target = GPUTarget("cuda", 90, 32)
     with keys_of_wheel(args.triton_wheel) if args.triton_wheel else contextlib.nullcontext():
@@ -290,10 +339,12 @@ def build(args, target) -> int:
     import compile_kernels
     from check_io import triton_cache_identity
     from megamamba.testing.mamba_ssm_release import CHOICES
+
     start = time.time()
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         import megamamba.kernels as ours
+
         table = {op: getattr(ours, op) for op in OUR_OPS}
         with compile_kernels.LaunchRecorder(target) as recorder:
             for case, thunk in op_work(table) + model_work():
@@ -312,10 +363,12 @@ def build(args, target) -> int:
             for name in sorted(os.listdir(cache)):
                 tar.add(os.path.join(cache, name), arcname=name)
     failed = [r for r in rows + their_rows if not r["ok"]]
-    print(f"ours: {len(rows)} specializations; mamba_ssm: {len(their_rows)} with the configurations chosen "
-          f"({', '.join(f'{k}#{v}' for k, v in sorted(choices.items()))}); {entries} cache entries for sm_90, "
-          f"triton {triton.__version__}; {args.out}: {os.path.getsize(args.out) / 2**20:.1f} MiB; "
-          f"{time.time() - start:.0f} s")
+    print(
+        f"ours: {len(rows)} specializations; mamba_ssm: {len(their_rows)} with the configurations chosen "
+        f"({', '.join(f'{k}#{v}' for k, v in sorted(choices.items()))}); {entries} cache entries for sm_90, "
+        f"triton {triton.__version__}; {args.out}: {os.path.getsize(args.out) / 2**20:.1f} MiB; "
+        f"{time.time() - start:.0f} s"
+    )
     for r in failed:
         print(f"FAILED {r['kernel']} ({r['case']}): {r['error']}")
     return 1 if failed else 0

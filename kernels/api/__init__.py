@@ -1,4 +1,5 @@
 """megamamba.kernels: scan, conv and norm ops, Triton on CUDA and the PyTorch reference elsewhere (see dispatch)."""
+
 from .dispatch import (
     add_rmsnorm,
     causal_conv1d,

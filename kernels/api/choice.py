@@ -5,6 +5,7 @@ MEGAMAMBA_KERNELS chooses: "triton" forces Triton (on CPU tensors it needs TRITO
 otherwise. Each call costs one lookup of the variable (so tests and users can switch it at run
 time); its parsing is cached per value. The Triton modules are imported when first chosen.
 """
+
 import importlib
 import os
 
@@ -12,7 +13,7 @@ BACKENDS = ("auto", "reference", "triton")
 ENV = "MEGAMAMBA_KERNELS"
 
 
-_CHOICES: dict = {}    # raw value of ENV -> parsed choice
+_CHOICES: dict = {}  # raw value of ENV -> parsed choice
 
 
 def _choice(raw) -> str:
@@ -24,7 +25,7 @@ def _choice(raw) -> str:
 
 
 def backend(device_tensor) -> str:
-    """"triton" or "reference" for an op whose main input is `device_tensor`, as the env asks."""
+    """ "triton" or "reference" for an op whose main input is `device_tensor`, as the env asks."""
     raw = os.environ.get(ENV)
     choice = _CHOICES.get(raw) or _choice(raw)
     if choice == "auto":

@@ -1,5 +1,6 @@
 """Public ops: mamba_ssm's signatures over the custom ops (ops.py), which pick the Triton kernel or the
 PyTorch reference at each call (choice.py)."""
+
 from typing import Optional
 
 import torch
@@ -19,8 +20,20 @@ def _autocast(t: torch.Tensor) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, seq_idx=None, initial_state=None):
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    return_last_state=False,
+    seq_idx=None,
+    initial_state=None,
+):
     """Mamba-1 selective scan, as mamba_ssm's selective_scan_fn.
 
     u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (batch, groups, dstate, seqlen),
@@ -34,13 +47,28 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     batch, dim, seqlen = u.shape
     B = _as_groups("B", B, batch, dim, A.shape[1], seqlen)
     C = _as_groups("C", C, batch, dim, A.shape[1], seqlen)
-    out, last, _ = ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
-                                      seq_idx, initial_state, _autocast(u))
+    out, last, _ = ops.selective_scan(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, seq_idx, initial_state, _autocast(u)
+    )
     return (out, last) if return_last_state else out
 
 
-def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                   seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+def ssd_chunk_scan(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+):
     """Mamba-2 SSD scan, as mamba_ssm's mamba_chunk_scan_combined.
 
     x, z: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A, dt_bias: (nheads,);
@@ -51,8 +79,23 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    y, final = ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
-                                  [float(limit) for limit in dt_limit], return_final_states, _autocast(x))
+    y, final = ops.ssd_chunk_scan(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D,
+        z,
+        dt_bias,
+        initial_states,
+        seq_idx,
+        dt_softplus,
+        [float(limit) for limit in dt_limit],
+        return_final_states,
+        _autocast(x),
+    )
     return (y, final) if return_final_states else y
 
 

@@ -7,6 +7,7 @@ Triton's backward kernels, or the reference run again under autograd (`reference
 the public functions' arguments (dispatch.py) with their defaults resolved, and the autocast dtype the
 reference computes under (None: off). How and why: docs/code.md ("The kernels as custom ops").
 """
+
 from typing import Any, Callable, Optional
 
 import torch
@@ -66,9 +67,16 @@ def _in_conv_layout(x: Tensor, t: Tensor) -> Tensor:
 
 # ---- causal_conv1d ------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("megamamba::causal_conv1d", mutates_args=())
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
-                  activation: Optional[str], autocast: Optional[torch.dtype]) -> Tensor:
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    seq_idx: Optional[Tensor],
+    activation: Optional[str],
+    autocast: Optional[torch.dtype],
+) -> Tensor:
     if backend(x) == "triton":
         return triton("conv").forward(x, weight, bias, seq_idx, activation)
     with autocast_to(x.device.type, autocast):
@@ -82,15 +90,26 @@ def _(x, weight, bias, seq_idx, activation, autocast):
 
 
 @torch.library.custom_op("megamamba::causal_conv1d_backward", mutates_args=())
-def causal_conv1d_backward(dout: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                           seq_idx: Optional[Tensor], activation: Optional[str],
-                           autocast: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+def causal_conv1d_backward(
+    dout: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    seq_idx: Optional[Tensor],
+    activation: Optional[str],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor]:
     if backend(x) == "triton":
         dx, dweight, dbias = triton("conv").backward(dout, x, weight, bias, seq_idx, activation)
     else:
         dx, dweight, dbias = reference_grads(
-            reference_causal_conv1d, dict(x=x, weight=weight, bias=bias, seq_idx=seq_idx),
-            dict(activation=activation), (dout,), autocast, ("x", "weight", "bias"))
+            reference_causal_conv1d,
+            dict(x=x, weight=weight, bias=bias, seq_idx=seq_idx),
+            dict(activation=activation),
+            (dout,),
+            autocast,
+            ("x", "weight", "bias"),
+        )
         dx = _in_conv_layout(x, dx)
     return dx, dweight, _or_absent(dbias, x)
 
@@ -117,9 +136,18 @@ causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 # ---- rmsnorm_gated ------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("megamamba::rmsnorm_gated", mutates_args=())
-def rmsnorm_gated(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Optional[Tensor], eps: float,
-                  group_size: Optional[int], norm_before_gate: bool, autocast: Optional[torch.dtype]) -> Tensor:
+def rmsnorm_gated(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    z: Optional[Tensor],
+    eps: float,
+    group_size: Optional[int],
+    norm_before_gate: bool,
+    autocast: Optional[torch.dtype],
+) -> Tensor:
     if backend(x) == "triton":
         return triton("norm").forward(x, weight, bias, z, eps, group_size, norm_before_gate)
     with autocast_to(x.device.type, autocast):
@@ -132,16 +160,28 @@ def _(x, weight, bias, z, eps, group_size, norm_before_gate, autocast):
 
 
 @torch.library.custom_op("megamamba::rmsnorm_gated_backward", mutates_args=())
-def rmsnorm_gated_backward(dout: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Optional[Tensor],
-                           eps: float, group_size: Optional[int], norm_before_gate: bool,
-                           autocast: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def rmsnorm_gated_backward(
+    dout: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    z: Optional[Tensor],
+    eps: float,
+    group_size: Optional[int],
+    norm_before_gate: bool,
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if backend(x) == "triton":
         grads = triton("norm").backward(dout, x, weight, bias, z, eps, group_size, norm_before_gate)
     else:
         grads = reference_grads(
-            reference_rmsnorm_gated, dict(x=x, weight=weight, bias=bias, z=z),
-            dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate), (dout,), autocast,
-            ("x", "weight", "bias", "z"))
+            reference_rmsnorm_gated,
+            dict(x=x, weight=weight, bias=bias, z=z),
+            dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate),
+            (dout,),
+            autocast,
+            ("x", "weight", "bias", "z"),
+        )
     return _all_or_absent(grads, x)
 
 
@@ -167,6 +207,7 @@ rmsnorm_gated.register_autograd(_norm_backward, setup_context=_norm_setup)
 
 # ---- add_rmsnorm --------------------------------------------------------------------------------
 
+
 def _residual_dtype(x: Tensor, residual: Optional[Tensor], residual_dtype: Optional[torch.dtype]) -> torch.dtype:
     """The new residual's dtype: residual_dtype, else that of x + residual."""
     if residual_dtype is not None:
@@ -184,8 +225,14 @@ def _fused(x, residual, weight, residual_dtype) -> bool:
 
 
 @torch.library.custom_op("megamamba::add_rmsnorm", mutates_args=())
-def add_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
-                residual_dtype: Optional[torch.dtype], autocast: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+def add_rmsnorm(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Tensor,
+    eps: float,
+    residual_dtype: Optional[torch.dtype],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor]:
     """(the norm, the new residual; the placeholder when that is x itself, which the caller returns)."""
     stores = _stores_residual(x, residual, residual_dtype)
     if _fused(x, residual, weight, residual_dtype):
@@ -205,20 +252,32 @@ def _(x, residual, weight, eps, residual_dtype, autocast):
 
 
 @torch.library.custom_op("megamamba::add_rmsnorm_backward", mutates_args=())
-def add_rmsnorm_backward(dnormed: Optional[Tensor], dresidual_out: Optional[Tensor], x: Tensor,
-                         residual: Optional[Tensor], weight: Tensor, residual_out: Tensor, eps: float,
-                         residual_dtype: Optional[torch.dtype],
-                         autocast: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+def add_rmsnorm_backward(
+    dnormed: Optional[Tensor],
+    dresidual_out: Optional[Tensor],
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Tensor,
+    residual_out: Tensor,
+    eps: float,
+    residual_dtype: Optional[torch.dtype],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dresidual, dweight) given the outputs' gradients (None: unused) and the forward's residual_out."""
     if _fused(x, residual, weight, residual_dtype):
         r = residual_out if _stores_residual(x, residual, residual_dtype) else x
-        grads = triton("add_norm").backward(dnormed, dresidual_out, r, weight, eps, x.dtype,
-                                            None if residual is None else residual.dtype)
+        grads = triton("add_norm").backward(
+            dnormed, dresidual_out, r, weight, eps, x.dtype, None if residual is None else residual.dtype
+        )
     else:
         grads = reference_grads(
-            reference_add_rmsnorm, dict(x=x, residual=residual, weight=weight),
-            dict(eps=eps, residual_dtype=residual_dtype), (dnormed, dresidual_out), autocast,
-            ("x", "residual", "weight"))
+            reference_add_rmsnorm,
+            dict(x=x, residual=residual, weight=weight),
+            dict(eps=eps, residual_dtype=residual_dtype),
+            (dnormed, dresidual_out),
+            autocast,
+            ("x", "residual", "weight"),
+        )
     return _all_or_absent(grads, x)
 
 
@@ -237,8 +296,9 @@ def _add_norm_setup(ctx, inputs, output):
 
 def _add_norm_backward(ctx, dnormed, dresidual_out):
     x, residual, weight, residual_out = ctx.saved_tensors
-    dx, dresidual, dweight = add_rmsnorm_backward(dnormed, dresidual_out if ctx.stores else None, x, residual,
-                                                  weight, residual_out, *ctx.options)
+    dx, dresidual, dweight = add_rmsnorm_backward(
+        dnormed, dresidual_out if ctx.stores else None, x, residual, weight, residual_out, *ctx.options
+    )
     return dx, None if residual is None else dresidual, dweight, None, None, None
 
 
@@ -251,25 +311,68 @@ _SSD_INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
 @torch.library.custom_op("megamamba::ssd_chunk_scan", mutates_args=())
-def ssd_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
-                   z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
-                   seq_idx: Optional[Tensor], dt_softplus: bool, dt_limit: list[float], return_final_states: bool,
-                   autocast: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+def ssd_chunk_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Optional[Tensor],
+    z: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_states: Optional[Tensor],
+    seq_idx: Optional[Tensor],
+    dt_softplus: bool,
+    dt_limit: list[float],
+    return_final_states: bool,
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor]:
     """(y, the final states; the placeholder unless return_final_states)."""
     if backend(x) == "triton":
-        y, final = triton("ssd").forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                         dt_softplus, dt_limit)
+        y, final = triton("ssd").forward(
+            x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit
+        )
     else:
         with autocast_to(x.device.type, autocast):
-            y, final = reference_ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                                dt_softplus, dt_limit, return_final_states=True)
+            y, final = reference_ssd_chunk_scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size,
+                D,
+                z,
+                dt_bias,
+                initial_states,
+                seq_idx,
+                dt_softplus,
+                dt_limit,
+                return_final_states=True,
+            )
         y, final = y.contiguous(), final.contiguous()
     return y, final if return_final_states else _absent(x)
 
 
 @ssd_chunk_scan.register_fake
-def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-      return_final_states, autocast):
+def _(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D,
+    z,
+    dt_bias,
+    initial_states,
+    seq_idx,
+    dt_softplus,
+    dt_limit,
+    return_final_states,
+    autocast,
+):
     if not return_final_states:
         return x.new_empty(x.shape), _absent(x)
     dtype = torch.float32 if backend(x) == "triton" else compute_dtype(x)
@@ -278,18 +381,33 @@ def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_sof
 
 
 @torch.library.custom_op("megamamba::ssd_chunk_scan_backward", mutates_args=())
-def ssd_chunk_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
-                            C: Tensor, chunk_size: int, D: Optional[Tensor], z: Optional[Tensor],
-                            dt_bias: Optional[Tensor], initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
-                            dt_softplus: bool, dt_limit: list[float], autocast: Optional[torch.dtype]) -> tuple[
-                                Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def ssd_chunk_scan_backward(
+    dy: Tensor,
+    dfinal: Optional[Tensor],
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Optional[Tensor],
+    z: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_states: Optional[Tensor],
+    seq_idx: Optional[Tensor],
+    dt_softplus: bool,
+    dt_limit: list[float],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) given dy and dfinal (None: unused)."""
     if backend(x) == "triton":
-        grads = triton("ssd").backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
-                                       seq_idx, dt_softplus, dt_limit)
+        grads = triton("ssd").backward(
+            dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit
+        )
     else:
-        tensors = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-                       seq_idx=seq_idx)
+        tensors = dict(
+            x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx
+        )
         options = dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
         grads = reference_grads(reference_ssd_chunk_scan, tensors, options, (dy, dfinal), autocast, _SSD_INPUTS)
     return _all_or_absent(grads, x)
@@ -313,8 +431,24 @@ def _ssd_backward(ctx, dy, dfinal):
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
     chunk_size, dt_softplus, dt_limit, autocast = ctx.options
     dy = _zeros_like(x) if dy is None else dy  # only the final states are used
-    grads = ssd_chunk_scan_backward(dy, dfinal if ctx.returns_final else None, x, dt, A, B, C, chunk_size, D, z,
-                                    dt_bias, initial_states, seq_idx, dt_softplus, dt_limit, autocast)
+    grads = ssd_chunk_scan_backward(
+        dy,
+        dfinal if ctx.returns_final else None,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D,
+        z,
+        dt_bias,
+        initial_states,
+        seq_idx,
+        dt_softplus,
+        dt_limit,
+        autocast,
+    )
     present = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = (None if t is None else g for g, t in zip(grads, present))
     return dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit, None, None, None, None, None
@@ -329,19 +463,32 @@ _SCAN_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_st
 
 
 @torch.library.custom_op("megamamba::selective_scan", mutates_args=())
-def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-                   z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool, return_last_state: bool,
-                   seq_idx: Optional[Tensor], initial_state: Optional[Tensor],
-                   autocast: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor],
+    z: Optional[Tensor],
+    delta_bias: Optional[Tensor],
+    delta_softplus: bool,
+    return_last_state: bool,
+    seq_idx: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor]:
     """(out, the last state; the placeholder unless return_last_state, Triton's chunk states for its
     backward; the placeholder on the reference). B and C as `_as_groups` gives them."""
     if backend(u) == "triton":
-        out, last, chunk_states = triton("selective_scan").forward(u, delta, A, B, C, D, z, delta_bias,
-                                                                   delta_softplus, seq_idx, initial_state)
+        out, last, chunk_states = triton("selective_scan").forward(
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, initial_state
+        )
     else:
         with autocast_to(u.device.type, autocast):
-            out, last = reference_selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, True, seq_idx,
-                                                 initial_state)
+            out, last = reference_selective_scan(
+                u, delta, A, B, C, D, z, delta_bias, delta_softplus, True, seq_idx, initial_state
+            )
         out, last, chunk_states = out.contiguous(), last.contiguous(), _absent(u)
     return out, last if return_last_state else _absent(u), chunk_states
 
@@ -360,18 +507,41 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, se
 
 
 @torch.library.custom_op("megamamba::selective_scan_backward", mutates_args=())
-def selective_scan_backward(dout: Tensor, dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor,
-                            C: Tensor, D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
-                            delta_softplus: bool, seq_idx: Optional[Tensor], initial_state: Optional[Tensor],
-                            chunk_states: Tensor, autocast: Optional[torch.dtype]) -> tuple[
-                                Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def selective_scan_backward(
+    dout: Tensor,
+    dlast: Optional[Tensor],
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor],
+    z: Optional[Tensor],
+    delta_bias: Optional[Tensor],
+    delta_softplus: bool,
+    seq_idx: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    chunk_states: Tensor,
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state) given dout and dlast (None: unused)."""
     if backend(u) == "triton":
-        grads = triton("selective_scan").backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                                  seq_idx, initial_state, chunk_states)
+        grads = triton("selective_scan").backward(
+            dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, initial_state, chunk_states
+        )
     else:
-        tensors = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias, seq_idx=seq_idx,
-                       initial_state=initial_state)
+        tensors = dict(
+            u=u,
+            delta=delta,
+            A=A,
+            B=B,
+            C=C,
+            D=D,
+            z=z,
+            delta_bias=delta_bias,
+            seq_idx=seq_idx,
+            initial_state=initial_state,
+        )
         options = dict(delta_softplus=delta_softplus, return_last_state=True)
         grads = reference_grads(reference_selective_scan, tensors, options, (dout, dlast), autocast, _SCAN_INPUTS)
     return _all_or_absent(grads, u)
@@ -395,8 +565,23 @@ def _scan_backward(ctx, dout, dlast, _):
     u, delta, A, B, C, D, z, delta_bias, seq_idx, initial_state, chunk_states = ctx.saved_tensors
     delta_softplus, autocast = ctx.options
     dout = _zeros_like(u) if dout is None else dout  # only the last state is used
-    grads = selective_scan_backward(dout, dlast if ctx.returns_last else None, u, delta, A, B, C, D, z, delta_bias,
-                                    delta_softplus, seq_idx, initial_state, chunk_states, autocast)
+    grads = selective_scan_backward(
+        dout,
+        dlast if ctx.returns_last else None,
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D,
+        z,
+        delta_bias,
+        delta_softplus,
+        seq_idx,
+        initial_state,
+        chunk_states,
+        autocast,
+    )
     present = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinit = (None if t is None else g for g, t in zip(grads, present))
     return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, None, None, None, dinit, None
@@ -407,10 +592,20 @@ selective_scan.register_autograd(_scan_backward, setup_context=_scan_setup)
 
 # ---- single steps (generation: no gradients) ------------------------------------------------------
 
+
 @torch.library.custom_op("megamamba::selective_state_update", mutates_args=("state",))
-def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                           D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
-                           dt_softplus: bool) -> Tensor:
+def selective_state_update(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor],
+    z: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    dt_softplus: bool,
+) -> Tensor:
     return step.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
@@ -420,8 +615,9 @@ def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
 
 
 @torch.library.custom_op("megamamba::causal_conv1d_update", mutates_args=("conv_state",))
-def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
-                         activation: Optional[str]) -> Tensor:
+def causal_conv1d_update(
+    x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str]
+) -> Tensor:
     return step.causal_conv1d_update(x, conv_state, weight, bias, activation)
 
 
@@ -431,6 +627,7 @@ def _(x, conv_state, weight, bias, activation):
 
 
 # ---- FLOP formulas (arguments arrive as shapes) ---------------------------------------------------
+
 
 def _ssd(x, B, chunk_size):
     batch, seqlen, nheads, headdim = x
@@ -449,8 +646,9 @@ def _register_flops():
     ops = torch.ops.megamamba
     formulas: dict[Any, Callable[..., int]] = {
         ops.ssd_chunk_scan: lambda x, dt, A, B, C, chunk_size, *_, **__: _ssd(x, B, chunk_size),
-        ops.ssd_chunk_scan_backward: lambda dy, df, x, dt, A, B, C, chunk_size, *_, **__:
-            flops.BACKWARD * _ssd(x, B, chunk_size),
+        ops.ssd_chunk_scan_backward: lambda dy, df, x, dt, A, B, C, chunk_size, *_, **__: (
+            flops.BACKWARD * _ssd(x, B, chunk_size)
+        ),
         ops.selective_scan: lambda u, delta, A, *_, **__: _scan(u, A),
         ops.selective_scan_backward: lambda dout, dlast, u, delta, A, *_, **__: flops.BACKWARD * _scan(u, A),
         ops.causal_conv1d: lambda x, weight, *_, **__: _conv(x, weight),
@@ -460,7 +658,8 @@ def _register_flops():
         ops.add_rmsnorm: lambda *_, **__: 0,
         ops.add_rmsnorm_backward: lambda *_, **__: 0,
         ops.selective_state_update: lambda state, *_, **__: flops.selective_scan_flops(
-            state[0], state[1:-1].numel(), state[-1]),
+            state[0], state[1:-1].numel(), state[-1]
+        ),
         ops.causal_conv1d_update: lambda x, conv_state, weight, *_, **__: flops.conv_flops(x[0], x[1], weight[1]),
     }
     for op, formula in formulas.items():

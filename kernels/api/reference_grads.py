@@ -4,6 +4,7 @@ An op's implementation runs below autograd, so the forward op keeps no graph, on
 Triton kernels do); its backward op switches autograd back on, recomputes the reference under the
 forward's autocast and differentiates it. In float32 that is exactly the graph autograd would have kept.
 """
+
 import contextlib
 from typing import Callable, Optional
 
@@ -20,8 +21,11 @@ def autocast_to(device_type: str, dtype: Optional[torch.dtype]):
 def _autograd_on():
     """Autograd (and its view tracking) back on inside an op's implementation, which runs below it."""
     keys = torch._C.DispatchKey
-    with torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False), \
-            torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False), torch.enable_grad():
+    with (
+        torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False),
+        torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False),
+        torch.enable_grad(),
+    ):
         yield
 
 
@@ -29,14 +33,16 @@ def _owned(t: Tensor, others: list) -> Tensor:
     """t contiguous and sharing memory with none of `others` (an op's outputs never alias its inputs or
     each other, and autograd may hand an output's gradient through unchanged)."""
     t = t.contiguous()
-    if any(o is not None and o.numel() and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
-           for o in others):
+    if any(
+        o is not None and o.numel() and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others
+    ):
         return t.clone()
     return t
 
 
-def reference_grads(forward: Callable, tensors: dict, options: dict, output_grads: tuple,
-                    autocast: Optional[torch.dtype], names: tuple) -> list:
+def reference_grads(
+    forward: Callable, tensors: dict, options: dict, output_grads: tuple, autocast: Optional[torch.dtype], names: tuple
+) -> list:
     """Gradients of forward(**tensors, **options) with respect to tensors[name] for each of `names`
     (None for an absent one), given each output's gradient (None: that output is unused)."""
     leaves = {k: t.detach().requires_grad_() if k in names and t is not None else t for k, t in tensors.items()}

@@ -1,4 +1,5 @@
 """Residual add + RMSNorm in PyTorch: the pre-norm of a Mamba block, as the model writes it."""
+
 from .norm import rmsnorm_gated
 
 

@@ -1,4 +1,5 @@
 """Helpers shared by the reference ops: compute dtype, argument checks, document ids."""
+
 import torch
 import torch.nn.functional as F
 

@@ -1,4 +1,5 @@
 """Depthwise causal 1-D convolution in PyTorch."""
+
 import torch
 import torch.nn.functional as F
 
@@ -36,8 +37,8 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):
     if doc is None:
         out = F.conv1d(xc, w.unsqueeze(1), b, padding=width - 1, groups=dim)[..., :seqlen]
     else:
-        windows = F.pad(xc, (width - 1, 0)).unfold(-1, width, 1)                 # (b, d, L, w)
-        tap_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(-1, width, 1)      # (b, L, w)
+        windows = F.pad(xc, (width - 1, 0)).unfold(-1, width, 1)  # (b, d, L, w)
+        tap_doc = F.pad(doc, (width - 1, 0), value=-1).unfold(-1, width, 1)  # (b, L, w)
         same = (tap_doc == doc[..., None]).to(ct)
         out = torch.einsum("bdlw,blw,dw->bdl", windows, same, w)
         if b is not None:

@@ -1,4 +1,5 @@
 """Gated RMSNorm in PyTorch (as mamba_ssm's rmsnorm_fn)."""
+
 import torch
 
 from .common import check_real, check_shape, compute_dtype, silu

@@ -4,6 +4,7 @@ About sqrt(seqlen) chunks of sqrt(seqlen) steps: the recurrence runs inside all 
 from zero, then a loop carries the state between them. Nothing divides by a decay, so tiny decays
 underflow to zeros, never inf or NaN. The algorithm: docs/code.md ("How the kernels compute").
 """
+
 import math
 
 import torch
@@ -31,8 +32,10 @@ def _as_groups(name, M, batch, dim, dstate, seqlen):
         if groups < 1 or dim % groups != 0:
             raise ValueError(f"{name} has {groups} groups, which must divide dim ({dim})")
         return M
-    raise ValueError(f"{name} must have shape (dim, dstate), (batch, dstate, seqlen) or "
-                     f"(batch, groups, dstate, seqlen), got {tuple(M.shape)}")
+    raise ValueError(
+        f"{name} must have shape (dim, dstate), (batch, dstate, seqlen) or "
+        f"(batch, groups, dstate, seqlen), got {tuple(M.shape)}"
+    )
 
 
 def _states_operand(M, q, nchunks, pad, dim):
@@ -72,8 +75,20 @@ def _check(u, delta, A, D, z, delta_bias, initial_state=None):
         check_real(name, t)
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, seq_idx=None, initial_state=None):
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    return_last_state=False,
+    seq_idx=None,
+    initial_state=None,
+):
     """Mamba-1 scan (as mamba_ssm's selective_scan_fn, plus seq_idx and initial_state); see
     megamamba.kernels."""
     _check(u, delta, A, D, z, delta_bias, initial_state)
@@ -113,7 +128,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         docc = pad_documents(doc, pad).reshape(batch, nchunks, q).permute(2, 1, 0)[..., None, None]
         starts = torch.cat([torch.zeros_like(docc[:1], dtype=torch.bool), docc[1:] != docc[:-1]])
         step_decay = torch.exp(dA.masked_fill(starts, float("-inf")))  # 0 where a document starts
-        prev_doc = torch.cat([docc[0, :1], docc[-1, :-1]], dim=0)            # (chunk, batch, 1, 1)
+        prev_doc = torch.cat([docc[0, :1], docc[-1, :-1]], dim=0)  # (chunk, batch, 1, 1)
         entering = docc == prev_doc
 
     # Every chunk's states, each chunk started from zero, all chunks advanced together. The
@@ -138,7 +153,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         state = state * chunk_decays[c] + chunk_ends[c]
     states = states + from_start * torch.stack(entering_states)
 
-    y = (states * _states_operand(C.to(ct), q, nchunks, pad, dim)).sum(-1)   # (q, chunk, batch, dim)
+    y = (states * _states_operand(C.to(ct), q, nchunks, pad, dim)).sum(-1)  # (q, chunk, batch, dim)
     y = y.permute(2, 3, 1, 0).reshape(batch, dim, nchunks * q)[..., :seqlen]
     if D is not None:
         y = y + u.to(ct) * D.to(ct)[:, None]

@@ -4,6 +4,7 @@ A masked matrix product inside each chunk, a short loop passing states between c
 of dt*A inside one chunk are exponentiated, masked before exp. The algorithm and its document
 masking: docs/code.md ("How the kernels compute").
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -40,15 +41,18 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states):
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if D is not None and tuple(D.shape) not in ((nheads,), (nheads, headdim)):
-        raise ValueError(f"D must have shape (nheads,) = {(nheads,)} or (nheads, headdim) = "
-                         f"{(nheads, headdim)}, got {tuple(D.shape)}")
+        raise ValueError(
+            f"D must have shape (nheads,) = {(nheads,)} or (nheads, headdim) = "
+            f"{(nheads, headdim)}, got {tuple(D.shape)}"
+        )
     if z is not None:
         check_shape("z", z, x.shape, "(batch, seqlen, nheads, headdim) like x")
     if dt_bias is not None:
         check_shape("dt_bias", dt_bias, (nheads,), "(nheads,)")
     if initial_states is not None:
-        check_shape("initial_states", initial_states, (batch, nheads, headdim, dstate),
-                    "(batch, nheads, headdim, dstate)")
+        check_shape(
+            "initial_states", initial_states, (batch, nheads, headdim, dstate), "(batch, nheads, headdim, dstate)"
+        )
     for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         check_real(name, t)
 
@@ -63,7 +67,7 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
     """
     q = a.shape[-1]
     strictly_below = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
-    terms = a[..., :, None].expand(*a.shape, q).masked_fill(~strictly_below, 0.0)   # [i, j] = a_i if i > j
+    terms = a[..., :, None].expand(*a.shape, q).masked_fill(~strictly_below, 0.0)  # [i, j] = a_i if i > j
     return terms.cumsum(dim=-2)
 
 
@@ -72,9 +76,22 @@ def _exp_masked(logits, keep):
     return torch.exp(logits.masked_fill(~keep, float("-inf")))
 
 
-def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                   seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                   return_final_states=False):
+def ssd_chunk_scan(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+):
     """Mamba-2 scan (as mamba_ssm's mamba_chunk_scan_combined); see megamamba.kernels."""
     _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states)
     out_dtype, ct = x.dtype, compute_dtype(x)
@@ -94,9 +111,9 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     Cc = pad_time(C.to(ct), 1, pad).reshape(batch, nchunks, q, ngroups, dstate)
     Ag = A.to(ct).reshape(ngroups, per_group)
 
-    dA = (dtc * Ag).permute(0, 1, 3, 4, 2)                       # (b, c, g, r, q)
+    dA = (dtc * Ag).permute(0, 1, 3, 4, 2)  # (b, c, g, r, q)
     cs = torch.cumsum(dA, dim=-1)
-    seg = segment_sums(dA)                                       # seg[i, j] = cs_i - cs_j
+    seg = segment_sums(dA)  # seg[i, j] = cs_i - cs_j
     causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
     if doc is None:
         same_doc = causal.expand(batch, nchunks, q, q)
@@ -106,7 +123,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
         docc = pad_documents(doc, pad).reshape(batch, nchunks, q)
         same_doc = causal & (docc[:, :, :, None] == docc[:, :, None, :])
         reaches_end = docc == docc[:, :, -1:]
-        prev_doc = torch.cat([docc[:, :1, 0], docc[:, :-1, -1]], dim=1)       # (b, c)
+        prev_doc = torch.cat([docc[:, :1, 0], docc[:, :-1, -1]], dim=1)  # (b, c)
         entering = docc == prev_doc[:, :, None]
 
     # Intra-chunk (diagonal blocks): y_i = sum_j (C_i . B_j) exp(cs_i - cs_j) dt_j x_j.
@@ -116,25 +133,25 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", CB[:, :, :, None] * decay, xdt)
 
     # Each chunk's end state started from zero.
-    to_end = _exp_masked(seg[..., -1, :], reaches_end[:, :, None, None])       # (b, c, g, r, q)
+    to_end = _exp_masked(seg[..., -1, :], reaches_end[:, :, None, None])  # (b, c, g, r, q)
     chunk_states = torch.einsum("bcgrj,bcjgrp,bcjgn->bcgrpn", to_end, xdt, Bc)
 
     # Pass states between chunks; states[c] enters chunk c and reaches the positions marked
     # by `entering` (the chunk's last position among them exactly when no document starts
     # inside the chunk, so that is also when it survives the chunk).
-    from_start = _exp_masked(cs, entering[:, :, None, None])                   # (b, c, g, r, q)
+    from_start = _exp_masked(cs, entering[:, :, None, None])  # (b, c, g, r, q)
     if initial_states is None:
         state = xc.new_zeros(batch, ngroups, per_group, headdim, dstate)
     else:
         state = initial_states.to(ct).reshape(batch, ngroups, per_group, headdim, dstate)
     # The loop unbinds its operands once: indexing inside it would cost a full-size gradient
     # buffer per chunk in the backward pass.
-    chunk_decays = from_start[..., -1, None, None].unbind(1)                  # (b, g, r, 1, 1) each
+    chunk_decays = from_start[..., -1, None, None].unbind(1)  # (b, g, r, 1, 1) each
     states = []
     for c, chunk_state in enumerate(chunk_states.unbind(1)):
         states.append(state)
         state = state * chunk_decays[c] + chunk_state
-    states = torch.stack(states, dim=1)                                        # (b, c, g, r, p, n)
+    states = torch.stack(states, dim=1)  # (b, c, g, r, p, n)
 
     # Off-diagonal blocks: the entering state read out at each position.
     y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, states, from_start)

@@ -2,6 +2,7 @@
 
 Plain torch, so they serve CUDA tensors too. Computed in float32 (float64 for float64 x).
 """
+
 import torch
 
 from .common import check_shape, compute_dtype, silu
@@ -16,8 +17,9 @@ def _as_heads(state, x, dt, A, B, C, D, z, dt_bias):
     if state.dim() == 4:
         return state, x, dt, A, B, C, D, z, dt_bias
     if state.dim() != 3:
-        raise ValueError("state must have shape (batch, dim, dstate) or (batch, nheads, headdim, dstate), "
-                         f"got {tuple(state.shape)}")
+        raise ValueError(
+            f"state must have shape (batch, dim, dstate) or (batch, nheads, headdim, dstate), got {tuple(state.shape)}"
+        )
 
     def col(t):
         return None if t is None else t.unsqueeze(-1)
@@ -45,8 +47,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     check_shape("dt", dt, lead, f"(batch, {unit})")
     check_shape("A", A, lead[1:] + (dstate,), f"({unit}, dstate)")
     if Bh.dim() != 3 or Bh.shape[0] != batch or Bh.shape[2] != dstate:
-        raise ValueError(f"B must have shape (batch, dstate) or (batch, ngroups, dstate) with batch = {batch}, "
-                         f"dstate = {dstate}, got {tuple(B.shape)}")
+        raise ValueError(
+            f"B must have shape (batch, dstate) or (batch, ngroups, dstate) with batch = {batch}, "
+            f"dstate = {dstate}, got {tuple(B.shape)}"
+        )
     ngroups = Bh.shape[1]
     if nheads % ngroups != 0:
         raise ValueError(f"B has {ngroups} groups, which must divide {'dim' if mamba1 else 'nheads'} ({nheads})")
@@ -65,7 +69,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     if dt_softplus:
         step = torch.nn.functional.softplus(step)
     per_group = nheads // ngroups
-    Bx = Bh.to(ct).repeat_interleave(per_group, dim=1)[:, :, None, :]         # (b, h, 1, n)
+    Bx = Bh.to(ct).repeat_interleave(per_group, dim=1)[:, :, None, :]  # (b, h, 1, n)
     Cx = Ch.to(ct).repeat_interleave(per_group, dim=1)[:, :, None, :]
     new = s.to(ct) * torch.exp(step[..., None] * Ah.to(ct)) + (step * xh.to(ct))[..., None] * Bx
     s.copy_(new)

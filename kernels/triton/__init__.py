@@ -1,4 +1,5 @@
 """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1) behind the public kernel API."""
+
 from .add_norm import add_rmsnorm
 from .conv import causal_conv1d
 from .norm import rmsnorm_gated

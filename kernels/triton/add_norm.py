@@ -7,6 +7,7 @@ are unchanged. The backward reads r, the two output gradients and writes the inp
 once, the norm's gradient rounded to the weight's dtype before the residual's is added, as
 autograd would; the weight gradient is summed per program (see `norm`).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -17,9 +18,24 @@ from .norm import _launch, _programs, _rows
 
 
 @triton.jit
-def _add_norm_fwd_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows, n, eps, sxr, srr, sor, sror,
-                         HAS_RES: tl.constexpr, STORE_RES: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _add_norm_fwd_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    rows,
+    n,
+    eps,
+    sxr,
+    srr,
+    sor,
+    sror,
+    HAS_RES: tl.constexpr,
+    STORE_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
     c_mask = c < n
@@ -33,15 +49,36 @@ def _add_norm_fwd_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows, n, e
     v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / n + eps)
     w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r[:, None] * sor + c[None, :], (v * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + r[:, None] * sor + c[None, :],
+        (v * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
-def _add_norm_bwd_kernel(r_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, dresin_ptr, dw_ptr, rows, n, eps,
-                         blocks_per_program, srr, sdyr, sdrr, sdxr, sdir,
-                         HAS_RES: tl.constexpr, HAS_DRES: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _add_norm_bwd_kernel(
+    r_ptr,
+    w_ptr,
+    dy_ptr,
+    dres_ptr,
+    dx_ptr,
+    dresin_ptr,
+    dw_ptr,
+    rows,
+    n,
+    eps,
+    blocks_per_program,
+    srr,
+    sdyr,
+    sdrr,
+    sdxr,
+    sdir,
+    HAS_RES: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """dx (and d residual) for blocks_per_program row blocks; this program's dweight sum (row pid)."""
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK_N)
@@ -101,9 +138,24 @@ def forward(x, residual, weight, eps, residual_dtype):
     res_out = common.empty((rows, n), device=x.device, dtype=residual_dtype) if store_res else None
     block_m, block_n, warps = _launch(n)
     _add_norm_fwd_kernel[(triton.cdiv(rows, block_m),)](
-        x2, res2, weight, out, res_out, rows, n, eps, x2.stride(0), res2.stride(0) if res2 is not None else 0,
-        out.stride(0), res_out.stride(0) if store_res else 0, HAS_RES=residual is not None,
-        STORE_RES=store_res, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        x2,
+        res2,
+        weight,
+        out,
+        res_out,
+        rows,
+        n,
+        eps,
+        x2.stride(0),
+        res2.stride(0) if res2 is not None else 0,
+        out.stride(0),
+        res_out.stride(0) if store_res else 0,
+        HAS_RES=residual is not None,
+        STORE_RES=store_res,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
     return out.reshape(shape), res_out.reshape(shape) if store_res else None
 
 
@@ -121,10 +173,28 @@ def backward(dout, dres, r, weight, eps, x_dtype, residual_in_dtype):
     dresin = common.empty((rows, n), device=r2.device, dtype=residual_in_dtype) if residual_in_dtype else None
     dw_part = common.empty((programs, n), device=r2.device, dtype=torch.float32)
     _add_norm_bwd_kernel[(programs,)](
-        r2, weight, dy, dres2, dx, dresin, dw_part, rows, n, eps, per, r2.stride(0), dy.stride(0),
-        dres2.stride(0) if dres2 is not None else 0, dx.stride(0), dresin.stride(0) if dresin is not None else 0,
-        HAS_RES=residual_in_dtype is not None, HAS_DRES=dres2 is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps)
+        r2,
+        weight,
+        dy,
+        dres2,
+        dx,
+        dresin,
+        dw_part,
+        rows,
+        n,
+        eps,
+        per,
+        r2.stride(0),
+        dy.stride(0),
+        dres2.stride(0) if dres2 is not None else 0,
+        dx.stride(0),
+        dresin.stride(0) if dresin is not None else 0,
+        HAS_RES=residual_in_dtype is not None,
+        HAS_DRES=dres2 is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
     dresin = dresin.reshape(shape) if dresin is not None else None
     return dx.reshape(shape), dresin, dw_part.sum(0).to(weight.dtype)
 

@@ -1,4 +1,5 @@
 """Helpers shared by the Triton ops: output allocation, document counters, launch sizes, softplus."""
+
 import functools
 import weakref
 

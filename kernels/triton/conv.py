@@ -8,6 +8,7 @@ time-contiguous x. The backward is one kernel that reads x and dout and writes d
 program walks a range of time blocks and sums the weight gradient in registers, one partial per
 program. Offsets within a sequence are 32-bit unless they could overflow (`_needs_int64`).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -16,9 +17,25 @@ from . import common
 
 
 @triton.jit
-def _preact(x_ptr, w_ptr, bias_ptr, doc_ptr, d, t, d_mask, t_mask, sxd, sxl, swd, swk,
-            WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOC: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+def _preact(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    doc_ptr,
+    d,
+    t,
+    d_mask,
+    t_mask,
+    sxd,
+    sxl,
+    swd,
+    swk,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """Convolution before the activation for a (BLOCK_D, BLOCK_L) tile of one sequence (x_ptr and
     doc_ptr point at its start), in float32."""
     acc = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)
@@ -29,8 +46,9 @@ def _preact(x_ptr, w_ptr, bias_ptr, doc_ptr, d, t, d_mask, t_mask, sxd, sxl, swd
         ok = t_mask & (src >= 0)
         if HAS_DOC:
             ok = ok & (tl.load(doc_ptr + src, mask=ok, other=-1) == doc_t)
-        xv = tl.load(x_ptr + d[:, None] * sxd + src[None, :] * sxl,
-                     mask=d_mask[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + d[:, None] * sxd + src[None, :] * sxl, mask=d_mask[:, None] & ok[None, :], other=0.0).to(
+            tl.float32
+        )
         wv = tl.load(w_ptr + d * swd + k * swk, mask=d_mask, other=0.0).to(tl.float32)
         acc += wv[:, None] * xv
     if HAS_BIAS:
@@ -39,10 +57,31 @@ def _preact(x_ptr, w_ptr, bias_ptr, doc_ptr, d, t, d_mask, t_mask, sxd, sxl, swd
 
 
 @triton.jit
-def _conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, out_ptr, dim, seqlen,
-                     sxb, sxd, sxl, swd, swk, sdb, sob, sod, sol,
-                     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOC: tl.constexpr,
-                     SILU: tl.constexpr, INT64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+def _conv_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    doc_ptr,
+    out_ptr,
+    dim,
+    seqlen,
+    sxb,
+    sxd,
+    sxl,
+    swd,
+    swk,
+    sdb,
+    sob,
+    sod,
+    sol,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    SILU: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     x_ptr += b * sxb
     if HAS_DOC:
@@ -55,20 +94,68 @@ def _conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, out_ptr, dim, seqlen,
         t = t.to(tl.int64)
     d_mask = d < dim
     t_mask = t < seqlen
-    acc = _preact(x_ptr, w_ptr, bias_ptr, doc_ptr, d, t, d_mask, t_mask, sxd, sxl, swd, swk,
-                  WIDTH, HAS_BIAS, HAS_DOC, BLOCK_D, BLOCK_L)
+    acc = _preact(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        doc_ptr,
+        d,
+        t,
+        d_mask,
+        t_mask,
+        sxd,
+        sxl,
+        swd,
+        swk,
+        WIDTH,
+        HAS_BIAS,
+        HAS_DOC,
+        BLOCK_D,
+        BLOCK_L,
+    )
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + d[:, None] * sod + t[None, :] * sol,
-             acc.to(out_ptr.dtype.element_ty), mask=d_mask[:, None] & t_mask[None, :])
+    tl.store(
+        out_ptr + d[:, None] * sod + t[None, :] * sol,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=d_mask[:, None] & t_mask[None, :],
+    )
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr,
-                     dim, seqlen, time_programs, blocks_per_program,
-                     sxb, sxd, sxl, swd, swk, sdb, sgb, sgd, sgl, sdxb, sdxd, sdxl,
-                     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOC: tl.constexpr,
-                     SILU: tl.constexpr, INT64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+def _conv_bwd_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    doc_ptr,
+    dout_ptr,
+    dx_ptr,
+    dw_ptr,
+    db_ptr,
+    dim,
+    seqlen,
+    time_programs,
+    blocks_per_program,
+    sxb,
+    sxd,
+    sxl,
+    swd,
+    swk,
+    sdb,
+    sgb,
+    sgd,
+    sgl,
+    sdxb,
+    sdxd,
+    sdxl,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    SILU: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """dx for blocks_per_program consecutive time blocks of one channel block, and this program's
     sums of dweight and dbias over them (row pid0 of (batch * time_programs, dim, WIDTH) / (.., dim)).
 
@@ -105,11 +192,29 @@ def _conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, dout_ptr, dx_ptr, dw_ptr, 
             u_ok = u < seqlen
             if HAS_DOC:
                 u_ok = u_ok & (tl.load(doc_ptr + u, mask=u_ok, other=-1) == doc_s)
-            g = tl.load(dout_ptr + d[:, None] * sgd + u[None, :] * sgl,
-                        mask=d_mask[:, None] & u_ok[None, :], other=0.0).to(tl.float32)
+            g = tl.load(
+                dout_ptr + d[:, None] * sgd + u[None, :] * sgl, mask=d_mask[:, None] & u_ok[None, :], other=0.0
+            ).to(tl.float32)
             if SILU:
-                pre = _preact(x_ptr, w_ptr, bias_ptr, doc_ptr, d, u, d_mask, u_ok, sxd, sxl, swd, swk,
-                              WIDTH, HAS_BIAS, HAS_DOC, BLOCK_D, BLOCK_L)
+                pre = _preact(
+                    x_ptr,
+                    w_ptr,
+                    bias_ptr,
+                    doc_ptr,
+                    d,
+                    u,
+                    d_mask,
+                    u_ok,
+                    sxd,
+                    sxl,
+                    swd,
+                    swk,
+                    WIDTH,
+                    HAS_BIAS,
+                    HAS_DOC,
+                    BLOCK_D,
+                    BLOCK_L,
+                )
                 sig = tl.sigmoid(pre)
                 g = g * sig * (1.0 + pre * (1.0 - sig))
             wv = tl.load(w_ptr + d * swd + (WIDTH - 1 - j) * swk, mask=d_mask, other=0.0).to(tl.float32)
@@ -122,8 +227,9 @@ def _conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, dout_ptr, dx_ptr, dw_ptr, 
                     ok = s_mask & (src >= 0)
                     if HAS_DOC:
                         ok = ok & (tl.load(doc_ptr + src, mask=ok, other=-1) == doc_s)
-                    xv = tl.load(x_ptr + d[:, None] * sxd + src[None, :] * sxl,
-                                 mask=d_mask[:, None] & ok[None, :], other=0.0).to(tl.float32)
+                    xv = tl.load(
+                        x_ptr + d[:, None] * sxd + src[None, :] * sxl, mask=d_mask[:, None] & ok[None, :], other=0.0
+                    ).to(tl.float32)
                     if k == 0:
                         dw0 += g * xv
                     elif k == 1:
@@ -132,8 +238,11 @@ def _conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, doc_ptr, dout_ptr, dx_ptr, dw_ptr, 
                         dw2 += g * xv
                     else:
                         dw3 += g * xv
-        tl.store(dx_ptr + d[:, None] * sdxd + s[None, :] * sdxl,
-                 dx.to(dx_ptr.dtype.element_ty), mask=d_mask[:, None] & s_mask[None, :])
+        tl.store(
+            dx_ptr + d[:, None] * sdxd + s[None, :] * sdxl,
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=d_mask[:, None] & s_mask[None, :],
+        )
     out = dw_ptr + (pid * dim + d) * WIDTH
     tl.store(out, tl.sum(dw0, axis=1), mask=d_mask)
     tl.store(out + 1, tl.sum(dw1, axis=1), mask=d_mask)
@@ -158,8 +267,13 @@ def _blocks(x):
 def _needs_int64(*tensors) -> bool:
     """Whether an offset within one sequence ((dim, seqlen) strides; the batch offset is always
     64-bit) may pass 2^31 - 1, so tiles must compute offsets in 64 bits (more registers)."""
-    return any(max(0, t.shape[1] - 1) * abs(t.stride(1)) + max(0, t.shape[2] - 1) * abs(t.stride(2))
-               + 64 * (abs(t.stride(1)) + abs(t.stride(2))) >= 2**31 for t in tensors)
+    return any(
+        max(0, t.shape[1] - 1) * abs(t.stride(1))
+        + max(0, t.shape[2] - 1) * abs(t.stride(2))
+        + 64 * (abs(t.stride(1)) + abs(t.stride(2)))
+        >= 2**31
+        for t in tensors
+    )
 
 
 def _empty_like(x):
@@ -190,10 +304,25 @@ def forward(x, weight, bias=None, seq_idx=None, activation=None):
     block_d, block_l = _blocks(x)
     out = _empty_like(x)
     _conv_fwd_kernel[(batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, block_l))](
-        x, weight, bias, doc, out, dim, seqlen, *x.stride(), *weight.stride(),
-        doc.stride(0) if doc is not None else 0, *out.stride(),
-        WIDTH=weight.shape[1], HAS_BIAS=bias is not None, HAS_DOC=doc is not None,
-        SILU=activation is not None, INT64=_needs_int64(x, out), BLOCK_D=block_d, BLOCK_L=block_l)
+        x,
+        weight,
+        bias,
+        doc,
+        out,
+        dim,
+        seqlen,
+        *x.stride(),
+        *weight.stride(),
+        doc.stride(0) if doc is not None else 0,
+        *out.stride(),
+        WIDTH=weight.shape[1],
+        HAS_BIAS=bias is not None,
+        HAS_DOC=doc is not None,
+        SILU=activation is not None,
+        INT64=_needs_int64(x, out),
+        BLOCK_D=block_d,
+        BLOCK_L=block_l,
+    )
     return out
 
 
@@ -214,10 +343,33 @@ def backward(dout, x, weight, bias=None, seq_idx=None, activation=None):
     # 8 warps of <= 128 registers: 16 resident warps per SM on sm_90 without spills (with 4
     # warps, 128 registers spill in bf16 with documents).
     _conv_bwd_kernel[(rows, d_blocks)](
-        x, weight, bias, doc, dout, dx, dw_part, db_part, dim, seqlen, time_programs, per,
-        *x.stride(), *weight.stride(), doc.stride(0) if doc is not None else 0, *dout.stride(),
-        *dx.stride(), WIDTH=width, HAS_BIAS=bias is not None, HAS_DOC=doc is not None, SILU=activation is not None,
-        INT64=_needs_int64(x, dout, dx), BLOCK_D=block_d, BLOCK_L=block_l, num_warps=8, maxnreg=128)
+        x,
+        weight,
+        bias,
+        doc,
+        dout,
+        dx,
+        dw_part,
+        db_part,
+        dim,
+        seqlen,
+        time_programs,
+        per,
+        *x.stride(),
+        *weight.stride(),
+        doc.stride(0) if doc is not None else 0,
+        *dout.stride(),
+        *dx.stride(),
+        WIDTH=width,
+        HAS_BIAS=bias is not None,
+        HAS_DOC=doc is not None,
+        SILU=activation is not None,
+        INT64=_needs_int64(x, dout, dx),
+        BLOCK_D=block_d,
+        BLOCK_L=block_l,
+        num_warps=8,
+        maxnreg=128,
+    )
     dweight = dw_part.sum(0).to(weight.dtype)
     dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias

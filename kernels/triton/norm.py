@@ -7,6 +7,7 @@ strides (a column slice of a wider tensor is not copied). A forward program owns
 one group; a backward program walks a range of row blocks, recomputing the statistics, and sums
 the weight gradient over them in registers: one float32 partial per program, not per row block.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -38,9 +39,24 @@ def _rows(t, n):
 
 
 @triton.jit
-def _norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rows, group_size, eps, sxr, szr, sor,
-                     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+def _norm_fwd_kernel(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    rows,
+    group_size,
+    eps,
+    sxr,
+    szr,
+    sor,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, BLOCK_G)
     c = tl.program_id(1) * group_size + j
@@ -63,10 +79,32 @@ def _norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rows, group_size, eps,
 
 
 @triton.jit
-def _norm_bwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, db_ptr,
-                     rows, n, group_size, eps, blocks_per_program, sxr, szr, sdyr, sdxr, sdzr,
-                     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+def _norm_bwd_kernel(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    b_ptr,
+    dy_ptr,
+    dx_ptr,
+    dz_ptr,
+    dw_ptr,
+    db_ptr,
+    rows,
+    n,
+    group_size,
+    eps,
+    blocks_per_program,
+    sxr,
+    szr,
+    sdyr,
+    sdxr,
+    sdzr,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     """dx, dz for blocks_per_program consecutive row blocks, and this program's sums of dweight /
     dbias over them (row pid0 of (programs, n)), accumulated in registers."""
     pid_m = tl.program_id(0)
@@ -139,11 +177,25 @@ def forward(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before
     out = common.empty(x2.shape, device=x.device, dtype=x.dtype)
     block_m, block_g, warps = _launch(group_size)
     grid = (triton.cdiv(rows, block_m), n // group_size)
-    _norm_fwd_kernel[grid](x2, z2, weight, bias, out, rows, group_size, eps, x2.stride(0),
-                           z2.stride(0) if z2 is not None else 0, out.stride(0),
-                           HAS_Z=z is not None, HAS_BIAS=bias is not None,
-                           NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g,
-                           num_warps=warps)
+    _norm_fwd_kernel[grid](
+        x2,
+        z2,
+        weight,
+        bias,
+        out,
+        rows,
+        group_size,
+        eps,
+        x2.stride(0),
+        z2.stride(0) if z2 is not None else 0,
+        out.stride(0),
+        HAS_Z=z is not None,
+        HAS_BIAS=bias is not None,
+        NORM_BEFORE_GATE=norm_before_gate,
+        BLOCK_M=block_m,
+        BLOCK_G=block_g,
+        num_warps=warps,
+    )
     return out.reshape(shape)
 
 
@@ -163,10 +215,32 @@ def backward(dout, x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm
     dw_part = common.empty((programs, n), device=x2.device, dtype=torch.float32)
     db_part = common.empty((programs, n), device=x2.device, dtype=torch.float32) if bias is not None else None
     _norm_bwd_kernel[(programs, n // group_size)](
-        x2, z2, weight, bias, dy, dx, dz, dw_part, db_part, rows, n, group_size, eps, per,
-        x2.stride(0), z2.stride(0) if z2 is not None else 0, dy.stride(0), dx.stride(0),
-        dz.stride(0) if dz is not None else 0, HAS_Z=z2 is not None, HAS_BIAS=bias is not None,
-        NORM_BEFORE_GATE=norm_before_gate, BLOCK_M=block_m, BLOCK_G=block_g, num_warps=warps)
+        x2,
+        z2,
+        weight,
+        bias,
+        dy,
+        dx,
+        dz,
+        dw_part,
+        db_part,
+        rows,
+        n,
+        group_size,
+        eps,
+        per,
+        x2.stride(0),
+        z2.stride(0) if z2 is not None else 0,
+        dy.stride(0),
+        dx.stride(0),
+        dz.stride(0) if dz is not None else 0,
+        HAS_Z=z2 is not None,
+        HAS_BIAS=bias is not None,
+        NORM_BEFORE_GATE=norm_before_gate,
+        BLOCK_M=block_m,
+        BLOCK_G=block_g,
+        num_warps=warps,
+    )
     dweight = dw_part.sum(0).to(weight.dtype)
     dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
     dz = dz.reshape(shape) if dz is not None else None

@@ -7,6 +7,7 @@ chunks; the forward keeps each chunk's entering state (float32, dstate * 4 / CHU
 channel and step) for the backward, which recomputes the chunk's states from it.
 B and C are input-dependent (batch, groups, dstate, seqlen) or constant (dim, dstate).
 """
+
 import torch
 import triton
 
@@ -14,8 +15,8 @@ from ..reference.selective_scan import _as_groups, _check
 from . import common
 from .selective_scan_kernels import _scan_bwd_kernel, _scan_fwd_kernel
 
-CHUNK = 16     # steps scanned at once: time lives in each thread's registers
-BLOCK_D = 8    # channels per program; dB / dC are summed over them in the kernel, over blocks after
+CHUNK = 16  # steps scanned at once: time lives in each thread's registers
+BLOCK_D = 8  # channels per program; dB / dC are summed over them in the kernel, over blocks after
 
 
 def _groups(B, C):
@@ -47,8 +48,16 @@ def _launch(u, A, B, C):
 
 
 def _flags(D, z, delta_bias, softplus, B, C, doc, init):
-    return dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus,
-                B_CONST=B.dim() == 2, C_CONST=C.dim() == 2, HAS_DOC=doc is not None, HAS_INIT=init is not None)
+    return dict(
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=softplus,
+        B_CONST=B.dim() == 2,
+        C_CONST=C.dim() == 2,
+        HAS_DOC=doc is not None,
+        HAS_INIT=init is not None,
+    )
 
 
 def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, initial_state):
@@ -66,10 +75,31 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, initia
     # At most 128 registers: 16 resident warps per SM on sm_90 without spills (ptxas's own
     # choice is up to 145 registers, and a 4-byte spill at 72 for one specialization).
     _scan_fwd_kernel[grid](
-        u, delta, A, B, C, D, z, delta_bias, doc, init, out, ckpt, last, *shared,
-        *u.stride(), *delta.stride(), *_bc_strides(B), *_bc_strides(C),
-        *(z.stride() if z is not None else (0, 0, 0)), *out.stride(), doc.stride(0) if doc is not None else 0,
-        **_flags(D, z, delta_bias, delta_softplus, B, C, doc, init), **meta, maxnreg=128)
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D,
+        z,
+        delta_bias,
+        doc,
+        init,
+        out,
+        ckpt,
+        last,
+        *shared,
+        *u.stride(),
+        *delta.stride(),
+        *_bc_strides(B),
+        *_bc_strides(C),
+        *(z.stride() if z is not None else (0, 0, 0)),
+        *out.stride(),
+        doc.stride(0) if doc is not None else 0,
+        **_flags(D, z, delta_bias, delta_softplus, B, C, doc, init),
+        **meta,
+        maxnreg=128,
+    )
     return out, last, ckpt
 
 
@@ -98,19 +128,54 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dinit = buf((batch, dim, dstate)) if initial_state is not None else None
     flags = _flags(D, z, delta_bias, delta_softplus, B, C, doc, dinit)
     _scan_bwd_kernel[grid](
-        u, delta, A, B, C, D, z, delta_bias, doc, ckpt, dout, dlast,
-        du, ddelta, dz, da, db, dc, dd, dbias, dinit, *shared,
-        *u.stride(), *delta.stride(), *_bc_strides(B), *_bc_strides(C),
-        *(z.stride() if z is not None else (0, 0, 0)), *dout.stride(), doc.stride(0) if doc is not None else 0,
-        HAS_DLAST=dlast is not None, **flags, **meta)
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D,
+        z,
+        delta_bias,
+        doc,
+        ckpt,
+        dout,
+        dlast,
+        du,
+        ddelta,
+        dz,
+        da,
+        db,
+        dc,
+        dd,
+        dbias,
+        dinit,
+        *shared,
+        *u.stride(),
+        *delta.stride(),
+        *_bc_strides(B),
+        *_bc_strides(C),
+        *(z.stride() if z is not None else (0, 0, 0)),
+        *dout.stride(),
+        doc.stride(0) if doc is not None else 0,
+        HAS_DLAST=dlast is not None,
+        **flags,
+        **meta,
+    )
 
     def reduce_bc(grad, M):
         return (grad.sum(0) if M.dim() == 2 else grad.sum(2)).to(M.dtype)
 
-    return (du, ddelta, da.sum(0).to(A.dtype), reduce_bc(db, B), reduce_bc(dc, C),
-            dd.sum(0).to(D.dtype) if D is not None else None, dz,
-            dbias.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,
-            dinit.to(initial_state.dtype) if dinit is not None else None)
+    return (
+        du,
+        ddelta,
+        da.sum(0).to(A.dtype),
+        reduce_bc(db, B),
+        reduce_bc(dc, C),
+        dd.sum(0).to(D.dtype) if D is not None else None,
+        dz,
+        dbias.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,
+        dinit.to(initial_state.dtype) if dinit is not None else None,
+    )
 
 
 class _SelectiveScan(torch.autograd.Function):
@@ -124,13 +189,24 @@ class _SelectiveScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlast):
         u, delta, A, B, C, D, z, delta_bias, seq_idx, initial_state, ckpt = ctx.saved_tensors
-        grads = backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, ctx.softplus, seq_idx, initial_state,
-                         ckpt)
+        grads = backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, ctx.softplus, seq_idx, initial_state, ckpt)
         return *grads[:8], None, None, grads[8]
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, seq_idx=None, initial_state=None):
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    return_last_state=False,
+    seq_idx=None,
+    initial_state=None,
+):
     """Mamba-1 scan (as mamba_ssm's selective_scan_fn, plus seq_idx and initial_state); see
     megamamba.kernels. Returns out in u's dtype [, last_state (batch, dim, dstate) in float32]."""
     _check(u, delta, A, D, z, delta_bias, initial_state)

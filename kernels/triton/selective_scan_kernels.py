@@ -4,6 +4,7 @@ Inside a chunk the recurrence is one tl.associative_scan over time; the backward
 chunk's states from its saved entering state and runs the adjoint as a reverse scan. Nothing
 divides by a decay. The tiling and the recurrences: docs/code.md ("How the kernels compute").
 """
+
 import triton
 import triton.language as tl
 
@@ -17,8 +18,7 @@ def _combine(a1, b1, a2, b2):
 
 
 @triton.jit
-def _delta(delta_ptr, bias, b, d, d_mask, t, t_mask, sdb, sdd, sdl, HAS_BIAS: tl.constexpr,
-           SOFTPLUS: tl.constexpr):
+def _delta(delta_ptr, bias, b, d, d_mask, t, t_mask, sdb, sdd, sdl, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     """Raw delta (+ bias) and delta at steps t for channels d, (CHUNK, BLOCK_D) float32. delta is 0
     off the mask (the step then leaves the state as it is)."""
     mask = t_mask[:, None] & d_mask[None, :]
@@ -32,8 +32,24 @@ def _delta(delta_ptr, bias, b, d, d_mask, t, t_mask, sdb, sdd, sdl, HAS_BIAS: tl
 
 
 @triton.jit
-def _decay(delta_ptr, bias, a, doc_ptr, b, d, d_mask, t, t_mask, sdb, sdd, sdl, sqb, HAS_BIAS: tl.constexpr,
-           SOFTPLUS: tl.constexpr, HAS_DOC: tl.constexpr):
+def _decay(
+    delta_ptr,
+    bias,
+    a,
+    doc_ptr,
+    b,
+    d,
+    d_mask,
+    t,
+    t_mask,
+    sdb,
+    sdd,
+    sdl,
+    sqb,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+):
     """(raw delta, delta (CHUNK, BLOCK_D), a_t = exp(delta_t A) (CHUNK, BLOCK_D, BLOCK_N)); a_t is 0
     where a document starts (never at t = 0) and 1 off the mask."""
     raw, dl = _delta(delta_ptr, bias, b, d, d_mask, t, t_mask, sdb, sdd, sdl, HAS_BIAS, SOFTPLUS)
@@ -54,8 +70,9 @@ def _bc(ptr, b, g, d, d_mask, n, n_mask, t, t_mask, sb, sg, sn, sl, CONST: tl.co
         m = tl.load(ptr + d[:, None] * sg + n[None, :] * sn, mask=d_mask[:, None] & n_mask[None, :], other=0.0)
         m = m.to(tl.float32)[None, :, :]
     else:
-        m = tl.load(ptr + b * sb + g * sg + n[None, :] * sn + t[:, None] * sl,
-                    mask=t_mask[:, None] & n_mask[None, :], other=0.0)
+        m = tl.load(
+            ptr + b * sb + g * sg + n[None, :] * sn + t[:, None] * sl, mask=t_mask[:, None] & n_mask[None, :], other=0.0
+        )
         m = m.to(tl.float32)[:, None, :]
     return m
 
@@ -67,15 +84,58 @@ def _row(x, steps, i: tl.constexpr):
 
 
 @triton.jit
-def _scan_fwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, doc_ptr, init_ptr,
-                     out_ptr, ckpt_ptr, last_ptr,
-                     dim, per_group, dstate, seqlen, n_chunks,
-                     sub, sud, sul, sdb, sdd, sdl, sbb, sbg, sbn, sbl, scb, scg, scn, scl,
-                     szb, szd, szl, sob, sod, sol, sqb,
-                     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SOFTPLUS: tl.constexpr, B_CONST: tl.constexpr, C_CONST: tl.constexpr,
-                     HAS_DOC: tl.constexpr, HAS_INIT: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scan_fwd_kernel(
+    u_ptr,
+    delta_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    d_ptr,
+    z_ptr,
+    bias_ptr,
+    doc_ptr,
+    init_ptr,
+    out_ptr,
+    ckpt_ptr,
+    last_ptr,
+    dim,
+    per_group,
+    dstate,
+    seqlen,
+    n_chunks,
+    sub,
+    sud,
+    sul,
+    sdb,
+    sdd,
+    sdl,
+    sbb,
+    sbg,
+    sbn,
+    sbl,
+    scb,
+    scg,
+    scn,
+    scl,
+    szb,
+    szd,
+    szl,
+    sob,
+    sod,
+    sol,
+    sqb,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    B_CONST: tl.constexpr,
+    C_CONST: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """out (its dtype); ckpt[b, k, d, n] = the state entering chunk k and last[b, d, n], float32.
     A and the initial state are contiguous."""
     b = tl.program_id(0).to(tl.int64)
@@ -101,8 +161,9 @@ def _scan_fwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         t_mask = t < seqlen
         td_mask = t_mask[:, None] & d_mask[None, :]
         u = tl.load(u_ptr + b * sub + d[None, :] * sud + t[:, None] * sul, mask=td_mask, other=0.0).to(tl.float32)
-        raw, dl, decay = _decay(delta_ptr, bias, a, doc_ptr, b, d, d_mask, t, t_mask, sdb, sdd, sdl, sqb,
-                                HAS_BIAS, SOFTPLUS, HAS_DOC)
+        raw, dl, decay = _decay(
+            delta_ptr, bias, a, doc_ptr, b, d, d_mask, t, t_mask, sdb, sdd, sdl, sqb, HAS_BIAS, SOFTPLUS, HAS_DOC
+        )
         inp = (dl * u)[:, :, None] * _bc(b_ptr, b, g, d, d_mask, n, n_mask, t, t_mask, sbb, sbg, sbn, sbl, B_CONST)
         prod, acc = tl.associative_scan((decay, inp), 0, _combine)
         hs = prod * h[None, :, :] + acc
@@ -112,23 +173,73 @@ def _scan_fwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         if HAS_Z:
             z = tl.load(z_ptr + b * szb + d[None, :] * szd + t[:, None] * szl, mask=td_mask, other=0.0).to(tl.float32)
             y = y * z * tl.sigmoid(z)
-        tl.store(out_ptr + b * sob + d[None, :] * sod + t[:, None] * sol, y.to(out_ptr.dtype.element_ty),
-                 mask=td_mask)
+        tl.store(out_ptr + b * sob + d[None, :] * sod + t[:, None] * sol, y.to(out_ptr.dtype.element_ty), mask=td_mask)
         h = _row(hs, steps, CHUNK - 1)  # steps past the end leave the state as it is
     tl.store(last_ptr + b * dim * dstate + state_offs, h, mask=dn_mask)
 
 
 @triton.jit
-def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, doc_ptr,
-                     ckpt_ptr, dout_ptr, dlast_ptr,
-                     du_ptr, ddelta_ptr, dz_ptr, da_ptr, db_ptr, dc_ptr, dd_ptr, dbias_ptr, dinit_ptr,
-                     dim, per_group, dstate, seqlen, n_chunks,
-                     sub, sud, sul, sdb, sdd, sdl, sbb, sbg, sbn, sbl, scb, scg, scn, scl,
-                     szb, szd, szl, sgb, sgd, sgl, sqb,
-                     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SOFTPLUS: tl.constexpr, B_CONST: tl.constexpr, C_CONST: tl.constexpr,
-                     HAS_DOC: tl.constexpr, HAS_DLAST: tl.constexpr, HAS_INIT: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scan_bwd_kernel(
+    u_ptr,
+    delta_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    d_ptr,
+    z_ptr,
+    bias_ptr,
+    doc_ptr,
+    ckpt_ptr,
+    dout_ptr,
+    dlast_ptr,
+    du_ptr,
+    ddelta_ptr,
+    dz_ptr,
+    da_ptr,
+    db_ptr,
+    dc_ptr,
+    dd_ptr,
+    dbias_ptr,
+    dinit_ptr,
+    dim,
+    per_group,
+    dstate,
+    seqlen,
+    n_chunks,
+    sub,
+    sud,
+    sul,
+    sdb,
+    sdd,
+    sdl,
+    sbb,
+    sbg,
+    sbn,
+    sbl,
+    scb,
+    scg,
+    scn,
+    scl,
+    szb,
+    szd,
+    szl,
+    sgb,
+    sgd,
+    sgl,
+    sqb,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    B_CONST: tl.constexpr,
+    C_CONST: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_DLAST: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """du, ddelta, dz (contiguous (batch, dim, seqlen), their inputs' dtypes); dB / dC summed over
     the program's channels per step (batch, groups, blocks, dstate, seqlen) when input-dependent,
     else per batch row (batch, dim, dstate); dA (batch, dim, dstate), dD and d delta_bias
@@ -172,23 +283,26 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         td_mask = t_mask[:, None] & d_mask[None, :]
         tn_mask = t_mask[:, None] & n_mask[None, :]
         u = tl.load(u_ptr + b * sub + d[None, :] * sud + t[:, None] * sul, mask=td_mask, other=0.0).to(tl.float32)
-        raw, dl, decay = _decay(delta_ptr, bias, a, doc_ptr, b, d, d_mask, t, t_mask, sdb, sdd, sdl, sqb,
-                                HAS_BIAS, SOFTPLUS, HAS_DOC)
+        raw, dl, decay = _decay(
+            delta_ptr, bias, a, doc_ptr, b, d, d_mask, t, t_mask, sdb, sdd, sdl, sqb, HAS_BIAS, SOFTPLUS, HAS_DOC
+        )
         bt = _bc(b_ptr, b, g, d, d_mask, n, n_mask, t, t_mask, sbb, sbg, sbn, sbl, B_CONST)
         ct = _bc(c_ptr, b, g, d, d_mask, n, n_mask, t, t_mask, scb, scg, scn, scl, C_CONST)
         inp = (dl * u)[:, :, None] * bt
         prod, acc = tl.associative_scan((decay, inp), 0, _combine)
         hs = prod * h0[None, :, :] + acc
-        grad = tl.load(dout_ptr + b * sgb + d[None, :] * sgd + t[:, None] * sgl, mask=td_mask,
-                       other=0.0).to(tl.float32)
+        grad = tl.load(dout_ptr + b * sgb + d[None, :] * sgd + t[:, None] * sgl, mask=td_mask, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_ptr + b * szb + d[None, :] * szd + t[:, None] * szl, mask=td_mask, other=0.0).to(tl.float32)
             sig = tl.sigmoid(z)
             y = tl.sum(hs * ct, axis=2)
             if HAS_D:
                 y += dd[None, :] * u
-            tl.store(dz_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None],
-                     (grad * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=td_mask)
+            tl.store(
+                dz_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None],
+                (grad * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty),
+                mask=td_mask,
+            )
             grad = grad * z * sig
         if C_CONST:
             dc_acc += tl.sum(grad[:, :, None] * hs, axis=0)
@@ -197,9 +311,24 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         carried = hs - inp  # a_t h_{t-1}
         decay_first = _row(decay, steps, 0)
         # a_{t+1}, and 1 at the chunk's last step, where w brings the rest
-        _, _, decay_next = _decay(delta_ptr, bias, a, doc_ptr, b, d, d_mask, t + 1,
-                                  (t + 1 < seqlen) & (steps < CHUNK - 1), sdb, sdd, sdl, sqb,
-                                  HAS_BIAS, SOFTPLUS, HAS_DOC)
+        _, _, decay_next = _decay(
+            delta_ptr,
+            bias,
+            a,
+            doc_ptr,
+            b,
+            d,
+            d_mask,
+            t + 1,
+            (t + 1 < seqlen) & (steps < CHUNK - 1),
+            sdb,
+            sdd,
+            sdl,
+            sqb,
+            HAS_BIAS,
+            SOFTPLUS,
+            HAS_DOC,
+        )
         prod, acc = tl.associative_scan((decay_next, grad[:, :, None] * ct), 0, _combine, reverse=True)
         dh = tl.where(t_mask[:, None, None], prod * w[None, :, :] + acc, 0.0)
         w = decay_first * _row(dh, steps, 0)
@@ -208,8 +337,9 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         if HAS_D:
             du += dd[None, :] * grad
             dd_acc += tl.sum(grad * u, axis=0)
-        tl.store(du_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None], du.to(du_ptr.dtype.element_ty),
-                 mask=td_mask)
+        tl.store(
+            du_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None], du.to(du_ptr.dtype.element_ty), mask=td_mask
+        )
         dbu = dh * (dl * u)[:, :, None]
         if B_CONST:
             db_acc += tl.sum(dbu, axis=0)
@@ -221,8 +351,11 @@ def _scan_bwd_kernel(u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_p
         if SOFTPLUS:
             ddl = ddl * tl.sigmoid(raw)
         ddl = tl.where(td_mask, ddl, 0.0)
-        tl.store(ddelta_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None], ddl.to(ddelta_ptr.dtype.element_ty),
-                 mask=td_mask)
+        tl.store(
+            ddelta_ptr + b * dim * seqlen + d[None, :] * seqlen + t[:, None],
+            ddl.to(ddelta_ptr.dtype.element_ty),
+            mask=td_mask,
+        )
         dbias_acc += tl.sum(ddl, axis=0)
     tl.store(da_ptr + b * dim * dstate + state_offs, da_acc, mask=dn_mask)
     if B_CONST:

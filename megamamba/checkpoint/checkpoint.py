@@ -4,6 +4,7 @@ Any layout reads any checkpoint, each rank only the pieces its own cut overlaps;
 JSON only, no unpickling; format versions 1 and 2 are still read. The directory's files:
 docs/checkpoints.md ("The format and its code").
 """
+
 import dataclasses
 import functools
 import json
@@ -54,12 +55,15 @@ def check_model_shapes(shapes: Mapping[str, tuple], config: MambaConfig, source:
     expected = parameter_shapes(config)
     missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{source}: tensors do not match the model config: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"{source}: tensors do not match the model config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for name, shape in shapes.items():
         if tuple(shape) != expected[name]:
-            raise CheckpointError(f"{source}: {name} has shape {tuple(shape)}, the model config implies "
-                                  f"{expected[name]} (full shapes, without tensor-parallel vocab padding)")
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(shape)}, the model config implies "
+                f"{expected[name]} (full shapes, without tensor-parallel vocab padding)"
+            )
 
 
 def check_model_tensors(model: Mapping[str, torch.Tensor], config: MambaConfig, source: str) -> dict:
@@ -74,8 +78,9 @@ def check_model_tensors(model: Mapping[str, torch.Tensor], config: MambaConfig, 
 
 
 def config_differences(saved: MambaConfig, run: MambaConfig) -> list:
-    """"field: checkpoint X, run Y" for every field that differs (mixer and attention options with defaults
+    """ "field: checkpoint X, run Y" for every field that differs (mixer and attention options with defaults
     filled in, and the head width and key/value heads that null means)."""
+
     def flat(config: MambaConfig) -> dict:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("ssm_cfg", "attn_cfg")}
         fields["ssm_cfg.layer"] = config.layer
@@ -83,8 +88,11 @@ def config_differences(saved: MambaConfig, run: MambaConfig) -> list:
         fields.update({f"ssm_cfg.{k}": v for k, v in options.items()})
         if config.attn_cfg:
             o = config.attention_options
-            attention = {**json.loads(json.dumps(dataclasses.asdict(o))), "head_dim": config.head_dim_of(o),
-                         "num_heads_kv": o.kv_heads}
+            attention = {
+                **json.loads(json.dumps(dataclasses.asdict(o))),
+                "head_dim": config.head_dim_of(o),
+                "num_heads_kv": o.kv_heads,
+            }
             fields.update({f"attn_cfg.{k}": v for k, v in attention.items()})
         return fields
 
@@ -102,8 +110,10 @@ class Checkpoint:
         self.step = self.manifest["step"]
         self.state = read_json(os.path.join(path, STATE_FILE), "trainer state")
         if self.state.get("format_version") not in READS:
-            raise CheckpointError(f"{os.path.join(path, STATE_FILE)}: format version "
-                                  f"{self.state.get('format_version')!r}, this code reads {READS}")
+            raise CheckpointError(
+                f"{os.path.join(path, STATE_FILE)}: format version "
+                f"{self.state.get('format_version')!r}, this code reads {READS}"
+            )
         config_path = os.path.join(path, CONFIG_FILE)
         try:
             self.config = MambaConfig.from_dict(read_json(config_path, "model config"))
@@ -118,8 +128,10 @@ class Checkpoint:
         """CheckpointError naming every field where the run's model config differs from the checkpoint's."""
         diff = config_differences(self.config, run)
         if diff:
-            raise CheckpointError(f"{self.path}: the model config differs from the run's: {'; '.join(diff)}. "
-                                  "Resume with the checkpoint's config.json, or start a new run (--load unset)")
+            raise CheckpointError(
+                f"{self.path}: the model config differs from the run's: {'; '.join(diff)}. "
+                "Resume with the checkpoint's config.json, or start a new run (--load unset)"
+            )
 
     def _read(self, stem: str, select) -> dict:
         """key -> local tensor, for `select(stored names)` = {key: (stored name, cut)} (cut None: the full tensor);
@@ -136,26 +148,30 @@ class Checkpoint:
         With tie_embeddings, asking for lm_head.weight gives the embedding.
         """
         if names is None:
-            return check_model_tensors(self._read(MODEL, lambda stored: {n: (n, None) for n in stored}),
-                                       self.config, self.path)
+            return check_model_tensors(
+                self._read(MODEL, lambda stored: {n: (n, None) for n in stored}), self.config, self.path
+            )
         return self.model_cuts({n: (n, None) for n in names})
 
     def model_cuts(self, requests: Mapping[str, tuple]) -> dict:
         """key -> the local tensor `cut` of parameter `name` for each key's (name, cut) (cut None: the full one),
         reading only the stored pieces it overlaps. With tie_embeddings lm_head.weight is the embedding."""
         tied = self.config.tie_embeddings
-        return self._read(MODEL, lambda _: {k: (EMBEDDING if tied and n == HEAD else n, c)
-                                            for k, (n, c) in requests.items()})
+        return self._read(
+            MODEL, lambda _: {k: (EMBEDDING if tied and n == HEAD else n, c) for k, (n, c) in requests.items()}
+        )
 
     def optimizer_tensors(self, names: Optional[Iterable[str]] = None) -> dict:
         """Full optimizer state "<name>/<key>" of all parameters, or of the parameters in `names`."""
         wanted = None if names is None else set(names)
-        return self._read(OPTIMIZER, lambda stored: {k: (k, None) for k in stored
-                                                     if wanted is None or k.rpartition("/")[0] in wanted})
+        return self._read(
+            OPTIMIZER, lambda stored: {k: (k, None) for k in stored if wanted is None or k.rpartition("/")[0] in wanted}
+        )
 
     def optimizer_cuts(self, requests: Mapping[str, tuple]) -> dict:
         """key -> {state key: local tensor} for each key's (parameter name, cut): every optimizer state stored
         for that parameter, cut like it (a 0-d state whole); {} for a parameter without state."""
+
         def select(stored) -> dict:
             keys: dict = {}
             for name in stored:
@@ -194,4 +210,3 @@ class Checkpoint:
 def open_checkpoint(load: str, save_dir: Optional[str] = None, hashes: bool = True) -> Checkpoint:
     """The checkpoint a `--load` value names ("auto", a checkpoint directory, or a save directory)."""
     return Checkpoint(resolve_load(load, save_dir, hashes), hashes=False)
-

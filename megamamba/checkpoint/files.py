@@ -6,6 +6,7 @@ step of a save goes through `write_file`, `write_tensors`, `sync_dir`, `rename` 
 leaves the disk as it was after the last completed step (the crash tests interrupt each one).
 Readers raise `CheckpointError` with one message naming the file and what is wrong.
 """
+
 import json
 import os
 import shutil
@@ -91,4 +92,3 @@ def read_tensors(path: str) -> dict:
         return read_weights(path)
     except ModelFolderError as e:
         raise CheckpointError(str(e)) from None
-

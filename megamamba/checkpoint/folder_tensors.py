@@ -7,6 +7,7 @@ each for itself, a key of its own whose record (megamamba.checkpoint.tensor_piec
 metadata under PIECES_KEY. `FolderTensors` reads headers only until asked for a tensor, then
 reads just the bytes of the pieces the request overlaps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -178,9 +179,12 @@ class FolderTensors(contextlib.ExitStack):
             def read(dim: int, start: int, stop: int) -> torch.Tensor:
                 sliced = self._handle(file).get_slice(key)
                 if tuple(sliced.get_shape()) != piece.stored_shape:
-                    raise ModelFolderError(f"{os.path.join(self.directory, file)}: {key} has shape "
-                                           f"{tuple(sliced.get_shape())}, its record says {piece.stored_shape}")
+                    raise ModelFolderError(
+                        f"{os.path.join(self.directory, file)}: {key} has shape "
+                        f"{tuple(sliced.get_shape())}, its record says {piece.stored_shape}"
+                    )
                 return sliced[(slice(None),) * dim + (slice(start, stop),)]
+
             return read
 
         try:

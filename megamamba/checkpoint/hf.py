@@ -3,6 +3,7 @@
 Options transformers cannot compute are refused by name (`HFFormatError`). The name and field
 mapping: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
+
 import math
 from typing import NamedTuple, Optional
 
@@ -17,16 +18,48 @@ HF_EMBEDDING = "backbone.embeddings.weight"
 
 # transformers' defaults for the fields read here (configuration_mamba.py / configuration_mamba2.py).
 HF_DEFAULTS = {
-    "mamba": {"vocab_size": 50280, "hidden_size": 768, "state_size": 16, "num_hidden_layers": 32,
-              "layer_norm_epsilon": 1e-5, "expand": 2, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True,
-              "hidden_act": "silu", "residual_in_fp32": True, "time_step_rank": "auto", "time_step_scale": 1.0,
-              "time_step_min": 0.001, "time_step_max": 0.1, "time_step_init_scheme": "random",
-              "time_step_floor": 1e-4, "tie_word_embeddings": True},
-    "mamba2": {"num_heads": 128, "head_dim": 64, "vocab_size": 32768, "hidden_size": 4096, "state_size": 128,
-               "num_hidden_layers": 64, "layer_norm_epsilon": 1e-5, "expand": 2, "conv_kernel": 4, "n_groups": 8,
-               "use_bias": False, "use_conv_bias": True, "hidden_act": "silu", "residual_in_fp32": True,
-               "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4,
-               "time_step_limit": [0.0, math.inf], "chunk_size": 256, "tie_word_embeddings": False},
+    "mamba": {
+        "vocab_size": 50280,
+        "hidden_size": 768,
+        "state_size": 16,
+        "num_hidden_layers": 32,
+        "layer_norm_epsilon": 1e-5,
+        "expand": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "time_step_rank": "auto",
+        "time_step_scale": 1.0,
+        "time_step_min": 0.001,
+        "time_step_max": 0.1,
+        "time_step_init_scheme": "random",
+        "time_step_floor": 1e-4,
+        "tie_word_embeddings": True,
+    },
+    "mamba2": {
+        "num_heads": 128,
+        "head_dim": 64,
+        "vocab_size": 32768,
+        "hidden_size": 4096,
+        "state_size": 128,
+        "num_hidden_layers": 64,
+        "layer_norm_epsilon": 1e-5,
+        "expand": 2,
+        "conv_kernel": 4,
+        "n_groups": 8,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "time_step_min": 0.001,
+        "time_step_max": 0.1,
+        "time_step_floor": 1e-4,
+        "time_step_limit": [0.0, math.inf],
+        "chunk_size": 256,
+        "tie_word_embeddings": False,
+    },
 }
 ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
 
@@ -66,30 +99,51 @@ def hf_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[in
         raise HFFormatError("rms_norm=false (LayerNorm): transformers' Mamba and Mamba2 have RMSNorm only")
     o = config.mixer_options
     common = {
-        "vocab_size": config.padded_vocab_size, "hidden_size": config.d_model,
-        "num_hidden_layers": config.n_layer, "state_size": o.d_state, "conv_kernel": o.d_conv,
-        "expand": integer_expand(config), "use_bias": o.bias, "use_conv_bias": o.conv_bias, "hidden_act": "silu",
-        "layer_norm_epsilon": NORM_EPS, "residual_in_fp32": config.residual_in_fp32,
-        "tie_word_embeddings": config.tie_embeddings, "time_step_min": o.dt_min, "time_step_max": o.dt_max,
-        "time_step_floor": o.dt_init_floor, "dtype": str(dtype).removeprefix("torch."),
+        "vocab_size": config.padded_vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layer,
+        "state_size": o.d_state,
+        "conv_kernel": o.d_conv,
+        "expand": integer_expand(config),
+        "use_bias": o.bias,
+        "use_conv_bias": o.conv_bias,
+        "hidden_act": "silu",
+        "layer_norm_epsilon": NORM_EPS,
+        "residual_in_fp32": config.residual_in_fp32,
+        "tie_word_embeddings": config.tie_embeddings,
+        "time_step_min": o.dt_min,
+        "time_step_max": o.dt_max,
+        "time_step_floor": o.dt_init_floor,
+        "dtype": str(dtype).removeprefix("torch."),
     }
     if eos_token_id is not None:
         common.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     if isinstance(o, Mamba1Options):
         model_type = "mamba"
-        fields = {"time_step_rank": config.dt_rank, "time_step_scale": o.dt_scale,
-                  "time_step_init_scheme": o.dt_init, "intermediate_size": config.d_inner}
+        fields = {
+            "time_step_rank": config.dt_rank,
+            "time_step_scale": o.dt_scale,
+            "time_step_init_scheme": o.dt_init,
+            "intermediate_size": config.d_inner,
+        }
     else:
         model_type = "mamba2"
         if not o.rmsnorm:
             raise HFFormatError("ssm_cfg.rmsnorm=false: transformers' Mamba2 always applies the gated RMSNorm")
         if o.norm_before_gate:
-            raise HFFormatError("ssm_cfg.norm_before_gate=true: transformers' Mamba2 gates before normalising "
-                                "(norm_before_gate=false) only")
+            raise HFFormatError(
+                "ssm_cfg.norm_before_gate=true: transformers' Mamba2 gates before normalising "
+                "(norm_before_gate=false) only"
+            )
         if o.D_has_hdim:
             raise HFFormatError("ssm_cfg.D_has_hdim=true: transformers' Mamba2 has one D per head")
-        fields = {"num_heads": config.nheads, "head_dim": o.headdim, "n_groups": o.ngroups,
-                  "time_step_limit": list(o.dt_limit), "chunk_size": o.chunk_size}
+        fields = {
+            "num_heads": config.nheads,
+            "head_dim": o.headdim,
+            "n_groups": o.ngroups,
+            "time_step_limit": list(o.dt_limit),
+            "chunk_size": o.chunk_size,
+        }
     return {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, **common, **fields}
 
 
@@ -97,30 +151,55 @@ def config_from_hf(hf: dict) -> MambaConfig:
     """Our config for transformers' config.json `hf`; HFFormatError naming what we cannot represent."""
     model_type = hf.get("model_type")
     if model_type not in HF_DEFAULTS:
-        raise HFFormatError(f"model_type={model_type!r}: only {sorted(HF_DEFAULTS)} (transformers' Mamba, Mamba2) "
-                            "convert")
+        raise HFFormatError(
+            f"model_type={model_type!r}: only {sorted(HF_DEFAULTS)} (transformers' Mamba, Mamba2) convert"
+        )
     f = {**HF_DEFAULTS[model_type], **hf}
     if f["hidden_act"] != "silu":
         raise HFFormatError(f"hidden_act={f['hidden_act']!r}: the Mamba mixers use silu only")
     if f["layer_norm_epsilon"] != NORM_EPS:
         raise HFFormatError(f"layer_norm_epsilon={f['layer_norm_epsilon']!r}: our norms use mamba_ssm's {NORM_EPS}")
     rows = f["vocab_size"]
-    ssm = {"d_state": f["state_size"], "d_conv": f["conv_kernel"], "expand": f["expand"], "bias": f["use_bias"],
-           "conv_bias": f["use_conv_bias"], "dt_min": f["time_step_min"], "dt_max": f["time_step_max"],
-           "dt_init_floor": f["time_step_floor"]}
+    ssm = {
+        "d_state": f["state_size"],
+        "d_conv": f["conv_kernel"],
+        "expand": f["expand"],
+        "bias": f["use_bias"],
+        "conv_bias": f["use_conv_bias"],
+        "dt_min": f["time_step_min"],
+        "dt_max": f["time_step_max"],
+        "dt_init_floor": f["time_step_floor"],
+    }
     if model_type == "mamba":
-        ssm.update(layer="Mamba1", dt_rank=f["time_step_rank"], dt_scale=f["time_step_scale"],
-                   dt_init=f["time_step_init_scheme"])
+        ssm.update(
+            layer="Mamba1",
+            dt_rank=f["time_step_rank"],
+            dt_scale=f["time_step_scale"],
+            dt_init=f["time_step_init_scheme"],
+        )
     else:
         d_inner = f["expand"] * f["hidden_size"]
         if f["num_heads"] * f["head_dim"] != d_inner:
-            raise HFFormatError(f"num_heads={f['num_heads']} x head_dim={f['head_dim']} != expand x hidden_size = "
-                                f"{d_inner}")
-        ssm.update(layer="Mamba2", headdim=f["head_dim"], ngroups=f["n_groups"],
-                   dt_limit=[float(v) for v in f["time_step_limit"]], chunk_size=f["chunk_size"])
-    return MambaConfig(d_model=f["hidden_size"], n_layer=f["num_hidden_layers"], vocab_size=rows, ssm_cfg=ssm,
-                       rms_norm=True, residual_in_fp32=f["residual_in_fp32"],
-                       pad_vocab_size_multiple=8 if rows % 8 == 0 else 1, tie_embeddings=f["tie_word_embeddings"])
+            raise HFFormatError(
+                f"num_heads={f['num_heads']} x head_dim={f['head_dim']} != expand x hidden_size = {d_inner}"
+            )
+        ssm.update(
+            layer="Mamba2",
+            headdim=f["head_dim"],
+            ngroups=f["n_groups"],
+            dt_limit=[float(v) for v in f["time_step_limit"]],
+            chunk_size=f["chunk_size"],
+        )
+    return MambaConfig(
+        d_model=f["hidden_size"],
+        n_layer=f["num_hidden_layers"],
+        vocab_size=rows,
+        ssm_cfg=ssm,
+        rms_norm=True,
+        residual_in_fp32=f["residual_in_fp32"],
+        pad_vocab_size_multiple=8 if rows % 8 == 0 else 1,
+        tie_embeddings=f["tie_word_embeddings"],
+    )
 
 
 def mamba_parts(name: str) -> list:

@@ -10,6 +10,7 @@ On release the file is removed, so a run that leaves cleanly leaves no trace.
 
 The job token names this job's staging folders (store.py), so pruning never touches another's.
 """
+
 import fcntl
 import json
 import os
@@ -69,8 +70,9 @@ class SaveDirLock:
                 raise CheckpointError(self._held_message()) from None
             except OSError as e:
                 os.close(fd)
-                raise CheckpointError(f"--save {self.save_dir}: cannot lock {self.path} ({e.strerror}); the "
-                                      "filesystem must support flock") from None
+                raise CheckpointError(
+                    f"--save {self.save_dir}: cannot lock {self.path} ({e.strerror}); the filesystem must support flock"
+                ) from None
             try:  # the holder we waited on may have removed the file: then lock the new one
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -88,12 +90,16 @@ class SaveDirLock:
 
     def _held_message(self) -> str:
         holder = read_holder(self.path)
-        held = (f"--save {self.save_dir} is in use by another job: {describe(holder)} holds {self.path}; one job "
-                "writes a save directory at a time: wait for it to end or choose another --save")
+        held = (
+            f"--save {self.save_dir} is in use by another job: {describe(holder)} holds {self.path}; one job "
+            "writes a save directory at a time: wait for it to end or choose another --save"
+        )
         if holder and holder.get("host") == socket.gethostname() and not pid_alive(holder.get("pid")):
-            return (f"--save {self.save_dir}: stale lock {self.path}: its holder {describe(holder)} is gone but the "
-                    f"lock is still held (by a process it started, or kept by the filesystem); end that job's "
-                    f"leftover processes (fuser -v {self.path}), or remove {self.path} if none remain")
+            return (
+                f"--save {self.save_dir}: stale lock {self.path}: its holder {describe(holder)} is gone but the "
+                f"lock is still held (by a process it started, or kept by the filesystem); end that job's "
+                f"leftover processes (fuser -v {self.path}), or remove {self.path} if none remain"
+            )
         return held
 
     def release(self) -> None:

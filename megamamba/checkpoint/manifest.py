@@ -5,6 +5,7 @@ plus the tag and step. A directory without a valid manifest is an unfinished sav
 whose size or hash differs from its entry is truncated or corrupt. Hashing reads every byte
 (about 1-2 GB/s), so `verify(..., hashes=False)` checks only presence and sizes.
 """
+
 import hashlib
 import json
 import os
@@ -54,9 +55,15 @@ def write_manifest(directory: str, tag: str, step: int, known: Optional[dict] = 
 
 
 def _valid_entry(name, entry) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool)
-            and entry["size"] >= 0 and isinstance(entry.get("sha256"), str) and os.path.basename(name) == name
-            and name not in ("", ".", ".."))
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("size"), int)
+        and not isinstance(entry["size"], bool)
+        and entry["size"] >= 0
+        and isinstance(entry.get("sha256"), str)
+        and os.path.basename(name) == name
+        and name not in ("", ".", "..")
+    )
 
 
 def verify(directory: str, hashes: bool = True) -> dict:
@@ -72,16 +79,21 @@ def verify(directory: str, hashes: bool = True) -> dict:
         raise CheckpointError(f"{path}: format version {manifest.get('version')!r}, this code reads version {VERSION}")
     for name, entry in manifest["files"].items():
         if not _valid_entry(name, entry):
-            raise CheckpointError(f"{path}: the entry of {name!r} is {json.dumps(entry)[:80]}; each entry is "
-                                  '{"size": bytes, "sha256": hex digest} of a file in the checkpoint directory')
+            raise CheckpointError(
+                f"{path}: the entry of {name!r} is {json.dumps(entry)[:80]}; each entry is "
+                '{"size": bytes, "sha256": hex digest} of a file in the checkpoint directory'
+            )
         file = os.path.join(directory, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: missing (listed in {MANIFEST}); the checkpoint is damaged")
         size = os.path.getsize(file)
         if size != entry["size"]:
-            raise CheckpointError(f"{file}: {size} bytes, {MANIFEST} says {entry['size']}: the file is truncated or "
-                                  "corrupt; resume from another checkpoint")
+            raise CheckpointError(
+                f"{file}: {size} bytes, {MANIFEST} says {entry['size']}: the file is truncated or "
+                "corrupt; resume from another checkpoint"
+            )
         if hashes and sha256_of(file) != entry["sha256"]:
-            raise CheckpointError(f"{file}: sha256 differs from {MANIFEST}: the file is corrupt; resume from another "
-                                  "checkpoint")
+            raise CheckpointError(
+                f"{file}: sha256 differs from {MANIFEST}: the file is corrupt; resume from another checkpoint"
+            )
     return manifest

@@ -4,6 +4,7 @@
 time: ours (a model folder or a checkpoint), mamba_ssm's and transformers' Mamba / Mamba2 / NemotronH exports.
 The folder's format: docs/checkpoints.md.
 """
+
 import json
 import os
 from typing import Optional
@@ -59,8 +60,9 @@ def _check_keys(path: str, state: dict, model: MambaLM) -> None:
         raise ModelFolderError(f"{path}: tensors do not match the config: missing {missing}, unexpected {unexpected}")
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
-            raise ModelFolderError(f"{path}: {key} has shape {tuple(tensor.shape)}, the config implies "
-                                   f"{tuple(expected[key].shape)}")
+            raise ModelFolderError(
+                f"{path}: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}"
+            )
 
 
 def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] = None) -> MambaLM:
@@ -107,8 +109,9 @@ class FolderWeights:
         except (ConfigError, HFFormatError, TypeError) as e:
             raise ModelFolderError(f"{config_path}: {e}") from None
         self._torch_file = os.path.join(directory, TORCH_WEIGHTS)
-        has_safetensors = any(os.path.isfile(os.path.join(directory, n))
-                              for n in (WEIGHTS_FILE, index_file(WEIGHTS_STEM)))
+        has_safetensors = any(
+            os.path.isfile(os.path.join(directory, n)) for n in (WEIGHTS_FILE, index_file(WEIGHTS_STEM))
+        )
         self._bin = None if has_safetensors or not os.path.isfile(self._torch_file) else self._open_bin()
         if self.hf:
             self.kind = f"transformers {architecture(self.model_type)} folder"
@@ -119,8 +122,10 @@ class FolderWeights:
         try:
             return torch.load(self._torch_file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - any unpickling refusal or damage: one message
-            raise ModelFolderError(f"{self._torch_file}: not loadable with weights_only=True and mmap, which refuse "
-                                   f"pickled code and the pre-1.6 format ({' '.join(str(e).split())})") from None
+            raise ModelFolderError(
+                f"{self._torch_file}: not loadable with weights_only=True and mmap, which refuse "
+                f"pickled code and the pre-1.6 format ({' '.join(str(e).split())})"
+            ) from None
 
     def _parts(self, name: str) -> list:
         """The tensors of the folder's files that make up our tensor `name`."""

@@ -6,6 +6,7 @@ and clamps dt below at `time_step_min`; what it cannot compute is refused by nam
 Attention's fused in_proj rows [q, k, v] are its q_proj, k_proj and v_proj; the head is always written
 (transformers does not tie NemotronH's).
 """
+
 import math
 import re
 from typing import Optional
@@ -21,18 +22,44 @@ MODEL_TYPE, ARCHITECTURE = "nemotron_h", "NemotronHForCausalLM"
 BLOCK_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
 SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
 # transformers' defaults (configuration_nemotron_h.py) for the fields read here.
-DEFAULTS = {"vocab_size": 131072, "hidden_size": 4096, "tie_word_embeddings": False, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "mlp_hidden_act": "relu2",
-            "mlp_bias": False, "ssm_state_size": 128, "mamba_num_heads": 128, "mamba_head_dim": 64,
-            "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4, "expand": 2, "time_step_min": 0.001,
-            "time_step_max": 0.1, "time_step_floor": 1e-4, "use_conv_bias": True, "chunk_size": 128,
-            "num_nextn_predict_layers": 0, "use_bias": False, "layer_norm_epsilon": 1e-5,
-            "residual_in_fp32": False}
+DEFAULTS = {
+    "vocab_size": 131072,
+    "hidden_size": 4096,
+    "tie_word_embeddings": False,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 21504,
+    "mlp_hidden_act": "relu2",
+    "mlp_bias": False,
+    "ssm_state_size": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu",
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "expand": 2,
+    "time_step_min": 0.001,
+    "time_step_max": 0.1,
+    "time_step_floor": 1e-4,
+    "use_conv_bias": True,
+    "chunk_size": 128,
+    "num_nextn_predict_layers": 0,
+    "use_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "residual_in_fp32": False,
+}
 # older NemotronH configs' names, which transformers still reads (configuration_nemotron_h.py)
-LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
-                "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
-                "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
-                "mamba_chunk_size": "chunk_size"}
+LEGACY_NAMES = {
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_expand": "expand",
+    "mamba_dt_min": "time_step_min",
+    "mamba_dt_max": "time_step_max",
+    "mamba_dt_init_floor": "time_step_floor",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
+}
 LEGACY_SYMBOLS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers remaps these too
 _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(in_proj|out_proj|fc1|fc2)\.weight")
@@ -44,35 +71,59 @@ def _mamba_fields(config: MambaConfig) -> dict:
     if not isinstance(o, Mamba2Options):
         raise HFFormatError(f"ssm_cfg.layer={config.layer!r}: NemotronH's Mamba layers are Mamba2")
     if not o.rmsnorm or o.norm_before_gate:
-        raise HFFormatError(f"ssm_cfg rmsnorm={o.rmsnorm}, norm_before_gate={o.norm_before_gate}: NemotronH "
-                            "applies the gated RMSNorm after gating only (rmsnorm=true, norm_before_gate=false)")
+        raise HFFormatError(
+            f"ssm_cfg rmsnorm={o.rmsnorm}, norm_before_gate={o.norm_before_gate}: NemotronH "
+            "applies the gated RMSNorm after gating only (rmsnorm=true, norm_before_gate=false)"
+        )
     if o.D_has_hdim:
         raise HFFormatError("ssm_cfg.D_has_hdim=true: NemotronH has one D per head")
     low, high = o.dt_limit
     if high != math.inf:
-        raise HFFormatError(f"ssm_cfg.dt_limit={list(o.dt_limit)}: NemotronH clamps dt below only (at "
-                            "time_step_min); the upper limit must be inf")
-    return {"ssm_state_size": o.d_state, "mamba_num_heads": config.nheads, "mamba_head_dim": o.headdim,
-            "n_groups": o.ngroups, "conv_kernel": o.d_conv, "expand": integer_expand(config),
-            "use_conv_bias": o.conv_bias, "use_bias": o.bias, "mamba_hidden_act": "silu", "chunk_size": o.chunk_size,
-            "time_step_min": low, "time_step_max": o.dt_max, "time_step_floor": o.dt_init_floor,
-            "time_step_limit": [low, high]}
+        raise HFFormatError(
+            f"ssm_cfg.dt_limit={list(o.dt_limit)}: NemotronH clamps dt below only (at "
+            "time_step_min); the upper limit must be inf"
+        )
+    return {
+        "ssm_state_size": o.d_state,
+        "mamba_num_heads": config.nheads,
+        "mamba_head_dim": o.headdim,
+        "n_groups": o.ngroups,
+        "conv_kernel": o.d_conv,
+        "expand": integer_expand(config),
+        "use_conv_bias": o.conv_bias,
+        "use_bias": o.bias,
+        "mamba_hidden_act": "silu",
+        "chunk_size": o.chunk_size,
+        "time_step_min": low,
+        "time_step_max": o.dt_max,
+        "time_step_floor": o.dt_init_floor,
+        "time_step_limit": [low, high],
+    }
 
 
 def _attention_fields(config: MambaConfig) -> dict:
     o = config.attention_options
     head_dim = config.head_dim_of(o)
     if o.qkv_proj_bias or o.out_proj_bias:
-        raise HFFormatError(f"attn_cfg qkv_proj_bias={o.qkv_proj_bias}, out_proj_bias={o.out_proj_bias}: "
-                            "NemotronH's attention has no biases (set both false)")
+        raise HFFormatError(
+            f"attn_cfg qkv_proj_bias={o.qkv_proj_bias}, out_proj_bias={o.out_proj_bias}: "
+            "NemotronH's attention has no biases (set both false)"
+        )
     if o.rotary_emb_dim:
-        raise HFFormatError(f"attn_cfg.rotary_emb_dim={o.rotary_emb_dim}: NemotronH's attention has no rotary "
-                            "embedding (use 0)")
-    if o.softmax_scale is not None and o.softmax_scale != head_dim ** -0.5:
-        raise HFFormatError(f"attn_cfg.softmax_scale={o.softmax_scale}: NemotronH scales by head_dim ** -0.5 = "
-                            f"{head_dim ** -0.5} (use null)")
-    return {"num_attention_heads": o.num_heads, "num_key_value_heads": o.kv_heads, "head_dim": head_dim,
-            "attention_bias": False}
+        raise HFFormatError(
+            f"attn_cfg.rotary_emb_dim={o.rotary_emb_dim}: NemotronH's attention has no rotary embedding (use 0)"
+        )
+    if o.softmax_scale is not None and o.softmax_scale != head_dim**-0.5:
+        raise HFFormatError(
+            f"attn_cfg.softmax_scale={o.softmax_scale}: NemotronH scales by head_dim ** -0.5 = "
+            f"{head_dim**-0.5} (use null)"
+        )
+    return {
+        "num_attention_heads": o.num_heads,
+        "num_key_value_heads": o.kv_heads,
+        "head_dim": head_dim,
+        "attention_bias": False,
+    }
 
 
 def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
@@ -80,22 +131,33 @@ def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Opt
     if not config.rms_norm:
         raise HFFormatError("rms_norm=false (LayerNorm): NemotronH has RMSNorm only")
     if config.mlp_inside_blocks:
-        raise HFFormatError(f"d_intermediate={config.d_intermediate} without hybrid_layer_pattern (an MLP inside "
-                            "every block, as mamba_ssm): NemotronH has one mixer per layer; express the MLPs as "
-                            "their own layers (- in hybrid_layer_pattern)")
+        raise HFFormatError(
+            f"d_intermediate={config.d_intermediate} without hybrid_layer_pattern (an MLP inside "
+            "every block, as mamba_ssm): NemotronH has one mixer per layer; express the MLPs as "
+            "their own layers (- in hybrid_layer_pattern)"
+        )
     kinds = config.block_kinds
-    fields = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": config.padded_vocab_size,
-              "hidden_size": config.d_model, "layers_block_type": [BLOCK_TYPES[k] for k in kinds],
-              "layer_norm_epsilon": NORM_EPS, "residual_in_fp32": config.residual_in_fp32,
-              "tie_word_embeddings": config.tie_embeddings, "dtype": str(dtype).removeprefix("torch.")}
+    fields = {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "vocab_size": config.padded_vocab_size,
+        "hidden_size": config.d_model,
+        "layers_block_type": [BLOCK_TYPES[k] for k in kinds],
+        "layer_norm_epsilon": NORM_EPS,
+        "residual_in_fp32": config.residual_in_fp32,
+        "tie_word_embeddings": config.tie_embeddings,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     if "mamba" in kinds:
         fields.update(_mamba_fields(config))
     if "attention" in kinds:
         fields.update(_attention_fields(config))
     if "mlp" in kinds:
         if config.mlp_activation != "squared_relu":
-            raise HFFormatError(f"mlp_activation={config.mlp_activation!r}: NemotronH's MLP is squared ReLU, "
-                                "not gated (mlp_activation=\"squared_relu\")")
+            raise HFFormatError(
+                f"mlp_activation={config.mlp_activation!r}: NemotronH's MLP is squared ReLU, "
+                'not gated (mlp_activation="squared_relu")'
+            )
         fields.update(intermediate_size=config.d_intermediate, mlp_hidden_act="relu2", mlp_bias=False)
     if eos_token_id is not None:
         fields.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
@@ -105,29 +167,46 @@ def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Opt
 def _check_supported(f: dict, types: list) -> None:
     unknown = sorted(set(types) - set(SYMBOLS))
     if unknown:
-        raise HFFormatError(f"layers_block_type has {unknown}: only {sorted(SYMBOLS)} layers are implemented "
-                            "(no mixture of experts)")
+        raise HFFormatError(
+            f"layers_block_type has {unknown}: only {sorted(SYMBOLS)} layers are implemented (no mixture of experts)"
+        )
     if f["num_nextn_predict_layers"]:
-        raise HFFormatError(f"num_nextn_predict_layers={f['num_nextn_predict_layers']}: multi-token prediction "
-                            "layers are not implemented")
+        raise HFFormatError(
+            f"num_nextn_predict_layers={f['num_nextn_predict_layers']}: multi-token prediction "
+            "layers are not implemented"
+        )
     if f["layer_norm_epsilon"] != NORM_EPS:
         raise HFFormatError(f"layer_norm_epsilon={f['layer_norm_epsilon']!r}: our norms use mamba_ssm's {NORM_EPS}")
     if f["mamba_hidden_act"] != "silu":
         raise HFFormatError(f"mamba_hidden_act={f['mamba_hidden_act']!r}: the Mamba mixers use silu only")
     if "mlp" in types and (f["mlp_hidden_act"] != "relu2" or f["mlp_bias"]):
-        raise HFFormatError(f"mlp_hidden_act={f['mlp_hidden_act']!r}, mlp_bias={f['mlp_bias']}: our MLP layers "
-                            "are relu2 (squared ReLU) without biases")
+        raise HFFormatError(
+            f"mlp_hidden_act={f['mlp_hidden_act']!r}, mlp_bias={f['mlp_bias']}: our MLP layers "
+            "are relu2 (squared ReLU) without biases"
+        )
 
 
 def _ssm_cfg(f: dict, d_model: int) -> dict:
     d_inner = f["expand"] * d_model
     if f["mamba_num_heads"] * f["mamba_head_dim"] != d_inner:
-        raise HFFormatError(f"mamba_num_heads={f['mamba_num_heads']} x mamba_head_dim={f['mamba_head_dim']} != "
-                            f"expand x hidden_size = {d_inner}")
-    ssm = {"layer": "Mamba2", "d_state": f["ssm_state_size"], "d_conv": f["conv_kernel"], "expand": f["expand"],
-           "headdim": f["mamba_head_dim"], "ngroups": f["n_groups"], "bias": f["use_bias"],
-           "conv_bias": f["use_conv_bias"], "chunk_size": f["chunk_size"], "dt_max": f["time_step_max"],
-           "dt_init_floor": f["time_step_floor"], "dt_limit": [float(f["time_step_min"]), math.inf]}
+        raise HFFormatError(
+            f"mamba_num_heads={f['mamba_num_heads']} x mamba_head_dim={f['mamba_head_dim']} != "
+            f"expand x hidden_size = {d_inner}"
+        )
+    ssm = {
+        "layer": "Mamba2",
+        "d_state": f["ssm_state_size"],
+        "d_conv": f["conv_kernel"],
+        "expand": f["expand"],
+        "headdim": f["mamba_head_dim"],
+        "ngroups": f["n_groups"],
+        "bias": f["use_bias"],
+        "conv_bias": f["use_conv_bias"],
+        "chunk_size": f["chunk_size"],
+        "dt_max": f["time_step_max"],
+        "dt_init_floor": f["time_step_floor"],
+        "dt_limit": [float(f["time_step_min"]), math.inf],
+    }
     if f["time_step_min"] > 0:  # also the initialisation's lower end; 0 keeps mamba_ssm's default there
         ssm["dt_min"] = f["time_step_min"]
     return ssm
@@ -141,21 +220,34 @@ def config_from_nemotron_h(hf: dict) -> MambaConfig:
     if types is None and isinstance(f.get("hybrid_override_pattern"), str):
         types = [LEGACY_SYMBOLS.get(symbol, symbol) for symbol in f["hybrid_override_pattern"]]
     if not isinstance(types, list) or not types:
-        raise HFFormatError(f"layers_block_type={types!r}: a NemotronH config lists its layers' types (or "
-                            "hybrid_override_pattern has their symbols)")
+        raise HFFormatError(
+            f"layers_block_type={types!r}: a NemotronH config lists its layers' types (or "
+            "hybrid_override_pattern has their symbols)"
+        )
     types = [LEGACY_TYPES.get(t, t) for t in types]
     _check_supported(f, types)
     rows = f["vocab_size"]
-    fields = {"d_model": f["hidden_size"], "n_layer": len(types), "vocab_size": rows,
-              "hybrid_layer_pattern": "".join(SYMBOLS[t] for t in types), "rms_norm": True,
-              "residual_in_fp32": f["residual_in_fp32"], "pad_vocab_size_multiple": 8 if rows % 8 == 0 else 1,
-              "tie_embeddings": f["tie_word_embeddings"]}
+    fields = {
+        "d_model": f["hidden_size"],
+        "n_layer": len(types),
+        "vocab_size": rows,
+        "hybrid_layer_pattern": "".join(SYMBOLS[t] for t in types),
+        "rms_norm": True,
+        "residual_in_fp32": f["residual_in_fp32"],
+        "pad_vocab_size_multiple": 8 if rows % 8 == 0 else 1,
+        "tie_embeddings": f["tie_word_embeddings"],
+    }
     if "linear_attention" in types:
         fields["ssm_cfg"] = _ssm_cfg(f, f["hidden_size"])
     if "full_attention" in types:
-        fields["attn_cfg"] = {"num_heads": f["num_attention_heads"], "num_heads_kv": f["num_key_value_heads"],
-                              "head_dim": f["head_dim"], "qkv_proj_bias": False, "out_proj_bias": False,
-                              "causal": True}
+        fields["attn_cfg"] = {
+            "num_heads": f["num_attention_heads"],
+            "num_heads_kv": f["num_key_value_heads"],
+            "head_dim": f["head_dim"],
+            "qkv_proj_bias": False,
+            "out_proj_bias": False,
+            "causal": True,
+        }
     if "mlp" in types:
         fields.update(d_intermediate=f["intermediate_size"], mlp_activation="squared_relu")
     return MambaConfig(**fields)
@@ -174,9 +266,11 @@ def nemotron_h_parts(config: MambaConfig, name: str) -> list:
     if kind == "attention" and proj == "in_proj":
         o = config.attention_options
         head_dim = config.head_dim_of(o)
-        return [Part(prefix + "q_proj.weight", o.num_heads * head_dim),
-                Part(prefix + "k_proj.weight", o.kv_heads * head_dim),
-                Part(prefix + "v_proj.weight", o.kv_heads * head_dim)]
+        return [
+            Part(prefix + "q_proj.weight", o.num_heads * head_dim),
+            Part(prefix + "k_proj.weight", o.kv_heads * head_dim),
+            Part(prefix + "v_proj.weight", o.kv_heads * head_dim),
+        ]
     return [Part(prefix + _RENAMED.get((kind, proj), proj) + ".weight", None)]
 
 

@@ -4,6 +4,7 @@
 first, then each tensor as it is loaded, so it holds one tensor, never a shard. Sharding and file
 layout rules: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
+
 import json
 import os
 import re
@@ -16,13 +17,32 @@ import torch
 from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError, index_file, shard_file
 from megamamba.checkpoint.model_folder import WEIGHTS_STEM
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +63,10 @@ def parse_size(text) -> int:
     """Bytes of a size as transformers writes it: 5GB (10**9), 4GiB (2**30), 500MB, or a plain byte count."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
     if not match or match.group(2) not in _UNITS or float(match.group(1)) * _UNITS[match.group(2)] < 1:
-        raise ValueError(f"size {text!r}: expected a positive byte count or a number with a unit "
-                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 5GB")
+        raise ValueError(
+            f"size {text!r}: expected a positive byte count or a number with a unit "
+            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 5GB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
@@ -58,8 +80,9 @@ class TensorReader(FolderTensors):
     def spec(self, name: str) -> TensorSpec:
         dtype = self.dtype(name)
         if dtype not in DTYPES:
-            raise ModelFolderError(f"{os.path.join(self.directory, WEIGHTS_STEM)}: {name} has dtype {dtype}, not one "
-                                   f"of {sorted(DTYPES)}")
+            raise ModelFolderError(
+                f"{os.path.join(self.directory, WEIGHTS_STEM)}: {name} has dtype {dtype}, not one of {sorted(DTYPES)}"
+            )
         return TensorSpec(name, dtype, self.shape(name))
 
     def load(self, name: str) -> torch.Tensor:
@@ -91,14 +114,17 @@ def _header(specs: Sequence[TensorSpec], metadata: dict) -> bytes:
 
 def _tensor_bytes(tensor: torch.Tensor, spec: TensorSpec) -> memoryview:
     if DTYPE_NAMES.get(tensor.dtype) != spec.dtype or tuple(tensor.shape) != spec.shape:
-        raise ValueError(f"{spec.name}: loaded as {DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} "
-                         f"{tuple(tensor.shape)}, its spec says {spec.dtype} {spec.shape}")
+        raise ValueError(
+            f"{spec.name}: loaded as {DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} "
+            f"{tuple(tensor.shape)}, its spec says {spec.dtype} {spec.shape}"
+        )
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def write_safetensors(path: str, specs: Sequence[TensorSpec], load: Callable[[str], torch.Tensor],
-                      metadata: dict) -> None:
+def write_safetensors(
+    path: str, specs: Sequence[TensorSpec], load: Callable[[str], torch.Tensor], metadata: dict
+) -> None:
     """One safetensors file of the specs' tensors, loaded one at a time with `load(name)`."""
     laid_out = sorted(specs, key=lambda s: -DTYPES[s.dtype].itemsize)
     with open(path, "xb") as f:
@@ -107,8 +133,9 @@ def write_safetensors(path: str, specs: Sequence[TensorSpec], load: Callable[[st
             f.write(_tensor_bytes(load(spec.name), spec))
 
 
-def write_sharded(directory: str, specs: Sequence[TensorSpec], load: Callable[[str], torch.Tensor],
-                  max_shard_size) -> list:
+def write_sharded(
+    directory: str, specs: Sequence[TensorSpec], load: Callable[[str], torch.Tensor], max_shard_size
+) -> list:
     """Write the specs' tensors to `directory` (module docstring); returns the files written."""
     shards = plan_shards(specs, parse_size(max_shard_size))
     metadata = {"format": "pt"}
@@ -118,8 +145,10 @@ def write_sharded(directory: str, specs: Sequence[TensorSpec], load: Callable[[s
     files = [shard_file(WEIGHTS_STEM, i, len(shards)) for i in range(len(shards))]
     for file, shard in zip(files, shards):
         write_safetensors(os.path.join(directory, file), shard, load, metadata)
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-             "weight_map": {s.name: file for file, shard in zip(files, shards) for s in shard}}
+    index = {
+        "metadata": {"total_size": sum(s.nbytes for s in specs)},
+        "weight_map": {s.name: file for file, shard in zip(files, shards) for s in shard},
+    }
     with open(os.path.join(directory, index_file(WEIGHTS_STEM)), "x", encoding="utf-8") as f:
         json.dump(index, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -4,6 +4,7 @@ Parameters under their mamba_ssm names and full shapes, optimizer state as "<nam
 the scheduler as JSON; loading keeps the run's hyperparameters. Functions taking `tp` are
 collective over its group when tp.size > 1. Details: docs/checkpoints.md.
 """
+
 import json
 import warnings
 from typing import Mapping, Optional
@@ -35,8 +36,12 @@ def model_tensors(model: nn.Module, tp: Optional[TensorParallel] = None) -> dict
     return {name: p.detach() for name, p in _named(model).items()}
 
 
-def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp: Optional[TensorParallel] = None,
-                       source: str = "checkpoint") -> None:
+def load_model_tensors(
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    tp: Optional[TensorParallel] = None,
+    source: str = "checkpoint",
+) -> None:
     """Copy full tensors into `model` (this rank's shards under TP); CheckpointError when names or shapes differ."""
     tensors = dict(tensors)
     wanted = {full_key(n, p) for n, p in _named(model).items()}
@@ -46,8 +51,9 @@ def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp
         tensors.pop(HEAD)
     missing, unexpected = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
     if missing or unexpected:
-        raise CheckpointError(f"{source}: parameters do not match the model: missing {missing}, "
-                              f"unexpected {unexpected}")
+        raise CheckpointError(
+            f"{source}: parameters do not match the model: missing {missing}, unexpected {unexpected}"
+        )
     if _split(tp):
         try:
             load_full_tensors(model, tensors, tp)
@@ -57,8 +63,9 @@ def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp
     with torch.no_grad():
         for name, param in _named(model).items():
             if tensors[name].shape != param.shape:
-                raise CheckpointError(f"{source}: {name} has shape {tuple(tensors[name].shape)}, the model "
-                                      f"{tuple(param.shape)}")
+                raise CheckpointError(
+                    f"{source}: {name} has shape {tuple(tensors[name].shape)}, the model {tuple(param.shape)}"
+                )
             param.copy_(tensors[name])
 
 
@@ -72,14 +79,15 @@ def _state_keys(optimizer: torch.optim.Optimizer, named: dict) -> tuple:
             elif torch.is_tensor(value) and value.dim() == 0:
                 scalar.add(key)
             else:
-                raise CheckpointError(f"optimizer state {key!r} of {name} is {type(value).__name__} "
-                                      f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
-                                      "parameter or 0-d tensors can be saved")
+                raise CheckpointError(
+                    f"optimizer state {key!r} of {name} is {type(value).__name__} "
+                    f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
+                    "parameter or 0-d tensors can be saved"
+                )
     return sorted(elementwise), sorted(scalar)
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module,
-                      tp: Optional[TensorParallel] = None) -> dict:
+def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, tp: Optional[TensorParallel] = None) -> dict:
     """The optimizer state, "<full name>/<key>" -> full tensor (empty before the first step)."""
     named = _named(model)
     elementwise, scalar = _state_keys(optimizer, named)
@@ -108,8 +116,10 @@ def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module, members
         params = group["params"] if members is None else members[i]
         unknown = [p for p in params if id(p) not in names]
         if unknown:
-            raise CheckpointError(f"optimizer group {i} steps {len(unknown)} tensor(s) that are not parameters of the "
-                                  "model (pass `members` for an optimizer over flat partitions)")
+            raise CheckpointError(
+                f"optimizer group {i} steps {len(unknown)} tensor(s) that are not parameters of the "
+                "model (pass `members` for an optimizer over flat partitions)"
+            )
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({**json.loads(json.dumps(hyper)), "params": list(dict.fromkeys(names[id(p)] for p in params))})
     return groups
@@ -123,11 +133,18 @@ def check_optimizer_groups(saved: list, run: list) -> None:
         if set(s["params"]) != set(r["params"]):
             diff = sorted(set(s["params"]) ^ set(r["params"]))
             raise CheckpointError(f"optimizer group {i}: parameters differ between checkpoint and run: {diff[:5]}")
-        changed = [f"{k}: checkpoint {s.get(k)!r}, run {r.get(k)!r}" for k in sorted(set(s) | set(r))
-                   if k not in (*_LR_KEYS, "params") and s.get(k) != r.get(k)]
+        changed = [
+            f"{k}: checkpoint {s.get(k)!r}, run {r.get(k)!r}"
+            for k in sorted(set(s) | set(r))
+            if k not in (*_LR_KEYS, "params") and s.get(k) != r.get(k)
+        ]
         if changed:
-            warnings.warn(f"optimizer group {i} hyperparameters differ from the checkpoint, the run's apply: "
-                          + "; ".join(changed), CheckpointWarning, stacklevel=3)
+            warnings.warn(
+                f"optimizer group {i} hyperparameters differ from the checkpoint, the run's apply: "
+                + "; ".join(changed),
+                CheckpointWarning,
+                stacklevel=3,
+            )
 
 
 def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel]) -> torch.Tensor:
@@ -136,8 +153,13 @@ def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel]) -
     return local_shard(t, shard, tp.size, tp.rank) if t.dim() and _split(tp) and shard is not None else t
 
 
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, tensors: Mapping[str, torch.Tensor],
-                           saved_groups: list, tp: Optional[TensorParallel] = None) -> None:
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    saved_groups: list,
+    tp: Optional[TensorParallel] = None,
+) -> None:
     """Restore the state `optimizer_tensors` saved (this rank's shards under TP), keeping the run's hyperparameters."""
     saved: dict = {}
     for key_name, t in tensors.items():
@@ -147,13 +169,17 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, t
     unexpected = sorted(set(saved) - {full_key(n, p) for n, p in named.items()})
     if unexpected:
         raise CheckpointError(f"checkpoint optimizer state does not match the model: unexpected {unexpected[:5]}")
-    restore_optimizer_state(optimizer, model, {
-        n: {key: _local(t, p, tp) for key, t in saved.get(full_key(n, p), {}).items()}
-        for n, p in named.items()}, saved_groups)
+    restore_optimizer_state(
+        optimizer,
+        model,
+        {n: {key: _local(t, p, tp) for key, t in saved.get(full_key(n, p), {}).items()} for n, p in named.items()},
+        saved_groups,
+    )
 
 
-def restore_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, state: Mapping[str, dict],
-                            saved_groups: list) -> None:
+def restore_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: nn.Module, state: Mapping[str, dict], saved_groups: list
+) -> None:
     """Restore per-parameter state, `state[local parameter name] = {key: tensor shaped like that parameter, or
     0-d}`, for every parameter or none (saved before the first step), keeping the run's hyperparameters.
     A 0-d state is copied per parameter: AdamW increments `step` in place, and the sharded and replicated
@@ -168,11 +194,14 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, 
     for n, p in named.items():
         for key, t in state[n].items():
             if t.dim() and t.shape != p.shape:
-                raise CheckpointError(f"checkpoint optimizer state {n}/{key} has shape {tuple(t.shape)}, which does "
-                                      f"not fit the parameter {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"checkpoint optimizer state {n}/{key} has shape {tuple(t.shape)}, which does "
+                    f"not fit the parameter {tuple(p.shape)}"
+                )
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    restored = {index[id(p)]: {key: t.clone() if t.dim() == 0 else t for key, t in state[n].items()}
-                for n, p in named.items()}
+    restored = {
+        index[id(p)]: {key: t.clone() if t.dim() == 0 else t for key, t in state[n].items()} for n, p in named.items()
+    }
     optimizer.load_state_dict({"state": restored, "param_groups": optimizer.state_dict()["param_groups"]})
 
 

@@ -4,6 +4,7 @@ Staging, fsync, rename, `latest` switched atomically, pruning; `find_latest`, `r
 `resolve_model_folder` turn what the user gave into a verified checkpoint. One job writes a save
 directory at a time (lock.py). The commit order and its one crash window: docs/checkpoints.md.
 """
+
 import os
 import re
 import secrets
@@ -56,15 +57,17 @@ def check_save_dir(save_dir: str) -> None:
     try:
         os.makedirs(save_dir, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"--save {save_dir}: cannot create it ({e.strerror}); choose a directory you can "
-                              "write") from None
+        raise CheckpointError(
+            f"--save {save_dir}: cannot create it ({e.strerror}); choose a directory you can write"
+        ) from None
     probe = os.path.join(save_dir, f".write-test-{os.getpid()}")
     try:
         files.write_bytes(probe, b"megamamba\n")
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"--save {save_dir}: not writable ({e.strerror}); fix its permissions or choose "
-                              "another directory") from None
+        raise CheckpointError(
+            f"--save {save_dir}: not writable ({e.strerror}); fix its permissions or choose another directory"
+        ) from None
 
 
 def stage(save_dir: str, tag: str) -> str:
@@ -104,8 +107,15 @@ def checkpoint_tags(save_dir: str) -> list:
     return sorted(tags, key=step_of, reverse=True)
 
 
-def commit(save_dir: str, staging: str, tag: str, step: int, keep_last: Optional[int],
-           known: Optional[dict] = None, protect: Optional[str] = None) -> str:
+def commit(
+    save_dir: str,
+    staging: str,
+    tag: str,
+    step: int,
+    keep_last: Optional[int],
+    known: Optional[dict] = None,
+    protect: Optional[str] = None,
+) -> str:
     """Finish a save staged in `staging`: manifest (`known`: files hashed by their writers), rename to
     `<save_dir>/<tag>`, `latest`, retention (`protect`: a tag retention keeps)."""
     write_manifest(staging, tag, step, known)
@@ -161,7 +171,7 @@ def prune(save_dir: str, keep_last: Optional[int], current: str, protect: Option
         return
     older = [t for t in checkpoint_tags(save_dir) if step_of(t) < step_of(current)]
     complete = [t for t in older if _complete(os.path.join(save_dir, t))]
-    for tag in complete[keep_last - 1:]:
+    for tag in complete[keep_last - 1 :]:
         if tag != protect:
             files.remove_tree(os.path.join(save_dir, tag))
 
@@ -221,15 +231,18 @@ def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True,
     if latest is None:
         found = checkpoint_tags(load)
         hint = f" (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""
-        raise CheckpointError(f"{flag} {load}: no '{LATEST}' file{hint}; name a checkpoint directory such as "
-                              f"{os.path.join(load, found[0] if found else 'step_000100')}, or pass --load auto "
-                              "with --save to take the newest complete one")
+        raise CheckpointError(
+            f"{flag} {load}: no '{LATEST}' file{hint}; name a checkpoint directory such as "
+            f"{os.path.join(load, found[0] if found else 'step_000100')}, or pass --load auto "
+            "with --save to take the newest complete one"
+        )
     path = os.path.join(load, latest)
     try:
         verify(path, hashes)
     except CheckpointError as e:
-        raise CheckpointError(f"{flag} {load}: '{LATEST}' names {latest}: {e}; --load auto takes the newest complete "
-                              "checkpoint instead") from None
+        raise CheckpointError(
+            f"{flag} {load}: '{LATEST}' names {latest}: {e}; --load auto takes the newest complete checkpoint instead"
+        ) from None
     return path
 
 

@@ -3,6 +3,7 @@
 A `Cut` is a rank's TP rows of a full tensor, a `Piece` also its ZeRO fragment; `assemble` builds
 any layout's cut from the stored pieces that overlap it. Details: docs/checkpoints.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,21 +60,34 @@ class Piece:
         return (self.flat[1] - self.flat[0],) if self.flat else self.cut.shape
 
     def record(self) -> dict:
-        record = {"name": self.name, "shape": list(self.shape), "dim": self.cut.dim,
-                  "rows": [list(r) for r in self.cut.rows], "local_shape": list(self.cut.shape)}
+        record = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dim": self.cut.dim,
+            "rows": [list(r) for r in self.cut.rows],
+            "local_shape": list(self.cut.shape),
+        }
         return record | ({"flat": list(self.flat)} if self.flat else {})
 
     @staticmethod
     def from_record(record: dict, where: str) -> Piece:
         """The piece a record describes; ValueError naming `where` when it is not a consistent piece."""
         try:
-            piece = Piece(str(record["name"]), tuple(int(n) for n in record["shape"]),
-                          Cut(int(record["dim"]), tuple((int(a), int(b)) for a, b in record["rows"]),
-                              tuple(int(n) for n in record["local_shape"])),
-                          tuple(int(n) for n in record["flat"]) if "flat" in record else None)
+            piece = Piece(
+                str(record["name"]),
+                tuple(int(n) for n in record["shape"]),
+                Cut(
+                    int(record["dim"]),
+                    tuple((int(a), int(b)) for a, b in record["rows"]),
+                    tuple(int(n) for n in record["local_shape"]),
+                ),
+                tuple(int(n) for n in record["flat"]) if "flat" in record else None,
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: piece record {record!r} is malformed ({e!r}); each is {{name, shape, dim, "
-                             "rows, local_shape[, flat]}") from None
+            raise ValueError(
+                f"{where}: piece record {record!r} is malformed ({e!r}); each is {{name, shape, dim, "
+                "rows, local_shape[, flat]}"
+            ) from None
         problem = piece.problem()
         if problem:
             raise ValueError(f"{where}: piece of {piece.name}: {problem}")
@@ -86,8 +100,10 @@ class Piece:
             return f"dim {cut.dim} or local shape {cut.shape} does not fit the full shape {full}"
         if any(cut.shape[d] != full[d] for d in range(len(full)) if d != cut.dim):
             return f"local shape {cut.shape} differs from the full shape {full} outside dim {cut.dim}"
-        if any(not 0 <= a < b <= full[cut.dim] for a, b in cut.rows) or \
-                sum(b - a for a, b in cut.rows) > cut.shape[cut.dim]:
+        if (
+            any(not 0 <= a < b <= full[cut.dim] for a, b in cut.rows)
+            or sum(b - a for a, b in cut.rows) > cut.shape[cut.dim]
+        ):
             return f"rows {cut.rows} are not ranges of the full {full[cut.dim]} that fit the local {cut.shape}"
         if self.flat and not 0 <= self.flat[0] < self.flat[1] <= math.prod(cut.shape):
             return f"flat range {self.flat} is not inside the local tensor of {math.prod(cut.shape)} elements"
@@ -97,8 +113,10 @@ class Piece:
 def check_cover(name: str, pieces: Sequence[Piece]) -> None:
     """ValueError unless `pieces` hold every element of the full tensor `name` exactly once."""
     if len({(p.shape, p.cut.dim) for p in pieces}) != 1:
-        raise ValueError(f"{name}: pieces disagree on the full shape or the split dim: "
-                         f"{sorted({(p.shape, p.cut.dim) for p in pieces})}")
+        raise ValueError(
+            f"{name}: pieces disagree on the full shape or the split dim: "
+            f"{sorted({(p.shape, p.cut.dim) for p in pieces})}"
+        )
     by_cut: dict[Cut, list[Piece]] = {}
     for p in pieces:
         by_cut.setdefault(p.cut, []).append(p)
@@ -110,14 +128,17 @@ def check_cover(name: str, pieces: Sequence[Piece]) -> None:
         ranges = sorted(p.flat for p in held)
         ends = [0] + [stop for _, stop in ranges]
         if any(start != end for (start, _), end in zip(ranges, ends)) or ends[-1] != math.prod(cut.shape):
-            raise ValueError(f"{name}: fragments {ranges} of the local tensor with rows {cut.rows} do not tile its "
-                             f"{math.prod(cut.shape)} elements")
+            raise ValueError(
+                f"{name}: fragments {ranges} of the local tensor with rows {cut.rows} do not tile its "
+                f"{math.prod(cut.shape)} elements"
+            )
     rows = sorted(r for cut in by_cut for r in cut.rows)
     size = pieces[0].shape[pieces[0].cut.dim]
     ends = [0] + [stop for _, stop in rows]
     if any(start != end for (start, _), end in zip(rows, ends)) or ends[-1] != size:
-        raise ValueError(f"{name}: the pieces' rows {rows} along dim {pieces[0].cut.dim} do not cover 0..{size} "
-                         "exactly once")
+        raise ValueError(
+            f"{name}: the pieces' rows {rows} along dim {pieces[0].cut.dim} do not cover 0..{size} exactly once"
+        )
 
 
 Read = Callable[[int, int, int], torch.Tensor]
@@ -148,7 +169,7 @@ def _local_rows(cut: Cut, fragments: Sequence[tuple[Piece, Read]], first: int, l
         if start < stop:
             part = read(0, start - piece.flat[0], stop - piece.flat[0])
             out = part.new_zeros(hi - lo) if out is None else out
-            out[start - lo:stop - lo] = part
+            out[start - lo : stop - lo] = part
     return out.view(last - first, *cut.shape[1:])
 
 

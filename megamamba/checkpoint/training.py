@@ -5,6 +5,7 @@ the same contents, written by the ranks in the pieces each holds instead of from
 A resume restores parameters, optimizer state, scheduler and RNG bit for bit, so training on
 continues exactly as an uninterrupted run would.
 """
+
 from typing import Optional
 
 import torch
@@ -24,19 +25,40 @@ from megamamba.checkpoint.writer import save_checkpoint
 from megamamba.model.lm import MambaLM
 
 
-def save_training_checkpoint(save_dir: str, step: int, model: MambaLM, optimizer: torch.optim.Optimizer,
-                             scheduler=None, extra: Optional[dict] = None, tokenizer=None,
-                             keep_last: Optional[int] = None) -> str:
+def save_training_checkpoint(
+    save_dir: str,
+    step: int,
+    model: MambaLM,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    extra: Optional[dict] = None,
+    tokenizer=None,
+    keep_last: Optional[int] = None,
+) -> str:
     """Checkpoint after `step` optimizer steps of a single-process run; returns its path."""
     return save_checkpoint(
-        save_dir, step, model.config, model_tensors(model),
-        optimizer=optimizer_tensors(optimizer, model), optimizer_groups=optimizer_groups(optimizer, model),
-        scheduler=None if scheduler is None else scheduler_state(scheduler), rng=[capture_rng()],
-        extra=extra, tokenizer=tokenizer, keep_last=keep_last)
+        save_dir,
+        step,
+        model.config,
+        model_tensors(model),
+        optimizer=optimizer_tensors(optimizer, model),
+        optimizer_groups=optimizer_groups(optimizer, model),
+        scheduler=None if scheduler is None else scheduler_state(scheduler),
+        rng=[capture_rng()],
+        extra=extra,
+        tokenizer=tokenizer,
+        keep_last=keep_last,
+    )
 
 
-def load_training_checkpoint(checkpoint: Checkpoint, model: MambaLM, optimizer: torch.optim.Optimizer,
-                             scheduler=None, load_optim: bool = True, load_rng: bool = True) -> int:
+def load_training_checkpoint(
+    checkpoint: Checkpoint,
+    model: MambaLM,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> int:
     """Restore a single-process run from `checkpoint` (its model config must equal the model's); returns the step.
 
     load_optim False (Megatron's --no-load-optim): the weights only, optimizer and scheduler stay fresh;

@@ -4,6 +4,7 @@ Mamba-only models take transformers' Mamba / Mamba2 (hf.py); hybrids (attention 
 layer pattern) take NemotronH (nemotron_h.py). A tensor of ours is one or more tensors of the file,
 its rows in order (`Part`).
 """
+
 from typing import Callable
 
 import torch
@@ -34,8 +35,9 @@ def import_config(hf: dict) -> MambaConfig:
         return nemotron_h.config_from_nemotron_h(hf)
     if model_type in HF_DEFAULTS:
         return config_from_hf(hf)
-    raise HFFormatError(f"model_type={model_type!r}: only {list(MODEL_TYPES)} (transformers' Mamba, Mamba2, "
-                        "NemotronH) convert")
+    raise HFFormatError(
+        f"model_type={model_type!r}: only {list(MODEL_TYPES)} (transformers' Mamba, Mamba2, NemotronH) convert"
+    )
 
 
 def architecture(model_type: str) -> str:
@@ -55,4 +57,3 @@ def file_parts(model_type: str, config: MambaConfig, name: str) -> list:
 def assemble(parts: list, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """Our tensor from its parts, each read by its name in the file."""
     return read(parts[0].name) if len(parts) == 1 else torch.cat([read(p.name) for p in parts])
-

@@ -8,6 +8,7 @@
 Writers hand back only file sizes and hashes; the committing process checks from the headers that
 every element is stored once. Memory and checks: docs/checkpoints.md.
 """
+
 import json
 import os
 import re
@@ -52,8 +53,10 @@ def _record(staging: str, file: str) -> dict:
 
 def _check_visible(staging: str) -> None:
     if not os.path.isdir(staging):
-        raise CheckpointError(f"{staging}: the staging directory of this save is not visible from this process; "
-                              "--save must be a directory that every node shares")
+        raise CheckpointError(
+            f"{staging}: the staging directory of this save is not visible from this process; "
+            "--save must be a directory that every node shares"
+        )
 
 
 Held = tuple[str, Optional[Piece], torch.Tensor]
@@ -70,16 +73,19 @@ def set_file(stem: str, writer: Optional[int]) -> str:
     return f"{stem}.safetensors" if writer is None else f"{stem}-rank-{writer:05d}.safetensors"
 
 
-def write_shard(staging: str, writer: Optional[int], model: Sequence[Held], optimizer: Sequence[Held],
-                groups: list) -> dict:
+def write_shard(
+    staging: str, writer: Optional[int], model: Sequence[Held], optimizer: Sequence[Held], groups: list
+) -> dict:
     """Write one writer's parameters and optimizer state (`Held` entries under mamba_ssm names; optimizer
     state "<name>/<key>") and its optimizer groups (`state.optimizer_groups`, [] when another writer
     gives them); their records. writer: this writer's number (its global rank), None for the only one.
     A writer with nothing of a set writes no file of it."""
     _check_visible(staging)
     records = {}
-    for stem, held, metadata in ((MODEL, model, {"format": "pt"}),
-                                 (OPTIMIZER, optimizer, {GROUPS_KEY: json.dumps(groups)} if groups else {})):
+    for stem, held, metadata in (
+        (MODEL, model, {"format": "pt"}),
+        (OPTIMIZER, optimizer, {GROUPS_KEY: json.dumps(groups)} if groups else {}),
+    ):
         if writer is not None and not held and not metadata.get(GROUPS_KEY):
             continue
         tensors, pieces = {}, {}
@@ -147,9 +153,14 @@ def _index(staging: str, stem: str, set_files: list) -> list:
             total += size
         metadata.append(meta)
     if set_files and set_files != [f"{stem}.safetensors"]:
-        files.write_json(os.path.join(staging, index_file(stem)), {
-            "metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items())),
-            PIECES_KEY: dict(sorted(records.items()))})
+        files.write_json(
+            os.path.join(staging, index_file(stem)),
+            {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+                PIECES_KEY: dict(sorted(records.items())),
+            },
+        )
     return metadata
 
 
@@ -169,9 +180,11 @@ def _check_state_complete(state: set, parameters: set, step: int) -> None:
     missing = sorted(f"{n}/{k}" for n in parameters for k in keys if f"{n}/{k}" not in state)
     unexpected = sorted(name for name in state if name.rpartition("/")[0] not in parameters)
     if missing or unexpected:
-        raise CheckpointError(f"save of step {step}: optimizer state missing {missing[:5]}, unexpected "
-                              f"{unexpected[:5]} (every parameter needs state under every key, e.g. after its "
-                              "first optimizer step)")
+        raise CheckpointError(
+            f"save of step {step}: optimizer state missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (every parameter needs state under every key, e.g. after its "
+            "first optimizer step)"
+        )
 
 
 def merge_groups(stage_groups: list) -> list:
@@ -187,9 +200,19 @@ def merge_groups(stage_groups: list) -> list:
     return merged
 
 
-def finish(save_dir: str, staging: str, step: int, config: MambaConfig, records: dict, *,
-           scheduler: Optional[dict] = None, extra: Optional[dict] = None, tokenizer=None,
-           keep_last: Optional[int] = None, protect: Optional[str] = None) -> str:
+def finish(
+    save_dir: str,
+    staging: str,
+    step: int,
+    config: MambaConfig,
+    records: dict,
+    *,
+    scheduler: Optional[dict] = None,
+    extra: Optional[dict] = None,
+    tokenizer=None,
+    keep_last: Optional[int] = None,
+    protect: Optional[str] = None,
+) -> str:
     """Complete the staged checkpoint from every writer's `records` and commit it; returns its path.
 
     scheduler: `state.scheduler_state`. extra: JSON the trainer wants back (args, layout, data
@@ -206,8 +229,13 @@ def finish(save_dir: str, staging: str, step: int, config: MambaConfig, records:
     if optimizer_files:
         _check_state_complete(set(_shapes(staging, OPTIMIZER)), set(model_shapes), step)
     groups = merge_groups([json.loads(m[GROUPS_KEY]) for m in metadata if GROUPS_KEY in m])
-    state = {"format_version": FORMAT_VERSION, "step": step, "optimizer": {"param_groups": groups},
-             "scheduler": scheduler, "extra": extra or {}}
+    state = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "optimizer": {"param_groups": groups},
+        "scheduler": scheduler,
+        "extra": extra or {},
+    }
     try:
         state = json.loads(json.dumps(state))
     except TypeError as e:
@@ -219,10 +247,21 @@ def finish(save_dir: str, staging: str, step: int, config: MambaConfig, records:
     return commit(save_dir, staging, tag_for(step), step, keep_last, known=records, protect=protect)
 
 
-def save_checkpoint(save_dir: str, step: int, config: MambaConfig, model: Mapping[str, torch.Tensor], *,
-                    optimizer: Optional[Mapping[str, torch.Tensor]] = None, optimizer_groups: Optional[list] = None,
-                    scheduler: Optional[dict] = None, rng: Optional[list] = None, extra: Optional[dict] = None,
-                    tokenizer=None, keep_last: Optional[int] = None, protect: Optional[str] = None) -> str:
+def save_checkpoint(
+    save_dir: str,
+    step: int,
+    config: MambaConfig,
+    model: Mapping[str, torch.Tensor],
+    *,
+    optimizer: Optional[Mapping[str, torch.Tensor]] = None,
+    optimizer_groups: Optional[list] = None,
+    scheduler: Optional[dict] = None,
+    rng: Optional[list] = None,
+    extra: Optional[dict] = None,
+    tokenizer=None,
+    keep_last: Optional[int] = None,
+    protect: Optional[str] = None,
+) -> str:
     """Write the checkpoint of `step` under `save_dir` atomically from one process; returns its path.
 
     model: full tensors by mamba_ssm name (`state.model_tensors`). optimizer / optimizer_groups:
@@ -234,5 +273,15 @@ def save_checkpoint(save_dir: str, step: int, config: MambaConfig, model: Mappin
     records = write_shard(staging, None, whole(model), whole(optimizer or {}), optimizer_groups or [])
     for rank, state in enumerate(rng if rng is not None else [rng_files.capture_rng()]):
         records.update(write_rng(staging, rank, state))
-    return finish(save_dir, staging, step, config, records, scheduler=scheduler, extra=extra, tokenizer=tokenizer,
-                  keep_last=keep_last, protect=protect)
+    return finish(
+        save_dir,
+        staging,
+        step,
+        config,
+        records,
+        scheduler=scheduler,
+        extra=extra,
+        tokenizer=tokenizer,
+        keep_last=keep_last,
+        protect=protect,
+    )

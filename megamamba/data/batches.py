@@ -3,6 +3,7 @@
 Addressed by global sample number, so the samples depend only on (seed, data, seq_length), and a
 resume at any global batch size reads what an uninterrupted run would. Details: docs/data.md.
 """
+
 import hashlib
 from fractions import Fraction
 from typing import Optional, Sequence
@@ -43,8 +44,15 @@ def fingerprint(dataset, samples: int = 1024) -> str:
 class PackedGlobalBatches:
     """Global sample numbers -> packed batches from weighted datasets (see the module docstring)."""
 
-    def __init__(self, datasets: Sequence[IndexedDataset], weights: Sequence, seq_length: int,
-                 global_batch_size: int, seed: int, reset_at_documents: bool = True):
+    def __init__(
+        self,
+        datasets: Sequence[IndexedDataset],
+        weights: Sequence,
+        seq_length: int,
+        global_batch_size: int,
+        seed: int,
+        reset_at_documents: bool = True,
+    ):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         for name, value in (("seq_length", seq_length), ("global_batch_size", global_batch_size)):
@@ -59,8 +67,16 @@ class PackedGlobalBatches:
 
     def identity(self) -> list[dict]:
         """The blend as a checkpoint records it: per dataset its weight, prefix, documents, tokens and fingerprint."""
-        return [{"weight": str(w), "prefix": d.prefix, "documents": d.num_documents, "tokens": d.num_tokens,
-                 "fingerprint": fingerprint(d)} for w, d in zip(self.weights, self.datasets)]
+        return [
+            {
+                "weight": str(w),
+                "prefix": d.prefix,
+                "documents": d.num_documents,
+                "tokens": d.num_tokens,
+                "fingerprint": fingerprint(d),
+            }
+            for w, d in zip(self.weights, self.datasets)
+        ]
 
     def sources_at(self, first: int, stop: int) -> list[tuple[int, int]]:
         """(dataset index, sample number in it) of global samples [first, stop)."""
@@ -78,22 +94,31 @@ class PackedGlobalBatches:
         """Global samples [first, stop) as rows; with window (lo, hi) only sequence positions [lo, hi)."""
         return self._pack(self.sources_at(first, stop), window)
 
-    def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int,
-                      window: Optional[tuple[int, int]] = None) -> list[Batch]:
+    def micro_batches(
+        self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int, window: Optional[tuple[int, int]] = None
+    ) -> list[Batch]:
         """This data-parallel rank's contiguous slice of the step's global batch, as consecutive micro-batches
         (at one global batch size for the whole stream, as validation reads its own)."""
         if step < 0:
             raise ValueError(f"step {step}: must be >= 0")
         return self.micro_batches_at(step * self.global_batch_size, dp_rank, dp_size, micro_batch_size, window)
 
-    def micro_batches_at(self, first_sample: int, dp_rank: int, dp_size: int, micro_batch_size: int,
-                         window: Optional[tuple[int, int]] = None) -> list[Batch]:
+    def micro_batches_at(
+        self,
+        first_sample: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        window: Optional[tuple[int, int]] = None,
+    ) -> list[Batch]:
         """This data-parallel rank's slice of the global batch starting at global sample `first_sample`
         (with window (lo, hi), a context-parallel rank's positions [lo, hi) of its sequences)."""
         per_rank = self.global_batch_size // dp_size
         if per_rank * dp_size != self.global_batch_size or per_rank % micro_batch_size:
-            raise ValueError(f"global batch {self.global_batch_size} does not split into {dp_size} data-parallel "
-                             f"ranks of whole micro-batches of {micro_batch_size}")
+            raise ValueError(
+                f"global batch {self.global_batch_size} does not split into {dp_size} data-parallel "
+                f"ranks of whole micro-batches of {micro_batch_size}"
+            )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank}: must lie in [0, {dp_size})")
         first = first_sample + dp_rank * per_rank

@@ -4,6 +4,7 @@ Weights kept exact as fractions; `BlendSchedule` places samples by the Sainte-La
 method, in closed form and without randomness, so every prefix holds each dataset's share within
 n + 1 samples. The derivation: docs/data.md ("The data code").
 """
+
 import math
 from fractions import Fraction
 from typing import Sequence
@@ -52,8 +53,9 @@ class BlendSchedule:
         # together between T - n/2 and T + n/2: the window [first - n, stop + n) holds the range.
         low = self._count_before(Fraction(max(0, first - n)))
         high = self._count_before(Fraction(stop + n))
-        points = sorted(((Fraction(2 * q + 1, 2) / w, i, q) for i, w in enumerate(self.weights)
-                         for q in range(low[i], high[i])))
+        points = sorted(
+            ((Fraction(2 * q + 1, 2) / w, i, q) for i, w in enumerate(self.weights) for q in range(low[i], high[i]))
+        )
         base = sum(low)
         assert base <= first and base + len(points) >= stop, "blend window does not cover the range"
-        return [(i, q) for _, i, q in points[first - base:stop - base]]
+        return [(i, q) for _, i, q in points[first - base : stop - base]]

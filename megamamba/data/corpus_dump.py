@@ -4,6 +4,7 @@
 
 so the default corpus goes through the same tokenizer training and preprocessing as any user data.
 """
+
 import argparse
 import json
 import os

@@ -3,6 +3,7 @@
 `<prefix>.meta.json` names the tokenizer (token ids mean nothing without it) and the .bin's id
 range; written under a temporary name and renamed. The record: docs/data.md ("The data code").
 """
+
 import json
 import os
 import uuid
@@ -25,8 +26,12 @@ def tokenizer_record(tokenizer, spec: str) -> dict:
 
 def token_range_record(bin_stat: os.stat_result, low: int, high: int) -> dict:
     """The "tokens" part: ids in [low, high], for the .bin whose os.stat is `bin_stat`."""
-    return {"bin_bytes": bin_stat.st_size, "bin_mtime_ns": bin_stat.st_mtime_ns, "min_id": int(low),
-            "max_id": int(high)}
+    return {
+        "bin_bytes": bin_stat.st_size,
+        "bin_mtime_ns": bin_stat.st_mtime_ns,
+        "min_id": int(low),
+        "max_id": int(high),
+    }
 
 
 def _write(prefix: str, record: dict) -> None:
@@ -102,13 +107,17 @@ def check_tokenizer(prefix: str, tokenizer, spec: str, allow_mismatch: bool = Fa
     """
     saved = read_tokenizer_record(prefix)
     if saved is None:
-        return (f"{prefix}: no {META_SUFFIX} tokenizer record (made before records existed, or by another tool): "
-                f"cannot check that it was made with --tokenizer {spec!r}; re-run preprocess to record it")
+        return (
+            f"{prefix}: no {META_SUFFIX} tokenizer record (made before records existed, or by another tool): "
+            f"cannot check that it was made with --tokenizer {spec!r}; re-run preprocess to record it"
+        )
     run = tokenizer_record(tokenizer, spec)
     if saved["identity"] == run["identity"]:
         return None
     mismatch = f"{prefix}: made with tokenizer {_short(saved)}, but --tokenizer is {_short(run)}"
     if allow_mismatch:
         return f"{mismatch}; training on it anyway (--allow-tokenizer-mismatch)"
-    raise DatasetError(f"{mismatch}; train with the tokenizer it was made with, re-run preprocess with this one, or "
-                       "pass --allow-tokenizer-mismatch if this is deliberate")
+    raise DatasetError(
+        f"{mismatch}; train with the tokenizer it was made with, re-run preprocess with this one, or "
+        "pass --allow-tokenizer-mismatch if this is deliberate"
+    )

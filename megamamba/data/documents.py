@@ -7,6 +7,7 @@ Each document comes with the number of input bytes it used, for progress and rat
 Input must be UTF-8: invalid bytes are refused with file, line and byte offset, for every input
 kind alike, unless the caller asks for replacement (then U+FFFD, reported once per file).
 """
+
 import json
 import os
 import sys
@@ -52,17 +53,21 @@ class Utf8Decoder:
             line = line if line is not None else data.count(b"\n", 0, e.start) + 1
             where = f"{self.path}:{line}: invalid UTF-8 at byte offset {offset + e.start} ({e.reason})"
             if not self.replace:
-                raise ValueError(f"{where}; fix the input, or pass --replace-invalid-utf8 to replace invalid bytes "
-                                 "with U+FFFD") from None
+                raise ValueError(
+                    f"{where}; fix the input, or pass --replace-invalid-utf8 to replace invalid bytes with U+FFFD"
+                ) from None
             self.replaced += 1
             self.first = self.first or where
             return data.decode("utf-8", errors="replace")
 
     def report(self) -> None:
         if self.replaced:
-            print(f"warning: {self.first}: replaced with U+FFFD (--replace-invalid-utf8), in {self.replaced} "
-                  f"{'line' if self.path.endswith(JSONL_SUFFIXES) else 'document'}(s) of this file",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {self.first}: replaced with U+FFFD (--replace-invalid-utf8), in {self.replaced} "
+                f"{'line' if self.path.endswith(JSONL_SUFFIXES) else 'document'}(s) of this file",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _jsonl_documents(path: str, json_key: str, decoder: Utf8Decoder) -> Iterator[tuple[str, int]]:
@@ -86,8 +91,9 @@ def _jsonl_documents(path: str, json_key: str, decoder: Utf8Decoder) -> Iterator
             yield text, len(raw)
 
 
-def iter_documents(files: Sequence[str], json_key: str = "text",
-                   replace_invalid_utf8: bool = False) -> Iterator[tuple[str, int]]:
+def iter_documents(
+    files: Sequence[str], json_key: str = "text", replace_invalid_utf8: bool = False
+) -> Iterator[tuple[str, int]]:
     """(document text, input bytes it used) for every document of `files`, in order; blank ones included.
 
     Invalid UTF-8 raises ValueError naming the file, line and byte offset, whatever the input kind;

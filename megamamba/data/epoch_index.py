@@ -3,6 +3,7 @@
 About 24 bytes per document per rank otherwise; the first process to lock the folder builds an
 epoch's files, the others wait and map them. Details: docs/data.md ("The data code").
 """
+
 import os
 from typing import Callable, Optional
 
@@ -31,8 +32,10 @@ def index_base(dataset, seed: int, key: int, seq_length: int, epoch: int) -> Opt
     else:
         return None
     index = os.stat(prefix + ".idx")
-    name = (f"idx{index.st_size}-{index.st_mtime_ns}-{documents}-{dataset.num_tokens}tokens-seq{seq_length}-"
-            f"seed{seed}-key{key}-epoch{epoch}")
+    name = (
+        f"idx{index.st_size}-{index.st_mtime_ns}-{documents}-{dataset.num_tokens}tokens-seq{seq_length}-"
+        f"seed{seed}-key{key}-epoch{epoch}"
+    )
     return os.path.join(prefix + ".epochs", name)
 
 

@@ -1,4 +1,5 @@
 """The advisory lock by which one process of many does a dataset's one-time work (vocab_check, epoch_index)."""
+
 import contextlib
 import fcntl
 

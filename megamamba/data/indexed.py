@@ -4,6 +4,7 @@ Datasets made here load in Megatron and Megatron's text datasets load here; read
 everything it relies on and names the file and the rule a corrupt, truncated or empty dataset
 breaks. The `.idx` layout: docs/data.md ("The data code").
 """
+
 import math
 import os
 import struct
@@ -18,8 +19,16 @@ from megamamba.data.vocab_check import check_vocab
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-               8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _CHECK_SEQUENCES = 1 << 20  # index entries per chunk when checking an index
 
@@ -113,8 +122,10 @@ class IndexedDataset:
         actual = os.path.getsize(bin_path)
         if actual != expected:
             what = "truncated" if actual < expected else "longer than its index says"
-            raise DatasetError(f"{bin_path}: {what}: {actual} bytes, the index describes {expected} "
-                               f"({self.num_tokens} tokens of {self.dtype})")
+            raise DatasetError(
+                f"{bin_path}: {what}: {actual} bytes, the index describes {expected} "
+                f"({self.num_tokens} tokens of {self.dtype})"
+            )
         self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
         if vocab_size is not None:
             check_vocab(self, vocab_size)
@@ -124,7 +135,7 @@ class IndexedDataset:
         return self.offsets.size - 1
 
     def document(self, d: int) -> np.ndarray:
-        return self.tokens[self.offsets[d]:self.offsets[d + 1]]
+        return self.tokens[self.offsets[d] : self.offsets[d + 1]]
 
     def _read_index(self, path: str) -> tuple[np.dtype, np.ndarray]:
         """(token dtype, token offset of every document and the total) from the memory-mapped index."""
@@ -148,8 +159,10 @@ class IndexedDataset:
         body = _HEADER.size + 12 * count + 8 * doc_count
         if size not in (body, body + count):  # + count: a multimodal index's sequence modes
             what = "truncated" if size < body else "has trailing bytes"
-            raise DatasetError(f"{path}: {what}: {size} bytes, its header ({count} sequences, "
-                               f"{doc_count} document-index entries) implies {body}")
+            raise DatasetError(
+                f"{path}: {what}: {size} bytes, its header ({count} sequences, "
+                f"{doc_count} document-index entries) implies {body}"
+            )
         raw = np.memmap(path, dtype=np.uint8, mode="r")
         lengths = np.ndarray((count,), np.int32, raw, _HEADER.size)
         pointers = np.ndarray((count,), np.int64, raw, _HEADER.size + 4 * count)
@@ -158,8 +171,8 @@ class IndexedDataset:
         total = int(pointers[-1]) // dtype.itemsize + int(lengths[-1]) if count else 0
         offsets = np.empty(doc_count, dtype=np.int64)  # token offset of each document's first sequence
         for first in range(0, doc_count, _CHECK_SEQUENCES):
-            sequences = documents[first:first + _CHECK_SEQUENCES]
-            chunk = offsets[first:first + sequences.size]
+            sequences = documents[first : first + _CHECK_SEQUENCES]
+            chunk = offsets[first : first + sequences.size]
             inside = sequences < count
             chunk[inside] = pointers[sequences[inside]] // dtype.itemsize
             chunk[~inside] = total
@@ -171,23 +184,28 @@ class IndexedDataset:
         count; checked in chunks, so the check's own memory stays small on any index."""
         end = 0  # byte where the sequences checked so far end
         for first in range(0, lengths.size, _CHECK_SEQUENCES):
-            chunk = lengths[first:first + _CHECK_SEQUENCES].astype(np.int64)
+            chunk = lengths[first : first + _CHECK_SEQUENCES].astype(np.int64)
             if (chunk < 0).any():
-                raise DatasetError(f"{path}: corrupt: negative sequence length at sequence "
-                                   f"{first + int(np.argmax(chunk < 0))}")
+                raise DatasetError(
+                    f"{path}: corrupt: negative sequence length at sequence {first + int(np.argmax(chunk < 0))}"
+                )
             starts = np.empty(chunk.size, dtype=np.int64)
             starts[0] = end
             np.cumsum(chunk[:-1] * dtype.itemsize, out=starts[1:])
             starts[1:] += end
-            bad = np.flatnonzero(pointers[first:first + chunk.size] != starts)
+            bad = np.flatnonzero(pointers[first : first + chunk.size] != starts)
             if bad.size:
                 s = first + int(bad[0])
-                raise DatasetError(f"{path}: corrupt: sequence {s} points to byte {pointers[s]}, "
-                                   f"but the sequences before it end at byte {starts[bad[0]]}")
+                raise DatasetError(
+                    f"{path}: corrupt: sequence {s} points to byte {pointers[s]}, "
+                    f"but the sequences before it end at byte {starts[bad[0]]}"
+                )
             end = int(starts[-1]) + int(chunk[-1]) * dtype.itemsize
         if documents.size == 0 or documents[0] != 0 or documents[-1] != lengths.size:
-            raise DatasetError(f"{path}: corrupt: the document index must run from 0 to the {lengths.size} sequences, "
-                               f"got {documents[:1].tolist()} ... {documents[-1:].tolist()}")
+            raise DatasetError(
+                f"{path}: corrupt: the document index must run from 0 to the {lengths.size} sequences, "
+                f"got {documents[:1].tolist()} ... {documents[-1:].tolist()}"
+            )
         for first in range(0, documents.size, _CHECK_SEQUENCES):
-            if (np.diff(documents[first:first + _CHECK_SEQUENCES + 1]) < 0).any():
+            if (np.diff(documents[first : first + _CHECK_SEQUENCES + 1]) < 0).any():
                 raise DatasetError(f"{path}: corrupt: the document index decreases")

@@ -4,6 +4,7 @@ Each epoch shuffles the documents and cuts their concatenation into samples of s
 tokens; a document's segment begins at the end-of-document token before it, so it never sees the
 document packed before it. Details: docs/data.md ("The data code").
 """
+
 from collections import OrderedDict
 from typing import Optional
 
@@ -45,8 +46,10 @@ class DocumentPacker:
         self.key = key
         self.samples_per_epoch = (dataset.num_tokens - 1) // seq_length
         if self.samples_per_epoch < 1:
-            raise ValueError(f"{dataset.prefix}: {dataset.num_tokens} tokens cannot fill one sample of "
-                             f"seq_length + 1 = {seq_length + 1} tokens")
+            raise ValueError(
+                f"{dataset.prefix}: {dataset.num_tokens} tokens cannot fill one sample of "
+                f"seq_length + 1 = {seq_length + 1} tokens"
+            )
         self._epochs: OrderedDict = OrderedDict()
 
     def _epoch(self, epoch: int):
@@ -85,10 +88,11 @@ class DocumentPacker:
         for d in range(first, stop):
             doc_start = self.dataset.offsets[order[d]]
             a, b = max(begin, starts[d]) - starts[d], min(end, starts[d + 1]) - starts[d]
-            pieces.append(self.dataset.tokens[doc_start + a:doc_start + b])
+            pieces.append(self.dataset.tokens[doc_start + a : doc_start + b])
         tokens = np.concatenate(pieces).astype(np.int64)
-        ids = segment_ids(starts[first + 1:stop + 1] - 1 - begin, hi - lo)
+        ids = segment_ids(starts[first + 1 : stop + 1] - 1 - begin, hi - lo)
         # the whole sample's ids step up at each document end at positions 1..lo: its ends before the window
-        ids += np.int32(np.searchsorted(starts, begin + 1, side="right")
-                        - np.searchsorted(starts, sample_start + 2, side="left"))
+        ids += np.int32(
+            np.searchsorted(starts, begin + 1, side="right") - np.searchsorted(starts, sample_start + 2, side="left")
+        )
         return tokens, ids

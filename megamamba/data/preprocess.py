@@ -6,6 +6,7 @@
 The files depend only on the input, the tokenizer and the options, never on the worker count.
 Usage: docs/data.md; the held-out rule: its "The data code".
 """
+
 import argparse
 import multiprocessing
 import sys
@@ -79,8 +80,9 @@ def _encoded(items: Iterable, spec: str, workers: int) -> Iterator:
             yield from pending.popleft().get()
 
 
-def _write(files, spec, workers, json_key, valid_fraction, writers, progress_stream,
-           replace_invalid_utf8) -> tuple[int, int]:
+def _write(
+    files, spec, workers, json_key, valid_fraction, writers, progress_stream, replace_invalid_utf8
+) -> tuple[int, int]:
     """Tokenize every document into the train (and validation) writer; returns (kept, skipped) counts."""
     dtype = writers[0].dtype
     progress = Progress(total_bytes(files), "preprocess", stream=progress_stream)
@@ -99,9 +101,16 @@ def _write(files, spec, workers, json_key, valid_fraction, writers, progress_str
     return kept, skipped
 
 
-def preprocess(inputs: list[str], tokenizer_spec: str, output_prefix: str, workers: int = 1,
-               json_key: str = "text", valid_fraction: float = 0.0, progress_stream=sys.stderr,
-               replace_invalid_utf8: bool = False) -> list[str]:
+def preprocess(
+    inputs: list[str],
+    tokenizer_spec: str,
+    output_prefix: str,
+    workers: int = 1,
+    json_key: str = "text",
+    valid_fraction: float = 0.0,
+    progress_stream=sys.stderr,
+    replace_invalid_utf8: bool = False,
+) -> list[str]:
     """Write the dataset(s) and their tokenizer records; returns their prefixes (train first)."""
     if workers < 1:
         raise ValueError(f"--workers {workers}: must be at least 1")
@@ -114,13 +123,16 @@ def preprocess(inputs: list[str], tokenizer_spec: str, output_prefix: str, worke
     prefixes = [output_prefix + "_train", output_prefix + "_valid"] if split else [output_prefix]
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
     try:
-        kept, skipped = _write(files, tokenizer_spec, workers, json_key, valid_fraction, writers, progress_stream,
-                               replace_invalid_utf8)
+        kept, skipped = _write(
+            files, tokenizer_spec, workers, json_key, valid_fraction, writers, progress_stream, replace_invalid_utf8
+        )
         for prefix, writer in zip(prefixes, writers):
             if not writer.lengths:
                 hint = "lower --valid-fraction or " if split else ""
-                raise DatasetError(f"{prefix}: no documents ({kept} kept, {skipped} empty skipped, from {len(files)} "
-                                   f"input files); {hint}give inputs with text")
+                raise DatasetError(
+                    f"{prefix}: no documents ({kept} kept, {skipped} empty skipped, from {len(files)} "
+                    f"input files); {hint}give inputs with text"
+                )
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -139,18 +151,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", required=True, help='"bytes", a SentencePiece .model, a tokenizer.json or a folder')
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--valid-fraction", type=float, default=0.0,
-                   help="hold out about this fraction of the documents as <prefix>_valid")
-    p.add_argument("--replace-invalid-utf8", action="store_true",
-                   help="replace invalid UTF-8 with U+FFFD, saying where, instead of refusing the input")
+    p.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.0,
+        help="hold out about this fraction of the documents as <prefix>_valid",
+    )
+    p.add_argument(
+        "--replace-invalid-utf8",
+        action="store_true",
+        help="replace invalid UTF-8 with U+FFFD, saying where, instead of refusing the input",
+    )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        prefixes = preprocess(args.input, args.tokenizer, args.output_prefix, args.workers, args.json_key,
-                              args.valid_fraction, replace_invalid_utf8=args.replace_invalid_utf8)
+        prefixes = preprocess(
+            args.input,
+            args.tokenizer,
+            args.output_prefix,
+            args.workers,
+            args.json_key,
+            args.valid_fraction,
+            replace_invalid_utf8=args.replace_invalid_utf8,
+        )
     except (OSError, ValueError) as e:
         print(f"preprocess: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

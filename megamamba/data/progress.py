@@ -3,6 +3,7 @@
 On a terminal one line is redrawn in place ('\\r'); elsewhere (a log file, a pipe, a launcher
 collecting output) periodic plain lines are printed instead, so logs hold no carriage returns.
 """
+
 import sys
 import time
 from typing import Optional
@@ -37,9 +38,11 @@ class Progress:
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta_text = clock(eta) if eta != float("inf") else "?"
-        return (f"{self.label}: {100 * self.done / self.total:5.1f}% | {self.documents} docs | "
-                f"{rate / 1e6:.2f} MB/s, {self.documents / elapsed:.0f} docs/s | "
-                f"elapsed {clock(elapsed)} | ETA {eta_text}")
+        return (
+            f"{self.label}: {100 * self.done / self.total:5.1f}% | {self.documents} docs | "
+            f"{rate / 1e6:.2f} MB/s, {self.documents / elapsed:.0f} docs/s | "
+            f"elapsed {clock(elapsed)} | ETA {eta_text}"
+        )
 
     def _draw(self, final: bool) -> None:
         if self.terminal:

@@ -9,6 +9,7 @@ are disjoint, cover every document, and depend only on the dataset and the propo
 part keeps the blend's weights. Nothing consumes the test part yet: it is only kept out of the
 other two.
 """
+
 import math
 from fractions import Fraction
 from typing import NamedTuple, Optional, Sequence
@@ -18,7 +19,7 @@ EXAMPLE = "e.g. --split 969,30,1 for train, validation and test"
 
 
 def parse_split(text: str) -> tuple[Fraction, Fraction, Fraction]:
-    """"969,30,1" -> normalised (train, validation, test) proportions; missing trailing parts are 0."""
+    """ "969,30,1" -> normalised (train, validation, test) proportions; missing trailing parts are 0."""
     values = text.split(",")
     if len(values) > len(PARTS):
         raise ValueError(f"--split {text!r}: {len(values)} proportions; at most {len(PARTS)} ({EXAMPLE})")
@@ -55,7 +56,7 @@ class DocumentRange:
         self.source, self.first, self.stop = dataset, first, stop
         self.prefix = f"{dataset.prefix} ({part} part of --split: documents {first}..{stop - 1})"
         self.tokens = dataset.tokens
-        self.offsets = dataset.offsets[first:stop + 1]
+        self.offsets = dataset.offsets[first : stop + 1]
         self.num_tokens = int(self.offsets[-1] - self.offsets[0])
 
     @property
@@ -76,10 +77,13 @@ def split_blend(datasets: Sequence, text: str) -> SplitBlend:
     proportions = parse_split(text)
     parts = [[] for _ in PARTS]
     for dataset in datasets:
-        for part, proportion, (first, stop), out in zip(PARTS, proportions,
-                                                         document_ranges(dataset.num_documents, proportions), parts):
+        for part, proportion, (first, stop), out in zip(
+            PARTS, proportions, document_ranges(dataset.num_documents, proportions), parts
+        ):
             if proportion and first == stop and part != "test":
-                raise ValueError(f"--split {text}: the {part} part of {dataset.prefix} ({dataset.num_documents} "
-                                 f"documents) holds no document; give it a larger proportion or more data")
+                raise ValueError(
+                    f"--split {text}: the {part} part of {dataset.prefix} ({dataset.num_documents} "
+                    f"documents) holds no document; give it a larger proportion or more data"
+                )
             out.append(DocumentRange(dataset, first, stop, part))
     return SplitBlend(parts[0], *(part if proportion else None for part, proportion in zip(parts[1:], proportions[1:])))

@@ -3,6 +3,7 @@
 Runs before any process group exists; each refusal is one message naming the offending value,
 and reservations go to `TrainingData.warnings`. The flags: docs/data.md and docs/flags.md.
 """
+
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -55,10 +56,19 @@ class TrainingData:
     warnings: list = field(default_factory=list)
 
 
-def training_data(model: MambaConfig, tokenizer_spec: str, data: Sequence[str], valid_data: Sequence[str],
-                  seq_length: int, global_batch_size: int, seed: int, reset_at_documents: bool = True,
-                  needs_validation: bool = False, allow_tokenizer_mismatch: bool = False,
-                  split: Optional[str] = None) -> TrainingData:
+def training_data(
+    model: MambaConfig,
+    tokenizer_spec: str,
+    data: Sequence[str],
+    valid_data: Sequence[str],
+    seq_length: int,
+    global_batch_size: int,
+    seed: int,
+    reset_at_documents: bool = True,
+    needs_validation: bool = False,
+    allow_tokenizer_mismatch: bool = False,
+    split: Optional[str] = None,
+) -> TrainingData:
     """The run's data (see the module docstring); ValueError/OSError with one message when unusable."""
     tokenizer = load_tokenizer(tokenizer_spec)
     check_vocab(model, tokenizer)
@@ -81,9 +91,11 @@ def training_data(model: MambaConfig, tokenizer_spec: str, data: Sequence[str], 
         train_set, valid_set = builtin_datasets(tokenizer)
         (train_sets, train_weights), valid = ([train_set], [1]), ([valid_set], [1])
     if needs_validation and valid is None:
-        raise ValueError("--eval-interval > 0 with --data needs --valid-data (e.g. the <prefix>_valid "
-                         "datasets that preprocess --valid-fraction writes) or a --split with a validation part "
-                         "(e.g. --split 969,30,1)")
+        raise ValueError(
+            "--eval-interval > 0 with --data needs --valid-data (e.g. the <prefix>_valid "
+            "datasets that preprocess --valid-fraction writes) or a --split with a validation part "
+            "(e.g. --split 969,30,1)"
+        )
     train = PackedGlobalBatches(train_sets, train_weights, seq_length, global_batch_size, seed, reset_at_documents)
     if valid is not None:
         valid = PackedGlobalBatches(*valid, seq_length, global_batch_size, seed + 1, reset_at_documents)

@@ -4,6 +4,7 @@ Every id must lie in [0, vocab_size); the id range is scanned once, under a file
 sharing a filesystem scan a dataset once in all, and kept in the dataset's record with the .bin's
 size and mtime. Why and how (NFS locks, read-only data): docs/data.md ("The data code").
 """
+
 import os
 import sys
 
@@ -25,7 +26,7 @@ def scan_token_range(dataset, label: str, stream=sys.stderr) -> tuple[int, int]:
     progress = Progress(tokens.nbytes, label, stream=stream) if tokens.nbytes >= PROGRESS_BYTES else None
     low, high = int(tokens[0]), int(tokens[0])
     for start in range(0, tokens.size, SCAN_TOKENS):
-        chunk = tokens[start:start + SCAN_TOKENS]
+        chunk = tokens[start : start + SCAN_TOKENS]
         low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
         if progress is not None:
             done = start + chunk.size
@@ -43,15 +44,15 @@ def token_range(dataset, stream=sys.stderr) -> tuple[int, int]:
         return recorded
     folder = os.path.dirname(os.path.abspath(bin_path))
     if not os.access(folder, os.W_OK):
-        return scan_token_range(dataset, f"vocabulary check of {bin_path} (not recorded: {folder} is not writable)",
-                                stream)
+        return scan_token_range(
+            dataset, f"vocabulary check of {bin_path} (not recorded: {folder} is not writable)", stream
+        )
     with exclusive_lock(dataset.prefix + LOCK_SUFFIX):
         stat = os.stat(bin_path)  # before the scan: a change during it leaves the record stale
         recorded = recorded_token_range(dataset.prefix, stat)  # written while this process waited for the lock
         if recorded is not None:
             return recorded
-        low, high = scan_token_range(dataset, f"vocabulary check of {bin_path} (once: the result is recorded)",
-                                     stream)
+        low, high = scan_token_range(dataset, f"vocabulary check of {bin_path} (once: the result is recorded)", stream)
         try:
             record_token_range(dataset.prefix, token_range_record(stat, low, high))
         except OSError as e:  # a full disk, a quota: this run's check stands, the next start-up scans again
@@ -64,5 +65,7 @@ def check_vocab(dataset, vocab_size: int, stream=sys.stderr) -> None:
     low, high = token_range(dataset, stream)
     if high >= vocab_size or low < 0:
         bad = high if high >= vocab_size else low
-        raise DatasetError(f"{dataset.prefix}.bin: token id {bad} is outside the vocabulary of {vocab_size} ids: "
-                           "the data was preprocessed with another tokenizer than the model's (or is corrupt)")
+        raise DatasetError(
+            f"{dataset.prefix}.bin: token id {bad} is outside the vocabulary of {vocab_size} ids: "
+            "the data was preprocessed with another tokenizer than the model's (or is corrupt)"
+        )

@@ -2,6 +2,7 @@
 checkpoints load unchanged; query heads split over TP with their key/value heads (replicated when fewer
 than the ranks), keys and values gathered over CP; a growing key/value cache for generation.
 """
+
 from typing import Optional
 
 import torch
@@ -31,10 +32,12 @@ class KVCache:
         end = self.length + k.shape[1]
         if end > self.keys.shape[1]:
             grown = max(end, 2 * self.keys.shape[1])
-            self.keys, self.values = (torch.cat([t, t.new_zeros(t.shape[0], grown - t.shape[1], *t.shape[2:])], 1)
-                                      for t in (self.keys, self.values))
-        self.keys[:, self.length:end] = k
-        self.values[:, self.length:end] = v
+            self.keys, self.values = (
+                torch.cat([t, t.new_zeros(t.shape[0], grown - t.shape[1], *t.shape[2:])], 1)
+                for t in (self.keys, self.values)
+            )
+        self.keys[:, self.length : end] = k
+        self.values[:, self.length : end] = v
         self.length = end
         return self.keys[:, :end], self.values[:, :end]
 
@@ -48,8 +51,15 @@ class KVCache:
 class Attention(nn.Module):
     """Causal self-attention mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
 
-    def __init__(self, d_model: int, options: AttentionOptions, device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None):
+    def __init__(
+        self,
+        d_model: int,
+        options: AttentionOptions,
+        device=None,
+        dtype=None,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+    ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.d_model = d_model
@@ -71,12 +81,21 @@ class Attention(nn.Module):
         check_attention_layout(options, tp.size)
         kv_split = self.kv_heads % tp.size == 0
         q_rows, kv_rows = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
-        components = [Component("q", q_rows), Component("k", kv_rows, sharded=kv_split),
-                      Component("v", kv_rows, sharded=kv_split)]
-        self.in_proj = sharded(self.in_proj, lambda: ColumnParallelLinear(
-            self.d_model, self.in_proj.out_features, tp, bias=self.in_proj.bias is not None, components=components), tp)
-        self.out_proj = sharded(self.out_proj, lambda: RowParallelLinear(
-            q_rows, self.d_model, tp, bias=self.out_proj.bias is not None), tp)
+        components = [
+            Component("q", q_rows),
+            Component("k", kv_rows, sharded=kv_split),
+            Component("v", kv_rows, sharded=kv_split),
+        ]
+        self.in_proj = sharded(
+            self.in_proj,
+            lambda: ColumnParallelLinear(
+                self.d_model, self.in_proj.out_features, tp, bias=self.in_proj.bias is not None, components=components
+            ),
+            tp,
+        )
+        self.out_proj = sharded(
+            self.out_proj, lambda: RowParallelLinear(q_rows, self.d_model, tp, bias=self.out_proj.bias is not None), tp
+        )
         if not kv_split:
             self.own_kv_head = tp.rank // (tp.size // self.kv_heads)
         self.num_heads //= tp.size
@@ -93,8 +112,10 @@ class Attention(nn.Module):
         qkv = self.in_proj(hidden_states)  # under sequence parallelism: the whole (slice of the) sequence
         seqlen = qkv.shape[1]
         kv_rows = (qkv.shape[-1] - self.num_heads * self.head_dim) // 2
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim))
-                   for t in qkv.split([self.num_heads * self.head_dim, kv_rows, kv_rows], dim=-1))
+        q, k, v = (
+            t.unflatten(-1, (-1, self.head_dim))
+            for t in qkv.split([self.num_heads * self.head_dim, kv_rows, kv_rows], dim=-1)
+        )
         if self.own_kv_head is not None:
             own = slice(self.own_kv_head, self.own_kv_head + 1)
             k, v = k[..., own, :], v[..., own, :]
@@ -104,13 +125,19 @@ class Attention(nn.Module):
         return rotate(q, positions, *self.rotary), rotate(k, positions, *self.rotary), v
 
     # ---- parallel form -------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
-                inference_state: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        seq_idx: Optional[torch.Tensor] = None,
+        inference_state: Optional[KVCache] = None,
+    ) -> torch.Tensor:
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids: no token
         attends to another document. With `inference_state` (a prefill) the keys and values are cached."""
         if self.cp is not None and inference_state is not None:
-            raise ValueError("inference_state with context parallelism: the recurrent form (prefill, step) needs "
-                             "the whole sequence on one rank; build the model without a context-parallel group")
+            raise ValueError(
+                "inference_state with context parallelism: the recurrent form (prefill, step) needs "
+                "the whole sequence on one rank; build the model without a context-parallel group"
+            )
         q, k, v = self._qkv(hidden_states)
         if inference_state is not None:
             inference_state.restart(k, v)
@@ -126,8 +153,13 @@ class Attention(nn.Module):
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> KVCache:
         """An empty key/value cache for `step`."""
         weight = self.out_proj.weight
-        return KVCache(batch_size, self.kv_heads, self.head_dim, device=weight.device,
-                       dtype=weight.dtype if dtype is None else dtype)
+        return KVCache(
+            batch_size,
+            self.kv_heads,
+            self.head_dim,
+            device=weight.device,
+            dtype=weight.dtype if dtype is None else dtype,
+        )
 
     def step(self, hidden_states: torch.Tensor, inference_state: KVCache) -> torch.Tensor:
         """One token: hidden_states (batch, d_model) -> (batch, d_model); the cache grows by one position."""

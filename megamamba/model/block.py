@@ -4,6 +4,7 @@ A block takes and returns the residual stream (`megamamba.model.stream`); under 
 the stream is this rank's sequence shard. Keys: `norm.weight` (+ `norm.bias` for LayerNorm),
 `mixer.*`, and with mamba_ssm's d_intermediate `norm2.*` and `mlp.fc1/fc2`. More: docs/code.md.
 """
+
 from typing import Callable, Optional
 
 import torch
@@ -29,8 +30,13 @@ def make_norm(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorP
     return cls(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
 
-def make_mamba_mixer(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
-                     cp: Optional[ContextParallel] = None) -> nn.Module:
+def make_mamba_mixer(
+    config: MambaConfig,
+    device=None,
+    dtype=None,
+    tp: Optional[TensorParallel] = None,
+    cp: Optional[ContextParallel] = None,
+) -> nn.Module:
     """The Mamba mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`; on a
     slice of the sequence in the context-parallel group `cp`)."""
     options = config.mixer_options
@@ -42,8 +48,14 @@ class Block(nn.Module):
     """One layer of the stream: s -> s + mixer(norm(s)) (the stream in float32 when residual_in_fp32), then
     with mamba_ssm's d_intermediate s -> s + mlp(norm2(s))."""
 
-    def __init__(self, config: MambaConfig, make_mixer: Callable[[], nn.Module], tp: Optional[TensorParallel] = None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        config: MambaConfig,
+        make_mixer: Callable[[], nn.Module],
+        tp: Optional[TensorParallel] = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = make_norm(config, device=device, dtype=dtype, tp=tp)
@@ -91,28 +103,57 @@ class Block(nn.Module):
 class MambaBlock(Block):
     """A block whose mixer is Mamba-1 or Mamba-2 (ssm_cfg.layer); pattern symbol M."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
-                 device=None, dtype=None):
-        super().__init__(config, lambda: make_mamba_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp,
-                         device, dtype)
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(
+            config, lambda: make_mamba_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp, device, dtype
+        )
 
 
 class AttentionBlock(Block):
     """A block whose mixer is causal self-attention (attn_cfg); attn_layer_idx, or pattern symbol *."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
-                 device=None, dtype=None):
-        super().__init__(config, lambda: Attention(config.d_model, config.attention_options, device=device,
-                                                   dtype=dtype, tp=tp, cp=cp), tp, device, dtype)
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(
+            config,
+            lambda: Attention(config.d_model, config.attention_options, device=device, dtype=dtype, tp=tp, cp=cp),
+            tp,
+            device,
+            dtype,
+        )
 
 
 class MLPBlock(Block):
     """A block whose mixer is an MLP of d_intermediate channels (mlp_activation); pattern symbol -."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None,
-                 device=None, dtype=None):
-        super().__init__(config, lambda: MLP(config.d_model, config.mlp_width, config.mlp_activation, device=device,
-                                             dtype=dtype, tp=tp), tp, device, dtype)
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(
+            config,
+            lambda: MLP(config.d_model, config.mlp_width, config.mlp_activation, device=device, dtype=dtype, tp=tp),
+            tp,
+            device,
+            dtype,
+        )
 
 
 BLOCK_CLASSES = {"mamba": MambaBlock, "attention": AttentionBlock, "mlp": MLPBlock}  # by `MambaConfig.block_kinds`

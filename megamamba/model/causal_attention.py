@@ -3,6 +3,7 @@ against the keys from position 0, through torch's fused kernels: SDPA's causal p
 with documents FlexAttention's block mask on CUDA (no seqlen x seqlen mask), a boolean mask on the CPU.
 A document is a run of equal ids, as the Mamba layers reset their state where the id changes.
 """
+
 import functools
 from typing import Optional
 
@@ -14,8 +15,14 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 TILE = 128  # FlexAttention's default block size, queries and keys
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
-                     q_start: int = 0, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: Optional[float] = None,
+    q_start: int = 0,
+    ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """q (batch, lq, heads, head_dim), k and v (batch, lk, kv_heads, head_dim) -> (batch, lq, heads, head_dim).
 
     kv_heads divides heads (grouped-query attention: query head i reads key head i // (heads / kv_heads)).
@@ -23,23 +30,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: O
     or None for one document.
     """
     lq = q.shape[1]
-    k, v = k[:, :q_start + lq], v[:, :q_start + lq]  # no query sees a later key
+    k, v = k[:, : q_start + lq], v[:, : q_start + lq]  # no query sees a later key
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, len, head_dim)
     gqa = q.shape[1] != k.shape[1]
     if ids is None:
         if q_start == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, k.shape[2]), scale=scale,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_lower_right(lq, k.shape[2]), scale=scale, enable_gqa=gqa
+            )
     else:
-        ids = ids[:, :q_start + lq]
+        ids = ids[:, : q_start + lq]
         if q.is_cuda:
             mask = document_block_mask(ids, q_start)
             out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(ids, q_start)[:, None],
-                                                 scale=scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=document_mask(ids, q_start)[:, None], scale=scale, enable_gqa=gqa
+            )
     return out.transpose(1, 2)
 
 
@@ -86,8 +95,13 @@ def document_block_mask(ids: torch.Tensor, q_start: int) -> BlockMask:
     def same_document_and_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx + q_start) & (kv_idx >= first[b, q_idx])
 
-    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(reads_all), BLOCK_SIZE=TILE,
-                                    mask_mod=same_document_and_causal, seq_lengths=(lq, lk))
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(reads_all),
+        BLOCK_SIZE=TILE,
+        mask_mod=same_document_and_causal,
+        seq_lengths=(lq, lk),
+    )
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ float32 at a time: the forward keeps each row's logsumexp (float32, one per row)
 rebuilds softmax - one_hot chunk by chunk into a gradient of the logits' dtype and shape (zero
 on the padded columns and on ignored rows).
 """
+
 import torch
 
 IGNORE_INDEX = -100
@@ -25,11 +26,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), device=logits.device, dtype=torch.float32)
         step = _rows_per_chunk(vocab_size)
         for start in range(0, rows, step):
-            chunk = logits[start:start + step, :vocab_size].float()
-            lse[start:start + step] = torch.logsumexp(chunk, dim=-1)
-            ok = valid[start:start + step]
-            picked = chunk.gather(1, torch.where(ok, labels[start:start + step], 0)[:, None])[:, 0]
-            total += torch.where(ok, lse[start:start + step] - picked, 0.0).sum()
+            chunk = logits[start : start + step, :vocab_size].float()
+            lse[start : start + step] = torch.logsumexp(chunk, dim=-1)
+            ok = valid[start : start + step]
+            picked = chunk.gather(1, torch.where(ok, labels[start : start + step], 0)[:, None])[:, 0]
+            total += torch.where(ok, lse[start : start + step] - picked, 0.0).sum()
         count = valid.sum()
         ctx.save_for_backward(logits, labels, lse, count)
         ctx.vocab_size = vocab_size
@@ -44,12 +45,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = (grad_loss.float() / count).reshape(1, 1)
         step = _rows_per_chunk(vocab_size)
         for start in range(0, logits.shape[0], step):
-            target = labels[start:start + step]
+            target = labels[start : start + step]
             ignored = (target == IGNORE_INDEX)[:, None]
-            g = logits[start:start + step, :vocab_size] - lse[start:start + step, None]  # float32
+            g = logits[start : start + step, :vocab_size] - lse[start : start + step, None]  # float32
             g.exp_().mul_(scale)
             g.scatter_add_(1, target.clamp(min=0)[:, None], (-scale).expand(len(target), 1))
-            grad[start:start + step, :vocab_size] = g.masked_fill_(ignored, 0.0)
+            grad[start : start + step, :vocab_size] = g.masked_fill_(ignored, 0.0)
         return grad, None, None
 
 

@@ -6,6 +6,7 @@ Attention counts its causal half: QK^T and AV over s/2 keys on average (as Megat
 nanoGPT and PaLM count all s keys, twice this term). What is counted, and the scans' formulas:
 docs/code.md.
 """
+
 from megamamba.config import Mamba1Options, MambaConfig
 from megamamba.kernels.flops import conv_flops, selective_scan_flops, ssd_flops
 from megamamba.model.layers import layer_kinds
@@ -69,8 +70,12 @@ def layer_flops(config: MambaConfig, seq_length: int) -> list:
     """Forward FLOPs per token of each layer of the layer list (`megamamba.model.layers`): the embedding 0,
     each block's mixer (with mamba_ssm's d_intermediate, plus its MLP), the final norm 0, the head."""
     inside = mlp_flops(config) if config.mlp_inside_blocks else 0
-    per_kind = {"embedding": 0, "final_norm": 0, "head": 2 * config.d_model * config.padded_vocab_size,
-                "mlp": mlp_flops(config)}
+    per_kind = {
+        "embedding": 0,
+        "final_norm": 0,
+        "head": 2 * config.d_model * config.padded_vocab_size,
+        "mlp": mlp_flops(config),
+    }
     if "mamba" in config.block_kinds:
         per_kind["mamba"] = mamba_layer_flops(config, seq_length) + inside
     if "attention" in config.block_kinds:

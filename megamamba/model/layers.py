@@ -6,6 +6,7 @@ layer takes and returns the residual stream (`megamamba.model.stream`) and is bu
 `cls(config, tp=, cp=)`. A layer's number is its initialisation stream, its pipeline layer index
 and, through `layer_prefix`, its mamba_ssm names.
 """
+
 import contextlib
 import math
 import re
@@ -59,8 +60,14 @@ class _EmbeddingOnTheStream:
 class Embedding(_EmbeddingOnTheStream, nn.Embedding):
     """Layer 0; weight (padded vocab, d_model)."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(config.padded_vocab_size, config.d_model, device=device, dtype=dtype)
         self.residual_in_fp32, self.tp = config.residual_in_fp32, None
 
@@ -85,24 +92,42 @@ class _FinalNorm:
 class FinalRMSNorm(_FinalNorm, RMSNorm):
     """Layer n_layer + 1 with rms_norm (key weight)."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
 
 class FinalLayerNorm(_FinalNorm, LayerNorm):
     """Layer n_layer + 1 without rms_norm (keys weight, bias)."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
 
 
 class Head(nn.Linear):
     """Layer n_layer + 2: hidden -> logits over the padded vocabulary (mamba_ssm's lm_head)."""
 
-    def __init__(self, config: MambaConfig, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
 
 
@@ -146,9 +171,12 @@ def layer_count(config: MambaConfig) -> int:
 def layer_class(config: MambaConfig, index: int, tp: Optional[TensorParallel] = None) -> type:
     """The class of layer `index` (its TP form under `tp`)."""
     parallel = split(tp) is not None
-    return {"embedding": ParallelEmbedding if parallel else Embedding, **BLOCK_CLASSES,
-            "final_norm": FinalRMSNorm if config.rms_norm else FinalLayerNorm,
-            "head": ParallelHead if parallel else Head}[_kind(config, index)]
+    return {
+        "embedding": ParallelEmbedding if parallel else Embedding,
+        **BLOCK_CLASSES,
+        "final_norm": FinalRMSNorm if config.rms_norm else FinalLayerNorm,
+        "head": ParallelHead if parallel else Head,
+    }[_kind(config, index)]
 
 
 def layer_prefix(config: MambaConfig, index: int) -> str:
@@ -217,8 +245,9 @@ def _zero_biases(module: nn.Module) -> None:
                     nn.init.zeros_(bias)
 
 
-def _construct(config: MambaConfig, index: int, device, dtype, tp: Optional[TensorParallel],
-               cp: Optional[ContextParallel]) -> nn.Module:
+def _construct(
+    config: MambaConfig, index: int, device, dtype, tp: Optional[TensorParallel], cp: Optional[ContextParallel]
+) -> nn.Module:
     """Layer `index` with its constructor's draws; under TP the embedding and head draw their full tensors
     as one device would, then keep this rank's rows."""
     cls = layer_class(config, index, tp)
@@ -229,21 +258,36 @@ def _construct(config: MambaConfig, index: int, device, dtype, tp: Optional[Tens
 
 
 @torch.no_grad()
-def build_layer(config: MambaConfig, index: int, seed: int, device=None, dtype=None,
-                tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> nn.Module:
+def build_layer(
+    config: MambaConfig,
+    index: int,
+    seed: int,
+    device=None,
+    dtype=None,
+    tp: Optional[TensorParallel] = None,
+    cp: Optional[ContextParallel] = None,
+) -> nn.Module:
     """Layer `index` initialised from `seed` as mamba_ssm initialises it (under `tp` this rank's shards of
     the same values; a block built with `cp` works on a slice of the sequence, with the same values)."""
     tp = split(tp)
     with layer_stream(seed, index, device):
         module = _construct(config, index, device, dtype, tp, cp)
         if isinstance(module, _EmbeddingOnTheStream):
-            _redraw(module.weight, (config.padded_vocab_size, config.d_model),
-                    lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
+            _redraw(
+                module.weight,
+                (config.padded_vocab_size, config.d_model),
+                lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD),
+                tp,
+            )
         elif isinstance(module, Block):
             _zero_biases(module)
             for projection in module.output_projections():  # MambaLMHeadModel's last pass: / sqrt(n_layer)
-                _redraw(projection.weight, (projection.out_features, projection.in_features),
-                        lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)), tp)
+                _redraw(
+                    projection.weight,
+                    (projection.out_features, projection.in_features),
+                    lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)),
+                    tp,
+                )
     return module
 
 

@@ -4,6 +4,7 @@ State-dict keys and initialisation are mamba_ssm's `MambaLMHeadModel`; each laye
 own seeded stream, so a pipeline stage draws only its own. The same class runs tensor- and
 context-parallel (`tp=`, `cp=`). Design: docs/code.md.
 """
+
 from typing import Optional
 
 import torch
@@ -18,8 +19,13 @@ from megamamba.parallel.context.context_parallel import ContextParallel, mean_ov
 from megamamba.parallel.tensor.model_layout import check_model_layout, check_sequence_length
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-            tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    tp: Optional[TensorParallel] = None,
+    cp: Optional[ContextParallel] = None,
+) -> torch.Tensor:
     """Mean cross-entropy over the tokens whose label is not -100, on the real vocabulary (padded
     columns excluded). Under TP `logits` is this rank's vocab block and the full logits are never
     gathered (`vocab_parallel_cross_entropy`); every rank gets the loss. On one device the float32
@@ -54,8 +60,14 @@ class MambaLM(nn.Module):
     With `cp` (size > 1) each rank of the context-parallel group runs a slice of every sequence.
     """
 
-    def __init__(self, config: MambaConfig, device=None, dtype=None, tp: Optional[TensorParallel] = None,
-                 cp: Optional[ContextParallel] = None):
+    def __init__(
+        self,
+        config: MambaConfig,
+        device=None,
+        dtype=None,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+    ):
         super().__init__()
         config.validate()
         self.tp = split(tp)
@@ -64,15 +76,17 @@ class MambaLM(nn.Module):
             check_model_layout(config, self.tp.size)
         self.config = config
         seed = draw_seed(device)
-        embedding, *blocks, norm_f, head = [build_layer(config, i, seed, device, dtype, self.tp, self.cp)
-                                             for i in range(layer_count(config))]
+        embedding, *blocks, norm_f, head = [
+            build_layer(config, i, seed, device, dtype, self.tp, self.cp) for i in range(layer_count(config))
+        ]
         self.backbone = MambaBackbone(embedding, blocks, norm_f)
         self.lm_head = head
         if config.tie_embeddings:
             tie(self.lm_head, self.backbone.embedding)
 
-    def forward(self, input_ids: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
-                inference_cache: Optional[list] = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, seq_idx: Optional[torch.Tensor] = None, inference_cache: Optional[list] = None
+    ) -> torch.Tensor:
         """input_ids (batch, seqlen) -> logits (batch, seqlen, padded_vocab_size).
 
         seq_idx (batch, seqlen) int32 document ids: the state of every layer resets where the id
@@ -89,11 +103,13 @@ class MambaLM(nn.Module):
         on them; `gather_from_tp_region(logits, tp)[..., :padded_vocab_size]` gives the full ones.
         """
         if seq_idx is not None and seq_idx.shape != input_ids.shape:
-            raise ValueError(f"seq_idx shape {tuple(seq_idx.shape)} must equal input_ids shape "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"seq_idx shape {tuple(seq_idx.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+            )
         if seq_idx is not None and inference_cache is not None:
-            raise ValueError("inference_cache with seq_idx: a prefill continues one sequence; "
-                             "pass packed documents without a cache")
+            raise ValueError(
+                "inference_cache with seq_idx: a prefill continues one sequence; pass packed documents without a cache"
+            )
         if self.tp is not None:
             check_sequence_length(input_ids.shape[1], self.tp.size, self.tp.sequence_parallel)
             if inference_cache is not None:
@@ -104,16 +120,19 @@ class MambaLM(nn.Module):
             x = block(x, inference_state=None if inference_cache is None else inference_cache[i])
         return head(norm_f(x))
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
-             seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Mean cross-entropy of `labels` (batch, seqlen; -100 = ignored) under the logits of `input_ids`,
         over the real vocabulary; under TP computed on the vocab-parallel logits, never gathered."""
         return lm_loss(self(input_ids, seq_idx=seq_idx), labels, self.config.vocab_size, self.tp, self.cp)
 
     def _check_recurrent_form(self) -> None:
         if self.tp is not None and self.tp.sequence_parallel:
-            raise ValueError("the recurrent form (inference_cache, step) is not sequence-parallel: "
-                             "build the model with tp.without_sequence_parallel() for generation")
+            raise ValueError(
+                "the recurrent form (inference_cache, step) is not sequence-parallel: "
+                "build the model with tp.without_sequence_parallel() for generation"
+            )
 
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> list:
         """Empty recurrent state for `step`, one per block: (conv_state, ssm_state) zeroed for a Mamba block,

@@ -5,6 +5,7 @@ state dicts load unchanged. With `tp` the mixer is built whole and `_shard` keep
 channels; with `cp` its conv and scan come from a `ContextSlice`. Parameter table, sharding and
 communication: docs/code.md ("The model in code").
 """
+
 import math
 from typing import Optional
 
@@ -34,8 +35,7 @@ def fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def sample_dt_bias(n: int, dt_min: float, dt_max: float, dt_init_floor: float, device=None,
-                   dtype=None) -> torch.Tensor:
+def sample_dt_bias(n: int, dt_min: float, dt_max: float, dt_init_floor: float, device=None, dtype=None) -> torch.Tensor:
     """softplus^-1 of dt drawn log-uniformly in [dt_min, dt_max] and floored at dt_init_floor."""
     log_dt = torch.rand(n, device=device, dtype=dtype) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
     dt = torch.exp(log_dt).clamp(min=dt_init_floor)
@@ -45,8 +45,15 @@ def sample_dt_bias(n: int, dt_min: float, dt_max: float, dt_init_floor: float, d
 class Mamba1(nn.Module):
     """Mamba-1 mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
 
-    def __init__(self, d_model: int, options: Mamba1Options = Mamba1Options(), device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None):
+    def __init__(
+        self,
+        d_model: int,
+        options: Mamba1Options = Mamba1Options(),
+        device=None,
+        dtype=None,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+    ):
         super().__init__()
         if tp is not None:
             check_mixer_layout(d_model, options, tp.size)
@@ -58,21 +65,29 @@ class Mamba1(nn.Module):
         self.dt_rank = math.ceil(d_model / 16) if options.dt_rank == "auto" else options.dt_rank
 
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=options.bias, **factory)
-        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=self.d_conv, groups=self.d_inner,
-                                padding=self.d_conv - 1, bias=options.conv_bias, **factory)
+        self.conv1d = nn.Conv1d(
+            self.d_inner,
+            self.d_inner,
+            kernel_size=self.d_conv,
+            groups=self.d_inner,
+            padding=self.d_conv - 1,
+            bias=options.conv_bias,
+            **factory,
+        )
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False, **factory)
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **factory)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=options.bias, **factory)
 
         # dt projection: weights scaled to preserve variance, bias so softplus(bias) = dt at init.
-        dt_init_std = self.dt_rank ** -0.5 * options.dt_scale
+        dt_init_std = self.dt_rank**-0.5 * options.dt_scale
         with torch.no_grad():
             if options.dt_init == "constant":
                 nn.init.constant_(self.dt_proj.weight, dt_init_std)
             else:
                 nn.init.uniform_(self.dt_proj.weight, -dt_init_std, dt_init_std)
-            self.dt_proj.bias.copy_(sample_dt_bias(self.d_inner, options.dt_min, options.dt_max,
-                                                   options.dt_init_floor, **factory))
+            self.dt_proj.bias.copy_(
+                sample_dt_bias(self.d_inner, options.dt_min, options.dt_max, options.dt_init_floor, **factory)
+            )
         self.dt_proj.bias._no_reinit = True  # the LM-level init zeroes every other Linear bias
 
         # S4D-real init A = -(1..d_state) per channel, D = 1; both kept in float32 as mamba_ssm does.
@@ -90,20 +105,39 @@ class Mamba1(nn.Module):
     def _shard(self, tp: TensorParallel) -> None:
         """Keep this rank's channels of every full tensor built above (see the module docstring)."""
         d_inner, d_model = self.d_inner, self.d_model
-        self.in_proj = sharded(self.in_proj, lambda: ColumnParallelLinear(
-            d_model, 2 * d_inner, tp, bias=self.in_proj.bias is not None,
-            components=[Component("x", d_inner), Component("z", d_inner)]), tp)
-        self.conv1d = sharded(self.conv1d, lambda: ParallelDepthwiseConv1d(
-            [Component("channels", d_inner)], self.d_conv, tp, bias=self.conv1d.bias is not None), tp)
-        self.x_proj = sharded(self.x_proj, lambda: RowParallelLinear(
-            d_inner, self.dt_rank + 2 * self.d_state, tp.without_sequence_parallel(), bias=False), tp)
+        self.in_proj = sharded(
+            self.in_proj,
+            lambda: ColumnParallelLinear(
+                d_model,
+                2 * d_inner,
+                tp,
+                bias=self.in_proj.bias is not None,
+                components=[Component("x", d_inner), Component("z", d_inner)],
+            ),
+            tp,
+        )
+        self.conv1d = sharded(
+            self.conv1d,
+            lambda: ParallelDepthwiseConv1d(
+                [Component("channels", d_inner)], self.d_conv, tp, bias=self.conv1d.bias is not None
+            ),
+            tp,
+        )
+        self.x_proj = sharded(
+            self.x_proj,
+            lambda: RowParallelLinear(
+                d_inner, self.dt_rank + 2 * self.d_state, tp.without_sequence_parallel(), bias=False
+            ),
+            tp,
+        )
         self.dt_proj.weight = shard_parameter(self.dt_proj.weight, split_rows("weight", d_inner), tp)
         self.dt_proj.bias = shard_parameter(self.dt_proj.bias, split_rows("bias", d_inner), tp)
         self.dt_proj.out_features = d_inner // tp.size
         self.A_log = shard_parameter(self.A_log, split_rows("A_log", d_inner), tp)
         self.D = shard_parameter(self.D, split_rows("D", d_inner), tp)
-        self.out_proj = sharded(self.out_proj, lambda: RowParallelLinear(
-            d_inner, d_model, tp, bias=self.out_proj.bias is not None), tp)
+        self.out_proj = sharded(
+            self.out_proj, lambda: RowParallelLinear(d_inner, d_model, tp, bias=self.out_proj.bias is not None), tp
+        )
         self.tp, self.d_inner = tp, d_inner // tp.size
 
     # ---- splits of the fused projections -------------------------------------------------
@@ -132,8 +166,12 @@ class Mamba1(nn.Module):
         return x_dbl if self.tp is None else copy_to_tp_region(x_dbl, self.tp)
 
     # ---- parallel form -------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
-                inference_state: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        seq_idx: Optional[torch.Tensor] = None,
+        inference_state: Optional[tuple] = None,
+    ) -> torch.Tensor:
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids reset
         the conv and SSM state at document boundaries. With `inference_state` (conv_state, ssm_state)
         from `allocate_inference_cache`, the states after the last position are written into it."""
@@ -145,9 +183,19 @@ class Mamba1(nn.Module):
         x = ops.causal_conv1d(x, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu")
 
         dt, B, C = self.scan_inputs(x)
-        y = ops.selective_scan(x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
-                               delta_bias=fp32_or_wider(self.dt_proj.bias), delta_softplus=True,
-                               return_last_state=inference_state is not None, seq_idx=seq_idx)
+        y = ops.selective_scan(
+            x,
+            dt,
+            self.A(),
+            B,
+            C,
+            fp32_or_wider(self.D),
+            z=z,
+            delta_bias=fp32_or_wider(self.dt_proj.bias),
+            delta_softplus=True,
+            return_last_state=inference_state is not None,
+            seq_idx=seq_idx,
+        )
         if inference_state is not None:
             y, last_state = y
             inference_state[1].copy_(last_state)
@@ -182,6 +230,16 @@ class Mamba1(nn.Module):
         x = causal_conv1d_update(x, conv_state, weight, bias, activation="silu")
         dt, B, C = self.split_x_proj(self.project_x(x))
         dt = dt @ self.dt_proj.weight.t()
-        y = selective_state_update(ssm_state, x, dt, self.A(), B, C, fp32_or_wider(self.D), z=z,
-                                   dt_bias=fp32_or_wider(self.dt_proj.bias), dt_softplus=True)
+        y = selective_state_update(
+            ssm_state,
+            x,
+            dt,
+            self.A(),
+            B,
+            C,
+            fp32_or_wider(self.D),
+            z=z,
+            dt_bias=fp32_or_wider(self.dt_proj.bias),
+            dt_softplus=True,
+        )
         return self.out_proj(y)

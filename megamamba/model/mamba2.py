@@ -5,6 +5,7 @@ unchanged. With `tp` the mixer is built whole and `_shard` keeps this rank's hea
 its conv and scan come from a `ContextSlice`. Parameter table, sharding and communication:
 docs/code.md ("The model in code").
 """
+
 from typing import Optional
 
 import torch
@@ -28,8 +29,15 @@ from megamamba.parallel.tensor.spanning_norm import gated_rmsnorm_row_parallel
 class Mamba2(nn.Module):
     """Mamba-2 mixer: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
 
-    def __init__(self, d_model: int, options: Mamba2Options = Mamba2Options(), device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None):
+    def __init__(
+        self,
+        d_model: int,
+        options: Mamba2Options = Mamba2Options(),
+        device=None,
+        dtype=None,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+    ):
         super().__init__()
         if tp is not None:
             check_mixer_layout(d_model, options, tp.size)
@@ -49,13 +57,21 @@ class Mamba2(nn.Module):
         d_in_proj = 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
         self.in_proj = nn.Linear(d_model, d_in_proj, bias=options.bias, **factory)
         conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=self.d_conv, groups=conv_dim,
-                                padding=self.d_conv - 1, bias=options.conv_bias, **factory)
+        self.conv1d = nn.Conv1d(
+            conv_dim,
+            conv_dim,
+            kernel_size=self.d_conv,
+            groups=conv_dim,
+            padding=self.d_conv - 1,
+            bias=options.conv_bias,
+            **factory,
+        )
         if options.conv_init is not None:
             nn.init.uniform_(self.conv1d.weight, -options.conv_init, options.conv_init)
 
-        self.dt_bias = nn.Parameter(sample_dt_bias(self.nheads, options.dt_min, options.dt_max,
-                                                   options.dt_init_floor, **factory))
+        self.dt_bias = nn.Parameter(
+            sample_dt_bias(self.nheads, options.dt_min, options.dt_max, options.dt_init_floor, **factory)
+        )
         self.dt_bias._no_weight_decay = True
         A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(*options.A_init_range)
         self.A_log = nn.Parameter(torch.log(A).to(dtype=dtype))
@@ -64,8 +80,13 @@ class Mamba2(nn.Module):
         self.D._no_weight_decay = True
 
         if self.rmsnorm:
-            self.norm = RMSNormGated(self.d_inner, eps=1e-5, group_size=self.d_inner // self.ngroups,
-                                     norm_before_gate=options.norm_before_gate, **factory)
+            self.norm = RMSNormGated(
+                self.d_inner,
+                eps=1e-5,
+                group_size=self.d_inner // self.ngroups,
+                norm_before_gate=options.norm_before_gate,
+                **factory,
+            )
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=options.bias, **factory)
 
         self.cp = cp if cp is not None and cp.size > 1 else None
@@ -79,20 +100,33 @@ class Mamba2(nn.Module):
         """Keep this rank's heads of every full tensor built above (see the module docstring)."""
         d_inner, nheads, ngroups, bc = self.d_inner, self.nheads, self.ngroups, self.ngroups * self.d_state
         groups_split = ngroups % tp.size == 0
-        xBC = [Component("x", d_inner), Component("B", bc, sharded=groups_split),
-               Component("C", bc, sharded=groups_split)]
-        self.in_proj = sharded(self.in_proj, lambda: ColumnParallelLinear(
-            self.d_model, self.in_proj.out_features, tp, bias=self.in_proj.bias is not None,
-            components=[Component("z", d_inner), *xBC, Component("dt", nheads)]), tp)
-        self.conv1d = sharded(self.conv1d, lambda: ParallelDepthwiseConv1d(
-            xBC, self.d_conv, tp, bias=self.conv1d.bias is not None), tp)
+        xBC = [
+            Component("x", d_inner),
+            Component("B", bc, sharded=groups_split),
+            Component("C", bc, sharded=groups_split),
+        ]
+        self.in_proj = sharded(
+            self.in_proj,
+            lambda: ColumnParallelLinear(
+                self.d_model,
+                self.in_proj.out_features,
+                tp,
+                bias=self.in_proj.bias is not None,
+                components=[Component("z", d_inner), *xBC, Component("dt", nheads)],
+            ),
+            tp,
+        )
+        self.conv1d = sharded(
+            self.conv1d, lambda: ParallelDepthwiseConv1d(xBC, self.d_conv, tp, bias=self.conv1d.bias is not None), tp
+        )
         self.dt_bias = shard_parameter(self.dt_bias, split_rows("dt_bias", nheads, "heads"), tp)
         self.A_log = shard_parameter(self.A_log, split_rows("A_log", nheads, "heads"), tp)
         self.D = shard_parameter(self.D, split_rows("D", self.D.shape[0], "heads"), tp)
         if self.rmsnorm:
             self.norm.weight = shard_parameter(self.norm.weight, split_rows("weight", d_inner, "channels"), tp)
-        self.out_proj = sharded(self.out_proj, lambda: RowParallelLinear(
-            d_inner, self.d_model, tp, bias=self.out_proj.bias is not None), tp)
+        self.out_proj = sharded(
+            self.out_proj, lambda: RowParallelLinear(d_inner, self.d_model, tp, bias=self.out_proj.bias is not None), tp
+        )
         self.tp, self.d_inner, self.nheads = tp, d_inner // tp.size, nheads // tp.size
         if groups_split:
             self.ngroups = ngroups // tp.size
@@ -114,7 +148,7 @@ class Mamba2(nn.Module):
         lead = xBC.shape[:-1]
         B, C = B.reshape(*lead, self.ngroups, self.d_state), C.reshape(*lead, self.ngroups, self.d_state)
         if self.own_group is not None:
-            B, C = B[..., self.own_group:self.own_group + 1, :], C[..., self.own_group:self.own_group + 1, :]
+            B, C = B[..., self.own_group : self.own_group + 1, :], C[..., self.own_group : self.own_group + 1, :]
         return x.reshape(*lead, self.nheads, self.headdim), B, C
 
     def conv_weight_and_bias(self):
@@ -135,16 +169,26 @@ class Mamba2(nn.Module):
         """y, z (..., d_inner) -> out_proj(norm(y, z)); without rmsnorm the gate was applied in the scan."""
         if self.rmsnorm and self.norm_groups_across_ranks is not None:
             return gated_rmsnorm_row_parallel(
-                y, z, self.norm.weight, eps=self.norm.eps, group_size=self.norm.group_size,
-                ngroups=self.norm_groups_across_ranks, norm_before_gate=self.norm.norm_before_gate,
-                out_proj=self.out_proj)
+                y,
+                z,
+                self.norm.weight,
+                eps=self.norm.eps,
+                group_size=self.norm.group_size,
+                ngroups=self.norm_groups_across_ranks,
+                norm_before_gate=self.norm.norm_before_gate,
+                out_proj=self.out_proj,
+            )
         if self.rmsnorm:
             y = self.norm(y, z)
         return self.out_proj(y)
 
     # ---- parallel form -------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
-                inference_state: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        seq_idx: Optional[torch.Tensor] = None,
+        inference_state: Optional[tuple] = None,
+    ) -> torch.Tensor:
         """hidden_states (batch, seqlen, d_model); seq_idx (batch, seqlen) int32 document ids reset
         the conv and SSM state at document boundaries. With `inference_state` (conv_state, ssm_state)
         from `allocate_inference_cache`, the states after the last position are written into it."""
@@ -156,10 +200,21 @@ class Mamba2(nn.Module):
             inference_state[0].copy_(F.pad(xBC, (self.d_conv - seqlen, 0)))
         xBC = ops.causal_conv1d(xBC, *self.conv_weight_and_bias(), seq_idx=seq_idx, activation="silu").transpose(1, 2)
         x, B, C = self.split_xBC(xBC)
-        y = ops.ssd_chunk_scan(x, dt, self.A(), B, C, self.chunk_size, D=self.D_per_head(),
-                               z=None if self.rmsnorm else z.reshape_as(x), dt_bias=self.dt_bias, seq_idx=seq_idx,
-                               dt_softplus=True, dt_limit=self.dt_limit,
-                               return_final_states=inference_state is not None)
+        y = ops.ssd_chunk_scan(
+            x,
+            dt,
+            self.A(),
+            B,
+            C,
+            self.chunk_size,
+            D=self.D_per_head(),
+            z=None if self.rmsnorm else z.reshape_as(x),
+            dt_bias=self.dt_bias,
+            seq_idx=seq_idx,
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            return_final_states=inference_state is not None,
+        )
         if inference_state is not None:
             y, final_state = y
             inference_state[1].copy_(final_state)
@@ -192,8 +247,12 @@ class Mamba2(nn.Module):
         dt = F.softplus(fp32_or_wider(dt) + fp32_or_wider(self.dt_bias)).clamp(*self.dt_limit)
         per_channel = (self.nheads, self.headdim)
         y = selective_state_update(
-            ssm_state, x, dt[..., None].expand(-1, *per_channel),
-            self.A()[:, None, None].expand(*per_channel, self.d_state), B, C,
+            ssm_state,
+            x,
+            dt[..., None].expand(-1, *per_channel),
+            self.A()[:, None, None].expand(*per_channel, self.d_state),
+            B,
+            C,
             D=fp32_or_wider(self.D_per_head()).reshape(self.nheads, -1).expand(per_channel),
             z=None if self.rmsnorm else z.reshape_as(x),
         )

@@ -4,6 +4,7 @@ squared-ReLU MLP (fc1 -> relu(.)^2 -> fc2), without biases as both.
 Keys `fc1.weight`, `fc2.weight` (mamba_ssm's). With `tp` it is built whole and `_shard` keeps this rank's
 hidden channels: fc1 column-parallel (each of y and gate split on its own), fc2 row-parallel.
 """
+
 from typing import Optional
 
 import torch
@@ -17,8 +18,15 @@ from megamamba.parallel.tensor.from_full import sharded
 class MLP(nn.Module):
     """(batch, seqlen, d_model) -> (batch, seqlen, d_model) through `hidden` channels."""
 
-    def __init__(self, d_model: int, hidden: int, activation: str = "gated_silu", device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None):
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: str = "gated_silu",
+        device=None,
+        dtype=None,
+        tp: Optional[TensorParallel] = None,
+    ):
         super().__init__()
         self.gated = activation == "gated_silu"
         self.d_model, self.hidden = d_model, hidden
@@ -29,8 +37,11 @@ class MLP(nn.Module):
 
     def _shard(self, tp: TensorParallel) -> None:
         parts = [Component("y", self.hidden), Component("gate", self.hidden)] if self.gated else None
-        self.fc1 = sharded(self.fc1, lambda: ColumnParallelLinear(self.d_model, self.fc1.out_features, tp,
-                                                                  bias=False, components=parts), tp)
+        self.fc1 = sharded(
+            self.fc1,
+            lambda: ColumnParallelLinear(self.d_model, self.fc1.out_features, tp, bias=False, components=parts),
+            tp,
+        )
         self.fc2 = sharded(self.fc2, lambda: RowParallelLinear(self.hidden, self.d_model, tp, bias=False), tp)
 
     @property
@@ -38,8 +49,12 @@ class MLP(nn.Module):
         """The projection back onto the residual stream (initialised scaled by depth, as mamba_ssm)."""
         return self.fc2
 
-    def forward(self, hidden_states: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
-                inference_state: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        seq_idx: Optional[torch.Tensor] = None,
+        inference_state: Optional[tuple] = None,
+    ) -> torch.Tensor:
         """Token by token: `seq_idx` and `inference_state` are taken as every mixer takes them, and unused."""
         y = self.fc1(hidden_states)
         if self.gated:

@@ -10,6 +10,7 @@ normalises its own sequence shard, so the weight enters through `copy_to_tp_regi
 gradient is summed over the TP group inside backward (marked `grad_reduced`). Mamba-2's gated
 norm is split by channel with the mixer (see `megamamba.model.mamba2`).
 """
+
 from typing import Optional
 
 import torch
@@ -36,8 +37,9 @@ def _summed_over(param: Optional[torch.Tensor], tp: Optional[TensorParallel]) ->
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (mamba_ssm's RMSNorm)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None, tp: Optional[TensorParallel] = None
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
@@ -49,22 +51,29 @@ class RMSNorm(nn.Module):
     def stream_forward(self, stream: torch.Tensor) -> torch.Tensor:
         """self(stream) in the weight's dtype, normalised from the stream's own precision (not first
         rounded to the weight's dtype), in one pass on the Triton kernels: a block's pre-norm."""
-        normed, _ = add_rmsnorm(stream, None, _summed_over(self.weight, self.sequence_tp), eps=self.eps,
-                                residual_dtype=stream.dtype)
+        normed, _ = add_rmsnorm(
+            stream, None, _summed_over(self.weight, self.sequence_tp), eps=self.eps, residual_dtype=stream.dtype
+        )
         return normed
 
 
 class LayerNorm(nn.LayerNorm):
     """torch's LayerNorm (keys weight, bias), its gradients summed over TP under sequence parallelism."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None,
-                 tp: Optional[TensorParallel] = None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None, tp: Optional[TensorParallel] = None
+    ):
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
         self.sequence_tp = _shared_over_sequence(self, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, _summed_over(self.weight, self.sequence_tp),
-                            _summed_over(self.bias, self.sequence_tp), self.eps)
+        return F.layer_norm(
+            x,
+            self.normalized_shape,
+            _summed_over(self.weight, self.sequence_tp),
+            _summed_over(self.bias, self.sequence_tp),
+            self.eps,
+        )
 
 
 class RMSNormGated(nn.Module):
@@ -73,8 +82,15 @@ class RMSNormGated(nn.Module):
     norm_before_gate=True: norm(x) * silu(z); False (Mamba-2's default): norm(x * silu(z)).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: Optional[int] = None,
-                 norm_before_gate: bool = True, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        group_size: Optional[int] = None,
+        norm_before_gate: bool = True,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.eps = eps
         self.group_size = group_size
@@ -82,5 +98,6 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return rmsnorm_gated(x, self.weight, z=z, eps=self.eps, group_size=self.group_size,
-                             norm_before_gate=self.norm_before_gate)
+        return rmsnorm_gated(
+            x, self.weight, z=z, eps=self.eps, group_size=self.group_size, norm_before_gate=self.norm_before_gate
+        )

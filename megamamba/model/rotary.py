@@ -5,6 +5,7 @@ unchanged. Non-interleaved (GPT-NeoX) pairs channel i with i + dim/2; interleave
 with 2i + 1. Computed in float32 (or wider) and returned in the input's dtype. No buffers: the angles
 come from the positions on every call, so a context-parallel slice rotates by its global positions.
 """
+
 import torch
 
 

@@ -5,6 +5,7 @@ layers pass its sum s = hidden + residual, so a block is s -> s + mixer(norm(s))
 roundings. The stream is float32 (at least) when residual_in_fp32, as mamba_ssm keeps the residual.
 With packed documents it travels with their ids: the pair (stream, seq_idx).
 """
+
 from typing import Optional
 
 import torch

@@ -2,6 +2,7 @@
 record as `train.py: message`, `train.py: warning: message` (both on stdout) or
 `train.py: error: rank R: message` (stderr), one write per line so that ranks sharing a pipe
 never interleave within a line."""
+
 import logging
 import sys
 

@@ -8,13 +8,25 @@ files and the wandb keys; the console shows `step N/TOTAL` (N counts from 0, as 
 the times as h:mm:ss. Only the rank that creates the logger `enabled` writes; the others make it
 a no-op, so callers need not branch on rank.
 """
+
 from typing import Optional
 
 from megamamba.data.progress import clock
 from megamamba.observe.monitors import CsvMonitor, JsonlMonitor, TensorBoardMonitor, WandbMonitor
 
-METRIC_NAMES = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_peak_gb",
-                "val_loss", "mfu", "elapsed_s", "eta_s")
+METRIC_NAMES = (
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mem_peak_gb",
+    "val_loss",
+    "mfu",
+    "elapsed_s",
+    "eta_s",
+)
 _TIMES = {"elapsed_s": "elapsed", "eta_s": "ETA"}
 
 
@@ -32,16 +44,27 @@ def format_record(record: dict, total_steps: Optional[int] = None) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, enabled: bool, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
-                 total_steps: Optional[int] = None, csv_dir: Optional[str] = None, wandb: Optional[dict] = None):
+    def __init__(
+        self,
+        enabled: bool,
+        jsonl_path: Optional[str] = None,
+        tensorboard_dir: Optional[str] = None,
+        total_steps: Optional[int] = None,
+        csv_dir: Optional[str] = None,
+        wandb: Optional[dict] = None,
+    ):
         """`wandb`: the keyword arguments of wandb.init, None for no wandb run."""
         self.enabled = enabled
         self.total_steps = total_steps
         self._monitors = []
         if not enabled:
             return
-        for value, monitor in ((jsonl_path, JsonlMonitor), (tensorboard_dir, TensorBoardMonitor),
-                               (csv_dir, CsvMonitor), (wandb, WandbMonitor)):
+        for value, monitor in (
+            (jsonl_path, JsonlMonitor),
+            (tensorboard_dir, TensorBoardMonitor),
+            (csv_dir, CsvMonitor),
+            (wandb, WandbMonitor),
+        ):
             if value is not None and value != "":  # an empty path (--metrics-jsonl "") is off
                 self._monitors.append(monitor(value))
 

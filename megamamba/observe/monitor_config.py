@@ -4,6 +4,7 @@ We honour the `tensorboard`, `csv_monitor`, `wandb` and `comet` blocks with Deep
 defaults and meaning but write our metric names ourselves, so DeepSpeed never sees the blocks
 (`MONITOR_BLOCKS`: the caller drops them). Each block's behaviour: docs/flags.md, docs/training.md.
 """
+
 import importlib.util
 import os
 from typing import NamedTuple, Optional
@@ -29,21 +30,27 @@ def _block(ds_config: dict, name: str) -> dict:
     """The block if it is enabled, else {}; a non-object, an unknown key or a mistyped value is refused."""
     block = ds_config.get(name, {})
     if not isinstance(block, dict):
-        raise ValueError(f"the DeepSpeed config's \"{name}\" is {block!r}; it must be an object such as "
-                         "{\"enabled\": true}")
+        raise ValueError(
+            f'the DeepSpeed config\'s "{name}" is {block!r}; it must be an object such as {{"enabled": true}}'
+        )
     if name == "comet":
         if block.get("enabled", False):
-            raise ValueError("the DeepSpeed config's \"comet\" block is enabled; comet is not supported here, "
-                             "use \"tensorboard\", \"csv_monitor\" or \"wandb\"")
+            raise ValueError(
+                'the DeepSpeed config\'s "comet" block is enabled; comet is not supported here, '
+                'use "tensorboard", "csv_monitor" or "wandb"'
+            )
         return {}
     keys = _KEYS[name]
     for key, value in block.items():
         if key not in keys:
-            raise ValueError(f"the DeepSpeed config's \"{name}\" block has the unknown key {key!r}; "
-                             f"known: {sorted(keys)}")
+            raise ValueError(
+                f'the DeepSpeed config\'s "{name}" block has the unknown key {key!r}; known: {sorted(keys)}'
+            )
         if not isinstance(value, keys[key]):
-            raise ValueError(f"the DeepSpeed config's \"{name}\".{key} is {value!r}; it must be "
-                             f"{' or '.join('null' if t is type(None) else t.__name__ for t in keys[key])}")
+            raise ValueError(
+                f'the DeepSpeed config\'s "{name}".{key} is {value!r}; it must be '
+                f"{' or '.join('null' if t is type(None) else t.__name__ for t in keys[key])}"
+            )
     return block if block.get("enabled", False) else {}
 
 
@@ -58,11 +65,18 @@ def monitors_from_config(ds_config: dict, log_dir: Optional[str]) -> Monitors:
     blocks = {name: _block(ds_config, name) for name in MONITOR_BLOCKS}
     wandb = blocks["wandb"]
     if wandb and importlib.util.find_spec("wandb") is None:
-        raise ValueError("the DeepSpeed config's \"wandb\" block is enabled but wandb is not installed: "
-                         "pip install wandb (or set \"enabled\": false)")
+        raise ValueError(
+            'the DeepSpeed config\'s "wandb" block is enabled but wandb is not installed: '
+            'pip install wandb (or set "enabled": false)'
+        )
     return Monitors(
         tensorboard_dir=log_dir or _job_dir(blocks["tensorboard"]),
         csv_dir=_job_dir(blocks["csv_monitor"]),
-        wandb={"project": wandb.get("project", _DEFAULT_WANDB_PROJECT), "group": wandb.get("group"),
-               "entity": wandb.get("team")} if wandb else None,
+        wandb={
+            "project": wandb.get("project", _DEFAULT_WANDB_PROJECT),
+            "group": wandb.get("group"),
+            "entity": wandb.get("team"),
+        }
+        if wandb
+        else None,
     )

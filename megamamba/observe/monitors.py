@@ -5,6 +5,7 @@ closed once. The CSV and wandb writers keep the layout and calls of DeepSpeed's 
 wandb monitors, with our metric names and `step` the optimizer step (DeepSpeed's engine logs its
 own names against the sample count).
 """
+
 import csv
 import json
 import os

@@ -4,6 +4,7 @@ Everything here is host arithmetic on values the run already has (no collectives
 reads): global rank 0 prints the lines, so a run's log says once what it will do, how far it
 is, and when it will end.
 """
+
 import time
 from typing import Optional, Sequence, Union
 
@@ -17,8 +18,10 @@ from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 def count_parameters(config: MambaConfig) -> int:
     """The whole model's parameters (padded vocabulary, a tied head counted once), built on the meta device."""
     kinds = layer_kinds(config)  # one layer of each kind built: a whole model on meta takes seconds at 1.3b
-    per_kind = {kind: sum(p.numel() for p in layer_class(config, kinds.index(kind))(config, device="meta").parameters())
-                for kind in set(kinds)}
+    per_kind = {
+        kind: sum(p.numel() for p in layer_class(config, kinds.index(kind))(config, device="meta").parameters())
+        for kind in set(kinds)
+    }
     if config.tie_embeddings:
         per_kind["head"] = 0  # the embedding's weight
     return sum(per_kind[kind] for kind in kinds)
@@ -40,12 +43,16 @@ def data_lines(data: TrainingData, train_iters: int) -> list:
     for weight, packer in zip(train.schedule.weights, train.packers):
         dataset = packer.dataset
         epochs = float(weight) * samples / max(packer.samples_per_epoch, 1)
-        lines.append(f"  data: {dataset.prefix} weight {float(weight):.3g} | {_count(dataset.num_tokens)} tokens, "
-                     f"{dataset.num_documents} docs | {epochs:.3g} epochs")
+        lines.append(
+            f"  data: {dataset.prefix} weight {float(weight):.3g} | {_count(dataset.num_tokens)} tokens, "
+            f"{dataset.num_documents} docs | {epochs:.3g} epochs"
+        )
     if any(p.dataset.prefix.startswith(BUILTIN_NAME) for p in train.packers):
         total = sum(p.dataset.num_tokens for p in train.packers)
-        lines.append(f"train.py: warning: no --data: training on the built-in corpus ({_count(total)} tokens, a "
-                     "smoke test, not a training set); give --data PREFIX (see megamamba.data.preprocess)")
+        lines.append(
+            f"train.py: warning: no --data: training on the built-in corpus ({_count(total)} tokens, a "
+            "smoke test, not a training set); give --data PREFIX (see megamamba.data.preprocess)"
+        )
     return lines
 
 
@@ -56,19 +63,33 @@ def _deepspeed_schedule(schedule) -> str:
     return f" (DeepSpeed scheduler: {schedule.warmup_type} warm-up from {schedule.start:g})"
 
 
-def startup_summary(*, model: MambaConfig, layout, seq_length: int, train_iters: int,
-                    schedule: Union[LRSchedule, DeepSpeedSchedule],
-                    engine_config: dict, data: TrainingData, total_params: int, stage_params: Sequence[int],
-                    save: Optional[str], load: Optional[str], save_interval: int,
-                    keep_last: Optional[int]) -> list:
+def startup_summary(
+    *,
+    model: MambaConfig,
+    layout,
+    seq_length: int,
+    train_iters: int,
+    schedule: Union[LRSchedule, DeepSpeedSchedule],
+    engine_config: dict,
+    data: TrainingData,
+    total_params: int,
+    stage_params: Sequence[int],
+    save: Optional[str],
+    load: Optional[str],
+    save_interval: int,
+    keep_last: Optional[int],
+) -> list:
     """The lines global rank 0 prints once before the first step; stage_params: (min, max) over ranks."""
     tokens_per_step = layout.global_batch_size * seq_length
     low, high = stage_params
     per_rank = f"{low}" if low == high else f"{low}..{high}"
     autocast = engine_config.get("torch_autocast", {}).get("enabled", False)
     zero = engine_config.get("zero_optimization", {}).get("stage", 0)
-    saving = "no --save (nothing is saved)" if not save else (
-        f"--save {save} every {save_interval or train_iters} steps, keep {keep_last or 'all'}")
+    saving = (
+        "no --save (nothing is saved)"
+        if not save
+        else (f"--save {save} every {save_interval or train_iters} steps, keep {keep_last or 'all'}")
+    )
     return [
         f"run: {model.layer}, {_layers(model)}, d_model {model.d_model} | parameters {total_params} "
         f"({_count(total_params)}) total, {per_rank} per rank (this stage / TP shard)",
@@ -124,10 +145,12 @@ def optimizer_state_lines(layout, per_rank: Sequence[tuple]) -> list:
     for (params, state_bytes), ranks in groups.items():
         who = "every rank" if len(ranks) == len(per_rank) else "ranks " + _ranges(ranks)
         ranks_sharing = layout.dp * layout.cp  # ZeRO partitions over DeepSpeed's data axis, dp x cp ranks
-        lines.append(f"optimizer state, {who}: dp={layout.dp}{_cp(layout, ' cp={}')} tp={layout.tp} pp={layout.pp} "
-                     f"micro={layout.micro_batch_size} accum={layout.grad_accum} | stage parameters {params} | "
-                     f"optimizer state bytes {state_bytes} = {state_bytes * ranks_sharing / params:.3f} x stage "
-                     f"parameters / {_cp(layout, '(dp x cp)') or 'dp'}")
+        lines.append(
+            f"optimizer state, {who}: dp={layout.dp}{_cp(layout, ' cp={}')} tp={layout.tp} pp={layout.pp} "
+            f"micro={layout.micro_batch_size} accum={layout.grad_accum} | stage parameters {params} | "
+            f"optimizer state bytes {state_bytes} = {state_bytes * ranks_sharing / params:.3f} x stage "
+            f"parameters / {_cp(layout, '(dp x cp)') or 'dp'}"
+        )
     return lines
 
 

@@ -5,6 +5,7 @@ This package re-exports the tensor-parallel API. Nothing imported here touches D
 process groups live in `megamamba.parallel.groups` (the one module that may import DeepSpeed's
 topology classes).
 """
+
 from megamamba.parallel.comm_counter import CommRecord, CommTotals, comm_counter
 from megamamba.parallel.tensor.collectives import (
     copy_to_tp_region,
@@ -40,10 +41,36 @@ from megamamba.parallel.tensor.sharding import (
 from megamamba.parallel.tensor.tensor_parallel import SEQ_DIM, TensorParallel, divide
 
 __all__ = [
-    "SEQ_DIM", "ColumnParallelLinear", "CommRecord", "CommTotals", "Component", "RowParallelLinear", "Shard",
-    "TensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "assemble_full", "comm_counter",
-    "component_parameters", "copy_to_tp_region", "divide", "full_key", "full_tensors", "gather_from_sequence_region",
-    "gather_from_tp_region", "gather_full", "in_component_order", "load_full_tensors", "local_shard", "mark",
-    "parallel_linear", "reduce_from_tp_region", "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
-    "scatter_to_tp_region", "start_sequence_gather", "tp_padded_vocab_size", "vocab_parallel_cross_entropy",
+    "SEQ_DIM",
+    "ColumnParallelLinear",
+    "CommRecord",
+    "CommTotals",
+    "Component",
+    "RowParallelLinear",
+    "Shard",
+    "TensorParallel",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "assemble_full",
+    "comm_counter",
+    "component_parameters",
+    "copy_to_tp_region",
+    "divide",
+    "full_key",
+    "full_tensors",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "gather_full",
+    "in_component_order",
+    "load_full_tensors",
+    "local_shard",
+    "mark",
+    "parallel_linear",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tp_region",
+    "start_sequence_gather",
+    "tp_padded_vocab_size",
+    "vocab_parallel_cross_entropy",
 ]

@@ -3,6 +3,7 @@
 `nbytes` is the size of the full tensor of the collective (NCCL-tests' convention): the tensor
 for an all-reduce, the gathered output for an all-gather, the input for a reduce-scatter.
 """
+
 from __future__ import annotations
 
 import threading

@@ -4,6 +4,7 @@ Laid out by DeepSpeed's `PipeModelDataParallelTopology`, which the pipeline engi
 grid from too, so our layers and the engine agree on every rank's coordinates. The context axis
 lives inside DeepSpeed's data axis: docs/context-parallel.md; group creation: docs/code.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,8 @@ def init_distributed(**kwargs) -> None:
     deepspeed.init_distributed(**kwargs)
     dist.barrier()
     name = "/dev/shm/deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
-        os.getuid(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), dist.get_rank())
+        os.getuid(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), dist.get_rank()
+    )
     if os.path.exists(name):
         os.unlink(name)
 
@@ -43,16 +45,22 @@ def shutdown_distributed() -> None:
 
 
 def data_parallel_size_for(
-    world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-    data_parallel_size: int | None = None, context_parallel_size: int = 1,
+    world_size: int,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
 ) -> int:
     """The data-parallel size (replicas) of a layout, refusing impossible ones with the numbers and the rule.
 
     Given, `data_parallel_size` must make data x context x tensor x pipeline = world size; omitted, it
     is world / (context x tensor x pipeline), which must divide evenly.
     """
-    sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-             "context_parallel_size": context_parallel_size}
+    sizes = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "context_parallel_size": context_parallel_size,
+    }
     if data_parallel_size is not None:
         sizes["data_parallel_size"] = data_parallel_size
     for name, value in sizes.items():
@@ -62,22 +70,26 @@ def data_parallel_size_for(
     named = f"context ({context_parallel_size}) x tensor ({tensor_parallel_size}) x pipeline ({pipeline_parallel_size})"
     if data_parallel_size is None:
         if world_size % model:
-            raise ValueError(f"world size {world_size} is not divisible by {named} = {model}; "
-                             "data-parallel size = world / (context x tensor x pipeline)")
+            raise ValueError(
+                f"world size {world_size} is not divisible by {named} = {model}; "
+                "data-parallel size = world / (context x tensor x pipeline)"
+            )
         return world_size // model
     if data_parallel_size * model != world_size:
-        raise ValueError(f"world size {world_size} != data ({data_parallel_size}) x {named} = "
-                         f"{data_parallel_size * model}")
+        raise ValueError(
+            f"world size {world_size} != data ({data_parallel_size}) x {named} = {data_parallel_size * model}"
+        )
     return data_parallel_size
 
 
-def topology(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int,
-             context_parallel_size: int = 1):
+def topology(
+    tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, context_parallel_size: int = 1
+):
     """The rank layout shared by our groups and DeepSpeed's pipeline engine (TP rank fastest; the data
     axis holds data x context ranks)."""
     return PipeModelDataParallelTopology(
-        num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size,
-        num_dp=data_parallel_size * context_parallel_size)
+        num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size, num_dp=data_parallel_size * context_parallel_size
+    )
 
 
 class ParallelGroups:
@@ -89,19 +101,25 @@ class ParallelGroups:
     """
 
     def __init__(
-        self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-        data_parallel_size: int | None = None, context_parallel_size: int = 1,
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int | None = None,
+        context_parallel_size: int = 1,
     ):
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() "
-                               "or torch.distributed.init_process_group() before building ParallelGroups")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call deepspeed.init_distributed() "
+                "or torch.distributed.init_process_group() before building ParallelGroups"
+            )
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.context_parallel_size = context_parallel_size
         self.data_parallel_size = data_parallel_size_for(
-            self.world_size, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, context_parallel_size)
+            self.world_size, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, context_parallel_size
+        )
         self.data_axis_size = self.data_parallel_size * context_parallel_size
         self.topology = topology(tensor_parallel_size, pipeline_parallel_size, self.data_axis_size)
         coord = self.topology.get_coord(self.rank)
@@ -113,8 +131,12 @@ class ParallelGroups:
         self.context_group, self.context_ranks = None, [self.rank]  # without CP: no group to create
         if context_parallel_size > 1:
             self.context_group, self.context_ranks = self._new_groups(
-                [axis[i:i + context_parallel_size] for axis in self.topology.get_axis_comm_lists("data")
-                 for i in range(0, len(axis), context_parallel_size)])
+                [
+                    axis[i : i + context_parallel_size]
+                    for axis in self.topology.get_axis_comm_lists("data")
+                    for i in range(0, len(axis), context_parallel_size)
+                ]
+            )
 
     def _new_groups(self, rank_lists: list[list[int]]) -> tuple[dist.ProcessGroup, list[int]]:
         mine = None
@@ -137,10 +159,12 @@ class ParallelGroups:
         return DeepSpeedMPU(self)
 
     def __repr__(self) -> str:
-        return (f"ParallelGroups(rank {self.rank}/{self.world_size}: data {self.data_rank}/{self.data_parallel_size}, "
-                f"context {self.context_rank}/{self.context_parallel_size}, "
-                f"tensor {self.tensor_rank}/{self.tensor_parallel_size}, "
-                f"pipe {self.pipe_rank}/{self.pipeline_parallel_size})")
+        return (
+            f"ParallelGroups(rank {self.rank}/{self.world_size}: data {self.data_rank}/{self.data_parallel_size}, "
+            f"context {self.context_rank}/{self.context_parallel_size}, "
+            f"tensor {self.tensor_rank}/{self.tensor_parallel_size}, "
+            f"pipe {self.pipe_rank}/{self.pipeline_parallel_size})"
+        )
 
 
 class DeepSpeedMPU:
@@ -156,7 +180,8 @@ class DeepSpeedMPU:
         if groups.pipeline_parallel_size != 1:
             raise ValueError(
                 f"an mpu is for DeepSpeed's plain engine (pipeline size 1), got pipeline size "
-                f"{groups.pipeline_parallel_size}: pass mpu=None with a PipelineModule, which brings its own grid")
+                f"{groups.pipeline_parallel_size}: pass mpu=None with a PipelineModule, which brings its own grid"
+            )
         self._g = groups
 
     def get_model_parallel_rank(self) -> int:

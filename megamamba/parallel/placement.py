@@ -4,6 +4,7 @@ A node is its host name and the launcher's node rank (`CROSS_RANK`), so two laun
 machine count as two nodes. `topology` is anything with DeepSpeed's `ProcessTopology` interface,
 so this module stays free of DeepSpeed. The rule and its report: docs/multinode.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,12 @@ class RankPlace:
 def this_place(rank: int) -> RankPlace:
     """This process's place, from its host name and the launcher's environment."""
     node_rank = os.environ.get("CROSS_RANK")
-    return RankPlace(rank, socket.gethostname(), None if node_rank is None else int(node_rank),
-                     int(os.environ.get("LOCAL_RANK", "0")))
+    return RankPlace(
+        rank,
+        socket.gethostname(),
+        None if node_rank is None else int(node_rank),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
 def gather_places() -> list[RankPlace]:
@@ -49,8 +54,10 @@ def gather_places() -> list[RankPlace]:
 
 def _check_world(places: list[RankPlace], topology) -> None:
     if [p.rank for p in places] != list(range(topology.world_size())):
-        raise PlacementError(f"placement of ranks {[p.rank for p in places]} does not match the topology's "
-                             f"world size {topology.world_size()}")
+        raise PlacementError(
+            f"placement of ranks {[p.rank for p in places]} does not match the topology's "
+            f"world size {topology.world_size()}"
+        )
 
 
 def check_tensor_groups(places: list[RankPlace], topology) -> None:
@@ -68,7 +75,8 @@ def check_tensor_groups(places: list[RankPlace], topology) -> None:
                 f"must sit inside one node (it all-reduces in every layer). The launcher gives each node consecutive "
                 f"ranks, so every node needs a multiple of --tensor-parallel-size {tp} processes (ranks per node "
                 f"here: {per_node}): set slots=<multiple of {tp}> for every host in the hostfile (or --num_gpus / "
-                f"--include), or choose a tensor-parallel size that divides every node's process count")
+                f"--include), or choose a tensor-parallel size that divides every node's process count"
+            )
 
 
 def cross_node_stage_pairs(places: list[RankPlace], topology) -> list[tuple[int, int]]:
@@ -87,8 +95,17 @@ def placement_table(places: list[RankPlace], topology) -> str:
     rows = [header]
     for p in places:
         c = topology.get_coord(p.rank)
-        rows.append((p.host, "-" if p.node_rank is None else str(p.node_rank), str(p.rank), str(p.local_rank),
-                     str(c.data), str(c.model), str(c.pipe)))
+        rows.append(
+            (
+                p.host,
+                "-" if p.node_rank is None else str(p.node_rank),
+                str(p.rank),
+                str(p.local_rank),
+                str(c.data),
+                str(c.model),
+                str(c.pipe),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
@@ -98,13 +115,17 @@ def placement_report(places: list[RankPlace], topology) -> str:
     check_tensor_groups(places, topology)
     nodes = len({p.node for p in places})
     sizes = {axis: len(topology.get_axis_comm_lists(axis)[0]) for axis in ("data", "model", "pipe")}
-    lines = [f"placement: {len(places)} ranks on {nodes} node(s), dp={sizes['data']} tp={sizes['model']} "
-             f"pp={sizes['pipe']}; every tensor-parallel group inside one node",
-             placement_table(places, topology)]
+    lines = [
+        f"placement: {len(places)} ranks on {nodes} node(s), dp={sizes['data']} tp={sizes['model']} "
+        f"pp={sizes['pipe']}; every tensor-parallel group inside one node",
+        placement_table(places, topology),
+    ]
     pairs = cross_node_stage_pairs(places, topology)
     if pairs:
-        lines.append("placement: pipeline stage boundaries across nodes (expected; one activation and one gradient "
-                     "per micro-batch cross the network): " + ", ".join(f"rank {a} -> {b}" for a, b in pairs))
+        lines.append(
+            "placement: pipeline stage boundaries across nodes (expected; one activation and one gradient "
+            "per micro-batch cross the network): " + ", ".join(f"rank {a} -> {b}" for a, b in pairs)
+        )
     return "\n".join(lines)
 
 

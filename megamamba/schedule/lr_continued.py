@@ -6,6 +6,7 @@ on by B'/B of its steps: the LR keeps following the samples consumed, and a --tr
 still reaches its minimum at its last sample. Scheduler epoch e (optimizer steps applied) runs
 the plan at position p0 + (e - e0) * B'/B, where the resume restored epoch e0 at position p0.
 """
+
 from fractions import Fraction
 
 import torch

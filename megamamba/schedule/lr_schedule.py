@@ -9,6 +9,7 @@ Step s (0-based, the optimizer step about to run) gets
 The schedule is a pure function of the step, so a run restarted at step s continues it exactly.
 `DeepSpeedSchedule` is DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR, step for step.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ class DeepSpeedSchedule(_Schedule):
                 linear:   start + (peak - start) * max(0, (T - t) / max(1, T - W))   (decays to start)
                 cosine:   minimum + (peak - minimum) * (1 + cos(pi * min(1, (t - W + 1) / max(1, T - W)))) / 2
     """
+
     peak: float
     start: float
     warmup_steps: int

@@ -6,6 +6,7 @@ GPU rounds to nearest even. `install()` widens bf16 dot operands to float32 (exa
 float32 sums: the tensor-core contract, as the interpreter already does for fp8) and rounds
 downcasts to bf16 to nearest even. Checked against Triton 3.6 and 3.9.
 """
+
 import numpy as np
 import triton.language as tl
 from triton.runtime import interpreter

@@ -2,6 +2,7 @@
 holding mamba_ssm/) to run beside ours: its compiled extension stubbed, each autotuned Triton kernel
 left one configuration, and on the CPU the CUDA device context and SM count its kernels ask for.
 Where no release is loaded, `stand_in` plays its entry points with ours."""
+
 import contextlib
 import json
 import os
@@ -22,6 +23,7 @@ def names_only_module(name):
         if attr.startswith("__"):
             raise AttributeError(attr)
         return object
+
     module.__getattr__ = __getattr__  # type: ignore[method-assign]
     return module
 
@@ -62,16 +64,22 @@ def load(src: str):
     tuners = autotuners("mamba_ssm.ops.triton")
     cap_autotuning(tuners, choices)
     picked = ", ".join(f"{name} #{index}" for name, index in sorted(choices.items()) if index) or "none"
-    return types.SimpleNamespace(mamba_chunk_scan_combined=mamba_chunk_scan_combined, rmsnorm_fn=rmsnorm_fn,
-                                 rms_norm_fn=rms_norm_fn, selective_scan_ref=selective_scan_ref,
-                                 MambaLMHeadModel=MambaLMHeadModel, MambaConfig=MambaConfig), \
-        f"imported; {len(tuners)} autotuned kernels capped to one config each, the first except: {picked}" \
-        + ("" if choices else f" (no {path})")
+    return types.SimpleNamespace(
+        mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+        rmsnorm_fn=rmsnorm_fn,
+        rms_norm_fn=rms_norm_fn,
+        selective_scan_ref=selective_scan_ref,
+        MambaLMHeadModel=MambaLMHeadModel,
+        MambaConfig=MambaConfig,
+    ), f"imported; {len(tuners)} autotuned kernels capped to one config each, the first except: {picked}" + (
+        "" if choices else f" (no {path})"
+    )
 
 
 def autotuners(prefix: str) -> dict:
     """kernel name -> triton Autotuner, for the loaded modules under `prefix`."""
     from triton.runtime.autotuner import Autotuner, Heuristics
+
     found = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith(prefix) or module is None:
@@ -98,7 +106,8 @@ def cpu_stand_ins():
     saved = torch.cuda.device, torch.cuda.get_device_properties
     torch.cuda.device = lambda *args, **kwargs: contextlib.nullcontext()  # type: ignore[misc, assignment]
     torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(  # type: ignore[assignment]
-        multi_processor_count=2, name="cpu", gcnArchName="")
+        multi_processor_count=2, name="cpu", gcnArchName=""
+    )
     try:
         yield
     finally:
@@ -116,6 +125,7 @@ class StandInLMHeadModel(torch.nn.Module):
     def __init__(self, config, device=None, dtype=None):
         super().__init__()
         from megamamba import MambaConfig, MambaLM
+
         self.model = MambaLM(MambaConfig.from_dict(vars(config))).to(device=device, dtype=dtype)
 
     def forward(self, input_ids):
@@ -142,6 +152,12 @@ def stand_in():
     def rms_norm_fn(x, weight, bias, residual=None, eps=1e-6, prenorm=False, residual_in_fp32=False):
         out = add_rmsnorm(x, residual, weight, eps=eps, residual_dtype=torch.float32 if residual_in_fp32 else None)
         return out if prenorm else out[0]
-    return types.SimpleNamespace(mamba_chunk_scan_combined=ssd_chunk_scan, rmsnorm_fn=rmsnorm_fn,
-                                 rms_norm_fn=rms_norm_fn, selective_scan_ref=selective_scan,
-                                 MambaLMHeadModel=StandInLMHeadModel, MambaConfig=StandInConfig)
+
+    return types.SimpleNamespace(
+        mamba_chunk_scan_combined=ssd_chunk_scan,
+        rmsnorm_fn=rmsnorm_fn,
+        rms_norm_fn=rms_norm_fn,
+        selective_scan_ref=selective_scan,
+        MambaLMHeadModel=StandInLMHeadModel,
+        MambaConfig=StandInConfig,
+    )

@@ -1,6 +1,7 @@
 """The project's numerical rule, shared by the tests and the benchmarks: an output is held to its
 float64 reference by one relative error over the whole tensor, ||out - ref|| / ||ref||; the output
 gradients are drawn from a seed, which a failure message names; a non-finite output never passes."""
+
 import torch
 
 
@@ -43,8 +44,9 @@ def errors_against_float64(fns: dict, reference, tensors: dict, seed: int, names
             gen = torch.Generator().manual_seed(seed)
             cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
             ref_grads = torch.autograd.grad(refs, [exact[k] for k in float_names], [c.double() for c in cotangents])
-        grads = torch.autograd.grad(outs, [ins[k] for k in float_names],
-                                    [c.to(o.dtype) for c, o in zip(cotangents, outs)])
+        grads = torch.autograd.grad(
+            outs, [ins[k] for k in float_names], [c.to(o.dtype) for c, o in zip(cotangents, outs)]
+        )
         found[key] = {name: relative_error(o, r) for name, o, r in zip(names, outs, refs)}
         found[key].update({f"d{k}": relative_error(g, r) for k, g, r in zip(float_names, grads, ref_grads)})
     return found

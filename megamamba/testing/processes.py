@@ -1,6 +1,7 @@
 """A command run in its own process group, its output streamed to a log, with a hard timeout after
 which the whole group is stopped: how the GPU check runs its sections and launch/train.py, and how
 the training benchmark runs launch/train.py (a launcher's ranks must not outlive it on a GPU)."""
+
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ def _stop_group(proc, grace: float) -> None:
 def stop_children_on_sigterm(grace: float = 5.0) -> None:
     """On SIGTERM (the driver's timeout), stop the groups run_logged started, which live in their own
     sessions and would outlive this process on the GPU, then exit with 143."""
+
     def handler(signum, frame):
         for pid in list(_RUNNING):
             _signal_group(pid, signal.SIGTERM)
@@ -50,6 +52,7 @@ def stop_children_on_sigterm(grace: float = 5.0) -> None:
         for pid in list(_RUNNING):
             _signal_group(pid, signal.SIGKILL)
         os._exit(143)
+
     signal.signal(signal.SIGTERM, handler)
 
 

@@ -7,6 +7,7 @@ datasets record it), `encode(text) -> list[int]`,
 `decode(ids) -> str`, and `save(directory)`, which writes the files `load_tokenizer(directory)`
 reads back (so a model folder carries its tokenizer).
 """
+
 import json
 import os
 from typing import Protocol, Sequence

@@ -6,6 +6,7 @@ Ids 0..255 are the UTF-8 bytes and 256 the end-of-document token, named "<|endof
 and replaces invalid UTF-8 with U+FFFD as Python's errors="replace" does, and the
 end-of-document token decodes to nothing, as `Bytes.decode` drops it.
 """
+
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Library
 

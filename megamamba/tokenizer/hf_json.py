@@ -3,6 +3,7 @@
 The end-of-document token is the `eos_token` of a `tokenizer_config.json` beside the file when
 there is one, else the first of the usual end-of-text names the vocabulary holds.
 """
+
 import hashlib
 import json
 import os

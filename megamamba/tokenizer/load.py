@@ -1,12 +1,13 @@
 """`load_tokenizer(spec)`: one string names any tokenizer the project uses.
 
-    "bytes"                      the byte tokenizer (257 ids)
-    path/to/name.model           a SentencePiece model
-    path/to/tokenizer.json       a Hugging Face tokenizers file
-    path/to/folder               the tokenizer a `save` wrote there: tokenizer_config.json naming
-                                 "bytes" (a transformers export of it also holds a tokenizer.json),
-                                 else tokenizer.model, else tokenizer.json
+"bytes"                      the byte tokenizer (257 ids)
+path/to/name.model           a SentencePiece model
+path/to/tokenizer.json       a Hugging Face tokenizers file
+path/to/folder               the tokenizer a `save` wrote there: tokenizer_config.json naming
+                             "bytes" (a transformers export of it also holds a tokenizer.json),
+                             else tokenizer.model, else tokenizer.json
 """
+
 import json
 import os
 
@@ -38,8 +39,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if os.path.isdir(spec):
         found = find_tokenizer(spec)
         if found is None:
-            raise TokenizerError(f"tokenizer folder {spec!r} holds no {MODEL_FILE}, {JSON_FILE} "
-                                 f"or {CONFIG_FILE} naming {BYTES_SPEC!r}")
+            raise TokenizerError(
+                f"tokenizer folder {spec!r} holds no {MODEL_FILE}, {JSON_FILE} or {CONFIG_FILE} naming {BYTES_SPEC!r}"
+            )
         return load_tokenizer(found)
     if not os.path.isfile(spec):
         raise TokenizerError(f"tokenizer {spec!r}: no such file or folder, and not {BYTES_SPEC!r}")
@@ -47,5 +49,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return SentencePieceTokenizer(spec)
     if spec.endswith(".json"):
         return HFTokenizer(spec)
-    raise TokenizerError(f"tokenizer {spec!r}: expected {BYTES_SPEC!r}, a SentencePiece .model, "
-                         "a tokenizer.json or a folder holding one")
+    raise TokenizerError(
+        f"tokenizer {spec!r}: expected {BYTES_SPEC!r}, a SentencePiece .model, a tokenizer.json or a folder holding one"
+    )

@@ -4,6 +4,7 @@ transformers reads `tokenizer.json`, not `.model` files, so an export describes 
 normalisation, pieces, model, byte fallback and decoding in that library's terms (docs/checkpoints.md);
 `TokenizerError` names a model option that cannot be expressed.
 """
+
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, Regex, decoders, models, normalizers
 from tokenizers import Tokenizer as Library
@@ -27,15 +28,19 @@ def read_model(path: str) -> sentencepiece_model_pb2.ModelProto:
 def _refuse_inexpressible(path: str, proto) -> None:
     spec, norm = proto.trainer_spec, proto.normalizer_spec
     if spec.model_type not in (ModelType.BPE, ModelType.UNIGRAM):
-        raise TokenizerError(f"{path}: model_type={ModelType.Name(spec.model_type)}: only BPE and UNIGRAM "
-                             "SentencePiece models convert to tokenizer.json")
+        raise TokenizerError(
+            f"{path}: model_type={ModelType.Name(spec.model_type)}: only BPE and UNIGRAM "
+            "SentencePiece models convert to tokenizer.json"
+        )
     if spec.treat_whitespace_as_suffix:
         raise TokenizerError(f"{path}: treat_whitespace_as_suffix=true has no tokenizer.json equivalent")
     if proto.denormalizer_spec.precompiled_charsmap:
         raise TokenizerError(f"{path}: a denormalizer (decode-time character map) has no tokenizer.json equivalent")
     if norm.add_dummy_prefix and any(p.type == Piece.USER_DEFINED for p in proto.pieces):
-        raise TokenizerError(f"{path}: add_dummy_prefix=true with user-defined pieces: tokenizer.json prepends the "
-                             "dummy '▁' to every span between them, SentencePiece once")
+        raise TokenizerError(
+            f"{path}: add_dummy_prefix=true with user-defined pieces: tokenizer.json prepends the "
+            "dummy '▁' to every span between them, SentencePiece once"
+        )
 
 
 def _normalizer(proto):
@@ -69,8 +74,9 @@ def _model(proto):
     unk = proto.pieces[spec.unk_id].piece
     if spec.model_type == ModelType.BPE:
         vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-        return models.BPE(vocab=vocab, merges=_bpe_merges(proto), unk_token=unk, byte_fallback=spec.byte_fallback,
-                          fuse_unk=True)
+        return models.BPE(
+            vocab=vocab, merges=_bpe_merges(proto), unk_token=unk, byte_fallback=spec.byte_fallback, fuse_unk=True
+        )
     matched = (Piece.NORMAL, Piece.USER_DEFINED)
     vocab = [(p.piece, p.score if p.type in matched else NEVER_MATCHED_SCORE) for p in proto.pieces]
     return models.Unigram(vocab, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback)
@@ -101,7 +107,8 @@ def sentencepiece_as_tokenizers(path: str) -> Library:
     tok.normalizer = _normalizer(proto)
     tok.decoder = _decoder(proto)
     special = (Piece.CONTROL, Piece.UNKNOWN)
-    tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
-                            for p in proto.pieces if p.type in special])
+    tok.add_special_tokens(
+        [AddedToken(p.piece, special=True, normalized=False) for p in proto.pieces if p.type in special]
+    )
     tok.add_tokens([AddedToken(p.piece, normalized=False) for p in proto.pieces if p.type == Piece.USER_DEFINED])
     return tok

@@ -3,6 +3,7 @@
 Lossless settings (decode(encode(text)) == text), a byte-identical `.model` from the same input,
 and unigram scores on a 1/64 grid so transformers breaks ties as SentencePiece does: docs/data.md.
 """
+
 import hashlib
 import io
 import os
@@ -37,8 +38,10 @@ class SentencePieceTokenizer:
             self.identity = "sha256:" + hashlib.sha256(f.read()).hexdigest()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise TokenizerError(f"{path}: the SentencePiece model has no end-of-sentence piece (eos_id=-1); "
-                                 "it is needed as the end-of-document token")
+            raise TokenizerError(
+                f"{path}: the SentencePiece model has no end-of-sentence piece (eos_id=-1); "
+                "it is needed as the end-of-document token"
+            )
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -60,9 +63,16 @@ def _lines(documents: Iterable[str]) -> Iterable[str]:
                 yield line
 
 
-def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size: int, model_type: str = "bpe",
-                        seed: int = 0, threads: int = TRAIN_THREADS, character_coverage: float = 0.9995,
-                        max_sentences: int = 0) -> str:
+def train_sentencepiece(
+    documents: Iterable[str],
+    output_prefix: str,
+    vocab_size: int,
+    model_type: str = "bpe",
+    seed: int = 0,
+    threads: int = TRAIN_THREADS,
+    character_coverage: float = 0.9995,
+    max_sentences: int = 0,
+) -> str:
     """Train on the documents' non-blank lines; write `<output_prefix>.model` and return its path.
 
     max_sentences > 0 trains on a seeded random sample of that many lines (large corpora).
@@ -70,26 +80,43 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
     if model_type not in MODEL_TYPES:
         raise TokenizerError(f"model type {model_type!r}: choose one of {MODEL_TYPES}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
-        raise TokenizerError(f"vocab size {vocab_size!r}: must be an integer >= {MIN_VOCAB_SIZE} "
-                             "(256 byte pieces + <unk>, </s> and newline)")
+        raise TokenizerError(
+            f"vocab size {vocab_size!r}: must be an integer >= {MIN_VOCAB_SIZE} "
+            "(256 byte pieces + <unk>, </s> and newline)"
+        )
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     failures = []
 
     def sentences():  # an error of the documents (e.g. invalid UTF-8) is raised as it is, after SentencePiece
-        try:          # returns: raised inside, it becomes SentencePiece's RuntimeError with a traceback text
+        try:  # returns: raised inside, it becomes SentencePiece's RuntimeError with a traceback text
             yield from _lines(documents)
         except Exception as e:  # noqa: BLE001 - re-raised below
             failures.append(e)
 
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_writer=model,
-            vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
-            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True, user_defined_symbols=["\n"],
-            unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=threads, max_sentence_length=1 << 16,
-            input_sentence_size=max_sentences, shuffle_input_sentence=max_sentences > 0, minloglevel=2,
+            sentence_iterator=sentences(),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            byte_fallback=True,
+            user_defined_symbols=["\n"],
+            unk_id=0,
+            eos_id=1,
+            bos_id=-1,
+            pad_id=-1,
+            num_threads=threads,
+            max_sentence_length=1 << 16,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=max_sentences > 0,
+            minloglevel=2,
         )
     except RuntimeError as e:
         if failures:

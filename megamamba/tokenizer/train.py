@@ -4,6 +4,7 @@
 
 writes data/spm.model (load it with `--tokenizer data/spm.model`). Same input and options, same file.
 """
+
 import argparse
 import sys
 
@@ -19,11 +20,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-type", default="bpe", choices=MODEL_TYPES)
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=TRAIN_THREADS,
-                   help="part of the result: keep it to reproduce a model")
+    p.add_argument(
+        "--threads", type=int, default=TRAIN_THREADS, help="part of the result: keep it to reproduce a model"
+    )
     p.add_argument("--max-sentences", type=int, default=0, help="train on a seeded sample of this many lines (0: all)")
-    p.add_argument("--replace-invalid-utf8", action="store_true",
-                   help="replace invalid UTF-8 with U+FFFD, saying where, instead of refusing the input")
+    p.add_argument(
+        "--replace-invalid-utf8",
+        action="store_true",
+        help="replace invalid UTF-8 with U+FFFD, saying where, instead of refusing the input",
+    )
     return p.parse_args(argv)
 
 
@@ -31,8 +36,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         docs = (text for text, _ in iter_documents(input_files(args.input), args.json_key, args.replace_invalid_utf8))
-        path = train_sentencepiece(docs, args.output_prefix, args.vocab_size, args.model_type, seed=args.seed,
-                                   threads=args.threads, max_sentences=args.max_sentences)
+        path = train_sentencepiece(
+            docs,
+            args.output_prefix,
+            args.vocab_size,
+            args.model_type,
+            seed=args.seed,
+            threads=args.threads,
+            max_sentences=args.max_sentences,
+        )
     except (OSError, ValueError) as e:
         print(f"tokenizer.train: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

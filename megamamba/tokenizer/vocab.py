@@ -1,4 +1,5 @@
 """The tokenizer's vocabulary in the model config: set it for a new model, check it for an existing one."""
+
 import dataclasses
 
 from megamamba.config import MambaConfig

@@ -13,6 +13,7 @@ torch's fused AdamW, and step our own schedule. Each setting has one value:
     lr stays at the decay's end after it.
 Weight decay applies to our decayed parameter group (matrices), as with the flags.
 """
+
 import math
 from typing import NamedTuple, Optional
 
@@ -20,21 +21,40 @@ from megamamba.pipelines.config.layout import LayoutError
 from megamamba.pipelines.loop.engine import OptimizerSettings
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
-DEFAULTS = {"lr": 3e-4, "min_lr": 3e-5, "lr_warmup_iters": 0, "lr_decay_style": "cosine", "weight_decay": 0.1,
-            "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8}
+DEFAULTS = {
+    "lr": 3e-4,
+    "min_lr": 3e-5,
+    "lr_warmup_iters": 0,
+    "lr_decay_style": "cosine",
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_eps": 1e-8,
+}
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"}
 SCHEDULER_PARAMS = {  # DeepSpeed 0.19's keyword arguments and defaults
     "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"},
-    "WarmupDecayLR": {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
-                      "warmup_num_steps": 1000, "warmup_type": "log"},
-    "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
-                       "cos_min_ratio": 0.0001, "warmup_type": "log"},
+    "WarmupDecayLR": {
+        "total_num_steps": None,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": None,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001,
+        "warmup_type": "log",
+    },
 }
 DECAY = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
 
 class OptimizerFlags(NamedTuple):
     """The optimizer and LR-schedule flags of a run, each None when not given."""
+
     lr: Optional[float] = None
     adam_beta1: Optional[float] = None
     adam_beta2: Optional[float] = None
@@ -68,8 +88,9 @@ def _pick(flags: OptimizerFlags, name: str, json_value, json_name: str):
     if json_value is None:
         return DEFAULTS[name] if flag is None else flag
     if flag is not None and not _same(flag, json_value):
-        raise LayoutError(f"{_flag(name)} {flag} disagrees with the DeepSpeed config's {json_name}={json_value}; "
-                          "keep one")
+        raise LayoutError(
+            f"{_flag(name)} {flag} disagrees with the DeepSpeed config's {json_name}={json_value}; keep one"
+        )
     return json_value
 
 
@@ -91,24 +112,31 @@ def _optimizer_params(block: dict) -> tuple:
     """(params with lr/betas/eps/weight_decay, AdamW or L2 Adam, type) of the JSON's optimizer block."""
     kind = block.get("type")
     if str(kind).lower() not in ("adam", "adamw"):
-        raise LayoutError(f"optimizer.type={kind!r}: only Adam and AdamW are translated (to torch's fused AdamW); "
-                          "use one of them or remove the block")
+        raise LayoutError(
+            f"optimizer.type={kind!r}: only Adam and AdamW are translated (to torch's fused AdamW); "
+            "use one of them or remove the block"
+        )
     params = block.get("params") or {}
     unknown = sorted(set(params) - OPTIMIZER_PARAMS)
     if unknown:
-        raise LayoutError(f"optimizer.params {unknown}: not translated (we know {sorted(OPTIMIZER_PARAMS)}); "
-                          "remove them")
+        raise LayoutError(
+            f"optimizer.params {unknown}: not translated (we know {sorted(OPTIMIZER_PARAMS)}); remove them"
+        )
     if params.get("bias_correction", True) is not True:
-        raise LayoutError(f"optimizer.params.bias_correction={params['bias_correction']!r}: torch's AdamW always "
-                          "corrects the bias; remove the key")
+        raise LayoutError(
+            f"optimizer.params.bias_correction={params['bias_correction']!r}: torch's AdamW always "
+            "corrects the bias; remove the key"
+        )
     betas = params.get("betas")
     if betas is not None and (not isinstance(betas, (list, tuple)) or len(betas) != 2):
         raise LayoutError(f"optimizer.params.betas={betas!r}: must be two numbers")
-    values = {"lr": _number("optimizer.params.lr", params.get("lr"), 0.0),
-              "beta1": _number("optimizer.params.betas[0]", betas and betas[0], 0.0, 1.0),
-              "beta2": _number("optimizer.params.betas[1]", betas and betas[1], 0.0, 1.0),
-              "eps": _number("optimizer.params.eps", params.get("eps")),
-              "weight_decay": _number("optimizer.params.weight_decay", params.get("weight_decay"))}
+    values = {
+        "lr": _number("optimizer.params.lr", params.get("lr"), 0.0),
+        "beta1": _number("optimizer.params.betas[0]", betas and betas[0], 0.0, 1.0),
+        "beta2": _number("optimizer.params.betas[1]", betas and betas[1], 0.0, 1.0),
+        "eps": _number("optimizer.params.eps", params.get("eps")),
+        "weight_decay": _number("optimizer.params.weight_decay", params.get("weight_decay")),
+    }
     adamw = str(kind).lower() == "adamw" or params.get("adam_w_mode", True)
     return values, adamw, kind
 
@@ -118,16 +146,26 @@ def _optimizer(ds_config: dict, flags: OptimizerFlags) -> tuple:
     block = ds_config.get("optimizer")
     values, adamw, kind = _optimizer_params(block) if block is not None else ({}, True, None)
     lr = _pick(flags, "lr", values.get("lr"), "optimizer.params.lr")
-    betas = (_pick(flags, "adam_beta1", values.get("beta1"), "optimizer.params.betas[0]"),
-             _pick(flags, "adam_beta2", values.get("beta2"), "optimizer.params.betas[1]"))
+    betas = (
+        _pick(flags, "adam_beta1", values.get("beta1"), "optimizer.params.betas[0]"),
+        _pick(flags, "adam_beta2", values.get("beta2"), "optimizer.params.betas[1]"),
+    )
     eps = _pick(flags, "adam_eps", values.get("eps"), "optimizer.params.eps")
     weight_decay = _pick(flags, "weight_decay", values.get("weight_decay"), "optimizer.params.weight_decay")
     if not adamw and weight_decay != 0:
-        raise LayoutError(f'optimizer {kind} with "adam_w_mode": false adds weight_decay={weight_decay} x weights to '
-                          "the gradient (L2), which AdamW's decoupled decay does not reproduce; use AdamW or set "
-                          "weight_decay 0")
-    text = None if block is None else (f"optimizer {kind}(lr={lr:g}, betas=({betas[0]:g}, {betas[1]:g}), eps={eps:g}, "
-                                       f"weight_decay={weight_decay:g}) -> fused torch AdamW")
+        raise LayoutError(
+            f'optimizer {kind} with "adam_w_mode": false adds weight_decay={weight_decay} x weights to '
+            "the gradient (L2), which AdamW's decoupled decay does not reproduce; use AdamW or set "
+            "weight_decay 0"
+        )
+    text = (
+        None
+        if block is None
+        else (
+            f"optimizer {kind}(lr={lr:g}, betas=({betas[0]:g}, {betas[1]:g}), eps={eps:g}, "
+            f"weight_decay={weight_decay:g}) -> fused torch AdamW"
+        )
+    )
     return lr, betas, eps, weight_decay, text
 
 
@@ -135,8 +173,10 @@ def _scheduler(block: dict, lr: float, flags: OptimizerFlags) -> tuple:
     """(DeepSpeedSchedule, description) of the JSON's scheduler block, with the flags it must agree with."""
     kind = block.get("type")
     if kind not in SCHEDULER_PARAMS:
-        raise LayoutError(f"scheduler.type={kind!r}: only {', '.join(SCHEDULER_PARAMS)} are translated; use one, "
-                          "or our flags (--lr-warmup-iters, --lr-decay-style, ...) without the block")
+        raise LayoutError(
+            f"scheduler.type={kind!r}: only {', '.join(SCHEDULER_PARAMS)} are translated; use one, "
+            "or our flags (--lr-warmup-iters, --lr-decay-style, ...) without the block"
+        )
     given = dict(block.get("params") or {})
     if given.pop("last_batch_iteration", -1) != -1:
         raise LayoutError("scheduler.params.last_batch_iteration: resuming is --load's job; remove the key")
@@ -159,23 +199,41 @@ def _scheduler(block: dict, lr: float, flags: OptimizerFlags) -> tuple:
         minimum = start if kind == "WarmupDecayLR" else None
     if "warmup_max_lr" in p and p["warmup_max_lr"] is not None:
         _pick(flags, "lr", p["warmup_max_lr"], name + "warmup_max_lr")
-    for flag, value in (("min_lr", minimum), ("lr_warmup_iters", p["warmup_num_steps"]),
-                        ("lr_decay_iters", total), ("lr_decay_style", DECAY[kind])):
+    for flag, value in (
+        ("min_lr", minimum),
+        ("lr_warmup_iters", p["warmup_num_steps"]),
+        ("lr_decay_iters", total),
+        ("lr_decay_style", DECAY[kind]),
+    ):
         if getattr(flags, flag) is not None and (value is None or not _same(getattr(flags, flag), value)):
-            raise LayoutError(f"{_flag(flag)} {getattr(flags, flag)} disagrees with the DeepSpeed config's {kind} "
-                              f"({'no such setting' if value is None else value}); keep one")
+            raise LayoutError(
+                f"{_flag(flag)} {getattr(flags, flag)} disagrees with the DeepSpeed config's {kind} "
+                f"({'no such setting' if value is None else value}); keep one"
+            )
     if flags.lr_warmup_fraction is not None:
-        raise LayoutError(f"--lr-warmup-fraction {flags.lr_warmup_fraction} and the DeepSpeed config's "
-                          f"{name}warmup_num_steps both set the warm-up; keep one")
+        raise LayoutError(
+            f"--lr-warmup-fraction {flags.lr_warmup_fraction} and the DeepSpeed config's "
+            f"{name}warmup_num_steps both set the warm-up; keep one"
+        )
     try:
-        schedule = DeepSpeedSchedule(peak, start, warmup, p["warmup_type"], DECAY[kind], total or warmup,
-                                     start if minimum is None else minimum, first)
+        schedule = DeepSpeedSchedule(
+            peak,
+            start,
+            warmup,
+            p["warmup_type"],
+            DECAY[kind],
+            total or warmup,
+            start if minimum is None else minimum,
+            first,
+        )
     except ValueError as e:
         raise LayoutError(f"scheduler {kind}: {e}") from None
     shown = ", ".join(f"{k}={v}" for k, v in p.items())
-    return schedule, (f"scheduler {kind}({shown}) -> LR schedule peak {peak:g}, {p['warmup_type']} warm-up from "
-                      f"{start:g} over {warmup} steps, {DECAY[kind]} decay"
-                      + ("" if total is None else f" to {minimum:g} at step {total}"))
+    return schedule, (
+        f"scheduler {kind}({shown}) -> LR schedule peak {peak:g}, {p['warmup_type']} warm-up from "
+        f"{start:g} over {warmup} steps, {DECAY[kind]} decay"
+        + ("" if total is None else f" to {minimum:g} at step {total}")
+    )
 
 
 def _warmup_iters(flags: OptimizerFlags, decay_iters: int) -> int:
@@ -183,8 +241,10 @@ def _warmup_iters(flags: OptimizerFlags, decay_iters: int) -> int:
     if flags.lr_warmup_fraction is None:
         return DEFAULTS["lr_warmup_iters"] if flags.lr_warmup_iters is None else flags.lr_warmup_iters
     if flags.lr_warmup_iters:
-        raise LayoutError(f"--lr-warmup-iters {flags.lr_warmup_iters} and --lr-warmup-fraction "
-                          f"{flags.lr_warmup_fraction} both set the warm-up; keep one")
+        raise LayoutError(
+            f"--lr-warmup-iters {flags.lr_warmup_iters} and --lr-warmup-fraction "
+            f"{flags.lr_warmup_fraction} both set the warm-up; keep one"
+        )
     if not 0 <= flags.lr_warmup_fraction <= 1:
         raise LayoutError(f"--lr-warmup-fraction {flags.lr_warmup_fraction}: must lie in [0, 1]")
     return int(flags.lr_warmup_fraction * decay_iters)

@@ -18,6 +18,7 @@ Rules that settle how our flags and the JSON interact (docs/training.md):
     dt_bias included, to bf16: "bf16": {"enabled": true} is translated to torch_autocast bf16
     instead. "fp16" is refused (it needs loss scaling).
 """
+
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -62,9 +63,7 @@ def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict, cp: int =
     if world_size % (cp * tp * pp):
         what = "context x tensor x pipeline" if cp > 1 else "tensor x pipeline"
         sizes = f"{cp} x {tp} x {pp}" if cp > 1 else f"{tp} x {pp}"
-        raise LayoutError(
-            f"world size {world_size} is not a multiple of {what} parallel size {sizes} = {cp * tp * pp}"
-        )
+        raise LayoutError(f"world size {world_size} is not a multiple of {what} parallel size {sizes} = {cp * tp * pp}")
     dp = world_size // (cp * tp * pp)
     given = {k: _positive(k, ds_config[k]) for k in BATCH_KEYS if ds_config.get(k) is not None}
     total = given.get("train_batch_size")
@@ -102,8 +101,14 @@ def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
-def check_run(layout: Layout, ds_config: dict, model: MambaConfig, seq_length: int, sequence_parallel: bool,
-              clip_grad: Optional[float]) -> None:
+def check_run(
+    layout: Layout,
+    ds_config: dict,
+    model: MambaConfig,
+    seq_length: int,
+    sequence_parallel: bool,
+    clip_grad: Optional[float],
+) -> None:
     """Every rule between layout, DeepSpeed JSON, model and flags; raises LayoutError on the first broken one."""
     _positive("--seq-length", seq_length)
     stage = zero_stage(ds_config)

@@ -21,6 +21,7 @@ consumed-sample count the trainer records in `extra` (megamamba.checkpoint.run_r
 step. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and DeepSpeed's ZeRO-1/2
 optimizer over it; anything else is refused before training.
 """
+
 import logging
 import os
 from functools import partial
@@ -79,8 +80,10 @@ def _zero(trainer):
         return None
     if is_zero_optimizer(optimizer):
         return optimizer
-    raise CheckpointError(f"checkpoints support torch AdamW without ZeRO and DeepSpeed's ZeRO-1/2 optimizer, not "
-                          f"{type(optimizer).__name__} (ZeRO-3 or a bf16 optimizer wrapper): run without --save/--load")
+    raise CheckpointError(
+        f"checkpoints support torch AdamW without ZeRO and DeepSpeed's ZeRO-1/2 optimizer, not "
+        f"{type(optimizer).__name__} (ZeRO-3 or a bf16 optimizer wrapper): run without --save/--load"
+    )
 
 
 def check_trainer(trainer) -> None:
@@ -94,7 +97,7 @@ def _cut(param, tp) -> tuple:
     if shard is None or shard.dim is None:
         return shape, Cut.whole(shape)
     size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
-    full = shape[:shard.dim] + (sum(c.size for c in shard.components),) + shape[shard.dim + 1:]
+    full = shape[: shard.dim] + (sum(c.size for c in shard.components),) + shape[shard.dim + 1 :]
     return full, Cut(shard.dim, tuple(shard.full_rows(size, rank)), shape)
 
 
@@ -117,12 +120,18 @@ def shard_state(trainer) -> tuple:
     zero = _zero(trainer)
     first_data = trainer.dp_rank == 0 and trainer.groups.context_rank == 0
     tp_first = trainer.groups.tensor_rank == 0
-    held = [(name, p, *_cut(p, trainer.tp)) for name, p in _stage_parameters(trainer)
-            if tp_first or (getattr(p, "tp_shard", None) is not None and p.tp_shard.sharded)]
+    held = [
+        (name, p, *_cut(p, trainer.tp))
+        for name, p in _stage_parameters(trainer)
+        if tp_first or (getattr(p, "tp_shard", None) is not None and p.tp_shard.sharded)
+    ]
     if zero is not None:
         params, optimizer, step = _zero_pieces(zero, held)
-        scalars = {} if step is None else {f"{name}/step": torch.tensor(step, dtype=torch.float32)
-                                           for name, _ in _stage_parameters(trainer)}
+        scalars = (
+            {}
+            if step is None
+            else {f"{name}/step": torch.tensor(step, dtype=torch.float32) for name, _ in _stage_parameters(trainer)}
+        )
     else:
         params, optimizer, scalars = _adamw_pieces(trainer.engine.optimizer, held) if first_data else ([], [], {})
     if not (first_data and tp_first):
@@ -140,8 +149,9 @@ def _zero_pieces(zero, held: list) -> tuple:
     partition, for `held` (name, parameter, full shape, cut): the fragments this rank updates."""
     steps = {s["step"].item() for s in zero.optimizer.state.values() if "step" in s}
     if len(steps) > 1:
-        raise CheckpointError(f"ZeRO's parameter groups are at different optimizer steps {sorted(steps)}; a "
-                              "checkpoint records one")
+        raise CheckpointError(
+            f"ZeRO's parameter groups are at different optimizer steps {sorted(steps)}; a checkpoint records one"
+        )
     if steps:
         link_zero_moments(zero)
     params, optimizer = [], []
@@ -151,8 +161,10 @@ def _zero_pieces(zero, held: list) -> tuple:
             continue
         flat = fragment_range(fragment)
         params.append((name, Piece(name, shape, cut, flat), fragment_values(fragment)))
-        optimizer += [(f"{name}/{key}", Piece(f"{name}/{key}", shape, cut, flat), fragment_values(fragment, key))
-                      for key in (MOMENTS if steps else ())]
+        optimizer += [
+            (f"{name}/{key}", Piece(f"{name}/{key}", shape, cut, flat), fragment_values(fragment, key))
+            for key in (MOMENTS if steps else ())
+        ]
     return params, optimizer, next(iter(steps), None)
 
 
@@ -165,9 +177,11 @@ def _adamw_pieces(optimizer: torch.optim.Optimizer, held: list) -> tuple:
         for key, value in optimizer.state.get(p, {}).items():
             state_name = f"{name}/{key}"
             if not torch.is_tensor(value) or (value.dim() and value.shape != p.shape):
-                raise CheckpointError(f"optimizer state {state_name} is {type(value).__name__} "
-                                      f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
-                                      f"parameter {tuple(p.shape)} or 0-d tensors can be saved")
+                raise CheckpointError(
+                    f"optimizer state {state_name} is {type(value).__name__} "
+                    f"{tuple(getattr(value, 'shape', ()))}: only tensors shaped like the "
+                    f"parameter {tuple(p.shape)} or 0-d tensors can be saved"
+                )
             if value.dim() == 0:
                 scalars.setdefault(state_name, value.detach())
             else:
@@ -198,8 +212,18 @@ def _write_part(trainer, staging: str, rank: int) -> dict:
     return write_shard(staging, rank, *shard_state(trainer)) | write_rng(staging, rank, capture_rng())
 
 
-def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, extra: dict, tokenizer=None,
-         keep_last: Optional[int] = None, protect: Optional[str] = None) -> Optional[str]:
+def save(
+    trainer,
+    config: MambaConfig,
+    save_dir: str,
+    step: int,
+    *,
+    scheduler,
+    extra: dict,
+    tokenizer=None,
+    keep_last: Optional[int] = None,
+    protect: Optional[str] = None,
+) -> Optional[str]:
     """Write the checkpoint after `step` optimizer steps (collective); its path on global rank 0, else None.
 
     protect: the tag of a checkpoint that `keep_last` retention must keep (the last good one).
@@ -216,9 +240,24 @@ def save(trainer, config: MambaConfig, save_dir: str, step: int, *, scheduler, e
         errors = [value for kind, value in parts if kind == "error"]
         records = {file: entry for kind, value in parts if kind == "ok" for file, entry in value.items()}
         more = f" (and {len(errors) - 1} more ranks failed)" if len(errors) > 1 else ""
-        outcome = ("error", errors[0] + more) if errors else _outcome(lambda: finish(
-            save_dir, staging, step, config, records, scheduler=scheduler_state(scheduler), extra=extra,
-            tokenizer=tokenizer if hasattr(tokenizer, "save") else None, keep_last=keep_last, protect=protect))
+        outcome = (
+            ("error", errors[0] + more)
+            if errors
+            else _outcome(
+                lambda: finish(
+                    save_dir,
+                    staging,
+                    step,
+                    config,
+                    records,
+                    scheduler=scheduler_state(scheduler),
+                    extra=extra,
+                    tokenizer=tokenizer if hasattr(tokenizer, "save") else None,
+                    keep_last=keep_last,
+                    protect=protect,
+                )
+            )
+        )
     path = _shared(outcome)
     return path if rank == 0 else None
 
@@ -251,13 +290,18 @@ def open_for_run(load: Optional[str], save_dir: Optional[str], config: MambaConf
         try:
             answer = ("ok", ("path", resolve_load(load, save_dir)))
         except NoCheckpointError as e:
-            answer = ("ok", ("none", (logging.INFO, f"--load auto: nothing to resume ({e})"))) if load == "auto" \
+            answer = (
+                ("ok", ("none", (logging.INFO, f"--load auto: nothing to resume ({e})")))
+                if load == "auto"
                 else ("error", str(e))
+            )
         except CheckpointError as e:
             answer = ("error", str(e))
             if save_dir and os.path.realpath(load) == os.path.realpath(save_dir) and not checkpoint_tags(save_dir):
-                answer = ("ok", ("none", (logging.WARNING, f"--load {load} is the --save directory and holds no "
-                                                           "checkpoint yet")))
+                answer = (
+                    "ok",
+                    ("none", (logging.WARNING, f"--load {load} is the --save directory and holds no checkpoint yet")),
+                )
     kind, value = _shared(answer)
     if kind == "none":
         if dist.get_rank() == 0:
@@ -283,8 +327,10 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
     with torch.no_grad():
         for n, p in trainer.module.named_parameters():
             if values[n].shape != p.shape:
-                raise CheckpointError(f"{checkpoint.path}: {cuts[n][0]} gives shape {tuple(values[n].shape)} for "
-                                      f"parameter {n} of shape {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"{checkpoint.path}: {cuts[n][0]} gives shape {tuple(values[n].shape)} for "
+                    f"parameter {n} of shape {tuple(p.shape)}"
+                )
             p.copy_(values[n])
     optimizer, saved_groups = {}, None
     if load_optim:
@@ -333,14 +379,18 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")
     if steps:
-        missing = sorted(n for n, _ in trainer.module.named_parameters()
-                         if any(m not in optimizer.get(n, {}) for m in MOMENTS))
+        missing = sorted(
+            n for n, _ in trainer.module.named_parameters() if any(m not in optimizer.get(n, {}) for m in MOMENTS)
+        )
         if missing:
             raise CheckpointError(f"checkpoint optimizer state has no Adam moments for {missing[:5]}")
         for flat in zero_flat_masters(zero):
             group = next(g for g in zero.optimizer.param_groups if any(p is flat for p in g["params"]))
-            zero.optimizer.state[flat] = {"step": adam_step(next(iter(steps)), flat, group),
-                                          "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+            zero.optimizer.state[flat] = {
+                "step": adam_step(next(iter(steps)), flat, group),
+                "exp_avg": torch.zeros_like(flat),
+                "exp_avg_sq": torch.zeros_like(flat),
+            }
         link_zero_moments(zero)
     with torch.no_grad():
         for name, p in trainer.module.named_parameters():

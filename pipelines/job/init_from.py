@@ -15,6 +15,7 @@ One mechanism, two spellings: `--finetune --load X` (Megatron: --load's weights 
 `--init-from X`. With `--init-from X` and `--load`, a checkpoint that --load finds wins, so a
 requeued fine-tuning job (`--init-from X --save D --load auto`) resumes its own progress.
 """
+
 import dataclasses
 import os
 from typing import NamedTuple, Optional
@@ -43,11 +44,15 @@ def check_flags(init_from: Optional[str], finetune: bool, load: Optional[str]) -
     if finetune and not load:
         raise ValueError("--finetune takes the weights of --load, but --load is not set")
     if finetune and init_from:
-        raise ValueError(f"--finetune (the weights of --load {load}) and --init-from {init_from} both name the "
-                         "initial weights; keep --init-from (with --load auto --save D a requeue resumes)")
+        raise ValueError(
+            f"--finetune (the weights of --load {load}) and --init-from {init_from} both name the "
+            "initial weights; keep --init-from (with --load auto --save D a requeue resumes)"
+        )
     if finetune and load == "auto":
-        raise ValueError("--finetune --load auto: would restart the newest checkpoint of --save at step 0 on every "
-                         "requeue; use --init-from DIR --load auto --save D")
+        raise ValueError(
+            "--finetune --load auto: would restart the newest checkpoint of --save at step 0 on every "
+            "requeue; use --init-from DIR --load auto --save D"
+        )
     if init_from and not os.path.isdir(init_from):
         raise ValueError(f"--init-from {init_from}: no such directory")
 
@@ -73,12 +78,14 @@ def check_config(weights: FolderWeights, run: MambaConfig, flag: str) -> None:
     """CheckpointError naming every field where the folder's model config differs from the run's."""
     folder = weights.config
     if weights.hf and folder.vocab_size == run.padded_vocab_size:
-        folder = dataclasses.replace(folder, vocab_size=run.vocab_size,
-                                     pad_vocab_size_multiple=run.pad_vocab_size_multiple)
+        folder = dataclasses.replace(
+            folder, vocab_size=run.vocab_size, pad_vocab_size_multiple=run.pad_vocab_size_multiple
+        )
     diff = [d.replace(": checkpoint ", ": folder ", 1) for d in config_differences(folder, run)]
     if diff:
-        raise CheckpointError(f"{flag}: the model config of {weights.directory} differs from --model-config: "
-                              f"{'; '.join(diff)}")
+        raise CheckpointError(
+            f"{flag}: the model config of {weights.directory} differs from --model-config: {'; '.join(diff)}"
+        )
 
 
 def open_source(flag: str, path: str, run: MambaConfig) -> InitSource:
@@ -112,7 +119,7 @@ def _set_zero3_partition(param, value: torch.Tensor) -> None:
     part, start, end = zero3_partition(param)
     piece = value.reshape(-1)[start:end]
     part.data.zero_()
-    part.data[:piece.numel()].copy_(piece)
+    part.data[: piece.numel()].copy_(piece)
 
 
 @torch.no_grad()

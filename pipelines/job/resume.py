@@ -8,6 +8,7 @@ written in steps of the batch it was planned at, moves on by the samples each st
 (megamamba.schedule.lr_continued). A changed stream or LR plan is refused unless overridden. Megatron's
 --no-load-optim starts a fresh optimizer and LR schedule; --no-load-rng keeps this run's RNG.
 """
+
 from fractions import Fraction
 from typing import NamedTuple, Optional
 
@@ -42,6 +43,7 @@ class RunStart(NamedTuple):
 
 class ResumeFlags(NamedTuple):
     """The flags that say how a run continues a checkpoint (Megatron's names)."""
+
     train_samples: Optional[int]
     override_data_check: bool
     override_opt_param_scheduler: bool
@@ -60,8 +62,15 @@ def run_stream(data, tokenizer_spec: str) -> dict:
     return stream_record(data.train, data.tokenizer, tokenizer_spec, 0)
 
 
-def resumed_run(checkpoint: Checkpoint, flags: ResumeFlags, stream: dict, global_batch: int, train_iters: int, schedule,
-                ds_config: dict) -> RunStart:
+def resumed_run(
+    checkpoint: Checkpoint,
+    flags: ResumeFlags,
+    stream: dict,
+    global_batch: int,
+    train_iters: int,
+    schedule,
+    ds_config: dict,
+) -> RunStart:
     """The continuation of `checkpoint` by a run with these flags, `stream` (its run_stream) and global batch.
 
     CheckpointError (same on every rank, one message) for a refused change of stream or LR plan.
@@ -78,8 +87,9 @@ def resumed_run(checkpoint: Checkpoint, flags: ResumeFlags, stream: dict, global
         notes += changes
     if flags.no_load_rng:
         notes.append("RNG states not restored (--no-load-rng)")
-    return RunStart(point.step, point.consumed_samples, train_iters, schedule, lr_plan, plan_batch, notes,
-                   point.warning)
+    return RunStart(
+        point.step, point.consumed_samples, train_iters, schedule, lr_plan, plan_batch, notes, point.warning
+    )
 
 
 def _continued_lr(checkpoint: Checkpoint, flags: ResumeFlags, global_batch: int, schedule, ds_config: dict) -> tuple:
@@ -95,8 +105,10 @@ def _continued_lr(checkpoint: Checkpoint, flags: ResumeFlags, global_batch: int,
             raise CheckpointError(f"the LR plan at the checkpoint's global batch {plan_batch}: {e}") from None
     notes = []
     if saved:
-        notes = [f"LR plan overridden ({OVERRIDE_SCHEDULE}): {d}" for d in
-                 check_lr_plan(saved, schedule, flags.override_opt_param_scheduler, checkpoint.path)]
+        notes = [
+            f"LR plan overridden ({OVERRIDE_SCHEDULE}): {d}"
+            for d in check_lr_plan(saved, schedule, flags.override_opt_param_scheduler, checkpoint.path)
+        ]
     epoch = (checkpoint.scheduler or {}).get("last_epoch", checkpoint.step)
     position = saved_position(saved) if saved else Fraction(epoch)
     if plan_batch == global_batch and position == epoch:
@@ -107,13 +119,17 @@ def _continued_lr(checkpoint: Checkpoint, flags: ResumeFlags, global_batch: int,
 def resume_line(path: str, resumed: RunStart) -> str:
     """The one line a resume logs (global rank 0)."""
     notes = f" ({'; '.join(resumed.notes)})" if resumed.notes else ""
-    return (f"resumed from {path}: next step {resumed.step} of {resumed.train_iters}, "
-            f"next sample {resumed.consumed_samples}{notes}")
+    return (
+        f"resumed from {path}: next step {resumed.step} of {resumed.train_iters}, "
+        f"next sample {resumed.consumed_samples}{notes}"
+    )
 
 
 def records(resumed: RunStart, stream: dict, consumed_samples: int, scheduler_epoch: int) -> dict:
     """The checkpoint's `extra` records of a run with `stream` (its run_stream) after `consumed_samples`
     samples, the scheduler at `scheduler_epoch`."""
     position = plan_position(resumed.schedule, scheduler_epoch)
-    return {STREAM: {**stream, "consumed_samples": consumed_samples},
-            LR_PLAN: lr_plan_record(resumed.lr_plan, resumed.plan_batch, position)}
+    return {
+        STREAM: {**stream, "consumed_samples": consumed_samples},
+        LR_PLAN: lr_plan_record(resumed.lr_plan, resumed.plan_batch, position),
+    }

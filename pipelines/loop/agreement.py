@@ -6,6 +6,7 @@ ranks agree on (step loss, stop and non-finite flags, peak memory, validation lo
 `agree`: made on `device()` without a host copy, reduced in one collective, read back with one
 host synchronization. `to_device` moves a host batch without waiting for the device's queue.
 """
+
 from typing import Optional, Sequence, Union
 
 import torch
@@ -31,14 +32,19 @@ def to_device(t: torch.Tensor) -> torch.Tensor:
 def on_device(values: Sequence[Union[float, torch.Tensor]]) -> torch.Tensor:
     """float64 vector of `values` on `device()`: tensors are cast there, numbers are filled in (no copy)."""
     target = device()
-    return torch.stack([
-        v.detach().to(target, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-        else torch.full((), float(v), dtype=torch.float64, device=target)
-        for v in values])
+    return torch.stack(
+        [
+            v.detach().to(target, torch.float64).reshape(())
+            if isinstance(v, torch.Tensor)
+            else torch.full((), float(v), dtype=torch.float64, device=target)
+            for v in values
+        ]
+    )
 
 
-def agree(values: Sequence[Union[float, torch.Tensor]], op: str = "sum",
-          group: Optional[dist.ProcessGroup] = None) -> list:
+def agree(
+    values: Sequence[Union[float, torch.Tensor]], op: str = "sum", group: Optional[dist.ProcessGroup] = None
+) -> list:
     """`values` reduced over `group` (default: every rank) by `op` ("sum" or "max") in one all-reduce,
     returned as floats after one host synchronization."""
     if op not in _OPS:

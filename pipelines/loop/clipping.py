@@ -9,6 +9,7 @@ an engine with this one, which counts each parameter once, sums over the model-p
 (pipeline stages x TP ranks) and records the norm where `engine.get_global_grad_norm()` reads it.
 Data-parallel replicas hold identical, already averaged gradients when it runs.
 """
+
 from typing import Iterable, Optional
 
 import torch
@@ -26,8 +27,9 @@ def counted_here(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return tp_rank == 0 or is_model_parallel_parameter(param)
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
-                     model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def global_grad_norm(
+    params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
     """sqrt of the sum of squared gradients over every parameter of the model, each counted once."""
     params = [p for p in params if p.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else device())
@@ -39,8 +41,12 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
     return total.sqrt()
 
 
-def clip_(params: Iterable[torch.nn.Parameter], max_norm: float, tp_rank: int,
-          model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def clip_(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    tp_rank: int,
+    model_parallel_group: Optional[dist.ProcessGroup],
+) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / norm) on the device; returns the norm before clipping."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, tp_rank, model_parallel_group)
@@ -54,7 +60,8 @@ def install(engine, tp_rank: int, model_parallel_group: Optional[dist.ProcessGro
     """Make a ZeRO-0 engine clip (and record, as a device tensor read at log steps) the correct global norm."""
 
     def clip_and_record():
-        set_global_grad_norm(engine, clip_(engine.module.parameters(), engine.gradient_clipping(), tp_rank,
-                                           model_parallel_group))
+        set_global_grad_norm(
+            engine, clip_(engine.module.parameters(), engine.gradient_clipping(), tp_rank, model_parallel_group)
+        )
 
     replace_fp32_clipping(engine, clip_and_record)

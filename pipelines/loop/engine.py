@@ -31,6 +31,7 @@ the sequences of its data-parallel replica's micro-batches (`dp_rank` counts rep
 ranks), read alone by the data path; the loss is the whole sequences' mean, its gradient scaled
 for DeepSpeed's average over dp x C ranks (`pipelines.stages.loss.LMLoss`).
 """
+
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -90,8 +91,13 @@ class InitialState:
 
 def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
     """Fused AdamW: one kernel per step, and it skips a non-finite step on the device (`found_inf`)."""
-    return torch.optim.AdamW(param_groups(module, settings.weight_decay), lr=settings.schedule.peak,
-                             betas=settings.betas, eps=settings.eps, fused=True)
+    return torch.optim.AdamW(
+        param_groups(module, settings.weight_decay),
+        lr=settings.schedule.peak,
+        betas=settings.betas,
+        eps=settings.eps,
+        fused=True,
+    )
 
 
 class _Trainer:
@@ -114,22 +120,35 @@ class _Trainer:
 class PipelineTrainer(_Trainer):
     """Layouts with pp > 1."""
 
-    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], cp: Optional[ContextParallel],
-                 config: MambaConfig, engine_config: dict, settings: OptimizerSettings, seed: int,
-                 partition_method: str, checkpoint_interval: int, seq_length: int):
-        module = build_pipeline_module(config, groups.topology, partition_method, checkpoint_interval, tp, cp,
-                                       seq_length=seq_length)
+    def __init__(
+        self,
+        groups: ParallelGroups,
+        tp: Optional[TensorParallel],
+        cp: Optional[ContextParallel],
+        config: MambaConfig,
+        engine_config: dict,
+        settings: OptimizerSettings,
+        seed: int,
+        partition_method: str,
+        checkpoint_interval: int,
+        seq_length: int,
+    ):
+        module = build_pipeline_module(
+            config, groups.topology, partition_method, checkpoint_interval, tp, cp, seq_length=seq_length
+        )
         load_mamba_state_dict(module, InitialState(config, seed), config, tp)
         optimizer = _optimizer(module, settings)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                                                 config=engine_config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=engine_config
+        )
         self.lr_scheduler = settings.schedule.scheduler(optimizer)
         self.dp_rank = groups.data_rank
         self.module, self.config = module, config
         self.groups, self.tp, self.cp = groups, tp, cp
         if not self.engine.zero_optimization():
-            clipping.install(self.engine, self.engine.grid.get_slice_parallel_rank(),
-                             self.engine.grid.get_model_parallel_group())
+            clipping.install(
+                self.engine, self.engine.grid.get_slice_parallel_rank(), self.engine.grid.get_model_parallel_group()
+            )
 
     def mamba_name(self, name: str) -> str:
         """The mamba_ssm name of a stage parameter's full name (`megamamba.parallel.full_key`)."""
@@ -146,22 +165,35 @@ class PipelineTrainer(_Trainer):
 def _pipeline_batches(micro_batches: list):
     """(inputs, labels, seq_idx) -> DeepSpeed's (first-stage input, last-stage labels): ids or (ids, seq_idx),
     already on the device (the engine's own copies would wait for it)."""
-    return iter([(to_device(inputs) if seq_idx is None else (to_device(inputs), to_device(seq_idx)),
-                  to_device(labels)) for inputs, labels, seq_idx in micro_batches])
+    return iter(
+        [
+            (to_device(inputs) if seq_idx is None else (to_device(inputs), to_device(seq_idx)), to_device(labels))
+            for inputs, labels, seq_idx in micro_batches
+        ]
+    )
 
 
 class PlainTrainer(_Trainer):
     """Layouts with pp = 1."""
 
-    def __init__(self, groups: ParallelGroups, tp: Optional[TensorParallel], cp: Optional[ContextParallel],
-                 config: MambaConfig, engine_config: dict, settings: OptimizerSettings, seed: int,
-                 checkpoint_interval: int):
+    def __init__(
+        self,
+        groups: ParallelGroups,
+        tp: Optional[TensorParallel],
+        cp: Optional[ContextParallel],
+        config: MambaConfig,
+        engine_config: dict,
+        settings: OptimizerSettings,
+        seed: int,
+        checkpoint_interval: int,
+    ):
         torch.manual_seed(seed)
         module = PlainLM(MambaLM(config, tp=tp, cp=cp), checkpoint_interval)
         module = module.to(get_accelerator().current_device_name())
         optimizer = _optimizer(module, settings)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, mpu=groups.mpu() if tp is not None else None, config=engine_config)
+            model=module, optimizer=optimizer, mpu=groups.mpu() if tp is not None else None, config=engine_config
+        )
         self.lr_scheduler = settings.schedule.scheduler(optimizer)
         self.groups, self.tp, self.cp = groups, tp, cp
         self.dp_rank = groups.data_rank
@@ -195,9 +227,18 @@ class PlainTrainer(_Trainer):
         return torch.stack(losses).mean()
 
 
-def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, settings: OptimizerSettings,
-                  seed: int, partition_method: str, checkpoint_interval: int, sequence_parallel: bool = False, *,
-                  seq_length: int):
+def build_trainer(
+    layout: Layout,
+    config: MambaConfig,
+    engine_config: dict,
+    settings: OptimizerSettings,
+    seed: int,
+    partition_method: str,
+    checkpoint_interval: int,
+    sequence_parallel: bool = False,
+    *,
+    seq_length: int,
+):
     """The trainer of this rank (torch.distributed initialised, world size = layout.world_size) for sequences of
     `seq_length` tokens (the pipeline's "cost" partition weighs the layers at that length)."""
     unmap_freed_tensors()
@@ -205,8 +246,9 @@ def build_trainer(layout: Layout, config: MambaConfig, engine_config: dict, sett
     tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
     cp = groups.context_parallel() if layout.cp > 1 else None
     if layout.pp > 1:
-        trainer = PipelineTrainer(groups, tp, cp, config, engine_config, settings, seed, partition_method,
-                                  checkpoint_interval, seq_length)
+        trainer = PipelineTrainer(
+            groups, tp, cp, config, engine_config, settings, seed, partition_method, checkpoint_interval, seq_length
+        )
     else:
         trainer = PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)
     reuse_freed_tensors()

@@ -27,6 +27,7 @@ seconds, so a rank stuck in a collective with a vanished peer cannot hang the jo
 after the first step (first-time op builds happen before) and paused around saves (an evaluation
 counts toward the step it follows).
 """
+
 import contextlib
 import logging
 import math
@@ -56,8 +57,9 @@ def check_max_skipped_steps(max_in_a_row: int) -> None:
 
 def check_loss_spike_factor(factor: Optional[float]) -> None:
     if factor is not None and not factor > 1:
-        raise ValueError(f"--loss-spike-factor {factor}: must be > 1 (a loss above factor x the running median is a "
-                         "spike)")
+        raise ValueError(
+            f"--loss-spike-factor {factor}: must be > 1 (a loss above factor x the running median is a spike)"
+        )
 
 
 def check_step_timeout(timeout: float) -> None:
@@ -133,8 +135,10 @@ class NonFiniteGuard:
 
     def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not optimizer.defaults.get("fused"):
-            raise ValueError(f"skipping non-finite steps without ZeRO needs a fused optimizer (found_inf), got "
-                             f"{type(optimizer).__name__} with fused={optimizer.defaults.get('fused')}")
+            raise ValueError(
+                f"skipping non-finite steps without ZeRO needs a fused optimizer (found_inf), got "
+                f"{type(optimizer).__name__} with fused={optimizer.defaults.get('fused')}"
+            )
         params = [p for g in optimizer.param_groups for p in g["params"]]
 
         def flag_nonfinite():
@@ -165,14 +169,20 @@ class NonFiniteGuard:
         skipped = nonfinite or spike
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if skipped and dist.get_rank() == 0:
-            what = (f"non-finite loss or gradients (loss {outcome.loss}); step skipped" if nonfinite else
-                    f"loss spike: {outcome.loss:.4g} > {limit:.4g} (--loss-spike-factor x the running median); "
-                    "counted as skipped")
-            log.warning(f"step {step}: {what}, {self.in_a_row} in a row (limit --max-skipped-steps "
-                        f"{self.max_in_a_row})")
+            what = (
+                f"non-finite loss or gradients (loss {outcome.loss}); step skipped"
+                if nonfinite
+                else f"loss spike: {outcome.loss:.4g} > {limit:.4g} (--loss-spike-factor x the running median); "
+                "counted as skipped"
+            )
+            log.warning(
+                f"step {step}: {what}, {self.in_a_row} in a row (limit --max-skipped-steps {self.max_in_a_row})"
+            )
         if self.in_a_row >= self.max_in_a_row:
-            raise NonFiniteSteps(f"{self.in_a_row} steps in a row up to step {step} had non-finite loss or "
-                                 "gradients or a loss spike; lower the learning rate and resume")
+            raise NonFiniteSteps(
+                f"{self.in_a_row} steps in a row up to step {step} had non-finite loss or "
+                "gradients or a loss spike; lower the learning rate and resume"
+            )
         return skipped
 
 
@@ -203,6 +213,8 @@ class Watchdog:
             time.sleep(min(self.timeout / 4, 5.0))
             last = self._last
             if last is not None and not self._paused and time.monotonic() - last > self.timeout:
-                log.error(f"no training step finished in {self.timeout:g} s (--step-timeout): a peer has "
-                          "probably died; exiting")
+                log.error(
+                    f"no training step finished in {self.timeout:g} s (--step-timeout): a peer has "
+                    "probably died; exiting"
+                )
                 os._exit(1)

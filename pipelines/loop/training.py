@@ -3,6 +3,7 @@
 `launch/train.py` builds the trainer and hands it here with the run's settings; NonFiniteSteps
 (too many skipped steps in a row) ends the run with the checkpoint to restart from.
 """
+
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 class LoopSettings(NamedTuple):
     """What the loop takes from the run's flags."""
+
     seq_length: int
     log_interval: int
     eval_interval: int
@@ -64,17 +66,25 @@ def per_rank_values(values: list) -> list:
     """Every rank's `values` (small integers), in rank order, in one collective; a tuple per rank."""
     world, rank, width = dist.get_world_size(), dist.get_rank(), len(values)
     slots = [0] * (world * width)
-    slots[rank * width:(rank + 1) * width] = values
+    slots[rank * width : (rank + 1) * width] = values
     reduced = agree(slots)
-    return [tuple(int(v) for v in reduced[r * width:(r + 1) * width]) for r in range(world)]
+    return [tuple(int(v) for v in reduced[r * width : (r + 1) * width]) for r in range(world)]
 
 
 class TrainingLoop:
     """The steps of a run after start-up: each one trained, evaluated and logged when due, then saved
     when due; global rank 0 logs."""
 
-    def __init__(self, settings: LoopSettings, model: MambaConfig, layout: Layout, data, monitors: Monitors,
-                 run: StartedRun, job_start: float):
+    def __init__(
+        self,
+        settings: LoopSettings,
+        model: MambaConfig,
+        layout: Layout,
+        data,
+        monitors: Monitors,
+        run: StartedRun,
+        job_start: float,
+    ):
         self.settings, self.model, self.data, self.layout = settings, model, data, layout
         self.trainer, self.run_start, self.stream, self.rank = run.trainer, run.run_start, run.stream, dist.get_rank()
         self.first_step, self.train_iters = run.run_start.step, run.run_start.train_iters
@@ -83,14 +93,18 @@ class TrainingLoop:
         self.watchdog = Watchdog(settings.step_timeout)
         self.newest = run.resume.path if run.resume else None  # the newest checkpoint of this run
         self.last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
-        self.logger = MetricsLogger(self.rank == 0, settings.metrics_jsonl, total_steps=self.train_iters,
-                                    **monitors._asdict())
+        self.logger = MetricsLogger(
+            self.rank == 0, settings.metrics_jsonl, total_steps=self.train_iters, **monitors._asdict()
+        )
         self.tokens_per_step = layout.global_batch_size * settings.seq_length
         self.flops_per_step = training_flops_per_token(model, settings.seq_length) * self.tokens_per_step
         self.stage_params = sum(full_numel(p) for p in self.trainer.module.parameters())
         self.window = self.trainer.window(settings.seq_length)  # under CP, this rank's slice of each sequence
-        self.summary = {"records": [], "stage_parameters": self.stage_params,
-                        "parameter_dtypes": sorted({str(p.dtype) for p in self.trainer.module.parameters()})}
+        self.summary = {
+            "records": [],
+            "stage_parameters": self.stage_params,
+            "parameter_dtypes": sorted({str(p.dtype) for p in self.trainer.module.parameters()}),
+        }
         self.steps_timed, self.seconds = 0, 0.0
         self.clock = StepClock(job_start, time.perf_counter(), self.train_iters)
 
@@ -100,14 +114,18 @@ class TrainingLoop:
 
     def micro_batches(self, data, first_sample: int) -> list:
         """This rank's micro-batches of the global batch at `first_sample` of `data` (its slice under CP)."""
-        return data.micro_batches_at(first_sample, self.trainer.dp_rank, self.layout.dp,
-                                     self.layout.micro_batch_size, self.window)
+        return data.micro_batches_at(
+            first_sample, self.trainer.dp_rank, self.layout.dp, self.layout.micro_batch_size, self.window
+        )
 
     def step(self, step: int):
         """One optimizer step: its agreed outcome (loss, applied, stop) and (elapsed, eta) seconds."""
         step_start = time.perf_counter()
-        outcome = agree_step(self.trainer.train_step(self.micro_batches(self.data.train, self.first_sample(step))),
-                             self.guard.nonfinite(), self.stop.received)
+        outcome = agree_step(
+            self.trainer.train_step(self.micro_batches(self.data.train, self.first_sample(step))),
+            self.guard.nonfinite(),
+            self.stop.received,
+        )
         self.trainer.finish_step(outcome.applied)
         self.seconds += time.perf_counter() - step_start
         self.steps_timed += 1
@@ -132,8 +150,10 @@ class TrainingLoop:
     def evaluate(self) -> float:
         """The validation loss: the mean over eval_iters global batches from the start of the validation data."""
         valid, iters = self.data.valid, self.settings.eval_iters
-        return sum(self.trainer.eval_loss(self.micro_batches(valid, i * valid.global_batch_size))
-                   for i in range(iters)) / iters
+        return (
+            sum(self.trainer.eval_loss(self.micro_batches(valid, i * valid.global_batch_size)) for i in range(iters))
+            / iters
+        )
 
     def log(self, step: int, lr: float, outcome, val_loss: Optional[float], elapsed: tuple) -> None:
         """One metrics record, timed over the steps since the last one."""
@@ -164,28 +184,45 @@ class TrainingLoop:
             return
         if self.guard.in_a_row:
             if self.rank == 0:
-                log.warning(f"step {step}: no checkpoint written and none pruned while steps are being skipped "
-                            f"({self.guard.in_a_row} in a row); the newest stays {self.newest or 'none'}")
+                log.warning(
+                    f"step {step}: no checkpoint written and none pruned while steps are being skipped "
+                    f"({self.guard.in_a_row} in a row); the newest stays {self.newest or 'none'}"
+                )
             return
         save_start = time.perf_counter()
         layout = self.layout
-        extra = {"args": settings.flags, "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
-                 **records(self.run_start, self.stream, self.first_sample(step + 1),
-                           self.trainer.lr_scheduler.last_epoch)}
+        extra = {
+            "args": settings.flags,
+            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
+            **records(self.run_start, self.stream, self.first_sample(step + 1), self.trainer.lr_scheduler.last_epoch),
+        }
         with self.watchdog.paused():
-            saved = checkpointing.save(self.trainer, self.model, settings.save, step + 1,
-                                       scheduler=self.trainer.lr_scheduler, extra=extra,
-                                       tokenizer=self.data.tokenizer, keep_last=settings.keep_last,
-                                       protect=self.last_good and os.path.basename(self.last_good))
+            saved = checkpointing.save(
+                self.trainer,
+                self.model,
+                settings.save,
+                step + 1,
+                scheduler=self.trainer.lr_scheduler,
+                extra=extra,
+                tokenizer=self.data.tokenizer,
+                keep_last=settings.keep_last,
+                protect=self.last_good and os.path.basename(self.last_good),
+            )
         self.newest = os.path.join(settings.save, tag_for(step + 1))
         if self.rank == 0:
-            log.info(f"saved {saved} after step {step} ({step + 1} steps done) in "
-                     f"{time.perf_counter() - save_start:.2f} s")
+            log.info(
+                f"saved {saved} after step {step} ({step + 1} steps done) in {time.perf_counter() - save_start:.2f} s"
+            )
 
     def report_stop(self, step: int) -> None:
         if self.rank == 0:
-            where = (", no --save: nothing saved" if not self.settings.save else f", checkpoint in {self.settings.save}"
-                     if not self.guard.in_a_row else ", no checkpoint written (steps being skipped)")
+            where = (
+                ", no --save: nothing saved"
+                if not self.settings.save
+                else f", checkpoint in {self.settings.save}"
+                if not self.guard.in_a_row
+                else ", no checkpoint written (steps being skipped)"
+            )
             log.info(f"SIGTERM: stopped after step {step} ({step + 1} steps done){where}")
 
     def run(self) -> dict:

@@ -26,6 +26,7 @@ without a pipeline). With recomputation every k layers only each run's input str
 and one run is rebuilt at a time in the backward. The backward adds the gradients of the largest
 layer's activations or the logits (and the loss's float32 chunk, 128 MiB at most) for one micro-batch.
 """
+
 import math
 from dataclasses import dataclass, replace
 
@@ -191,8 +192,13 @@ def _linear_weights_per_block(shape: ActivationShape, kind: str) -> int:
         return (heads + 2 * computed) * head_dim * d + heads * head_dim * d + inside
     if isinstance(opts, Mamba1Options):
         d_inner = model.d_inner // shape.tp
-        return d * 2 * d_inner + d_inner * (model.dt_rank + 2 * opts.d_state) + model.dt_rank * d_inner + \
-            d_inner * d + inside
+        return (
+            d * 2 * d_inner
+            + d_inner * (model.dt_rank + 2 * opts.d_state)
+            + model.dt_rank * d_inner
+            + d_inner * d
+            + inside
+        )
     d_inner, nheads, bc, _ = _mamba2_widths(shape)
     return d * (2 * d_inner + 2 * bc + nheads) + d_inner * d + inside
 
@@ -220,8 +226,13 @@ def _per_layer(shape: ActivationShape, last_layer: int) -> tuple:
 
 def _layer_table(shape: ActivationShape, last_layer: int) -> tuple:
     copy = 2 if shape.autocast else 0
-    blocks = {kind: (block_bytes_per_token(shape, kind) * shape.tokens + _block_constant_bytes(shape, kind),
-                     copy * _linear_weights_per_block(shape, kind)) for kind in set(shape.model.block_kinds)}
+    blocks = {
+        kind: (
+            block_bytes_per_token(shape, kind) * shape.tokens + _block_constant_bytes(shape, kind),
+            copy * _linear_weights_per_block(shape, kind),
+        )
+        for kind in set(shape.model.block_kinds)
+    }
     kept, copies = [0], [0]  # the embedding's output is the next layer's input
     for kind in shape.model.block_kinds:
         kept.append(blocks[kind][0])

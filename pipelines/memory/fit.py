@@ -13,6 +13,7 @@ fix), the next ZeRO stage (when there are dp x cp > 1 ranks to
 shard over), the largest smaller micro batch that keeps the global batch, recomputation of every
 layer, a tenth of ZeRO's default reduce bucket.
 """
+
 from dataclasses import replace
 from typing import Optional
 
@@ -71,18 +72,25 @@ def alternatives(shape: RunShape) -> list:
     if shape.checkpoint_interval != 1:
         changes.append(("--checkpoint-activations-interval 1", shape.changed(checkpoint_interval=1)))
     if shape.zero_stage in (1, 2) and shape.contiguous_gradients and shape.reduce_bucket_size > SMALL_BUCKET:
-        changes.append((f"zero_optimization.reduce_bucket_size {SMALL_BUCKET}",
-                        shape.changed(reduce_bucket_size=SMALL_BUCKET)))
+        changes.append(
+            (f"zero_optimization.reduce_bucket_size {SMALL_BUCKET}", shape.changed(reduce_bucket_size=SMALL_BUCKET))
+        )
     return [c for c in changes if c is not None]
 
 
 def smaller_micro_batches(shape: RunShape) -> list:
     """(label, changed shape) for each smaller micro batch that keeps the global batch, largest first."""
     layout = shape.layout
-    return [(f"micro batch {m} (train_micro_batch_size_per_gpu / --micro-batch-size)",
-             shape.changed(layout=replace(layout, micro_batch_size=m,
-                                          grad_accum=layout.global_batch_size // (m * layout.dp))))
-            for m in range(layout.micro_batch_size - 1, 0, -1) if layout.global_batch_size % (m * layout.dp) == 0]
+    return [
+        (
+            f"micro batch {m} (train_micro_batch_size_per_gpu / --micro-batch-size)",
+            shape.changed(
+                layout=replace(layout, micro_batch_size=m, grad_accum=layout.global_batch_size // (m * layout.dp))
+            ),
+        )
+        for m in range(layout.micro_batch_size - 1, 0, -1)
+        if layout.global_batch_size % (m * layout.dp) == 0
+    ]
 
 
 def refusal(plan: MemoryPlan, device_bytes: int) -> Optional[str]:
@@ -101,11 +109,13 @@ def refusal(plan: MemoryPlan, device_bytes: int) -> Optional[str]:
     fits = [o for o in options if o[1] <= usable]
     said = ", ".join(f"{label} ({gib(total)} GiB)" for label, total in fits or options)
     verdict = f"fits with: {said}" if fits else f"no single change fits: {said}"
-    return (f"memory plan: a rank of pipeline stage {worst.stage} needs {gib(worst.total)} GiB (parameters "
-            f"{gib(worst.parameters)}, gradients {gib(worst.gradients)}, optimizer state {gib(worst.optimizer)}, "
-            f"DeepSpeed buffers ~{gib(worst.buffers)}, activations ~{gib(worst.activations)}) but its device has "
-            f"{gib(usable)} GiB ({gib(device_bytes)} less {gib(RESERVED)} reserved); {verdict}; "
-            f"--no-memory-check starts anyway")
+    return (
+        f"memory plan: a rank of pipeline stage {worst.stage} needs {gib(worst.total)} GiB (parameters "
+        f"{gib(worst.parameters)}, gradients {gib(worst.gradients)}, optimizer state {gib(worst.optimizer)}, "
+        f"DeepSpeed buffers ~{gib(worst.buffers)}, activations ~{gib(worst.activations)}) but its device has "
+        f"{gib(usable)} GiB ({gib(device_bytes)} less {gib(RESERVED)} reserved); {verdict}; "
+        f"--no-memory-check starts anyway"
+    )
 
 
 def check_at_start(plan: MemoryPlan, skip: bool) -> list:
@@ -118,8 +128,10 @@ def check_at_start(plan: MemoryPlan, skip: bool) -> list:
         from deepspeed.accelerator import get_accelerator
 
         host = get_accelerator().total_memory()
-        return plan_lines(plan) + [f"  device: the CPU, whose memory is the host's ({gib(host)} GiB shared by the "
-                                   "node's ranks): fit not checked"]
+        return plan_lines(plan) + [
+            f"  device: the CPU, whose memory is the host's ({gib(host)} GiB shared by the "
+            "node's ranks): fit not checked"
+        ]
     device_bytes = int(-agree([-device_bytes], op="max")[0])
     reason = refusal(plan, device_bytes)
     if reason is not None and not skip:

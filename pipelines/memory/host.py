@@ -14,6 +14,7 @@ page and unmapped again (a Mamba-2 of d_model 256 at 4 x 512 tokens, one thread:
 system time 0.4 -> 2.8 s). `reuse_freed_tensors` then sets the thresholds glibc's dynamic rule
 ends at, so the heap serves tensors below 32 MiB again.
 """
+
 import ctypes
 import ctypes.util
 

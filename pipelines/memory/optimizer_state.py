@@ -5,6 +5,7 @@ parameters it steps that are not the model's own (the float32 master partitions 
 With ZeRO-1 and float32 parameters that is (4 + 4 + 4) bytes x the stage's parameters / dp, plus
 the padding ZeRO adds to make the flat buffers divisible by dp.
 """
+
 import torch
 from torch import nn
 

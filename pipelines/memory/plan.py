@@ -21,6 +21,7 @@ the stages as the pipeline module cuts them (`pipelines.stages.partition`). Not 
 `parameter_alignment` padding (off by default) and ZeRO-3's gather buffers; the plan says ZeRO-3
 figures are the partition only.
 """
+
 import functools
 import json
 import math
@@ -49,6 +50,7 @@ GiB = 2**30
 @dataclass(frozen=True)
 class RunShape:
     """What the plan reads: the model, the layout and the settings that change what a rank holds."""
+
     model: MambaConfig
     layout: Layout
     seq_length: int  # of the sequence slice a rank holds: seq / cp under context parallelism
@@ -62,16 +64,32 @@ class RunShape:
     contiguous_gradients: bool = True
 
     @classmethod
-    def of_run(cls, model: MambaConfig, layout: Layout, engine_config: dict, seq_length: int,
-               partition_method: str, checkpoint_interval: int, sequence_parallel: bool) -> "RunShape":
+    def of_run(
+        cls,
+        model: MambaConfig,
+        layout: Layout,
+        engine_config: dict,
+        seq_length: int,
+        partition_method: str,
+        checkpoint_interval: int,
+        sequence_parallel: bool,
+    ) -> "RunShape":
         """The shape of a run from the dict handed to deepspeed.initialize (`pipelines.config.layout.engine_config`)."""
         zero = engine_config.get("zero_optimization", {})
         stage = zero_stage(engine_config)
-        return cls(model, layout, seq_length, stage, partition_method, checkpoint_interval, sequence_parallel,
-                   autocast=engine_config.get("torch_autocast", {}).get("enabled", False),
-                   reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)),
-                   overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
-                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
+        return cls(
+            model,
+            layout,
+            seq_length,
+            stage,
+            partition_method,
+            checkpoint_interval,
+            sequence_parallel,
+            autocast=engine_config.get("torch_autocast", {}).get("enabled", False),
+            reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)),
+            overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+            contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        )
 
     def changed(self, **changes) -> "RunShape":
         return replace(self, **changes)
@@ -80,6 +98,7 @@ class RunShape:
 @dataclass(frozen=True)
 class StageMemory:
     """Bytes one rank of pipeline stage `stage` holds."""
+
     stage: int
     parameters: int
     gradients: int
@@ -106,8 +125,11 @@ class MemoryPlan:
 
 def _fake_tp(tp_size: int, sequence_parallel: bool) -> Optional[TensorParallel]:
     """Rank 0 of a TP group of `tp_size`, for building shards on the meta device (no collective runs)."""
-    return TensorParallel(group=object(), size=tp_size, rank=0, sequence_parallel=sequence_parallel) \
-        if tp_size > 1 else None
+    return (
+        TensorParallel(group=object(), size=tp_size, rank=0, sequence_parallel=sequence_parallel)
+        if tp_size > 1
+        else None
+    )
 
 
 def _groups(module: torch.nn.Module) -> tuple:
@@ -135,8 +157,9 @@ def _layer_parameters(config_json: str, tp_size: int, sequence_parallel: bool) -
     return tuple(counts[kind] for kind in kinds)
 
 
-def stage_bounds(model: MambaConfig, pp: int, partition_method: str, counts: list, tp_size: int,
-                 seq_length: int) -> list:
+def stage_bounds(
+    model: MambaConfig, pp: int, partition_method: str, counts: list, tp_size: int, seq_length: int
+) -> list:
     """The first layer of each stage and the end, as the pipeline module partitions the layers (sequences of
     `seq_length` tokens, the whole sequence under context parallelism)."""
     own = own_bounds(model, pp, partition_method, seq_length)
@@ -191,8 +214,7 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
     """Every stage's memory for `shape` (host arithmetic and meta-device modules only)."""
     model, layout = shape.model, shape.layout
     counts = layer_parameters(model, layout.tp, shape.sequence_parallel)
-    bounds = stage_bounds(model, layout.pp, shape.partition_method, counts, layout.tp,
-                          shape.seq_length * layout.cp)
+    bounds = stage_bounds(model, layout.pp, shape.partition_method, counts, layout.tp, shape.seq_length * layout.cp)
     last_layer = len(counts) - 1
     stages = []
     for stage in range(layout.pp):
@@ -203,14 +225,23 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
             held = layers[:-1]  # one module holds the tied embedding and head
         groups = [sum(counts[i][g] for i in held) for g in (0, 1)]
         parameters, gradients, optimizer = _stage_state(groups, shape)
-        activations = stage_activation_bytes(ActivationShape(
-            model=model, micro_batch_size=layout.micro_batch_size, seq_length=shape.seq_length, tp=layout.tp,
-            sequence_parallel=shape.sequence_parallel, autocast=shape.autocast,
-            checkpoint_interval=shape.checkpoint_interval,
-            in_flight=in_flight(layout, stage), cp=layout.cp),
-            first_layer=start, stop_layer=stop, last_layer=last_layer)
-        stages.append(StageMemory(stage, parameters, gradients, optimizer, _buffers(sum(groups), shape),
-                                  activations))
+        activations = stage_activation_bytes(
+            ActivationShape(
+                model=model,
+                micro_batch_size=layout.micro_batch_size,
+                seq_length=shape.seq_length,
+                tp=layout.tp,
+                sequence_parallel=shape.sequence_parallel,
+                autocast=shape.autocast,
+                checkpoint_interval=shape.checkpoint_interval,
+                in_flight=in_flight(layout, stage),
+                cp=layout.cp,
+            ),
+            first_layer=start,
+            stop_layer=stop,
+            last_layer=last_layer,
+        )
+        stages.append(StageMemory(stage, parameters, gradients, optimizer, _buffers(sum(groups), shape), activations))
     return MemoryPlan(shape, tuple(stages), tuple(int(b) for b in bounds))
 
 
@@ -227,9 +258,11 @@ def plan_lines(plan: MemoryPlan) -> list:
     stages = ""
     if layout.pp > 1:
         costs = stage_costs(shape.model, list(plan.bounds), shape.seq_length * layout.cp)
-        stages = " | stages (layers: GiB) " + ", ".join(
-            f"{a}-{b - 1}: {gib(s.total)}" for s, a, b in zip(plan.stages, plan.bounds, plan.bounds[1:])) + \
-            f"; the costliest stage does {imbalance(costs):.2f} x the mean stage's forward FLOPs"
+        stages = (
+            " | stages (layers: GiB) "
+            + ", ".join(f"{a}-{b - 1}: {gib(s.total)}" for s, a, b in zip(plan.stages, plan.bounds, plan.bounds[1:]))
+            + f"; the costliest stage does {imbalance(costs):.2f} x the mean stage's forward FLOPs"
+        )
     return [
         f"memory plan, GiB per rank of stage {worst.stage} (the largest): parameters {gib(worst.parameters)}, "
         f"gradients {gib(worst.gradients)}, optimizer state {gib(worst.optimizer)} ({zero}, dp {layout.dp}"

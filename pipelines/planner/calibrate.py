@@ -12,6 +12,7 @@ Collectives are timed on `ranks` spawned processes (gloo on the CPU, NCCL on GPU
 fitted as alpha + bytes / bandwidth per ring step; one machine measures one tier, so both tiers get it
 (the profile says so).
 """
+
 import dataclasses
 import datetime
 import functools
@@ -37,8 +38,9 @@ from megamamba.pipelines.planner.timing import on_ranks, seconds
 SIZES = 4  # kernels are timed at the batch asked and SIZES times it
 
 
-def _forward_backward(fn: Callable[..., torch.Tensor], inputs: list, device: torch.device, parameters=(),
-                      autocast: bool = False) -> tuple:
+def _forward_backward(
+    fn: Callable[..., torch.Tensor], inputs: list, device: torch.device, parameters=(), autocast: bool = False
+) -> tuple:
     """(forward seconds, backward seconds) of fn(*inputs) (under bf16 autocast when asked) with every float
     input and `parameters` requiring a gradient; the backward is timed on its own, through one retained graph,
     not as a difference of two noisy medians."""
@@ -68,38 +70,67 @@ def launch_time(device: torch.device) -> float:
 
 def _kernel_inputs(model: MambaConfig, batch: int, seqlen: int, device, dtype) -> dict:
     """kind -> (op, inputs) at one layer's shapes, for the kinds this model has."""
+
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=dtype) * 0.5
 
     d, t = model.d_model, batch * seqlen
-    ops = {"norm": (lambda x, w: kernels.rmsnorm_gated(x, w, eps=1e-5), [rand(batch, seqlen, d), rand(d)]),
-           "matmul": (F.linear, [rand(batch, seqlen, d), rand(4 * d, d)]),
-           "elementwise": (lambda y, g: y * F.silu(g), [rand(t, 4 * d), rand(t, 4 * d)])}
+    ops = {
+        "norm": (lambda x, w: kernels.rmsnorm_gated(x, w, eps=1e-5), [rand(batch, seqlen, d), rand(d)]),
+        "matmul": (F.linear, [rand(batch, seqlen, d), rand(4 * d, d)]),
+        "elementwise": (lambda y, g: y * F.silu(g), [rand(t, 4 * d), rand(t, 4 * d)]),
+    }
     kinds = set(model.block_kinds)
     if "mamba" in kinds and model.layer == "Mamba2":  # with the float32 product context parallelism adds
-        ops["matmul_fp32"] = (torch.matmul, [torch.randn(t, model.mixer_options.d_state, device=device),
-                                             torch.randn(model.mixer_options.d_state, model.d_inner, device=device)])
+        ops["matmul_fp32"] = (
+            torch.matmul,
+            [
+                torch.randn(t, model.mixer_options.d_state, device=device),
+                torch.randn(model.mixer_options.d_state, model.d_inner, device=device),
+            ],
+        )
         mixer = model.mixer_options
         h, p, g, n = model.nheads, mixer.headdim, mixer.ngroups, mixer.d_state
         conv = model.d_inner + 2 * g * n
-        ops["conv"] = (lambda x, w, b: kernels.causal_conv1d(x, w, b, activation="silu"),
-                       [rand(batch, conv, seqlen), rand(conv, mixer.d_conv), rand(conv)])
-        ops["ssd"] = (lambda x, dt, a, bb, c: kernels.ssd_chunk_scan(x, dt, -torch.exp(a), bb, c, mixer.chunk_size,
-                                                                     dt_softplus=True),
-                      [rand(batch, seqlen, h, p), rand(batch, seqlen, h), rand(h), rand(batch, seqlen, g, n),
-                       rand(batch, seqlen, g, n)])
+        ops["conv"] = (
+            lambda x, w, b: kernels.causal_conv1d(x, w, b, activation="silu"),
+            [rand(batch, conv, seqlen), rand(conv, mixer.d_conv), rand(conv)],
+        )
+        ops["ssd"] = (
+            lambda x, dt, a, bb, c: kernels.ssd_chunk_scan(
+                x, dt, -torch.exp(a), bb, c, mixer.chunk_size, dt_softplus=True
+            ),
+            [
+                rand(batch, seqlen, h, p),
+                rand(batch, seqlen, h),
+                rand(h),
+                rand(batch, seqlen, g, n),
+                rand(batch, seqlen, g, n),
+            ],
+        )
     if "mamba" in kinds and model.layer == "Mamba1":
         di, n = model.d_inner, model.mixer_options.d_state
-        ops["scan"] = (lambda u, delta, a, bb, c: kernels.selective_scan(u, delta, -torch.exp(a), bb, c,
-                                                                         delta_softplus=True),
-                       [rand(batch, di, seqlen), rand(batch, di, seqlen), rand(di, n), rand(batch, 1, n, seqlen),
-                        rand(batch, 1, n, seqlen)])
+        ops["scan"] = (
+            lambda u, delta, a, bb, c: kernels.selective_scan(u, delta, -torch.exp(a), bb, c, delta_softplus=True),
+            [
+                rand(batch, di, seqlen),
+                rand(batch, di, seqlen),
+                rand(di, n),
+                rand(batch, 1, n, seqlen),
+                rand(batch, 1, n, seqlen),
+            ],
+        )
     if "attention" in kinds:
         attention = model.attention_options
         hd = model.head_dim_of(attention)
-        ops["attention"] = (lambda q, k, v: causal_attention(q, k, v, attention.softmax_scale),
-                            [rand(batch, seqlen, attention.num_heads, hd), rand(batch, seqlen, attention.kv_heads, hd),
-                             rand(batch, seqlen, attention.kv_heads, hd)])
+        ops["attention"] = (
+            lambda q, k, v: causal_attention(q, k, v, attention.softmax_scale),
+            [
+                rand(batch, seqlen, attention.num_heads, hd),
+                rand(batch, seqlen, attention.kv_heads, hd),
+                rand(batch, seqlen, attention.kv_heads, hd),
+            ],
+        )
     return ops
 
 
@@ -128,8 +159,11 @@ def _layer_inputs(model: MambaConfig, kind: str, batch: int, seqlen: int, device
     (the stream; token ids for the embedding), or the loss on the head's logits."""
     ids = torch.randint(0, model.vocab_size, (batch, seqlen), device=device)
     if kind == "loss":
-        return (lambda logits: lm_loss(logits, ids, model.vocab_size),
-                [torch.randn(batch, seqlen, model.padded_vocab_size, device=device)], [])
+        return (
+            lambda logits: lm_loss(logits, ids, model.vocab_size),
+            [torch.randn(batch, seqlen, model.padded_vocab_size, device=device)],
+            [],
+        )
     layer = build_layer(model, layer_kinds(model).index(kind), seed=0, device=device)
     stream = [ids] if kind == "embedding" else [torch.randn(batch, seqlen, model.d_model, device=device)]
     return layer, stream, list(layer.parameters())
@@ -154,8 +188,9 @@ def layer_fits(model: MambaConfig, batch: int, seqlen: int, device: torch.device
         for b in (batch, SIZES * batch):
             fn, inputs, parameters = _layer_inputs(model, kind, b, seqlen, device)
             shape = RankShape(model, b, seqlen, act=2 if cuda else 4)
-            predicted = kernel_seconds_of(loss_work(shape) if kind == "loss" else layer_work(shape, kind),
-                                          kernel_profile)
+            predicted = kernel_seconds_of(
+                loss_work(shape) if kind == "loss" else layer_work(shape, kind), kernel_profile
+            )
             points.append((predicted, _forward_backward(fn, inputs, device, parameters, autocast=cuda)))
         (pf1, pb1), (mf1, mb1) = points[0]
         (pf2, pb2), (mf2, mb2) = points[1]
@@ -172,8 +207,9 @@ def fit_kernel(small: tuple, large: tuple) -> tuple:
     return efficiency, max(0.0, t1 - r1 / efficiency)
 
 
-def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device, links: dict,
-              links_from: str, two_ranks: bool) -> Profile:
+def calibrate(
+    model: MambaConfig, seqlen: int, batch: int, device: torch.device, links: dict, links_from: str, two_ranks: bool
+) -> Profile:
     """This machine's profile at `model`'s shapes; `links` (from `measure_links`, or another profile's when
     this machine has one GPU) and where they come from, `links_from`, measured separately; the TP and CP
     collectives' cost per call when the machine can run `two_ranks`."""
@@ -185,18 +221,32 @@ def calibrate(model: MambaConfig, seqlen: int, batch: int, device: torch.device,
     for kind, (op, inputs) in _kernel_inputs(model, batch, seqlen, device, dtype).items():
         forward, backward = _forward_backward(op, inputs, device)
         large = seconds(functools.partial(op, *larger[kind][1]), device)
-        efficiency, fixed = fit_kernel((_roofline(kind, model, batch, seqlen, act, matmul, copy), forward),
-                                       (_roofline(kind, model, SIZES * batch, seqlen, act, matmul, copy), large))
+        efficiency, fixed = fit_kernel(
+            (_roofline(kind, model, batch, seqlen, act, matmul, copy), forward),
+            (_roofline(kind, model, SIZES * batch, seqlen, act, matmul, copy), large),
+        )
         measured[kind] = Kernel(efficiency, backward / forward, fixed)
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
     when = datetime.date.today().isoformat()
     threads = torch.get_num_threads()
-    profile = Profile(name, f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU "
-                            f"threads), at {model.d_model}-wide layers, batch {batch} x seq {seqlen}; links: "
-                            f"{links_from}", int(memory), matmul, copy, launch, measured, links,
-                      overlap=device.type == "cuda")
+    profile = Profile(
+        name,
+        f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU "
+        f"threads), at {model.d_model}-wide layers, batch {batch} x seq {seqlen}; links: "
+        f"{links_from}",
+        int(memory),
+        matmul,
+        copy,
+        launch,
+        measured,
+        links,
+        overlap=device.type == "cuda",
+    )
     profile = dataclasses.replace(profile, layers=layer_fits(model, batch, seqlen, device, profile))
     profile = one_rank_costs(model, batch, seqlen, profile)
     return two_rank_costs(model, batch, seqlen, profile) if two_ranks else profile
@@ -221,8 +271,9 @@ def _time_all_reduces(rank: int, world: int, port: int, results) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     samples = []
     for nbytes in COLLECTIVE_BYTES:

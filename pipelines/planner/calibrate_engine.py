@@ -12,6 +12,7 @@ micro-batch; S less the optimizer's pass the engine's cost per step. Given two r
 (ZeRO 0) gives the shared node's scale, and at TP 2 with sequence parallelism and at CP 2 what M has
 beyond the prediction is shared among the group's collectives of a micro-batch: their cost per call.
 """
+
 import dataclasses
 import functools
 import os
@@ -32,8 +33,9 @@ ONE_RANK = [(1, 1, zero, 1) for zero in (0, 1, 2)] + [(1, 1, 0, SIZES)]  # (tp, 
 TWO_RANKS = [(1, 2, 0, 1), (1, 1, 0, 1), (2, 1, 0, 1)]
 
 
-def _step_seconds(rank: int, world: int, port: int, model: MambaConfig, batch: int, seqlen: int, layouts: list,
-                  results) -> None:
+def _step_seconds(
+    rank: int, world: int, port: int, model: MambaConfig, batch: int, seqlen: int, layouts: list, results
+) -> None:
     """A spawned rank: the median step seconds of each (tp, cp, ZeRO stage, batch multiple) of `layouts` with 1
     and SIZES micro-batches (1 only for a multiple above 1); rank 0 reports them."""
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
@@ -41,8 +43,9 @@ def _step_seconds(rank: int, world: int, port: int, model: MambaConfig, batch: i
     from megamamba.pipelines.stages.partition import DEFAULT_PARTITION
     from megamamba.schedule.lr_schedule import LRSchedule
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
@@ -56,8 +59,17 @@ def _step_seconds(rank: int, world: int, port: int, model: MambaConfig, batch: i
         for micro_batches in (1, SIZES) if multiple == 1 else (1,):
             layout = Layout(world, world // (tp * cp), tp, 1, micro, micro_batches, cp)
             ds = {"zero_optimization": {"stage": zero}, "bf16": {"enabled": cuda}, "steps_per_print": 10**9}
-            trainer = build_trainer(layout, model, engine_config(ds, layout, None, tp > 1), settings, 0,
-                                    DEFAULT_PARTITION, 0, tp > 1, seq_length=seqlen)
+            trainer = build_trainer(
+                layout,
+                model,
+                engine_config(ds, layout, None, tp > 1),
+                settings,
+                0,
+                DEFAULT_PARTITION,
+                0,
+                tp > 1,
+                seq_length=seqlen,
+            )
             step = functools.partial(trainer.train_step, [(ids, ids, None)] * micro_batches)
             samples[tp, cp, zero, multiple, micro_batches] = seconds(step, device)
     if rank == 0:
@@ -75,13 +87,16 @@ def _micro_batch_work(model: MambaConfig, batch: int, seqlen: int, tp: int, cp: 
     return [(kind, layer_work(shape, kind)) for kind in layer_kinds(model)] + [("loss", loss_work(shape))]
 
 
-def predicted_micro_batch(model: MambaConfig, batch: int, seqlen: int, profile: Profile, tp: int = 1,
-                          cp: int = 1, dp: int = 1) -> float:
+def predicted_micro_batch(
+    model: MambaConfig, batch: int, seqlen: int, profile: Profile, tp: int = 1, cp: int = 1, dp: int = 1
+) -> float:
     """A micro-batch's layers and loss, forward and backward with their collectives, as the planner predicts
     (on one node of dp x cp x tp ranks)."""
     grid = Grid(dp, cp, tp, 1, dp * tp * cp)
-    return sum(layer_time(kind, work, grid, profile, False).total
-               for kind, work in _micro_batch_work(model, batch, seqlen, tp, cp))
+    return sum(
+        layer_time(kind, work, grid, profile, False).total
+        for kind, work in _micro_batch_work(model, batch, seqlen, tp, cp)
+    )
 
 
 def parameter_count(model: MambaConfig) -> int:
@@ -100,8 +115,12 @@ def one_rank_costs(model: MambaConfig, batch: int, seqlen: int, profile: Profile
     grows = samples[1, 1, 0, SIZES, 1] - step[0] - _per_micro_batch(samples, 1, 1, 0)
     scale = grows / (large - small) if grows > 0 and large > small else 1.0
     optimizer = optimizer_seconds(parameter_count(model), profile)
-    engine = {str(zero): EngineCost(max(0.0, _per_micro_batch(samples, 1, 1, zero) - scale * small),
-                                    max(0.0, step[zero] - optimizer)) for zero in (0, 1, 2)}
+    engine = {
+        str(zero): EngineCost(
+            max(0.0, _per_micro_batch(samples, 1, 1, zero) - scale * small), max(0.0, step[zero] - optimizer)
+        )
+        for zero in (0, 1, 2)
+    }
     return dataclasses.replace(profile, model_scale=scale, engine=engine)
 
 
@@ -118,8 +137,9 @@ def two_rank_costs(model: MambaConfig, batch: int, seqlen: int, profile: Profile
         if tp == cp == 1:
             continue
         group = "tp" if tp > 1 else "cp"
-        count = sum(c.group == group for _, work in _micro_batch_work(model, batch, seqlen, tp, cp)
-                    for c in work.collectives)
+        count = sum(
+            c.group == group for _, work in _micro_batch_work(model, batch, seqlen, tp, cp) for c in work.collectives
+        )
         predicted = predicted_micro_batch(model, batch, seqlen, profile, tp, cp) + micro
         calls[group] = max(0.0, _per_micro_batch(samples, tp, cp, zero) - predicted) / count if count else 0.0
     return dataclasses.replace(profile, collective_call_s=calls)

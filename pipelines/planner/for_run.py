@@ -2,6 +2,7 @@
 device memory. What the user set (flags, the DeepSpeed JSON's micro batch and ZeRO stage) stays fixed; the
 planner fills in the rest. Every rank computes the same choice from the same inputs, without a collective.
 """
+
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -28,8 +29,10 @@ def default_profile(profiles: str, device_name: Optional[str]) -> str:
     for key, file in PUBLISHED.items():
         if key in device_name:
             return os.path.join(profiles, file)
-    raise PlanError(f"--auto-parallel has no profile for {device_name!r}: measure one with `python launch/plan.py "
-                    f"--calibrate --out P` and pass --plan-profile P")
+    raise PlanError(
+        f"--auto-parallel has no profile for {device_name!r}: measure one with `python launch/plan.py "
+        f"--calibrate --out P` and pass --plan-profile P"
+    )
 
 
 def fixed_settings(given: dict, ds_config: dict) -> dict:
@@ -43,27 +46,49 @@ def fixed_settings(given: dict, ds_config: dict) -> dict:
     return fixed
 
 
-def choose(model: MambaConfig, ds_config: dict, given: dict, world: int, gpus_per_node: int, device_memory: int,
-           seq_length: int, profile: Profile) -> AutoChoice:
+def choose(
+    model: MambaConfig,
+    ds_config: dict,
+    given: dict,
+    world: int,
+    gpus_per_node: int,
+    device_memory: int,
+    seq_length: int,
+    profile: Profile,
+) -> AutoChoice:
     """The fastest plan for this run, and the next one."""
     batch = ds_config.get("train_batch_size")
     if batch is None:
-        raise PlanError("--auto-parallel needs the global batch: set train_batch_size in the DeepSpeed config or "
-                        "--global-batch-size")
+        raise PlanError(
+            "--auto-parallel needs the global batch: set train_batch_size in the DeepSpeed config or "
+            "--global-batch-size"
+        )
     if ds_config.get("gradient_accumulation_steps") is not None:
-        raise PlanError("--auto-parallel chooses the accumulation steps from the global batch and the micro batch: "
-                        "remove gradient_accumulation_steps from the DeepSpeed config")
+        raise PlanError(
+            "--auto-parallel chooses the accumulation steps from the global batch and the micro batch: "
+            "remove gradient_accumulation_steps from the DeepSpeed config"
+        )
     autocast = bool(ds_config.get("bf16", {}).get("enabled") or ds_config.get("torch_autocast", {}).get("enabled"))
-    request = Request(model, world, min(gpus_per_node, world), seq_length, batch, device_memory, autocast,
-                      fixed_settings(given, ds_config))
+    request = Request(
+        model,
+        world,
+        min(gpus_per_node, world),
+        seq_length,
+        batch,
+        device_memory,
+        autocast,
+        fixed_settings(given, ds_config),
+    )
     plans = search(request, profile).plans
     return AutoChoice(plans[0], plans[1] if len(plans) > 1 else None, profile)
 
 
 def describe(plan: Plan) -> str:
-    return (f"dp {plan.dp} x cp {plan.cp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero_stage}, micro batch "
-            f"{plan.micro_batch_size} x {plan.grad_accum} accumulation, recompute {'on' if plan.recompute else 'off'}"
-            f" (predicted {plan.time.total:.3g} s a step, {plan.memory.total / 2**30:.2f} GiB per rank)")
+    return (
+        f"dp {plan.dp} x cp {plan.cp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero_stage}, micro batch "
+        f"{plan.micro_batch_size} x {plan.grad_accum} accumulation, recompute {'on' if plan.recompute else 'off'}"
+        f" (predicted {plan.time.total:.3g} s a step, {plan.memory.total / 2**30:.2f} GiB per rank)"
+    )
 
 
 def choice_lines(choice: AutoChoice) -> list:

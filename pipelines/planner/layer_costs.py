@@ -9,6 +9,7 @@ float32 stream at 4. Collectives are those our layers issue (docs/code.md, docs/
 the `nbytes` `megamamba.parallel.comm_counter` counts; tests/pipelines/planner/test_planner_collectives.py checks them
 against the counter. The worst rank's: a context-parallel halo is both sent and received.
 """
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,6 +50,7 @@ class LayerWork:
 @dataclass(frozen=True)
 class RankShape:
     """What a rank holds of a micro-batch: the model, tokens per sequence slice, the TP and CP sizes."""
+
     model: MambaConfig
     micro_batch_size: int
     seq_length: int
@@ -97,8 +99,9 @@ def _stream_in(shape: RankShape, projection: Kernel) -> tuple:
     if shape.tp == 1:
         return ()
     nbytes = shape.tokens * shape.model.d_model * shape.act
-    backward = Collective("reduce_scatter" if shape.sequence_parallel else "all_reduce", nbytes, "tp", True,
-                          projection, 1.0)
+    backward = Collective(
+        "reduce_scatter" if shape.sequence_parallel else "all_reduce", nbytes, "tp", True, projection, 1.0
+    )
     if not shape.sequence_parallel:
         return (backward,)
     return Collective("all_gather", nbytes, "tp", False, projection, 1 / shape.tp), backward
@@ -155,8 +158,11 @@ def mamba2_work(shape: RankShape) -> LayerWork:
     collectives += _stream_out(shape, o.ngroups if spanning else 1, o.bias)
     if spanning:  # beside the products, each group's mean square in float32
         mean_square = t * o.ngroups * STREAM
-        collectives += _pair("reduce_scatter", "all_gather", mean_square, "tp") if shape.sequence_parallel else \
-            _pair("all_reduce", "", mean_square, "tp")
+        collectives += (
+            _pair("reduce_scatter", "all_gather", mean_square, "tp")
+            if shape.sequence_parallel
+            else _pair("all_reduce", "", mean_square, "tp")
+        )
     if not split:  # B/C's in_proj rows and conv channels, replicated
         rows = 2 * o.ngroups * n
         collectives += _replicated_gradients(shape, rows * d, rows * o.bias, rows * o.d_conv, rows * o.conv_bias)
@@ -204,8 +210,10 @@ def attention_work(shape: RankShape) -> LayerWork:
     if o.rotary_emb_dim:
         kernels.append(Kernel("elementwise", 0, 2 * a * t * (heads + kv) * o.rotary_emb_dim))
     keys = t * shape.cp  # the whole sequence's keys under context parallelism
-    kernels += [Kernel("attention", 4 * hd * heads * pairs, a * hd * (2 * t * heads + 2 * keys * kv)),
-                _matmul(shape, heads * hd, d)]
+    kernels += [
+        Kernel("attention", 4 * hd * heads * pairs, a * hd * (2 * t * heads + 2 * keys * kv)),
+        _matmul(shape, heads * hd, d),
+    ]
     collectives = _tp_reductions(shape, kernels[1], o.out_proj_bias)
     if not split:  # the key/value rows of in_proj, replicated
         rows = 2 * o.kv_heads * hd
@@ -219,8 +227,12 @@ def mlp_kernels(shape: RankShape) -> tuple:
     model, t, a = shape.model, shape.tokens, shape.act
     width = model.mlp_width // shape.tp
     gated = model.mlp_activation == "gated_silu"
-    return (_norm(shape), _matmul(shape, model.d_model, (2 if gated else 1) * width),
-            Kernel("elementwise", 0, (3 if gated else 2) * a * t * width), _matmul(shape, width, model.d_model))
+    return (
+        _norm(shape),
+        _matmul(shape, model.d_model, (2 if gated else 1) * width),
+        Kernel("elementwise", 0, (3 if gated else 2) * a * t * width),
+        _matmul(shape, width, model.d_model),
+    )
 
 
 def block_work(shape: RankShape, kind: str) -> LayerWork:
@@ -247,8 +259,11 @@ def _loss_collectives(shape: RankShape) -> tuple:
     """The vocab-parallel cross-entropy's float32 row maxima and (sum of exponentials, target logit); under
     context parallelism the counted tokens and the slices' sums of losses."""
     t = shape.tokens
-    out = _pair("all_reduce", "", t * STREAM, "tp") + _pair("all_reduce", "", 2 * t * STREAM, "tp") \
-        if shape.tp > 1 else ()
+    out = (
+        _pair("all_reduce", "", t * STREAM, "tp") + _pair("all_reduce", "", 2 * t * STREAM, "tp")
+        if shape.tp > 1
+        else ()
+    )
     return out + (_pair("all_reduce", "", STREAM, "cp") * 2 if shape.cp > 1 else ())
 
 
@@ -258,8 +273,11 @@ def layer_work(shape: RankShape, kind: str) -> LayerWork:
     if kind == "embedding":
         collectives = ()
         if shape.tp > 1:  # each rank looks up its rows; the float32 partial sums are reduced
-            collectives = _pair("reduce_scatter", "all_gather", t * d * STREAM, "tp") if shape.sequence_parallel \
+            collectives = (
+                _pair("reduce_scatter", "all_gather", t * d * STREAM, "tp")
+                if shape.sequence_parallel
                 else _pair("all_reduce", "", t * d * STREAM, "tp")
+            )
         return LayerWork((Kernel("elementwise", 0, t * d * 2 * STREAM),), collectives)
     if kind == "final_norm":
         return LayerWork((_norm(shape),), _norm_weights(shape))
@@ -271,8 +289,9 @@ def layer_work(shape: RankShape, kind: str) -> LayerWork:
 
 def loss_work(shape: RankShape) -> LayerWork:
     """The loss after the head, outside the layer list (never recomputed): float32 softmax and gradient."""
-    return LayerWork((Kernel("elementwise", 0, 2 * STREAM * shape.tokens * _vocab_rows(shape)),),
-                     _loss_collectives(shape))
+    return LayerWork(
+        (Kernel("elementwise", 0, 2 * STREAM * shape.tokens * _vocab_rows(shape)),), _loss_collectives(shape)
+    )
 
 
 def boundary_bytes(shape: RankShape) -> int:

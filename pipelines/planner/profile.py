@@ -6,6 +6,7 @@ A profile is a JSON file. Published-figure profiles (launch/profiles/) hold the 
 numbers with every kernel at the roofline, labelled "published"; `python launch/plan.py
 --calibrate` writes a measured one for the machine it runs on.
 """
+
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -24,6 +25,7 @@ class ProfileError(MegamambaError, ValueError):
 @dataclass(frozen=True)
 class Link:
     """A collective's ring step on one tier costs alpha seconds plus bytes / bandwidth."""
+
     alpha_s: float
     bytes_per_s: float
 
@@ -33,6 +35,7 @@ class Kernel:
     """A kernel kind's forward: a fixed cost per call (None: the profile's launch_s) plus its roofline time
     (flops at the matmul rate or bytes at the copy bandwidth) over `efficiency`; its backward's time as a
     multiple of its forward's."""
+
     efficiency: float = 1.0
     backward_ratio: float = 2.0
     fixed_s: Optional[float] = None
@@ -42,6 +45,7 @@ class Kernel:
 class LayerFit:
     """A layer kind's measured forward and backward as a fixed cost (Python, autograd, the layer's small ops)
     plus a multiple of what its kernels predict; a published profile has none (the kernels alone)."""
+
     forward_fixed_s: float = 0.0
     forward_scale: float = 1.0
     backward_fixed_s: float = 0.0
@@ -52,6 +56,7 @@ class LayerFit:
 class EngineCost:
     """What the trainer and DeepSpeed's engine add beyond the layers and the optimizer's pass: per micro-batch
     (the engine's forward, backward and step calls) and per optimizer step."""
+
     micro_batch_s: float = 0.0
     step_s: float = 0.0
 
@@ -93,8 +98,9 @@ def _number(data: dict, key: str, where: str, zero_allowed: bool = False) -> flo
     value = data.get(key)
     in_range = isinstance(value, (int, float)) and (value >= 0 if zero_allowed else value > 0)
     if isinstance(value, bool) or not in_range:
-        raise ProfileError(f"{where}: {key}={value!r} must be a {'non-negative' if zero_allowed else 'positive'} "
-                           "number")
+        raise ProfileError(
+            f"{where}: {key}={value!r} must be a {'non-negative' if zero_allowed else 'positive'} number"
+        )
     return float(value)
 
 
@@ -117,15 +123,19 @@ def load_profile(path: str) -> Profile:
         if kind not in LAYERS:
             raise ProfileError(f"profile {path}: layers.{kind} is not a layer kind; known: {LAYERS}")
         where = f"{path} layers.{kind}"
-        layers[kind] = LayerFit(*(_number(values, key, where, zero_allowed=key.endswith("fixed_s"))
-                                  for key in ("forward_fixed_s", "forward_scale", "backward_fixed_s",
-                                              "backward_scale")))
+        layers[kind] = LayerFit(
+            *(
+                _number(values, key, where, zero_allowed=key.endswith("fixed_s"))
+                for key in ("forward_fixed_s", "forward_scale", "backward_fixed_s", "backward_scale")
+            )
+        )
     engine = {}
     for stage, values in data.get("engine", {}).items():
         if stage not in ("0", "1", "2"):
             raise ProfileError(f"profile {path}: engine.{stage} is not a ZeRO stage 0, 1 or 2")
-        engine[stage] = EngineCost(*(_number(values, key, f"{path} engine.{stage}", zero_allowed=True)
-                                     for key in ("micro_batch_s", "step_s")))
+        engine[stage] = EngineCost(
+            *(_number(values, key, f"{path} engine.{stage}", zero_allowed=True) for key in ("micro_batch_s", "step_s"))
+        )
     calls = {}
     for group, value in data.get("collective_call_s", {}).items():
         if group not in ("tp", "cp"):
@@ -137,12 +147,24 @@ def load_profile(path: str) -> Profile:
         if tier not in data.get("links", {}):
             raise ProfileError(f"profile {path}: links.{tier} is missing (alpha_s, bytes_per_s)")
         values = data["links"][tier]
-        links[tier] = Link(_number(values, "alpha_s", f"{path} links.{tier}"),
-                           _number(values, "bytes_per_s", f"{path} links.{tier}"))
+        links[tier] = Link(
+            _number(values, "alpha_s", f"{path} links.{tier}"), _number(values, "bytes_per_s", f"{path} links.{tier}")
+        )
     overlap = data.get("overlap", True)
     if not isinstance(overlap, bool):
         raise ProfileError(f"profile {path}: overlap={overlap!r} must be true or false")
-    return Profile(str(data.get("name", path)), str(data.get("source", "unknown")),
-                   int(_number(data, "device_memory_bytes", path)), _number(data, "matmul_flops_per_s", path),
-                   _number(data, "copy_bytes_per_s", path), _number(data, "launch_s", path), kernels, links, layers,
-                   engine, calls, *scales, overlap)
+    return Profile(
+        str(data.get("name", path)),
+        str(data.get("source", "unknown")),
+        int(_number(data, "device_memory_bytes", path)),
+        _number(data, "matmul_flops_per_s", path),
+        _number(data, "copy_bytes_per_s", path),
+        _number(data, "launch_s", path),
+        kernels,
+        links,
+        layers,
+        engine,
+        calls,
+        *scales,
+        overlap,
+    )

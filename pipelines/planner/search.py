@@ -5,6 +5,7 @@ rejected layout family (dp, cp, tp, pp) was rejected.
 Tensor parallelism stays inside a node and runs with sequence parallelism; TP and CP sizes are powers of
 two. Settings the user fixed (`Request.fixed`) are kept; the search fills in the rest.
 """
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -122,38 +123,74 @@ def run_shape(request: Request, dp: int, cp: int, tp: int, pp: int, zero: int, m
     from the engine config start-up would hand DeepSpeed (ZeRO's defaults, overlap_comm on for stage 3)."""
     layout = Layout(request.gpus, dp, tp, pp, micro, request.global_batch_size // (micro * dp), cp)
     ds_config = {"zero_optimization": {"stage": zero}, "bf16": {"enabled": request.autocast}}
-    return RunShape.of_run(request.model, layout, engine_config(ds_config, layout, None, tp > 1),
-                           request.seq_length // cp, DEFAULT_PARTITION, 1 if recompute else 0, tp > 1)
+    return RunShape.of_run(
+        request.model,
+        layout,
+        engine_config(ds_config, layout, None, tp > 1),
+        request.seq_length // cp,
+        DEFAULT_PARTITION,
+        1 if recompute else 0,
+        tp > 1,
+    )
 
 
-def _step_time(request: Request, shape: RunShape, bounds: list, memory: list, grid: Grid, profile: Profile,
-               recompute: bool) -> StepTime:
+def _step_time(
+    request: Request, shape: RunShape, bounds: list, memory: list, grid: Grid, profile: Profile, recompute: bool
+) -> StepTime:
     layout = shape.layout
-    rank = RankShape(request.model, layout.micro_batch_size, request.seq_length, grid.tp, grid.cp, grid.tp > 1,
-                     2 if request.autocast else 4)
+    rank = RankShape(
+        request.model,
+        layout.micro_batch_size,
+        request.seq_length,
+        grid.tp,
+        grid.cp,
+        grid.tp > 1,
+        2 if request.autocast else 4,
+    )
     kinds = layer_kinds(request.model)
     tied_head = request.model.tie_embeddings and grid.pp > 1  # DeepSpeed's tied forward_fn is not checkpointed
-    per_kind = {kind: layer_time(kind, layer_work(rank, kind), grid, profile,
-                                 recompute and not (kind == "head" and tied_head)) for kind in set(kinds)}
+    per_kind = {
+        kind: layer_time(kind, layer_work(rank, kind), grid, profile, recompute and not (kind == "head" and tied_head))
+        for kind in set(kinds)
+    }
     loss = layer_time("loss", loss_work(rank), grid, profile, recompute=False)  # on the last stage, after its layers
-    stages = [stage_time([per_kind[kinds[i]] for i in range(bounds[s], bounds[s + 1])] + [loss] * (s == grid.pp - 1),
-                         rank, grid, profile, (s > 0) + (s < grid.pp - 1), shape.zero_stage) for s in range(grid.pp)]
+    stages = [
+        stage_time(
+            [per_kind[kinds[i]] for i in range(bounds[s], bounds[s + 1])] + [loss] * (s == grid.pp - 1),
+            rank,
+            grid,
+            profile,
+            (s > 0) + (s < grid.pp - 1),
+            shape.zero_stage,
+        )
+        for s in range(grid.pp)
+    ]
     slowest = max(stages, key=lambda t: t.total)
     m = layout.grad_accum
     reductions = []
     for s, stage in enumerate(memory):
         full = stage.parameters * (grid.dp * grid.cp if shape.zero_stage == 3 else 1)
         held = full // (grid.dp * grid.cp) if shape.zero_stage >= 1 else full
-        reductions.append((data_parallel_seconds(full, shape.zero_stage, grid, profile, m, stages[s],
-                                                 bounds[s + 1] - bounds[s]),
-                           optimizer_seconds(held // 4, profile)))
+        reductions.append(
+            (
+                data_parallel_seconds(full, shape.zero_stage, grid, profile, m, stages[s], bounds[s + 1] - bounds[s]),
+                optimizer_seconds(held // 4, profile),
+            )
+        )
     data, optimizer = max(reductions, key=sum)
     if request.model.tie_embeddings and grid.pp > 1:  # the tied weight's gradient, summed by first and last stage
         tied = request.model.padded_vocab_size * request.model.d_model * 4 // grid.tp
         data += collective_seconds("all_reduce", tied, 2, grid.link(profile, "pp"))
-    return StepTime(m * slowest.compute, m * slowest.tp_comm, m * slowest.cp_comm, m * slowest.sends,
-                    (grid.pp - 1) * slowest.total, data, optimizer,
-                    m * slowest.overhead + profile.engine_cost(shape.zero_stage).step_s)
+    return StepTime(
+        m * slowest.compute,
+        m * slowest.tp_comm,
+        m * slowest.cp_comm,
+        m * slowest.sends,
+        (grid.pp - 1) * slowest.total,
+        data,
+        optimizer,
+        m * slowest.overhead + profile.engine_cost(shape.zero_stage).step_s,
+    )
 
 
 def check_request(request: Request) -> None:
@@ -163,15 +200,21 @@ def check_request(request: Request) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name.replace('_', '-')} {value!r}: must be a positive integer")
     if request.gpus_per_node > request.gpus:
-        raise PlanError(f"--gpus-per-node {request.gpus_per_node} is more than --gpus {request.gpus}: use "
-                        f"--gpus-per-node {request.gpus} (one node) or --gpus a multiple of {request.gpus_per_node}")
+        raise PlanError(
+            f"--gpus-per-node {request.gpus_per_node} is more than --gpus {request.gpus}: use "
+            f"--gpus-per-node {request.gpus} (one node) or --gpus a multiple of {request.gpus_per_node}"
+        )
     if request.gpus % request.gpus_per_node:
         below = request.gpus // request.gpus_per_node * request.gpus_per_node
-        raise PlanError(f"--gpus {request.gpus} is not a whole number of nodes of {request.gpus_per_node}: use --gpus "
-                        f"{below} or {below + request.gpus_per_node}")
+        raise PlanError(
+            f"--gpus {request.gpus} is not a whole number of nodes of {request.gpus_per_node}: use --gpus "
+            f"{below} or {below + request.gpus_per_node}"
+        )
     if request.device_memory <= RESERVED:
-        raise PlanError(f"GPU memory {request.device_memory / 2**30:.1f} GiB leaves nothing after the "
-                        f"{RESERVED / 2**30:.0f} GiB reserved for the CUDA context and communication buffers")
+        raise PlanError(
+            f"GPU memory {request.device_memory / 2**30:.1f} GiB leaves nothing after the "
+            f"{RESERVED / 2**30:.0f} GiB reserved for the CUDA context and communication buffers"
+        )
     unknown = sorted(set(request.fixed) - set(FIXABLE))
     if unknown:
         raise PlanError(f"cannot fix {unknown}; the planner chooses {FIXABLE}")
@@ -185,12 +228,18 @@ def _nothing_fits(result: "Search") -> PlanError:
         closest = min(sized, key=lambda x: x.smallest_bytes)
         need = (closest.smallest_bytes + RESERVED) / 2**30
         gpus = f"{r.gpus} GPU{'s' if r.gpus > 1 else ''}"
-        return PlanError(f"no plan fits {gpus} of {r.device_memory / 2**30:.1f} GiB: the closest, "
-                         f"{closest.family}, {closest.reason}; GPUs of {need:.0f} GiB, or more GPUs, would fit it")
-    if not any(r.gpus % d == 0 and r.global_batch_size % d == 0 for d in range(2, r.gpus + 1)) \
-            and r.global_batch_size < r.gpus:
-        return PlanError(f"global batch {r.global_batch_size} splits over no data-parallel size of {r.gpus} GPUs "
-                         f"but 1: use a multiple of {r.gpus}")
+        return PlanError(
+            f"no plan fits {gpus} of {r.device_memory / 2**30:.1f} GiB: the closest, "
+            f"{closest.family}, {closest.reason}; GPUs of {need:.0f} GiB, or more GPUs, would fit it"
+        )
+    if (
+        not any(r.gpus % d == 0 and r.global_batch_size % d == 0 for d in range(2, r.gpus + 1))
+        and r.global_batch_size < r.gpus
+    ):
+        return PlanError(
+            f"global batch {r.global_batch_size} splits over no data-parallel size of {r.gpus} GPUs "
+            f"but 1: use a multiple of {r.gpus}"
+        )
     reasons = "; ".join(list(dict.fromkeys(x.reason for x in result.rejected))[:3])
     return PlanError(f"no layout of {r.gpus} GPUs can run this model and sequence: {reasons}")
 
@@ -232,8 +281,9 @@ def search(request: Request, profile: Profile) -> Search:
     return result
 
 
-def _family_plans(request: Request, profile: Profile, grid: Grid, usable: int, tokens: int,
-                  flops_per_token: int) -> tuple:
+def _family_plans(
+    request: Request, profile: Profile, grid: Grid, usable: int, tokens: int, flops_per_token: int
+) -> tuple:
     """(feasible plans of the family, its Rejection when none is)."""
     fixed, dp = request.fixed, grid.dp
     per_replica = request.global_batch_size // dp
@@ -243,11 +293,16 @@ def _family_plans(request: Request, profile: Profile, grid: Grid, usable: int, t
     zeros = sorted({z for z in stages if fixed.get("zero_stage", z) == z})
     family = label(grid.dp, grid.cp, grid.tp, grid.pp)
     if not zeros:
-        return [], Rejection(family, f"ZeRO stage {fixed['zero_stage']} with pp {grid.pp}: DeepSpeed's pipeline "
-                                     "engine runs ZeRO 0 or 1 only")
+        return [], Rejection(
+            family,
+            f"ZeRO stage {fixed['zero_stage']} with pp {grid.pp}: DeepSpeed's pipeline engine runs ZeRO 0 or 1 only",
+        )
     if not micros:
-        return [], Rejection(family, f"micro batch {fixed['micro_batch_size']} does not divide the {per_replica} "
-                                     f"sequences per replica of dp {dp}")
+        return [], Rejection(
+            family,
+            f"micro batch {fixed['micro_batch_size']} does not divide the {per_replica} "
+            f"sequences per replica of dp {dp}",
+        )
     plans, smallest = [], None
     for zero in zeros:
         for recompute in [r for r in (False, True) if fixed.get("recompute", r) == r]:
@@ -261,11 +316,29 @@ def _family_plans(request: Request, profile: Profile, grid: Grid, usable: int, t
                     continue
                 time = _step_time(request, shape, list(memory.bounds), list(memory.stages), grid, profile, recompute)
                 rate = tokens / time.total / request.gpus
-                plans.append(Plan(dp, grid.cp, grid.tp, grid.pp, zero, micro, shape.layout.grad_accum, recompute,
-                                  worst, time, rate, rate * flops_per_token / profile.matmul_flops_per_s))
+                plans.append(
+                    Plan(
+                        dp,
+                        grid.cp,
+                        grid.tp,
+                        grid.pp,
+                        zero,
+                        micro,
+                        shape.layout.grad_accum,
+                        recompute,
+                        worst,
+                        time,
+                        rate,
+                        rate * flops_per_token / profile.matmul_flops_per_s,
+                    )
+                )
     if plans:
         return plans, None
     total, zero, micro, recompute = smallest
-    return [], Rejection(family, f"does not fit: at best {total / 2**30:.1f} GiB per GPU (ZeRO {zero}, micro batch "
-                                 f"{micro}, recompute {'on' if recompute else 'off'}), {(total - usable) / 2**30:.1f} "
-                                 f"GiB over the {usable / 2**30:.1f} GiB usable", total)
+    return [], Rejection(
+        family,
+        f"does not fit: at best {total / 2**30:.1f} GiB per GPU (ZeRO {zero}, micro batch "
+        f"{micro}, recompute {'on' if recompute else 'off'}), {(total - usable) / 2**30:.1f} "
+        f"GiB over the {usable / 2**30:.1f} GiB usable",
+        total,
+    )

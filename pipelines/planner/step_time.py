@@ -12,6 +12,7 @@ schedule takes (m + p - 1) times the slowest stage for m micro-batches on p stag
 p - 1 of them. Then DeepSpeed's data-parallel traffic (`data_parallel_seconds`), the tied embedding's
 all-reduce between the first and last stage, and the optimizer's pass over this rank's state.
 """
+
 from dataclasses import dataclass
 
 from megamamba.pipelines.planner.layer_costs import Collective, LayerWork, RankShape, boundary_bytes
@@ -23,6 +24,7 @@ OPTIMIZER_BYTES_PER_PARAMETER = 4 * (4 + 3)  # AdamW reads parameter, gradient, 
 @dataclass(frozen=True)
 class Grid:
     """The process grid and where its groups sit: ranks are numbered TP fastest, then CP, DP, PP."""
+
     dp: int
     cp: int
     tp: int
@@ -33,8 +35,12 @@ class Grid:
         return size > 1 and stride * size > self.gpus_per_node
 
     def link(self, profile: Profile, group: str) -> Link:
-        stride, size = {"tp": (1, self.tp), "cp": (self.tp, self.cp), "data": (self.tp, self.dp * self.cp),
-                        "pp": (self.tp * self.cp * self.dp, self.pp)}[group]
+        stride, size = {
+            "tp": (1, self.tp),
+            "cp": (self.tp, self.cp),
+            "data": (self.tp, self.dp * self.cp),
+            "pp": (self.tp * self.cp * self.dp, self.pp),
+        }[group]
         return profile.links["inter_node" if self.spans_nodes(stride, size) else "intra_node"]
 
     def size(self, group: str) -> int:
@@ -69,6 +75,7 @@ def kernel_seconds(kind: str, flops: float, nbytes: float, profile: Profile) -> 
 class StageTime:
     """One micro-batch's forward and backward on one stage, in seconds (`forward`: the compute of its first
     forward, part of `compute`; `overhead`: the engine's calls around them)."""
+
     compute: float
     tp_comm: float
     cp_comm: float
@@ -106,8 +113,11 @@ def layer_time(kind: str, work: LayerWork, grid: Grid, profile: Profile, recompu
     compute = forward * (1 + recompute) + scale * (fit.backward_fixed_s + fit.backward_scale * kernels_backward)
     tp = cp = 0.0
     for c in work.collectives:
-        hidden = c.share * kernel_seconds(c.overlaps.kind, c.overlaps.flops, c.overlaps.bytes, profile) \
-            if c.overlaps is not None and profile.overlap else 0.0
+        hidden = (
+            c.share * kernel_seconds(c.overlaps.kind, c.overlaps.flops, c.overlaps.bytes, profile)
+            if c.overlaps is not None and profile.overlap
+            else 0.0
+        )
         seconds = max(0.0, _collective(c, grid, profile) - hidden) + profile.collective_call_s.get(c.group, 0.0)
         seconds *= 2 if recompute and not c.backward else 1
         if c.group == "tp":
@@ -117,19 +127,24 @@ def layer_time(kind: str, work: LayerWork, grid: Grid, profile: Profile, recompu
     return StageTime(compute, tp, cp, 0.0, forward)
 
 
-def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sends: int,
-               zero_stage: int) -> StageTime:
+def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sends: int, zero_stage: int) -> StageTime:
     """A stage of `layers` (each its `layer_time`), sending `sends` boundaries (0, 1 or 2) per micro-batch,
     with the engine's cost per micro-batch at `zero_stage`."""
     boundary = collective_seconds("send", boundary_bytes(shape), 2, grid.link(profile, "pp"))
-    return StageTime(sum(t.compute for t in layers), sum(t.tp_comm for t in layers), sum(t.cp_comm for t in layers),
-                     2 * sends * boundary, sum(t.forward for t in layers),
-                     profile.engine_cost(zero_stage).micro_batch_s)
+    return StageTime(
+        sum(t.compute for t in layers),
+        sum(t.tp_comm for t in layers),
+        sum(t.cp_comm for t in layers),
+        2 * sends * boundary,
+        sum(t.forward for t in layers),
+        profile.engine_cost(zero_stage).micro_batch_s,
+    )
 
 
 @dataclass(frozen=True)
 class StepTime:
     """Seconds of one optimizer step by where they go."""
+
     compute: float
     tp_comm: float
     cp_comm: float
@@ -141,12 +156,27 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.cp_comm + self.pipeline_sends + self.bubble
-                + self.data_parallel + self.optimizer + self.overhead)
+        return (
+            self.compute
+            + self.tp_comm
+            + self.cp_comm
+            + self.pipeline_sends
+            + self.bubble
+            + self.data_parallel
+            + self.optimizer
+            + self.overhead
+        )
 
 
-def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, profile: Profile, micro_batches: int,
-                          stage: StageTime, layers: int = 1) -> float:
+def data_parallel_seconds(
+    parameter_bytes: int,
+    zero_stage: int,
+    grid: Grid,
+    profile: Profile,
+    micro_batches: int,
+    stage: StageTime,
+    layers: int = 1,
+) -> float:
     """Exposed seconds of DeepSpeed 0.19.8's data-parallel traffic over dp x cp ranks for a stage holding
     `parameter_bytes` of float32 parameters (gradients reduced in float32: `pipelines.config.layout`).
 
@@ -178,5 +208,9 @@ def data_parallel_seconds(parameter_bytes: int, zero_stage: int, grid: Grid, pro
 
 def optimizer_seconds(state_parameters: int, profile: Profile) -> float:
     """AdamW over the parameters whose optimizer state this rank holds, and the gradient norm before it."""
-    return (OPTIMIZER_BYTES_PER_PARAMETER + 4) * state_parameters / profile.copy_bytes_per_s / \
-        profile.kernel("elementwise").efficiency
+    return (
+        (OPTIMIZER_BYTES_PER_PARAMETER + 4)
+        * state_parameters
+        / profile.copy_bytes_per_s
+        / profile.kernel("elementwise").efficiency
+    )

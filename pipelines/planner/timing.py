@@ -1,5 +1,6 @@
 """The calibration's one clock (the median wall time of a call after warm-up runs, the device synchronized)
 and its one way to time on several processes."""
+
 import socket
 import statistics
 import time

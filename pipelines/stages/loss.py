@@ -1,4 +1,5 @@
 """The training loss on the last layer's logits, as the plain engine and the pipeline's last stage take it."""
+
 from typing import Optional
 
 import torch

@@ -10,6 +10,7 @@ parameter may be a slice of its full tensor or a part of it under another local 
 (`in_proj.weight_replicated`); `megamamba.parallel.full_key` gives the full tensor's name, which
 these functions then map.
 """
+
 import re
 from typing import Callable, Optional
 
@@ -40,8 +41,9 @@ def to_mamba(name: str, config: MambaConfig) -> str:
             return layer_prefix(config, index) + rest
         except KeyError:
             pass
-    raise KeyError(f"{name!r} names no parameter of a {config.n_layer}-layer model "
-                   f"(tie_embeddings={config.tie_embeddings})")
+    raise KeyError(
+        f"{name!r} names no parameter of a {config.n_layer}-layer model (tie_embeddings={config.tie_embeddings})"
+    )
 
 
 def to_pipe(name: str, config: MambaConfig) -> str:
@@ -49,7 +51,7 @@ def to_pipe(name: str, config: MambaConfig) -> str:
     index = layer_of(name, config)
     if layer_kinds(config)[index] == "embedding" and config.tie_embeddings:
         return f"tied_modules.{TIED_KEY}.weight"
-    return f"{index}.{name[len(layer_prefix(config, index)):]}"
+    return f"{index}.{name[len(layer_prefix(config, index)) :]}"
 
 
 def mamba_state_dict(pipe: nn.Module, config: MambaConfig, tp: Optional[TensorParallel] = None) -> dict:
@@ -65,8 +67,12 @@ def mamba_state_dict(pipe: nn.Module, config: MambaConfig, tp: Optional[TensorPa
 
 
 @torch.no_grad()
-def load_full_state(module: nn.Module, state: dict, tp: Optional[TensorParallel] = None,
-                    rename: Callable[[str], str] = lambda name: name) -> None:
+def load_full_state(
+    module: nn.Module,
+    state: dict,
+    tp: Optional[TensorParallel] = None,
+    rename: Callable[[str], str] = lambda name: name,
+) -> None:
     """Copy `module`'s parameters (this rank's TP slices under `tp`) out of a full state dict.
 
     `rename` maps a module parameter's full name to its key in `state`; every parameter must be found.
@@ -79,12 +85,15 @@ def load_full_state(module: nn.Module, state: dict, tp: Optional[TensorParallel]
         if tp is not None and getattr(param, "tp_shard", None) is not None:
             value = local_shard(value, param.tp_shard, tp.size, tp.rank)
         if value.shape != param.shape:
-            raise ValueError(f"{key!r}: state dict gives shape {tuple(value.shape)} for parameter {name!r} "
-                             f"of shape {tuple(param.shape)}")
+            raise ValueError(
+                f"{key!r}: state dict gives shape {tuple(value.shape)} for parameter {name!r} "
+                f"of shape {tuple(param.shape)}"
+            )
         param.copy_(value)
 
 
-def load_mamba_state_dict(pipe: nn.Module, state: dict, config: MambaConfig,
-                          tp: Optional[TensorParallel] = None) -> None:
+def load_mamba_state_dict(
+    pipe: nn.Module, state: dict, config: MambaConfig, tp: Optional[TensorParallel] = None
+) -> None:
     """Copy this stage's parameters from a full mamba_ssm-named state dict (TP slices under `tp`)."""
     load_full_state(pipe, state, tp, rename=lambda name: to_mamba(name, config))

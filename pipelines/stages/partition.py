@@ -10,6 +10,7 @@
   goes with the first, the final norm and the head with the last. There must be pp segments.
 - "uniform", "parameters", "type:<regex>": DeepSpeed's PipelineModule partitions as it documents.
 """
+
 import functools
 import json
 import math
@@ -34,9 +35,11 @@ def check_pattern_stages(config: MambaConfig, pp: int) -> None:
     """Refuse a hybrid_layer_pattern whose | marks cut another number of stages than `pp`."""
     stages = config.pattern_stages
     if stages and len(stages) != pp:
-        raise LayoutError(f"hybrid_layer_pattern={config.hybrid_layer_pattern!r} marks {len(stages)} pipeline stages "
-                          f"with |, but the pipeline parallel size is {pp}: give --pipeline-parallel-size "
-                          f"{len(stages)}, or change the | marks")
+        raise LayoutError(
+            f"hybrid_layer_pattern={config.hybrid_layer_pattern!r} marks {len(stages)} pipeline stages "
+            f"with |, but the pipeline parallel size is {pp}: give --pipeline-parallel-size "
+            f"{len(stages)}, or change the | marks"
+        )
 
 
 def balanced_cuts(weights: list, parts: int) -> list:
@@ -51,14 +54,18 @@ def balanced_cuts(weights: list, parts: int) -> list:
     heaviest = {(0, 0): 0}  # (runs, items) -> the lightest heaviest run
     for j in runs:
         for i in range(j, n - parts + j + 1):
-            heaviest[j, i] = min(max(heaviest[j - 1, k], prefix[i] - prefix[k])
-                                 for k in range(j - 1, i) if (j - 1, k) in heaviest)
+            heaviest[j, i] = min(
+                max(heaviest[j - 1, k], prefix[i] - prefix[k]) for k in range(j - 1, i) if (j - 1, k) in heaviest
+            )
     bound = heaviest[parts, n]
     squares, start = {(0, 0): 0}, {}
     for j in runs:
         for i in range(j, n - parts + j + 1):
-            options = [(squares[j - 1, k] + (prefix[i] - prefix[k]) ** 2, k) for k in range(j - 1, i)
-                       if (j - 1, k) in squares and prefix[i] - prefix[k] <= bound]
+            options = [
+                (squares[j - 1, k] + (prefix[i] - prefix[k]) ** 2, k)
+                for k in range(j - 1, i)
+                if (j - 1, k) in squares and prefix[i] - prefix[k] <= bound
+            ]
             if options:
                 squares[j, i], start[j, i] = min(options)
     cuts = [n]

@@ -13,6 +13,7 @@ Activation checkpointing every k layers: DeepSpeed cuts each stage's layer list 
 and recomputes each run in the backward. We give it torch's non-reentrant checkpoint, which
 accepts runs that start at the token ids (no input needs a gradient).
 """
+
 import functools
 from typing import Optional
 
@@ -33,13 +34,13 @@ from megamamba.pipelines.stages.uninitialised import UninitialisedLayerSpec, Uni
 non_reentrant_checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
-def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None,
-                cp: Optional[ContextParallel] = None) -> list:
+def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> list:
     """The layer list as DeepSpeed layer specs (split across `tp` when given; blocks on a slice of every
     sequence under `cp`), built with uninitialised parameters."""
     tp = split(tp)
-    specs = [UninitialisedLayerSpec(layer_class(config, i, tp), config, tp=tp, cp=cp)
-             for i in range(layer_count(config))]
+    specs = [
+        UninitialisedLayerSpec(layer_class(config, i, tp), config, tp=tp, cp=cp) for i in range(layer_count(config))
+    ]
     if config.tie_embeddings:
         embedding = layer_class(config, 0, tp)
         specs[0] = UninitialisedTiedLayerSpec(TIED_KEY, embedding, config, tp=tp)
@@ -47,16 +48,27 @@ def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None,
     return specs
 
 
-def build_pipeline_module(config: MambaConfig, topology: ProcessTopology, partition_method: str = DEFAULT_PARTITION,
-                          checkpoint_interval: int = 0, tp: Optional[TensorParallel] = None,
-                          cp: Optional[ContextParallel] = None, *, seq_length: int) -> PipelineModule:
+def build_pipeline_module(
+    config: MambaConfig,
+    topology: ProcessTopology,
+    partition_method: str = DEFAULT_PARTITION,
+    checkpoint_interval: int = 0,
+    tp: Optional[TensorParallel] = None,
+    cp: Optional[ContextParallel] = None,
+    *,
+    seq_length: int,
+) -> PipelineModule:
     """This rank's stage of the model (needs torch.distributed initialised; `tp` and `cp` from the same
     topology) for sequences of `seq_length` tokens (the whole sequence under `cp`), its parameters
     uninitialised: load them (`pipelines.stages.names.load_mamba_state_dict`) before use."""
     check_partition_method(partition_method)
-    settings = dict(layers=layer_specs(config, tp, cp), topology=topology, loss_fn=LMLoss(config.vocab_size, tp, cp),
-                    activation_checkpoint_interval=checkpoint_interval,
-                    activation_checkpoint_func=non_reentrant_checkpoint)
+    settings = dict(
+        layers=layer_specs(config, tp, cp),
+        topology=topology,
+        loss_fn=LMLoss(config.vocab_size, tp, cp),
+        activation_checkpoint_interval=checkpoint_interval,
+        activation_checkpoint_func=non_reentrant_checkpoint,
+    )
     bounds = own_bounds(config, topology.get_dim("pipe"), partition_method, seq_length)
     if bounds is None:
         return PipelineModule(partition_method=partition_method, **settings)

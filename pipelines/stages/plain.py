@@ -5,6 +5,7 @@ checkpoint), as DeepSpeed's pipeline does within a stage. The module holds the m
 and `lm_head`, so its parameter names are mamba_ssm's, and calls the head as the `lm_head` module
 (its weight the embedding's when tied), so ZeRO-3 gathers the tied weight through the module that uses it.
 """
+
 from typing import Optional
 
 import torch
@@ -27,8 +28,9 @@ class PlainLM(nn.Module):
         self.checkpoint_interval = checkpoint_interval
         self.loss_fn = LMLoss(self.config.vocab_size, model.tp, model.cp)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         layers = layer_list(self)
         k = self.checkpoint_interval or len(layers)
         x = pack(input_ids, seq_idx)

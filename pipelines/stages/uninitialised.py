@@ -8,6 +8,7 @@ current device, where DeepSpeed's PipelineModule would move it. Parameters keep 
 (`tp_shard`, `tensor_model_parallel`, `_no_weight_decay`, ...) and their sharing within a layer.
 A layer holding buffers or other tensors is refused: their values would be lost.
 """
+
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -28,8 +29,10 @@ def _refuse_other_tensors(module: nn.Module) -> None:
         held = [f"buffer {n}" for n, _ in sub.named_buffers(recurse=False)]
         held += [f"tensor {n}" for n, v in vars(sub).items() if isinstance(v, torch.Tensor)]
         if held:
-            raise TypeError(f"{type(module).__name__} holds {held} in {name or 'itself'}: only parameters can be "
-                            "built uninitialised, a buffer's or tensor's value would be lost")
+            raise TypeError(
+                f"{type(module).__name__} holds {held} in {name or 'itself'}: only parameters can be "
+                "built uninitialised, a buffer's or tensor's value would be lost"
+            )
 
 
 def _give_storage(module: nn.Module, device: torch.device) -> None:

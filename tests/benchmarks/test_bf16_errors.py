@@ -2,6 +2,7 @@
 every parameter group of the model, ratios and tables; with our reference standing in for both
 sides (but torch's conv1d for theirs) they agree exactly. The script itself, on a real Triton
 kernel and mamba_ssm's, in the slow tier."""
+
 import json
 import math
 import os
@@ -18,11 +19,13 @@ from megamamba.testing.mamba_ssm_release import stand_in
 ROOT = Path(__file__).resolve().parents[2]
 bf16_errors = load_benchmark("bf16_errors")
 
-QUANTITIES = {"ssd_chunk_scan": ["y", "dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias"],
-              "selective_scan": ["out", "du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"],
-              "causal_conv1d": ["out", "dx", "dweight", "dbias"],
-              "rmsnorm_gated": ["out", "dx", "dweight", "dz"],
-              "add_rmsnorm": ["out", "residual", "dx", "dresidual", "dweight"]}
+QUANTITIES = {
+    "ssd_chunk_scan": ["y", "dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias"],
+    "selective_scan": ["out", "du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"],
+    "causal_conv1d": ["out", "dx", "dweight", "dbias"],
+    "rmsnorm_gated": ["out", "dx", "dweight", "dz"],
+    "add_rmsnorm": ["out", "residual", "dx", "dresidual", "dweight"],
+}
 
 
 @pytest.fixture
@@ -52,13 +55,28 @@ def test_the_model_rows_cover_the_loss_and_every_parameter_group(reference_kerne
 @pytest.mark.slow
 def test_the_script_runs_a_triton_kernel_beside_mamba_ssms_and_writes_json(tmp_path):
     import mamba_ssm_source
+
     if not mamba_ssm_source.present():
         pytest.skip("mamba_ssm's source release is absent (scripts/setup.sh fetches it)")
     path = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "MEGAMAMBA_KERNELS"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/bf16_errors.py"), "ops", "--ops", "rmsnorm_gated",
-                           "--seqlens", "128", "--json", str(path)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bf16_errors.py"),
+            "ops",
+            "--ops",
+            "rmsnorm_gated",
+            "--seqlens",
+            "128",
+            "--json",
+            str(path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(path.read_text())["ops"]
     assert [r["quantity"] for r in rows] == QUANTITIES["rmsnorm_gated"]

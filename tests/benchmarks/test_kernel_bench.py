@@ -1,6 +1,7 @@
 """benchmarks/kernel_bench.py (a GPU-only script): the parts that must be right before it ever runs
 on a GPU — its layer shapes, FLOP count, mamba_ssm loading and command line — and its correctness
 and timing sections run end to end on the CPU with the reference standing in for the kernels."""
+
 import importlib.util
 import os
 import sys
@@ -49,10 +50,16 @@ def test_mamba_ssm_loads_without_its_package_init_when_that_fails(bench, tmp_pat
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "ops" / "triton" / "__init__.py").write_text("")
     (pkg / "ops" / "triton" / "ssd_combined.py").write_text(
-        "def mamba_chunk_scan_combined(*a, **k):\n    return 'theirs'\n")
+        "def mamba_chunk_scan_combined(*a, **k):\n    return 'theirs'\n"
+    )
     monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined",
-                 "selective_scan_cuda"):
+    for name in (
+        "mamba_ssm",
+        "mamba_ssm.ops",
+        "mamba_ssm.ops.triton",
+        "mamba_ssm.ops.triton.ssd_combined",
+        "selective_scan_cuda",
+    ):
         monkeypatch.delitem(sys.modules, name, raising=False)
     fn, how = bench.load_mamba_ssm(str(tmp_path))
     assert fn is not None and fn() == "theirs", how
@@ -78,6 +85,7 @@ def small_benchmark(bench, monkeypatch):
     """The benchmark on the CPU at small shapes, the PyTorch reference standing in for every kernel
     (and for mamba_ssm), one call per timing: its GPU-only paths run end to end."""
     from megamamba.kernels.reference.ssd import ssd_chunk_scan
+
     reference = {name: (ref, ref) for name, (_, ref) in bench.ops().items()}
     mamba2_shape, mamba1_shape = bench.mamba2_shape, bench.mamba1_shape
     monkeypatch.setattr(bench, "ops", lambda: reference)
@@ -98,8 +106,12 @@ def test_timing_measures_every_op_and_compares_ssd_with_mamba_ssm(small_benchmar
     rows, how, ceiling = small_benchmark.timing("cpu", "unused")
     assert how == "the reference standing in"
     assert [(r["op"], r["layer"]) for r in rows] == [
-        ("ssd_chunk_scan", "mamba2-tiny"), ("causal_conv1d", "mamba2-tiny"), ("rmsnorm_gated", "mamba2-tiny"),
-        ("add_rmsnorm", "mamba2-tiny"), ("selective_scan", "mamba1-tiny")]
+        ("ssd_chunk_scan", "mamba2-tiny"),
+        ("causal_conv1d", "mamba2-tiny"),
+        ("rmsnorm_gated", "mamba2-tiny"),
+        ("add_rmsnorm", "mamba2-tiny"),
+        ("selective_scan", "mamba1-tiny"),
+    ]
     assert rows[0]["vs_mamba_ssm_fwd_bwd"] == 1.0 and rows[0]["vs_reference_fwd_bwd"] == 1.0
     table = small_benchmark.summary([], rows, ceiling)
     assert "ssd_chunk_scan  mamba2-tiny" in table and "1.00" in table

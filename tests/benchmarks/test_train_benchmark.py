@@ -1,5 +1,6 @@
 """benchmarks/train.py runs only on a GPU; here: it imports, answers --help, its summaries are right,
 and its runs of our engine (one rank, and through the deepspeed launcher) train on a tiny CPU config."""
+
 import argparse
 import importlib.util
 import json
@@ -38,17 +39,27 @@ def test_every_size_has_a_model_and_a_deepspeed_config(bench):
 
 
 def test_averages_leave_out_the_warmup_steps_and_keep_the_largest_memory(bench):
-    records = [{"step": i, "tokens_per_s": t, "tflops_per_device": t / 10, "mfu": t / 1000, "mem_peak_gb": m,
-                "loss": 5.0 - i} for i, (t, m) in enumerate([(1.0, 3.0), (100.0, 2.0), (200.0, 2.5)])]
+    records = [
+        {"step": i, "tokens_per_s": t, "tflops_per_device": t / 10, "mfu": t / 1000, "mem_peak_gb": m, "loss": 5.0 - i}
+        for i, (t, m) in enumerate([(1.0, 3.0), (100.0, 2.0), (200.0, 2.5)])
+    ]
     summary = bench.averaged(records, warmup=1)
-    assert summary == pytest.approx({"tokens_per_s": 150.0, "tflops_per_device": 15.0, "mfu": 0.15, "mem_peak_gb": 3.0,
-                                     "final_loss": 3.0})
+    assert summary == pytest.approx(
+        {"tokens_per_s": 150.0, "tflops_per_device": 15.0, "mfu": 0.15, "mem_peak_gb": 3.0, "final_loss": 3.0}
+    )
 
 
 def test_the_table_shows_each_run_or_its_failure(bench):
-    text = bench.table([("130m", "ours", {"tokens_per_s": 123456.0, "tflops_per_device": 101.25, "mfu": 0.1023,
-                                          "mem_peak_gb": 12.34}),
-                        ("1.3b", "mamba_ssm", {"error": "CUDA out of memory"})])
+    text = bench.table(
+        [
+            (
+                "130m",
+                "ours",
+                {"tokens_per_s": 123456.0, "tflops_per_device": 101.25, "mfu": 0.1023, "mem_peak_gb": 12.34},
+            ),
+            ("1.3b", "mamba_ssm", {"error": "CUDA out of memory"}),
+        ]
+    )
     lines = text.splitlines()
     assert lines[2] == "| 130m | ours | 123,456 | 101.2 | 10.2% | 12.3 |"
     assert lines[3].startswith("| 1.3b | mamba_ssm | failed:") and "out of memory" in lines[3]
@@ -72,13 +83,17 @@ def test_mamba_ssm_loads_where_transformers_is_missing(bench, tmp_path, monkeypa
         "from transformers.generation import GenerateDecoderOnlyOutput, TextStreamer\n"
         "from transformers.utils import WEIGHTS_NAME, CONFIG_NAME\n"
         "from transformers.utils.hub import cached_file\n"
-        "class MambaLMHeadModel:\n    pass\n")
+        "class MambaLMHeadModel:\n    pass\n"
+    )
     (pkg / "ops" / "triton").mkdir(parents=True)
-    for module, entry in (("ops/__init__.py", ""), ("ops/triton/__init__.py", ""),
-                          ("ops/selective_scan_interface.py", "def selective_scan_ref(*a):\n    pass\n"),
-                          ("ops/triton/layer_norm.py", "def rms_norm_fn(*a):\n    pass\n"),
-                          ("ops/triton/layernorm_gated.py", "def rmsnorm_fn(*a):\n    pass\n"),
-                          ("ops/triton/ssd_combined.py", "def mamba_chunk_scan_combined(*a):\n    pass\n")):
+    for module, entry in (
+        ("ops/__init__.py", ""),
+        ("ops/triton/__init__.py", ""),
+        ("ops/selective_scan_interface.py", "def selective_scan_ref(*a):\n    pass\n"),
+        ("ops/triton/layer_norm.py", "def rms_norm_fn(*a):\n    pass\n"),
+        ("ops/triton/layernorm_gated.py", "def rmsnorm_fn(*a):\n    pass\n"),
+        ("ops/triton/ssd_combined.py", "def mamba_chunk_scan_combined(*a):\n    pass\n"),
+    ):
         (pkg / module).write_text(entry)
     for name in ("transformers", "transformers.generation", "transformers.utils", "transformers.utils.hub"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails as where it is not installed
@@ -105,8 +120,11 @@ def test_our_runs_write_no_tensorboard_files(bench, tmp_path):
 def test_our_runs_train_and_report_throughput(bench, monkeypatch, launcher):
     """run_ours as the GPU benchmark calls it, on the tiny CPU config: one rank started directly,
     or through `deepspeed --num_gpus 1` found on PATH."""
-    monkeypatch.setattr(bench, "_paths", lambda size: (str(ROOT / "launch/configs/tiny-cpu.json"),
-                                                       str(ROOT / "launch/models/tiny-mamba2.json")))
+    monkeypatch.setattr(
+        bench,
+        "_paths",
+        lambda size: (str(ROOT / "launch/configs/tiny-cpu.json"), str(ROOT / "launch/models/tiny-mamba2.json")),
+    )
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     args = argparse.Namespace(steps=3, warmup=1, seq_length=64, peak_tflops=1.0, launch_steps=2)
     result = bench.run_ours("tiny", args, launcher=launcher)

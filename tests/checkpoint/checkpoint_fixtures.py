@@ -1,4 +1,5 @@
 """Tiny models, a deterministic plain training run and directory snapshots for the checkpoint tests."""
+
 import hashlib
 import os
 
@@ -47,8 +48,9 @@ def train_step(model, optimizer, scheduler, step: int) -> float:
     The batch takes its ids from torch's global generator after seeding it with the step, then
     re-seeds it from itself, so a run's RNG state carries over steps as real training code's would.
     """
-    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1),
-                        generator=torch.Generator().manual_seed(1000 + step))
+    ids = torch.randint(
+        0, model.config.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 + step)
+    )
     noise = torch.randint(0, 2**31, (1,)).item()  # draws from the global generator: its state matters
     labels = ids[:, 1:].masked_fill((ids[:, 1:] + noise) % 7 == 0, -100)
     loss = model.loss(ids[:, :-1], labels)

@@ -1,4 +1,5 @@
 """Running `python -m megamamba.convert` in-process from tests."""
+
 import contextlib
 import io
 import re
@@ -23,4 +24,3 @@ def refused(argv, match: str) -> str:
     message = lines[0]
     assert re.search(match, message), message
     return message
-

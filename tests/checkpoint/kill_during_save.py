@@ -6,6 +6,7 @@ Saves `weights(SEED)` (test_checkpoint_store.weights) as checkpoint STEP; the N-
 write_file / write_tensors / sync_dir / rename / remove_tree kills this process, after writing
 half of the file when "torn" and the call writes one. Exits 0 if fewer than N calls happen.
 """
+
 import os
 import signal
 import sys

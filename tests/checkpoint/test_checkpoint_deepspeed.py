@@ -10,6 +10,7 @@ loading creates the flat AdamW state first.
 Measured: saved at dp 2 after 2 steps, a fresh dp-2 engine resumes bit-identically; a dp-1 engine
 resumes the same checkpoint within float32 reduction-order error of the dp-2 curve.
 """
+
 import os
 import sys
 
@@ -37,10 +38,15 @@ def engine(seed: int, dp: int):
     torch.manual_seed(seed)
     module = PlainLM(MambaLM(tiny("Mamba2")))
     optimizer = torch.optim.AdamW(param_groups(module, 0.1), lr=1e-2)
-    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
-              "gradient_accumulation_steps": GLOBAL_BATCH // MICRO // dp, "zero_optimization": {"stage": 1}}
-    return deepspeed.initialize(model=module, optimizer=optimizer, config=config,
-                                lr_scheduler=LRSchedule(1e-2, 1e-3, 2, 8).scheduler)[0]
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GLOBAL_BATCH // MICRO // dp,
+        "zero_optimization": {"stage": 1},
+    }
+    return deepspeed.initialize(
+        model=module, optimizer=optimizer, config=config, lr_scheduler=LRSchedule(1e-2, 1e-3, 2, 8).scheduler
+    )[0]
 
 
 def train_step(eng, step: int, rank: int, dp: int) -> float:
@@ -77,8 +83,11 @@ def zero_state(eng) -> tuple:
     named = dict(eng.module.named_parameters())
     (step,) = {s["step"].item() for s in eng.optimizer.optimizer.state.values()}
     params = {n: safe_get_full_fp32_param(p).cpu() for n, p in named.items()}
-    state = {f"{n}/{k}": safe_get_full_optimizer_state(p, k).cpu() for n, p in named.items()
-             for k in ("exp_avg", "exp_avg_sq")}
+    state = {
+        f"{n}/{k}": safe_get_full_optimizer_state(p, k).cpu()
+        for n, p in named.items()
+        for k in ("exp_avg", "exp_avg_sq")
+    }
     state.update({f"{n}/step": torch.tensor(step) for n in named})
     return params, state, optimizer_groups(eng.optimizer.optimizer, eng.module, members=eng.optimizer.bit16_groups)
 
@@ -93,8 +102,11 @@ def load_zero_state(eng, ckpt) -> None:
     check_optimizer_groups(ckpt.optimizer_groups, optimizer_groups(zero.optimizer, eng.module, zero.bit16_groups))
     (step,) = {t.item() for k, t in state.items() if k.endswith("/step")}
     for flat in zero.single_partition_of_fp32_groups:
-        zero.optimizer.state[flat] = {"step": torch.tensor(step), "exp_avg": torch.zeros_like(flat),
-                                      "exp_avg_sq": torch.zeros_like(flat)}
+        zero.optimizer.state[flat] = {
+            "step": torch.tensor(step),
+            "exp_avg": torch.zeros_like(flat),
+            "exp_avg_sq": torch.zeros_like(flat),
+        }
     link_moments(eng)
     with torch.no_grad():
         for n, p in eng.module.named_parameters():
@@ -123,8 +135,15 @@ def zero_ranks(save_dir: str, dp: int, extensions_dir: str) -> dict:
     losses = [train_step(eng, s, rank, dp) for s in range(SAVE_AT)]
     params, state, groups = zero_state(eng)
     if rank == 0:
-        save_checkpoint(save_dir, SAVE_AT, tiny("Mamba2"), params, optimizer=state, optimizer_groups=groups,
-                        scheduler=scheduler_state(eng.lr_scheduler))
+        save_checkpoint(
+            save_dir,
+            SAVE_AT,
+            tiny("Mamba2"),
+            params,
+            optimizer=state,
+            optimizer_groups=groups,
+            scheduler=scheduler_state(eng.lr_scheduler),
+        )
     dist.barrier()
     losses += [train_step(eng, s, rank, dp) for s in range(SAVE_AT, STEPS)]
     fresh = engine(seed=3, dp=dp)

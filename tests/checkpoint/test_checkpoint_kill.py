@@ -5,6 +5,7 @@ the first tensor file and the manifest (half written), just before the checkpoin
 rename, before `latest` is switched, and before the oldest checkpoint is pruned. Nothing in the
 dying process cleans up; the test then checks the directory as a restarted job would.
 """
+
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ def kill_points(calls: list) -> list:
         (calls.index("write_tensors") + 1, "torn", "model.safetensors half written"),
         (manifest + 1, "torn", "manifest.json half written"),
         (first_rename + 1, "before", "before the rename into place"),
-        (first_rename + 1 + calls[first_rename + 1:].index("rename") + 1, "before", "before latest is switched"),
+        (first_rename + 1 + calls[first_rename + 1 :].index("rename") + 1, "before", "before latest is switched"),
         (calls.index("remove_tree") + 1, "before", "before the oldest checkpoint is pruned"),
     ]
 
@@ -40,7 +41,11 @@ def test_sigkill_during_a_save_leaves_a_loadable_checkpoint(tmp_path, monkeypatc
         save_dir = tmp_path / f"kill{at}"
         for s, w in before:
             save(save_dir, s, keep_last, seed=w)
-        child = subprocess.run([sys.executable, CHILD, str(save_dir), str(step), str(seed), str(keep_last), str(at),
-                                mode], capture_output=True, text=True, timeout=120)
+        child = subprocess.run(
+            [sys.executable, CHILD, str(save_dir), str(step), str(seed), str(keep_last), str(at), mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert child.returncode == -signal.SIGKILL, (what, child.returncode, child.stderr[-2000:])
         assert_recovers(save_dir, scenario, f"killed {what} (call {at} of {calls})")

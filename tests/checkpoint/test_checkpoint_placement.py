@@ -1,5 +1,6 @@
 """A resumed optimizer's state sits where torch's AdamW keeps it: each tensor on its parameter's device in
 the dtype AdamW gives it, `step` a float32 tensor on the device when fused or capturable, else on the host."""
+
 import pytest
 import torch
 
@@ -17,8 +18,11 @@ def run(seed: int, options: dict) -> tuple:
 
 
 def placement(optimizer) -> dict:
-    return {(i, key): (v.dtype, v.device, tuple(v.shape)) for i, p in enumerate(optimizer.param_groups[0]["params"])
-            for key, v in optimizer.state[p].items()}
+    return {
+        (i, key): (v.dtype, v.device, tuple(v.shape))
+        for i, p in enumerate(optimizer.param_groups[0]["params"])
+        for key, v in optimizer.state[p].items()
+    }
 
 
 @pytest.mark.parametrize("options", [{"fused": True}, {"foreach": False}], ids=["fused", "for-loop"])
@@ -33,8 +37,10 @@ def test_resumed_adamw_state_has_the_devices_and_dtypes_of_a_stepped_one(tmp_pat
     assert all(torch.is_tensor(s) and s.dtype == torch.float32 and s.item() == 1 for s in steps)
 
 
-@pytest.mark.parametrize("group, device", [({"fused": True}, "meta"), ({"capturable": True}, "meta"),
-                                           ({"fused": None, "capturable": False}, "cpu")])
+@pytest.mark.parametrize(
+    "group, device",
+    [({"fused": True}, "meta"), ({"capturable": True}, "meta"), ({"fused": None, "capturable": False}, "cpu")],
+)
 def test_adam_step_is_built_where_torch_adamw_builds_it(group, device):
     param = torch.empty(3, device="meta")
     step = adam_step(7, param, group)

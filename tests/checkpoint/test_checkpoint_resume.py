@@ -5,6 +5,7 @@ loads the checkpoint, 4 more steps. Losses, parameters and optimizer state must 
 (torch.equal / ==), which needs the weights, both Adam moments, the step counts, the
 scheduler's position (the lr of step 4) and the global RNG state (the batches draw from it).
 """
+
 import random
 
 import numpy as np
@@ -167,8 +168,11 @@ def test_groups_of_an_optimizer_over_flat_partitions_need_their_members():
     params = list(model.parameters())
     flat = torch.nn.Parameter(torch.cat([p.detach().flatten() for p in params]))
     optimizer = torch.optim.AdamW([flat], weight_decay=0.1)
-    with pytest.raises(CheckpointError, match=r"group 0 steps 1 tensor\(s\) that are not parameters of the model "
-                                              r"\(pass `members`"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"group 0 steps 1 tensor\(s\) that are not parameters of the model "
+        r"\(pass `members`",
+    ):
         optimizer_groups(optimizer, model)
     (group,) = optimizer_groups(optimizer, model, members=[params])
     assert group["params"] == [n for n, _ in model.named_parameters()] and group["weight_decay"] == 0.1

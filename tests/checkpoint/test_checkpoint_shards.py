@@ -1,5 +1,6 @@
 """A checkpoint written by several writers, each the pieces it holds (TP rows, ZeRO fragments), reads like a
 one-file one everywhere: `Checkpoint`, a model folder (generation), HF export. Format versions 1 and 2 still read."""
+
 import os
 
 import pytest
@@ -78,8 +79,11 @@ def test_writers_pieces_read_as_one_checkpoint_model_folder_and_hf_export(tmp_pa
     full, parts = writers()
     path = save_by_writers(str(tmp_path / "save"), parts)
     assert sorted(n for n in os.listdir(path) if n.startswith(("model", "optimizer"))) == [
-        *[f"model-rank-0000{r}.safetensors" for r in range(4)], "model.safetensors.index.json",
-        *[f"optimizer-rank-0000{r}.safetensors" for r in range(4)], "optimizer.safetensors.index.json"]
+        *[f"model-rank-0000{r}.safetensors" for r in range(4)],
+        "model.safetensors.index.json",
+        *[f"optimizer-rank-0000{r}.safetensors" for r in range(4)],
+        "optimizer.safetensors.index.json",
+    ]
     ckpt = Checkpoint(path)
     loaded = ckpt.model_tensors()
     assert loaded.keys() == full.keys() and all(torch.equal(loaded[k], full[k]) for k in full)
@@ -103,9 +107,8 @@ def test_a_cut_reads_only_the_pieces_it_overlaps(tmp_path, monkeypatch):
     monkeypatch.setattr(FolderTensors, "_handle", lambda self, file: opened.append(file) or handle(self, file))
     rows, width = full[name].shape
     (cut,) = Checkpoint(path).model_cuts({"mine": (name, Cut(0, ((0, rows // 2),), (rows // 2, width)))}).values()
-    assert torch.equal(cut, full[name][:rows // 2])
+    assert torch.equal(cut, full[name][: rows // 2])
     assert opened == ["model-rank-00000.safetensors"], "the index describes the pieces: only the one read is opened"
-
 
 
 def test_a_cut_the_pieces_cannot_give_is_a_checkpoint_error_naming_the_tensor(tmp_path):
@@ -115,6 +118,7 @@ def test_a_cut_the_pieces_cannot_give_is_a_checkpoint_error_naming_the_tensor(tm
     rows, width = full[name].shape
     with pytest.raises(CheckpointError, match=rf"model: {name}: cannot cut {name}: local shape \(2, {width + 1}\)"):
         Checkpoint(path).model_cuts({"mine": (name, Cut(0, ((0, 2),), (2, width + 1)))})
+
 
 def test_a_piece_written_by_two_writers_is_refused_and_nothing_is_committed(tmp_path):
     _, parts = writers()
@@ -127,15 +131,20 @@ def test_a_piece_written_by_two_writers_is_refused_and_nothing_is_committed(tmp_
 
 def test_a_missing_writer_is_refused(tmp_path):
     _, parts = writers()
-    with pytest.raises(CheckpointError, match=r"backbone.embedding.weight: the pieces' rows \[\(0, \d+\)\] along "
-                                              "dim 0 do not cover"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"backbone.embedding.weight: the pieces' rows \[\(0, \d+\)\] along "
+        "dim 0 do not cover",
+    ):
         save_by_writers(str(tmp_path), [parts[0], parts[2], parts[3]])
 
 
 def test_a_save_missing_one_parameters_optimizer_state_is_refused(tmp_path):
     _, parts = writers()
-    parts = [(params, [h for h in optimizer if h[0] != "backbone.embedding.weight/exp_avg"], groups)
-             for params, optimizer, groups in parts]
+    parts = [
+        (params, [h for h in optimizer if h[0] != "backbone.embedding.weight/exp_avg"], groups)
+        for params, optimizer, groups in parts
+    ]
     with pytest.raises(CheckpointError, match=r"optimizer state missing \['backbone.embedding.weight/exp_avg'\]"):
         save_by_writers(str(tmp_path), parts)
 
@@ -144,21 +153,26 @@ def test_a_format_version_2_checkpoint_with_one_file_per_stage_reads(tmp_path):
     full, _ = writers()
     path = tmp_path / "step_000004"
     path.mkdir()
-    stage = {n: "model-00001-of-00002.safetensors" if "layers.0." in n else "model-00002-of-00002.safetensors"
-             for n in full}
+    stage = {
+        n: "model-00001-of-00002.safetensors" if "layers.0." in n else "model-00002-of-00002.safetensors" for n in full
+    }
     for file in sorted(set(stage.values())):
         files.write_tensors(str(path / file), {n: t for n, t in full.items() if stage[n] == file})
     files.write_json(str(path / "model.safetensors.index.json"), {"metadata": {}, "weight_map": stage})
     files.write_tensors(str(path / "optimizer.safetensors"), {f"{n}/exp_avg": t for n, t in full.items()})
     files.write_tensors(str(path / "rng-rank-00000.safetensors"), *rng_files.to_file([capture_rng()]))
     files.write_json(str(path / "config.json"), CONFIG.to_dict())
-    files.write_json(str(path / "trainer_state.json"), {"format_version": 2, "step": 4, "scheduler": None,
-                                                       "optimizer": {"param_groups": []}, "extra": {}})
+    files.write_json(
+        str(path / "trainer_state.json"),
+        {"format_version": 2, "step": 4, "scheduler": None, "optimizer": {"param_groups": []}, "extra": {}},
+    )
     write_manifest(str(path), "step_000004", 4)
     ckpt = Checkpoint(str(path))
     assert all(torch.equal(ckpt.model_tensors()[k], full[k]) for k in full)
-    assert torch.equal(ckpt.optimizer_tensors(["backbone.norm_f.weight"])["backbone.norm_f.weight/exp_avg"],
-                       full["backbone.norm_f.weight"])
+    assert torch.equal(
+        ckpt.optimizer_tensors(["backbone.norm_f.weight"])["backbone.norm_f.weight/exp_avg"],
+        full["backbone.norm_f.weight"],
+    )
 
 
 def test_a_format_version_1_checkpoint_reads(tmp_path):
@@ -170,8 +184,10 @@ def test_a_format_version_1_checkpoint_reads(tmp_path):
     files.write_tensors(str(path / "model.safetensors"), full)
     files.write_tensors(str(path / "optimizer.safetensors"), {f"{n}/exp_avg": t for n, t in full.items()})
     files.write_tensors(str(path / "rng.safetensors"), *rng_files.to_file(states))
-    files.write_json(str(path / "trainer_state.json"), {"format_version": 1, "step": 4, "scheduler": None,
-                                                       "optimizer": {"param_groups": []}, "extra": {}})
+    files.write_json(
+        str(path / "trainer_state.json"),
+        {"format_version": 1, "step": 4, "scheduler": None, "optimizer": {"param_groups": []}, "extra": {}},
+    )
     write_manifest(str(path), "step_000004", 4)
     ckpt = Checkpoint(str(path))
     assert all(torch.equal(ckpt.model_tensors()[k], full[k]) for k in full)

@@ -8,6 +8,7 @@ was saved under its tag, and, after it saves again, a clean directory. They stub
 effect no test without a power cut can observe (hundreds of real ones cost seconds on a busy
 disk); test_checkpoint_kill.py runs saves with the real one.
 """
+
 import functools
 import os
 import warnings
@@ -37,8 +38,14 @@ def weights(seed: int) -> dict:
 
 
 def save(save_dir, step: int, keep_last=None, seed=None) -> str:
-    return save_checkpoint(str(save_dir), step, CONFIG, weights(step if seed is None else seed), keep_last=keep_last,
-                           extra={"note": f"step {step}"})
+    return save_checkpoint(
+        str(save_dir),
+        step,
+        CONFIG,
+        weights(step if seed is None else seed),
+        keep_last=keep_last,
+        extra={"note": f"step {step}"},
+    )
 
 
 def holds_weights_of(path: str, seed: int) -> bool:
@@ -52,8 +59,13 @@ def test_save_writes_a_complete_checkpoint_and_points_latest_at_it(tmp_path):
     assert path == str(tmp_path / "step_000007")
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000007"]
     assert (tmp_path / "latest").read_text() == "step_000007\n"
-    assert sorted(verify(path)["files"]) == ["config.json", "model.safetensors", "optimizer.safetensors",
-                                              "rng-rank-00000.safetensors", "trainer_state.json"]
+    assert sorted(verify(path)["files"]) == [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng-rank-00000.safetensors",
+        "trainer_state.json",
+    ]
     ckpt = Checkpoint(path)
     assert (ckpt.step, ckpt.tag, ckpt.extra) == (7, "step_000007", {"note": "step 7"})
     assert holds_weights_of(path, 7)
@@ -92,8 +104,11 @@ def test_find_latest_without_latest_warns_and_takes_the_newest_complete_checkpoi
     save(tmp_path, 1)
     save(tmp_path, 2)
     os.remove(tmp_path / "latest")
-    with pytest.warns(CheckpointWarning, match=r"latest is missing; resuming from the newest complete checkpoint "
-                                               r"step_000002"):
+    with pytest.warns(
+        CheckpointWarning,
+        match=r"latest is missing; resuming from the newest complete checkpoint "
+        r"step_000002",
+    ):
         assert find_latest(str(tmp_path)) == str(tmp_path / "step_000002")
 
 
@@ -196,7 +211,10 @@ def test_nothing_changes_when_the_model_tensors_do_not_fit_the_config(tmp_path):
     before = snapshot(str(tmp_path))
     bad = weights(2)
     bad["backbone.layers.0.mixer.D"] = torch.ones(5)
-    with pytest.raises(files.CheckpointError, match=r"backbone.layers.0.mixer.D has shape \(5,\), the model config "
-                                                    r"implies \(6,\)"):
+    with pytest.raises(
+        files.CheckpointError,
+        match=r"backbone.layers.0.mixer.D has shape \(5,\), the model config "
+        r"implies \(6,\)",
+    ):
         save_checkpoint(str(tmp_path), 2, CONFIG, bad)
     assert snapshot(str(tmp_path)) == before

@@ -9,6 +9,7 @@ then resumes the same checkpoint at TP 1 (and the ranks resume a TP-1 checkpoint
 loss curves agree to float32 reduction-order error (<= 1e-5 relative; TP sums in another order).
 Mamba-2 with one B/C group exercises the replicated in_proj/conv partners of the sharded parameters.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,15 +78,22 @@ def tp_ranks(case: str, save_dir: str, tp1_checkpoint: str) -> dict:
     resume_tp(resumed, Checkpoint(f"{save_dir}/step_{SAVE_AT:06d}"), tp)
     resumed_losses = losses[:SAVE_AT] + [train_step(*resumed, s) for s in range(SAVE_AT, STEPS)]
     same_shards = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed[0].parameters()))
-    same_state = all(torch.equal(optimizer.state[a][k], resumed[1].state[b][k])
-                     for a, b in zip(model.parameters(), resumed[0].parameters())
-                     for k in ("exp_avg", "exp_avg_sq", "step"))
+    same_state = all(
+        torch.equal(optimizer.state[a][k], resumed[1].state[b][k])
+        for a, b in zip(model.parameters(), resumed[0].parameters())
+        for k in ("exp_avg", "exp_avg_sq", "step")
+    )
 
     from_tp1 = training_run(config, seed=6, tp=tp)
     resume_tp(from_tp1, Checkpoint(tp1_checkpoint), tp)
     from_tp1_losses = [train_step(*from_tp1, s) for s in range(SAVE_AT, STEPS)]
-    return {"losses": losses, "resumed": resumed_losses, "same_shards": same_shards, "same_state": same_state,
-            "from_tp1": from_tp1_losses}
+    return {
+        "losses": losses,
+        "resumed": resumed_losses,
+        "same_shards": same_shards,
+        "same_state": same_state,
+        "from_tp1": from_tp1_losses,
+    }
 
 
 @pytest.mark.parametrize("case", CONFIGS)
@@ -105,8 +113,10 @@ def test_checkpoints_resume_across_tensor_parallel_sizes(tmp_path, case):
     at_tp1 = training_run(config, seed=9)
     load_training_checkpoint(Checkpoint(str(tmp_path / "tp2" / f"step_{SAVE_AT:06d}")), *at_tp1)
     tp2_to_tp1 = [train_step(*at_tp1, s) for s in range(SAVE_AT, STEPS)]
-    errors = {"tp2 vs tp1 curve": relative_error(r["losses"], tp1_losses),
-              "tp2 -> tp1 resume": relative_error(tp2_to_tp1, r["losses"][SAVE_AT:]),
-              "tp1 -> tp2 resume": relative_error(r["from_tp1"], tp1_losses[SAVE_AT:])}
+    errors = {
+        "tp2 vs tp1 curve": relative_error(r["losses"], tp1_losses),
+        "tp2 -> tp1 resume": relative_error(tp2_to_tp1, r["losses"][SAVE_AT:]),
+        "tp1 -> tp2 resume": relative_error(r["from_tp1"], tp1_losses[SAVE_AT:]),
+    }
     print(case, {k: f"{v:.1e}" for k, v in errors.items()})
     assert all(v <= 1e-5 for v in errors.values()), errors

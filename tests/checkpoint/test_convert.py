@@ -5,6 +5,7 @@ transformers tests (slow: importing it takes seconds) load the exported folder w
 `MambaForCausalLM` / `Mamba2ForCausalLM` on the CPU (their PyTorch paths, no CUDA kernels) and
 compare the logits with ours.
 """
+
 import json
 import os
 
@@ -55,6 +56,7 @@ def test_export_writes_transformers_names_and_fields(tmp_path):
     assert (hf["vocab_size"], hf["num_heads"], hf["head_dim"], hf["n_groups"], hf["state_size"]) == (40, 6, 6, 2, 6)
     assert (hf["time_step_limit"], hf["chunk_size"], hf["tie_word_embeddings"]) == ([0.001, 0.5], 8, False)
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "backbone.embeddings.weight" in keys and "backbone.embedding.weight" not in keys and "lm_head.weight" in keys
@@ -91,8 +93,10 @@ def test_import_refuses_a_pickle_that_would_run_code(tmp_path, monkeypatch):
     (tmp_path / "ssm").mkdir()
     tiny("Mamba1").to_json(str(tmp_path / "ssm" / "config.json"))
     torch.save({"backbone.embedding.weight": Payload()}, tmp_path / "ssm" / "pytorch_model.bin")
-    refused(["import", "--from", "mamba_ssm", "--input", tmp_path / "ssm", "--output", tmp_path / "ours"],
-            r"pytorch_model.bin: not loadable with weights_only=True")
+    refused(
+        ["import", "--from", "mamba_ssm", "--input", tmp_path / "ssm", "--output", tmp_path / "ours"],
+        r"pytorch_model.bin: not loadable with weights_only=True",
+    )
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "ours").exists()
 
 
@@ -103,8 +107,11 @@ def test_import_hf_reads_sharded_safetensors_and_special_floats(tmp_path):
     hf["time_step_limit"] = [0.0, {"__float__": "Infinity"}]  # how transformers 5 writes inf
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
-    state = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v.contiguous()
-             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {
+        ("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v.contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
     names = sorted(state)
     shards = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
     for shard, keys in shards.items():
@@ -117,13 +124,21 @@ def test_import_hf_reads_sharded_safetensors_and_special_floats(tmp_path):
     assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("layer,ssm,fields,named", [
-    ("Mamba1", {}, {"rms_norm": False}, r"rms_norm=false \(LayerNorm\): transformers' Mamba and Mamba2 have RMSNorm"),
-    ("Mamba1", {"expand": 1.5}, {}, r"ssm_cfg.expand=1.5: transformers stores expand as an integer"),
-    ("Mamba2", {"norm_before_gate": True}, {}, r"ssm_cfg.norm_before_gate=true: transformers' Mamba2 gates before"),
-    ("Mamba2", {"D_has_hdim": True}, {}, r"ssm_cfg.D_has_hdim=true: transformers' Mamba2 has one D per head"),
-    ("Mamba2", {"rmsnorm": False}, {}, r"ssm_cfg.rmsnorm=false: transformers' Mamba2 always applies the gated"),
-])
+@pytest.mark.parametrize(
+    "layer,ssm,fields,named",
+    [
+        (
+            "Mamba1",
+            {},
+            {"rms_norm": False},
+            r"rms_norm=false \(LayerNorm\): transformers' Mamba and Mamba2 have RMSNorm",
+        ),
+        ("Mamba1", {"expand": 1.5}, {}, r"ssm_cfg.expand=1.5: transformers stores expand as an integer"),
+        ("Mamba2", {"norm_before_gate": True}, {}, r"ssm_cfg.norm_before_gate=true: transformers' Mamba2 gates before"),
+        ("Mamba2", {"D_has_hdim": True}, {}, r"ssm_cfg.D_has_hdim=true: transformers' Mamba2 has one D per head"),
+        ("Mamba2", {"rmsnorm": False}, {}, r"ssm_cfg.rmsnorm=false: transformers' Mamba2 always applies the gated"),
+    ],
+)
 def test_export_refuses_what_transformers_cannot_represent(tmp_path, layer, ssm, fields, named):
     config = tiny(layer, ssm=ssm, **fields)
     save_model_folder(perturbed_model(config, 0), str(tmp_path / "folder"))
@@ -131,12 +146,15 @@ def test_export_refuses_what_transformers_cannot_represent(tmp_path, layer, ssm,
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("change,named", [
-    ({"model_type": "llama"}, r"model_type='llama': only \['mamba', 'mamba2'\]"),
-    ({"hidden_act": "gelu"}, r"hidden_act='gelu': the Mamba mixers use silu only"),
-    ({"layer_norm_epsilon": 1e-6}, r"layer_norm_epsilon=1e-06: our norms use mamba_ssm's 1e-05"),
-    ({"num_heads": 5}, r"num_heads=5 x head_dim=6 != expand x hidden_size = 36"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"model_type": "llama"}, r"model_type='llama': only \['mamba', 'mamba2'\]"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu': the Mamba mixers use silu only"),
+        ({"layer_norm_epsilon": 1e-6}, r"layer_norm_epsilon=1e-06: our norms use mamba_ssm's 1e-05"),
+        ({"num_heads": 5}, r"num_heads=5 x head_dim=6 != expand x hidden_size = 36"),
+    ],
+)
 def test_import_refuses_what_we_cannot_represent(change, named):
     hf = {**hf_config(tiny("Mamba2"), torch.float32), **change}
     with pytest.raises(HFFormatError, match=named):
@@ -148,14 +166,18 @@ def test_output_that_exists_is_never_overwritten(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
     before = snapshot(str(tmp_path))
-    refused(["export", "--checkpoint", ckpt, "--output", tmp_path / "hf"],
-            r"--output .*hf: exists and is not an empty directory; choose a new one")
+    refused(
+        ["export", "--checkpoint", ckpt, "--output", tmp_path / "hf"],
+        r"--output .*hf: exists and is not an empty directory; choose a new one",
+    )
     assert snapshot(str(tmp_path)) == before
 
 
 def test_export_of_a_missing_checkpoint_says_so(tmp_path):
-    refused(["export", "--checkpoint", tmp_path / "nowhere", "--output", tmp_path / "hf"],
-            r"convert export: error: --checkpoint .*nowhere: no such directory")
+    refused(
+        ["export", "--checkpoint", tmp_path / "nowhere", "--output", tmp_path / "hf"],
+        r"convert export: error: --checkpoint .*nowhere: no such directory",
+    )
 
 
 @pytest.mark.slow

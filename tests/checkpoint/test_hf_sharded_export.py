@@ -3,6 +3,7 @@
 Memory is measured by counting the bytes of the tensors the export holds (each loaded tensor is
 tracked until it is freed), not by RSS, which the allocator and page cache blur.
 """
+
 import json
 import weakref
 
@@ -29,8 +30,10 @@ def export(tmp_path, layer: str = "Mamba2", *flags, **fields):
     return model, tmp_path / "hf"
 
 
-@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("4GiB", 4 * 2**30), ("500MB", 5 * 10**8),
-                                       ("1000", 1000), ("2 kib", 2048), ("1.5KB", 1500)])
+@pytest.mark.parametrize(
+    "text,size",
+    [("5GB", 5 * 10**9), ("4GiB", 4 * 2**30), ("500MB", 5 * 10**8), ("1000", 1000), ("2 kib", 2048), ("1.5KB", 1500)],
+)
 def test_sizes_read_as_transformers_writes_them(text, size):
     assert parse_size(text) == size
 
@@ -49,9 +52,14 @@ def test_shards_fill_in_order_and_a_tensor_above_the_limit_is_alone():
 
 def test_mixed_dtypes_read_back_bit_identical_and_aligned(tmp_path):
     gen = torch.Generator().manual_seed(0)
-    tensors = {"odd_bf16": torch.randn(3, generator=gen).bfloat16(), "f64": torch.randn(2, 5, generator=gen).double(),
-               "i8": torch.randint(-100, 100, (7,), generator=gen, dtype=torch.int8), "scalar": torch.tensor(1.5),
-               "f32": torch.randn(4, 3, generator=gen), "flags": torch.tensor([True, False, True])}
+    tensors = {
+        "odd_bf16": torch.randn(3, generator=gen).bfloat16(),
+        "f64": torch.randn(2, 5, generator=gen).double(),
+        "i8": torch.randint(-100, 100, (7,), generator=gen, dtype=torch.int8),
+        "scalar": torch.tensor(1.5),
+        "f32": torch.randn(4, 3, generator=gen),
+        "flags": torch.tensor([True, False, True]),
+    }
     dtypes = {torch.bfloat16: "BF16", torch.float64: "F64", torch.int8: "I8", torch.float32: "F32", torch.bool: "BOOL"}
     specs = [TensorSpec(n, dtypes[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
     files = write_sharded(str(tmp_path), specs, tensors.__getitem__, "100B")
@@ -78,8 +86,9 @@ def test_above_the_limit_the_export_is_sharded_with_an_index_and_imports_bit_ide
     model, hf = export(tmp_path, "Mamba2", "--max-shard-size", str(LIMIT), tie_embeddings=False)
     index = json.loads((hf / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 2 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                                          for i in range(1, len(shards) + 1)]
+    assert len(shards) > 2 and shards == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     for shard in shards:
         with safe_open(str(hf / shard), "pt") as f:
             sizes = [f.get_slice(n).get_shape() for n in f.keys()]
@@ -118,8 +127,10 @@ def test_the_export_holds_one_tensor_at_a_time_never_a_shard(tmp_path, monkeypat
     sizes = {n: p.numel() * p.element_size() for n, p in model.state_dict().items()}
     assert sorted(n for n, _ in held.loaded) == sorted(sizes), "every tensor is read once, through the reader"
     largest, shard_bound = max(sizes.values()), parse_size("20KB") + max(sizes.values())
-    print(f"peak held {held.peak} B; largest tensor {largest} B; one shard plus one tensor {shard_bound} B; "
-          f"model {sum(sizes.values())} B")
+    print(
+        f"peak held {held.peak} B; largest tensor {largest} B; one shard plus one tensor {shard_bound} B; "
+        f"model {sum(sizes.values())} B"
+    )
     assert held.peak == largest < shard_bound and held.now == 0
 
 

@@ -5,6 +5,7 @@ Four kinds: SentencePiece BPE and unigram (trained on the built-in corpus), a to
 `tokenizers` library on the written tokenizer.json; the slow ones import transformers (seconds)
 and load the exported folder with `AutoTokenizer.from_pretrained`.
 """
+
 import contextlib
 import io
 import json
@@ -25,8 +26,19 @@ from megamamba.tokenizer.sentencepiece_model import UNIGRAM_SCORE_STEP
 
 KINDS = ("sentencepiece_bpe", "sentencepiece_unigram", "tokenizer_json", "bytes")
 SNIPPET_SEED = 1
-VARIATIONS = ("   ", "\n\n", "\t", "\n    ", "naïve café Ωμέγα 日本語 🤖", " 0123 456.78 9e-10 ", "  \u00a0 ",
-              "</s>", "<|endoftext|>", "<unk>", "\r\n")
+VARIATIONS = (
+    "   ",
+    "\n\n",
+    "\t",
+    "\n    ",
+    "naïve café Ωμέγα 日本語 🤖",
+    " 0123 456.78 9e-10 ",
+    "  \u00a0 ",
+    "</s>",
+    "<|endoftext|>",
+    "<unk>",
+    "\r\n",
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +48,12 @@ def tokenizers_by_kind(tmp_path_factory):
     json_tok = Library(models.BPE())
     json_tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     json_tok.decoder = decoders.ByteLevel()
-    json_tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    json_tok.train_from_iterator(
+        docs,
+        trainers.BpeTrainer(
+            vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     json_tok.save(str(root / "tokenizer.json"))
     return {
         "sentencepiece_bpe": load_tokenizer(train_sentencepiece(docs, str(root / "bpe"), 1000, "bpe")),
@@ -55,7 +71,7 @@ def snippets(count: int = 100) -> list:
     for i in range(count):
         doc = rng.choice(docs)
         start = rng.randrange(len(doc))
-        text = doc[start:start + rng.randint(1, 400)]
+        text = doc[start : start + rng.randint(1, 400)]
         if i % 2:
             at = rng.randrange(len(text) + 1)
             text = text[:at] + rng.choice(VARIATIONS) + text[at:]
@@ -130,12 +146,14 @@ def test_unigram_training_puts_scores_on_the_grid_ties_need(tokenizers_by_kind):
     assert all(s / UNIGRAM_SCORE_STEP == round(s / UNIGRAM_SCORE_STEP) for s in scores)
 
 
-def test_an_export_that_would_encode_differently_is_refused_and_no_tokenizer_skips_it(tmp_path, tokenizers_by_kind,
-                                                                                        monkeypatch):
+def test_an_export_that_would_encode_differently_is_refused_and_no_tokenizer_skips_it(
+    tmp_path, tokenizers_by_kind, monkeypatch
+):
     ours = tokenizers_by_kind["sentencepiece_bpe"]
     other = tokenizers_by_kind["sentencepiece_unigram"].path
-    monkeypatch.setattr(transformers_export, "sentencepiece_as_tokenizers",
-                        lambda path: sentencepiece_as_tokenizers(other))
+    monkeypatch.setattr(
+        transformers_export, "sentencepiece_as_tokenizers", lambda path: sentencepiece_as_tokenizers(other)
+    )
     ckpt = checkpoint_with(tmp_path, ours)
     message = refusal(["export", "--checkpoint", ckpt, "--output", tmp_path / "hf"])
     assert message.startswith("convert export: error: the tokenizer.json built from SentencePieceTokenizer(")
@@ -147,18 +165,23 @@ def test_an_export_that_would_encode_differently_is_refused_and_no_tokenizer_ski
 
 def test_a_sentencepiece_option_without_tokenizer_json_equivalent_is_named(tmp_path):
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(python_docs()[:20]), model_writer=model, vocab_size=300,
-                                   treat_whitespace_as_suffix=True, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(python_docs()[:20]),
+        model_writer=model,
+        vocab_size=300,
+        treat_whitespace_as_suffix=True,
+        minloglevel=2,
+    )
     (tmp_path / "suffix.model").write_bytes(model.getvalue())
     with pytest.raises(TokenizerError, match=r"suffix.model: treat_whitespace_as_suffix=true has no tokenizer.json"):
-        transformers_export.write_transformers_tokenizer(load_tokenizer(str(tmp_path / "suffix.model")),
-                                                         str(tmp_path))
+        transformers_export.write_transformers_tokenizer(load_tokenizer(str(tmp_path / "suffix.model")), str(tmp_path))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_auto_tokenizer_of_the_export_encodes_and_decodes_100_snippets_as_ours(tmp_path, tokenizers_by_kind, kind,
-                                                                              monkeypatch):
+def test_auto_tokenizer_of_the_export_encodes_and_decodes_100_snippets_as_ours(
+    tmp_path, tokenizers_by_kind, kind, monkeypatch
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     ours = tokenizers_by_kind[kind]

@@ -6,6 +6,7 @@ path) and with mamba_ssm's MambaLMHeadModel (its Triton kernels under the interp
 stubbed: tests/mamba_ssm_source.py; mamba_ssm's rotary needs flash_attn, absent here, so its
 attention runs without rotary) and compare logits with ours in float32.
 """
+
 import json
 import math
 
@@ -24,13 +25,21 @@ from megamamba.tokenizer import load_tokenizer
 NO_BIAS = {"qkv_proj_bias": False, "out_proj_bias": False}
 GQA = {"num_heads": 6, "num_heads_kv": 2, "head_dim": 5, "causal": True}  # 3 query heads per key/value head
 # a Nemotron-H-shaped pattern: Mamba-2, attention, squared-ReLU MLP layers
-PATTERN = {"n_layer": 5, "hybrid_layer_pattern": "M*-M-", "d_intermediate": 22, "mlp_activation": "squared_relu",
-           "attn_cfg": {**GQA, **NO_BIAS}, "vocab_size": 257}
+PATTERN = {
+    "n_layer": 5,
+    "hybrid_layer_pattern": "M*-M-",
+    "d_intermediate": 22,
+    "mlp_activation": "squared_relu",
+    "attn_cfg": {**GQA, **NO_BIAS},
+    "vocab_size": 257,
+}
 NEMOTRON_CASES = {
     "tied": ({}, {}),
     # NemotronH clamps dt at time_step_min, its initialisation minimum too; the stream in the model's dtype
-    "untied_dt_floor_bias": ({"dt_limit": [0.05, math.inf], "dt_min": 0.05, "bias": True},
-                             {"tie_embeddings": False, "residual_in_fp32": False}),
+    "untied_dt_floor_bias": (
+        {"dt_limit": [0.05, math.inf], "dt_min": 0.05, "bias": True},
+        {"tie_embeddings": False, "residual_in_fp32": False},
+    ),
     # multi-head attention, its head width d_model / num_heads left implicit (the import spells it out)
     "mha_implicit_head_dim": ({}, {"attn_cfg": {"num_heads": 6, "causal": True, **NO_BIAS}}),
 }
@@ -54,6 +63,7 @@ def ids_for(model, batch: int = 2, seed: int = 11) -> torch.Tensor:
 
 # ---- transformers' NemotronH -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", NEMOTRON_CASES)
 def test_nemotron_h_export_then_import_gives_our_weights_and_config(tmp_path, case):
     model = pattern_model(case)
@@ -70,18 +80,29 @@ def test_nemotron_h_export_then_import_gives_our_weights_and_config(tmp_path, ca
     assert load_tokenizer(str(tmp_path / "back")).identity == load_tokenizer("bytes").identity
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"mlp_activation": "gated_silu"}, r"mlp_activation='gated_silu': NemotronH's MLP is squared ReLU"),
-    ({"attn_cfg": GQA}, r"qkv_proj_bias=True, out_proj_bias=True: NemotronH's attention has no biases"),
-    ({"attn_cfg": {**GQA, **NO_BIAS, "rotary_emb_dim": 2}}, r"rotary_emb_dim=2: NemotronH's attention has no rotary"),
-    ({"attn_cfg": {**GQA, **NO_BIAS, "softmax_scale": 0.3}}, r"softmax_scale=0.3: NemotronH scales by head_dim"),
-    ({"ssm_cfg": {"layer": "Mamba1"}}, r"ssm_cfg.layer='Mamba1': NemotronH's Mamba layers are Mamba2"),
-    ({"ssm_cfg": {"layer": "Mamba2", "headdim": 6, "dt_limit": [0.0, 1.0]}}, r"dt_limit=\[0.0, 1.0\]: .*upper limit"),
-    ({"ssm_cfg": {"layer": "Mamba2", "headdim": 6, "norm_before_gate": True}}, r"norm_before_gate=True"),
-    ({"rms_norm": False}, r"rms_norm=false \(LayerNorm\): NemotronH has RMSNorm only"),
-    ({"hybrid_layer_pattern": "", "n_layer": 2, "attn_layer_idx": [1], "mlp_activation": "squared_relu"},
-     r"d_intermediate=22 without hybrid_layer_pattern .* one mixer per layer"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"mlp_activation": "gated_silu"}, r"mlp_activation='gated_silu': NemotronH's MLP is squared ReLU"),
+        ({"attn_cfg": GQA}, r"qkv_proj_bias=True, out_proj_bias=True: NemotronH's attention has no biases"),
+        (
+            {"attn_cfg": {**GQA, **NO_BIAS, "rotary_emb_dim": 2}},
+            r"rotary_emb_dim=2: NemotronH's attention has no rotary",
+        ),
+        ({"attn_cfg": {**GQA, **NO_BIAS, "softmax_scale": 0.3}}, r"softmax_scale=0.3: NemotronH scales by head_dim"),
+        ({"ssm_cfg": {"layer": "Mamba1"}}, r"ssm_cfg.layer='Mamba1': NemotronH's Mamba layers are Mamba2"),
+        (
+            {"ssm_cfg": {"layer": "Mamba2", "headdim": 6, "dt_limit": [0.0, 1.0]}},
+            r"dt_limit=\[0.0, 1.0\]: .*upper limit",
+        ),
+        ({"ssm_cfg": {"layer": "Mamba2", "headdim": 6, "norm_before_gate": True}}, r"norm_before_gate=True"),
+        ({"rms_norm": False}, r"rms_norm=false \(LayerNorm\): NemotronH has RMSNorm only"),
+        (
+            {"hybrid_layer_pattern": "", "n_layer": 2, "attn_layer_idx": [1], "mlp_activation": "squared_relu"},
+            r"d_intermediate=22 without hybrid_layer_pattern .* one mixer per layer",
+        ),
+    ],
+)
 def test_nemotron_h_export_refuses_what_it_cannot_compute(change, named):
     config = tiny("Mamba2", **{**PATTERN, **{k: v for k, v in change.items() if k != "ssm_cfg"}})
     if "ssm_cfg" in change:
@@ -93,17 +114,22 @@ def test_nemotron_h_export_refuses_what_it_cannot_compute(change, named):
 def test_nemotron_h_refusal_is_one_line_naming_the_field(tmp_path):
     model = perturbed_model(tiny("Mamba2", **{**PATTERN, "attn_cfg": GQA}), 0)
     save_model_folder(model, str(tmp_path / "ours"))
-    refused(["export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "hf"],
-            r"^convert export: error: attn_cfg qkv_proj_bias=True, out_proj_bias=True: NemotronH")
+    refused(
+        ["export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "hf"],
+        r"^convert export: error: attn_cfg qkv_proj_bias=True, out_proj_bias=True: NemotronH",
+    )
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"layers_block_type": ["linear_attention", "moe"]}, r"layers_block_type has \['moe'\]"),
-    ({"layers_block_type": None, "hybrid_override_pattern": "ME"}, r"layers_block_type has \['moe'\]"),
-    ({"num_nextn_predict_layers": 1}, r"num_nextn_predict_layers=1: multi-token prediction"),
-    ({"mlp_hidden_act": "silu"}, r"mlp_hidden_act='silu'"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"layers_block_type": ["linear_attention", "moe"]}, r"layers_block_type has \['moe'\]"),
+        ({"layers_block_type": None, "hybrid_override_pattern": "ME"}, r"layers_block_type has \['moe'\]"),
+        ({"num_nextn_predict_layers": 1}, r"num_nextn_predict_layers=1: multi-token prediction"),
+        ({"mlp_hidden_act": "silu"}, r"mlp_hidden_act='silu'"),
+    ],
+)
 def test_nemotron_h_import_refuses_what_we_cannot_compute(change, named):
     hf = {**nemotron_h_config(tiny("Mamba2", **PATTERN), torch.float32), **change}
     with pytest.raises(HFFormatError, match=named):
@@ -114,8 +140,12 @@ def test_nemotron_h_import_reads_the_older_config_names_transformers_reads():
     config = tiny("Mamba2", **PATTERN)
     hf = nemotron_h_config(config, torch.float32)
     del hf["layers_block_type"]
-    older = {"hybrid_override_pattern": "M*-M-", "mamba_n_groups": hf.pop("n_groups"),
-             "mamba_chunk_size": hf.pop("chunk_size"), **hf}
+    older = {
+        "hybrid_override_pattern": "M*-M-",
+        "mamba_n_groups": hf.pop("n_groups"),
+        "mamba_chunk_size": hf.pop("chunk_size"),
+        **hf,
+    }
     assert config_from_nemotron_h(older) == config_from_nemotron_h(nemotron_h_config(config, torch.float32))
     types = ["mamba", "attention", "mlp", "mamba", "mlp"]  # the layer type names transformers remaps
     renamed = {**nemotron_h_config(config, torch.float32), "layers_block_type": types}
@@ -154,16 +184,32 @@ def test_transformers_nemotron_h_logits_of_the_export_equal_ours(tmp_path, case,
 # mamba_ssm's fields: attention at layer 1 (GQA, biases), a gated MLP inside every block. Its fused path
 # needs the causal-conv1d extension (use_mem_eff_path); its Triton norms cost seconds interpreted (fused_add_norm).
 FOR_THE_CPU = {"ssm_cfg": {"use_mem_eff_path": False}, "fused_add_norm": False}
-MAMBA_SSM_HYBRID = {"d_model": 18, "n_layer": 3, "vocab_size": 37, "d_intermediate": 20, "attn_layer_idx": [1],
-                    "attn_cfg": {**GQA, "qkv_proj_bias": True, "out_proj_bias": True}, "tie_embeddings": False,
-                    "fused_add_norm": False, "ssm_cfg": {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2,
-                                                         "chunk_size": 8, "use_mem_eff_path": False}}
+MAMBA_SSM_HYBRID = {
+    "d_model": 18,
+    "n_layer": 3,
+    "vocab_size": 37,
+    "d_intermediate": 20,
+    "attn_layer_idx": [1],
+    "attn_cfg": {**GQA, "qkv_proj_bias": True, "out_proj_bias": True},
+    "tie_embeddings": False,
+    "fused_add_norm": False,
+    "ssm_cfg": {
+        "layer": "Mamba2",
+        "d_state": 6,
+        "headdim": 6,
+        "ngroups": 2,
+        "chunk_size": 8,
+        "use_mem_eff_path": False,
+    },
+}
 
 
 def test_mamba_ssm_export_refuses_mlp_layers_naming_the_pattern_and_nemotron_h(tmp_path):
     save_model_folder(pattern_model("tied"), str(tmp_path / "ours"))
-    refused(["export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "ssm", "--to", "mamba_ssm"],
-            r"hybrid_layer_pattern='M\*-M-': mamba_ssm has no MLP layers \(-\).*NemotronH instead \(--to hf\)")
+    refused(
+        ["export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "ssm", "--to", "mamba_ssm"],
+        r"hybrid_layer_pattern='M\*-M-': mamba_ssm has no MLP layers \(-\).*NemotronH instead \(--to hf\)",
+    )
 
 
 def test_mamba_ssm_export_writes_its_config_and_init_from_reads_it_back(tmp_path):
@@ -180,6 +226,7 @@ def test_mamba_ssm_export_writes_its_config_and_init_from_reads_it_back(tmp_path
 @pytest.fixture(scope="module")
 def mamba_ssm():
     import mamba_ssm_source
+
     with mamba_ssm_source.loaded() as (theirs, why):
         if theirs is None:
             pytest.skip(why)
@@ -206,8 +253,9 @@ def test_a_mamba_ssm_hybrid_folder_gives_its_logits_in_ours(tmp_path, mamba_ssm)
 
 @pytest.mark.slow
 def test_mamba_ssm_reads_our_hybrid_export_with_our_logits(tmp_path, mamba_ssm):
-    config = tiny("Mamba2", ssm=FOR_THE_CPU["ssm_cfg"], fused_add_norm=False, n_layer=3, hybrid_layer_pattern="M*M",
-                  attn_cfg=GQA)
+    config = tiny(
+        "Mamba2", ssm=FOR_THE_CPU["ssm_cfg"], fused_add_norm=False, n_layer=3, hybrid_layer_pattern="M*M", attn_cfg=GQA
+    )
     model = perturbed_model(config, 2).eval()
     theirs = mamba_ssm.MambaLMHeadModel.from_pretrained(exported(tmp_path, model, "mamba_ssm"), device="cpu")
     ids = ids_for(model, batch=1)

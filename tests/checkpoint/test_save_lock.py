@@ -1,5 +1,6 @@
 """One writer per save directory: the lock, its holder record, stale locks, and pruning that
 touches only this job's staging folders and never the protected checkpoint."""
+
 import fcntl
 import json
 import os
@@ -38,8 +39,10 @@ def test_a_second_lock_on_the_directory_is_refused_naming_the_holder(tmp_path):
 def test_a_second_process_is_refused_while_the_first_holds_the_lock(tmp_path):
     lock = SaveDirLock(str(tmp_path), "job-a")
     lock.acquire()
-    code = ("import sys; from megamamba.checkpoint.lock import SaveDirLock\n"
-            "try:\n    SaveDirLock(sys.argv[1], 'job-b').acquire()\nexcept Exception as e:\n    print(e); sys.exit(3)")
+    code = (
+        "import sys; from megamamba.checkpoint.lock import SaveDirLock\n"
+        "try:\n    SaveDirLock(sys.argv[1], 'job-b').acquire()\nexcept Exception as e:\n    print(e); sys.exit(3)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     lock.release()
     assert proc.returncode == 3 and f"pid {os.getpid()}" in proc.stdout, proc.stdout + proc.stderr

@@ -1,4 +1,5 @@
 """Pieces of full tensors: a rank's TP rows and ZeRO fragments are put back into any other layout's cut, exactly."""
+
 import math
 
 import pytest
@@ -13,8 +14,7 @@ SHAPES = {  # full shape, shard
     "columns": ((3, 12), Shard("w", 1, (Component("cols", 12),))),
     "components": ((26, 3), Shard("w", 0, (Component("z", 12), Component("x", 12), Component("B", 2, sharded=False)))),
 }
-REPLICATED = {"components": Shard("w", 0, SHAPES["components"][1].components, replicated_part=True,
-                                  grad_reduced=True)}
+REPLICATED = {"components": Shard("w", 0, SHAPES["components"][1].components, replicated_part=True, grad_reduced=True)}
 
 
 def _shard_at(shard: Shard, tp_size: int) -> Shard:
@@ -44,12 +44,13 @@ def _stored(full: torch.Tensor, case: str, tp_size: int, dp_size: int, seed: int
     stored = []
     for shard, rank, cut in _cuts(case, tp_size):
         local = local_shard(full, shard, tp_size, rank)
-        bounds = sorted(torch.randperm(local.numel() - 1, generator=generator)[:dp_size - 1].add(1).tolist())
+        bounds = sorted(torch.randperm(local.numel() - 1, generator=generator)[: dp_size - 1].add(1).tolist())
         for start, stop in zip([0] + bounds, bounds + [local.numel()]):
             flat = (start, stop) if dp_size > 1 else None
             value = local.reshape(-1)[start:stop].clone() if flat else local.clone()
-            stored.append((Piece("w", tuple(full.shape), cut, flat),
-                           lambda d, a, b, value=value: value.narrow(d, a, b - a)))
+            stored.append(
+                (Piece("w", tuple(full.shape), cut, flat), lambda d, a, b, value=value: value.narrow(d, a, b - a))
+            )
     return stored
 
 
@@ -73,8 +74,9 @@ def test_full_rows_are_the_rows_local_shard_cuts(case, tp_size):
 
 
 @pytest.mark.parametrize("case", sorted(SHAPES))
-@pytest.mark.parametrize(("source", "target"), [((2, 3), (1, 1)), ((1, 4), (2, 1)), ((3, 2), (2, 2)),
-                                                 ((2, 1), (4, 3)), ((1, 1), (3, 1))])
+@pytest.mark.parametrize(
+    ("source", "target"), [((2, 3), (1, 1)), ((1, 4), (2, 1)), ((3, 2), (2, 2)), ((2, 1), (4, 3)), ((1, 1), (3, 1))]
+)
 def test_any_layouts_pieces_assemble_any_other_layouts_cut_bit_for_bit(case, source, target):
     (tp_src, dp_src), (tp_dst, _) = source, target
     if not (_divides(case, tp_src) and _divides(case, tp_dst)):
@@ -109,6 +111,7 @@ def test_a_cut_along_dim_0_reads_only_its_rows_of_each_fragment():
             part = read(d, a, b)
             read_elements.append(part.numel())
             return part
+
         return piece, count
 
     stored = [counted(*entry) for entry in _stored(full, "rows", 1, 4, 5)]

@@ -1,2 +1,3 @@
 """Fixtures of the data tests; the helpers live in data_fixtures.py."""
+
 from data_fixtures import corpus_jsonl  # noqa: F401  (a fixture)

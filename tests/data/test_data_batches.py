@@ -1,4 +1,5 @@
 """Packed, blended global batches: deterministic, resumable, layout-free, honouring weights and boundaries."""
+
 from fractions import Fraction
 
 import numpy as np
@@ -115,16 +116,27 @@ def test_tiny_weights_still_get_their_share():
     assert sum(1 for i, _ in assigned if i == 0) == 10
 
 
-@pytest.mark.parametrize("args,expected", [(["a"], [(1, "a")]),
-                                           (["0.7", "a", "0.3", "b"], [(Fraction(7, 10), "a"), (Fraction(3, 10), "b")]),
-                                           (["2", "a", "6", "b"], [(Fraction(1, 4), "a"), (Fraction(3, 4), "b")])])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["a"], [(1, "a")]),
+        (["0.7", "a", "0.3", "b"], [(Fraction(7, 10), "a"), (Fraction(3, 10), "b")]),
+        (["2", "a", "6", "b"], [(Fraction(1, 4), "a"), (Fraction(3, 4), "b")]),
+    ],
+)
 def test_blend_list_is_parsed_and_normalised(args, expected):
     assert parse_blend(args) == expected
 
 
-@pytest.mark.parametrize("args,message", [([], "no dataset given"), (["0.5", "a", "b"], "expected pairs"),
-                                          (["x", "a", "0.5", "b"], "weight 'x' is not a number"),
-                                          (["0", "a", "1", "b"], "weight '0' must be positive")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ([], "no dataset given"),
+        (["0.5", "a", "b"], "expected pairs"),
+        (["x", "a", "0.5", "b"], "weight 'x' is not a number"),
+        (["0", "a", "1", "b"], "weight '0' must be positive"),
+    ],
+)
 def test_bad_blend_lists_fail_clearly(args, message):
     with pytest.raises(ValueError, match=message):
         parse_blend(args)
@@ -171,7 +183,7 @@ def test_a_window_of_a_sample_is_that_slice_of_the_whole_sample(two_datasets, wi
     for q in range(3 * packer.samples_per_epoch):
         tokens, ids = packer.sample(q)
         part_tokens, part_ids = packer.sample(q, window)
-        assert np.array_equal(part_tokens, tokens[lo:hi + 1]), f"sample {q}"
+        assert np.array_equal(part_tokens, tokens[lo : hi + 1]), f"sample {q}"
         assert np.array_equal(part_ids, ids[lo:hi]) and part_ids.dtype == np.int32, f"sample {q}"
 
 

@@ -1,4 +1,5 @@
 """The corpus dump and tokenizer-training commands produce what the preprocessing command consumes."""
+
 import json
 
 from megamamba.corpus import python_docs
@@ -18,8 +19,9 @@ def test_corpus_dump_writes_the_built_in_corpus_as_jsonl(tmp_path, capsys):
 
 def test_tokenizer_command_trains_a_loadable_model(corpus_jsonl, tmp_path, capsys):
     prefix = tmp_path / "tok" / "spm"
-    train_cli.main(["--input", corpus_jsonl, "--vocab-size", "330", "--model-type", "unigram",
-                    "--output-prefix", str(prefix)])
+    train_cli.main(
+        ["--input", corpus_jsonl, "--vocab-size", "330", "--model-type", "unigram", "--output-prefix", str(prefix)]
+    )
     assert f"wrote {prefix}.model" in capsys.readouterr().err
     tok = load_tokenizer(f"{prefix}.model")
     text = json.loads(open(corpus_jsonl).readline())["text"]

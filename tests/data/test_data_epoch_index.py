@@ -1,5 +1,6 @@
 """A large dataset's per-epoch packing arrays: built once beside it, memory-mapped, exactly what
 packing in memory gives; small or unwritable datasets keep them in memory."""
+
 import os
 import threading
 
@@ -70,11 +71,13 @@ def test_processes_starting_together_build_an_epoch_once(dataset, indexed, monke
     def counted(self, epoch):
         builds.append(epoch)
         return build(self, epoch)
+
     monkeypatch.setattr(DocumentPacker, "_build_epoch", counted)
     results = [None] * 4
 
     def start(i):  # separate open() calls: flock excludes them as it excludes processes
         results[i] = DocumentPacker(dataset, SEQ, seed=7, key=0).sample(2)
+
     threads = [threading.Thread(target=start, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()

@@ -1,4 +1,5 @@
 """The index is checked and read in chunks: a dataset spanning many chunks reads and fails exactly as in one."""
+
 import struct
 
 import numpy as np
@@ -32,8 +33,11 @@ def test_documents_across_chunks_read_back_whole(prefix):
 
 def test_a_wrong_pointer_in_a_later_chunk_is_named(prefix):
     patch(prefix + ".idx", HEADER + 4 * 7 + 8 * 5, struct.pack("<q", 2))
-    with pytest.raises(DatasetError, match=r"corrupt: sequence 5 points to byte 2, but the sequences before it "
-                                           r"end at byte 28"):
+    with pytest.raises(
+        DatasetError,
+        match=r"corrupt: sequence 5 points to byte 2, but the sequences before it "
+        r"end at byte 28",
+    ):
         IndexedDataset(prefix)
 
 

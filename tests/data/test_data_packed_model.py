@@ -1,4 +1,5 @@
 """With the packer's document ids as seq_idx, a document's logits do not depend on what was packed before it."""
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +9,10 @@ from megamamba.data.packing import segment_ids
 from megamamba.testing.numerics import relative_error
 
 EOD = 0
-SSM = {"Mamba1": {"layer": "Mamba1", "d_state": 5, "dt_rank": 3},
-       "Mamba2": {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 8}}
+SSM = {
+    "Mamba1": {"layer": "Mamba1", "d_state": 5, "dt_rank": 3},
+    "Mamba2": {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 8},
+}
 
 
 def packed(before: list, document: list):
@@ -37,5 +40,6 @@ def test_document_logits_do_not_depend_on_the_document_before(layer):
     err = relative_error(with_reset[0], with_reset[1])
     assert err <= 1e-5, f"{layer} seed {seed}: document logits depend on the previous document (rel err {err:.2e})"
     leak = relative_error(without[0], without[1])
-    assert 1e-3 < leak < float("inf"), \
+    assert 1e-3 < leak < float("inf"), (
         f"{layer} seed {seed}: without seq_idx the previous document should matter (rel {leak:.2e})"
+    )

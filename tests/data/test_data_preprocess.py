@@ -1,4 +1,5 @@
 """Preprocessing: deterministic Megatron-layout files, the split, inputs, progress and clear failures."""
+
 import io
 import json
 import re
@@ -14,8 +15,15 @@ from megamamba.tokenizer import load_tokenizer
 
 
 def run(inputs, prefix, workers=1, valid_fraction=0.0, tokenizer="bytes", **kw):
-    return prep.preprocess(inputs, tokenizer, str(prefix), workers=workers, valid_fraction=valid_fraction,
-                           progress_stream=io.StringIO(), **kw)
+    return prep.preprocess(
+        inputs,
+        tokenizer,
+        str(prefix),
+        workers=workers,
+        valid_fraction=valid_fraction,
+        progress_stream=io.StringIO(),
+        **kw,
+    )
 
 
 def file_bytes(prefix):
@@ -91,9 +99,14 @@ def test_json_key_selects_the_text_field(tmp_path):
     assert IndexedDataset(prefix).document(0).tolist() == [97, 98, 99, 256]
 
 
-@pytest.mark.parametrize("line,message", [('{"body": "x"}', r"d.jsonl:2: no key 'text' \(choose it with --json-key\)"),
-                                          ("not json", "d.jsonl:2: not a JSON object"),
-                                          ('{"text": 3}', "d.jsonl:2: 'text' holds int, not text")])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"body": "x"}', r"d.jsonl:2: no key 'text' \(choose it with --json-key\)"),
+        ("not json", "d.jsonl:2: not a JSON object"),
+        ('{"text": 3}', "d.jsonl:2: 'text' holds int, not text"),
+    ],
+)
 def test_bad_jsonl_lines_are_named(tmp_path, line, message):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "fine"}\n' + line + "\n")
@@ -122,8 +135,20 @@ def test_progress_line_shows_rate_and_eta(corpus_jsonl, tmp_path):
 
 
 def test_command_line_writes_both_splits(corpus_jsonl, tmp_path, capsys):
-    prep.main(["--input", corpus_jsonl, "--tokenizer", "bytes", "--output-prefix", str(tmp_path / "c"),
-               "--workers", "2", "--valid-fraction", "0.05"])
+    prep.main(
+        [
+            "--input",
+            corpus_jsonl,
+            "--tokenizer",
+            "bytes",
+            "--output-prefix",
+            str(tmp_path / "c"),
+            "--workers",
+            "2",
+            "--valid-fraction",
+            "0.05",
+        ]
+    )
     err = capsys.readouterr().err
     assert f"wrote {tmp_path}/c_train.bin" in err and f"wrote {tmp_path}/c_valid.bin" in err
     assert IndexedDataset(str(tmp_path / "c_valid")).num_documents >= 1
@@ -138,6 +163,7 @@ def test_command_line_failure_is_one_line(tmp_path, capsys):
 
 def test_sentencepiece_dataset_round_trips(tmp_path):
     from megamamba.tokenizer import train_sentencepiece
+
     model = train_sentencepiece([t * 5 for t in TEXTS] * 4, str(tmp_path / "spm"), 330)
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS if t))

@@ -1,4 +1,5 @@
 """The progress printer redraws one line on a terminal and prints plain lines elsewhere (no '\\r' in logs)."""
+
 import io
 
 from megamamba.data.progress import Progress

@@ -1,4 +1,5 @@
 """--split carves train, validation and test parts from one --data blend: disjoint, proportional, deterministic."""
+
 import os
 import re
 from fractions import Fraction
@@ -28,7 +29,7 @@ def blend(tmp_path):
 
 def labels(dataset) -> set:
     """The document labels of a dataset or a part of one."""
-    tokens = dataset.tokens[dataset.offsets[0]:dataset.offsets[-1]]
+    tokens = dataset.tokens[dataset.offsets[0] : dataset.offsets[-1]]
     return set(np.unique(tokens[tokens != EOD]).tolist())
 
 
@@ -38,13 +39,16 @@ def test_proportions_are_normalised_and_missing_parts_are_empty():
     assert parse_split("1") == (1, 0, 0)
 
 
-@pytest.mark.parametrize("text, words", [
-    ("90,x,1", "--split '90,x,1': 'x' is not a number"),
-    ("90,5,3,2", "--split '90,5,3,2': 4 proportions; at most 3"),
-    ("90,-5,5", "--split '90,-5,5': proportion '-5' is negative"),
-    ("0,50,50", "--split '0,50,50': the training part is empty"),
-    ("", "--split '': '' is not a number"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("90,x,1", "--split '90,x,1': 'x' is not a number"),
+        ("90,5,3,2", "--split '90,5,3,2': 4 proportions; at most 3"),
+        ("90,-5,5", "--split '90,-5,5': proportion '-5' is negative"),
+        ("0,50,50", "--split '0,50,50': the training part is empty"),
+        ("", "--split '': '' is not a number"),
+    ],
+)
 def test_malformed_splits_are_one_line_refusals(text, words):
     with pytest.raises(ValueError) as e:
         parse_split(text)
@@ -69,8 +73,9 @@ def test_every_dataset_of_the_blend_is_split_into_disjoint_parts(blend):
         assert train.num_documents + valid.num_documents + test.num_documents == dataset.num_documents
         for part, proportion in ((train, 0.8), (valid, 0.15), (test, 0.05)):
             assert abs(part.num_documents - proportion * dataset.num_documents) <= 1, (part.prefix, proportion)
-        assert not labels(train) & labels(valid) and not labels(valid) & labels(test) and \
-            not labels(train) & labels(test)
+        assert (
+            not labels(train) & labels(valid) and not labels(valid) & labels(test) and not labels(train) & labels(test)
+        )
         assert labels(train) | labels(valid) | labels(test) == labels(dataset)
         assert train.num_tokens + valid.num_tokens + test.num_tokens == dataset.num_tokens
 
@@ -95,8 +100,10 @@ def test_the_same_split_gives_the_same_batches(blend):
 
 def test_a_part_left_without_documents_is_refused_naming_the_dataset(tmp_path):
     small = write_dataset(str(tmp_path / "small"), labelled_documents(10, seed=1, min_len=20, max_len=30))
-    with pytest.raises(ValueError, match=re.escape(f"--split 969,30,1: the validation part of {small} (10 "
-                                                   "documents) holds no document")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"--split 969,30,1: the validation part of {small} (10 documents) holds no document"),
+    ):
         training_data(TINY, "bytes", [small], [], SEQ, BATCH, seed=3, split="969,30,1")
 
 
@@ -105,16 +112,31 @@ def test_without_a_validation_part_evaluation_is_refused(blend):
         training_data(TINY, "bytes", blend, [], SEQ, BATCH, seed=3, split="100,0,1", needs_validation=True)
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--split", "90,x"], "train.py: error: --split '90,x': 'x' is not a number"),
-    (["--split", "90,10", "--valid-data", "{b}"], "train.py: error: --split and --valid-data both give validation "
-                                                   "data: keep one"),
-    (["--split", "90,10", "--data"], "train.py: error: --split without --data"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--split", "90,x"], "train.py: error: --split '90,x': 'x' is not a number"),
+        (
+            ["--split", "90,10", "--valid-data", "{b}"],
+            "train.py: error: --split and --valid-data both give validation data: keep one",
+        ),
+        (["--split", "90,10", "--data"], "train.py: error: --split without --data"),
+    ],
+)
 def test_train_py_refuses_bad_splits_with_one_line_and_status_2(blend, flags, words, capsys):
-    argv = ["--deepspeed_config", str(ROOT / "launch/configs/tiny-cpu.json"), "--model-config",
-            str(ROOT / "launch/models/tiny-mamba2.json"), "--train-iters", "1", "--seq-length", str(SEQ),
-            "--data", blend[1], *(f.format(b=blend[3]) for f in flags)]
+    argv = [
+        "--deepspeed_config",
+        str(ROOT / "launch/configs/tiny-cpu.json"),
+        "--model-config",
+        str(ROOT / "launch/models/tiny-mamba2.json"),
+        "--train-iters",
+        "1",
+        "--seq-length",
+        str(SEQ),
+        "--data",
+        blend[1],
+        *(f.format(b=blend[3]) for f in flags),
+    ]
     with pytest.raises(SystemExit) as e:
         load_train_script().main(argv)
     err = capsys.readouterr().err
@@ -124,10 +146,28 @@ def test_train_py_refuses_bad_splits_with_one_line_and_status_2(blend, flags, wo
 @pytest.mark.slow
 def test_a_run_with_split_evaluates_on_its_validation_part(blend, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    argv = ["--deepspeed_config", str(ROOT / "launch/configs/tiny-cpu.json"), "--model-config",
-            str(ROOT / "launch/models/tiny-mamba2.json"), "--train-iters", "2", "--seq-length", str(SEQ),
-            "--data", *blend, "--split", "80,15,5", "--eval-interval", "1", "--eval-iters", "1",
-            "--log-interval", "1", "--metrics-jsonl", str(metrics)]
+    argv = [
+        "--deepspeed_config",
+        str(ROOT / "launch/configs/tiny-cpu.json"),
+        "--model-config",
+        str(ROOT / "launch/models/tiny-mamba2.json"),
+        "--train-iters",
+        "2",
+        "--seq-length",
+        str(SEQ),
+        "--data",
+        *blend,
+        "--split",
+        "80,15,5",
+        "--eval-interval",
+        "1",
+        "--eval-iters",
+        "1",
+        "--log-interval",
+        "1",
+        "--metrics-jsonl",
+        str(metrics),
+    ]
     run_ranks(run_train, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"]), init_process_group=False, timeout=300)
     records = read_metrics(metrics)
     assert [r["step"] for r in records] == [0, 1] and all(np.isfinite(r["val_loss"]) for r in records), records

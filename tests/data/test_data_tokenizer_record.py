@@ -1,5 +1,6 @@
 """Datasets record the tokenizer that made them; training refuses data made with another one by
 name (--allow-tokenizer-mismatch overrides), and accepts datasets without a record with a warning."""
+
 import io
 import json
 import os

@@ -1,5 +1,6 @@
 """Invalid UTF-8 is handled alike for JSONL, .txt and folders: refused with file, line and byte
 offset, or replaced with U+FFFD only under --replace-invalid-utf8, which says so."""
+
 import pytest
 
 from megamamba.data import preprocess as prep
@@ -21,9 +22,11 @@ def inputs(tmp_path):
     (folder / "sub").mkdir(parents=True)
     (folder / "a.txt").write_bytes(b"good text\n")
     (folder / "sub" / "b.txt").write_bytes(b"first line\n" + BAD + b"\n")
-    return {"jsonl": (jsonl, f"{jsonl}:2: invalid UTF-8 at byte offset {17 + 10 + 3}"),
-            "txt": (txt, f"{txt}:2: invalid UTF-8 at byte offset {11 + 3}"),
-            "folder": (folder, f"{folder / 'sub' / 'b.txt'}:2: invalid UTF-8 at byte offset {11 + 3}")}
+    return {
+        "jsonl": (jsonl, f"{jsonl}:2: invalid UTF-8 at byte offset {17 + 10 + 3}"),
+        "txt": (txt, f"{txt}:2: invalid UTF-8 at byte offset {11 + 3}"),
+        "folder": (folder, f"{folder / 'sub' / 'b.txt'}:2: invalid UTF-8 at byte offset {11 + 3}"),
+    }
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "txt", "folder"])
@@ -33,16 +36,27 @@ def test_invalid_utf8_is_refused_with_file_line_and_offset(tmp_path, inputs, cap
         prep.main(["--input", str(path), "--tokenizer", "bytes", "--output-prefix", str(tmp_path / "out")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err == f"preprocess: error: {where} (invalid continuation byte); fix the input, or pass " \
-                  "--replace-invalid-utf8 to replace invalid bytes with U+FFFD\n"
+    assert (
+        err == f"preprocess: error: {where} (invalid continuation byte); fix the input, or pass "
+        "--replace-invalid-utf8 to replace invalid bytes with U+FFFD\n"
+    )
     assert not list(tmp_path.glob("out*"))
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "txt", "folder"])
 def test_invalid_utf8_is_replaced_under_the_flag_which_says_so(tmp_path, inputs, capsys, kind):
     path, where = inputs[kind]
-    prep.main(["--input", str(path), "--tokenizer", "bytes", "--output-prefix", str(tmp_path / "out"),
-               "--replace-invalid-utf8"])
+    prep.main(
+        [
+            "--input",
+            str(path),
+            "--tokenizer",
+            "bytes",
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--replace-invalid-utf8",
+        ]
+    )
     err = capsys.readouterr().err
     assert f"warning: {where} (invalid continuation byte): replaced with U+FFFD (--replace-invalid-utf8)" in err
     texts = [text for text, _ in iter_documents(input_files([str(path)]), replace_invalid_utf8=True)]
@@ -55,6 +69,7 @@ def test_invalid_utf8_is_replaced_under_the_flag_which_says_so(tmp_path, inputs,
 
 def test_tokenizer_training_refuses_invalid_utf8_in_one_line_without_writing_a_model(tmp_path, inputs, capsys):
     from megamamba.tokenizer import train as train_cli
+
     path, where = inputs["jsonl"]
     with pytest.raises(SystemExit) as e:
         train_cli.main(["--input", str(path), "--vocab-size", "300", "--output-prefix", str(tmp_path / "spm")])

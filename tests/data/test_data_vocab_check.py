@@ -1,4 +1,5 @@
 """The vocabulary check reads a dataset's tokens once: later start-ups trust its record while the .bin is unchanged."""
+
 import fcntl
 import io
 import json
@@ -28,6 +29,7 @@ def scans(monkeypatch):
     def counted(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
+
     monkeypatch.setattr(vocab_check, "scan_token_range", counted)
     return count
 
@@ -42,8 +44,10 @@ def test_preprocess_records_the_token_range_of_what_it_wrote(corpus_jsonl, tmp_p
     tokens = np.fromfile(prefix + ".bin", np.uint16)
     record = tokens_record(prefix)
     assert (record["min_id"], record["max_id"]) == (int(tokens.min()), int(tokens.max()))
-    assert (record["bin_bytes"], record["bin_mtime_ns"]) == (os.path.getsize(prefix + ".bin"),
-                                                             os.stat(prefix + ".bin").st_mtime_ns)
+    assert (record["bin_bytes"], record["bin_mtime_ns"]) == (
+        os.path.getsize(prefix + ".bin"),
+        os.stat(prefix + ".bin").st_mtime_ns,
+    )
 
 
 def test_a_preprocessed_dataset_is_checked_without_reading_a_token(corpus_jsonl, tmp_path, scans):
@@ -84,8 +88,11 @@ def test_a_bin_changed_in_place_is_scanned_again(tmp_path, scans):
         f.write(np.array([300], np.uint16).tobytes())  # same size, another first id
     stat = os.stat(prefix + ".bin")
     os.utime(prefix + ".bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    with pytest.raises(DatasetError, match=r"token id 300 is outside the vocabulary of 10 ids: the data was "
-                                           r"preprocessed with another tokenizer"):
+    with pytest.raises(
+        DatasetError,
+        match=r"token id 300 is outside the vocabulary of 10 ids: the data was "
+        r"preprocessed with another tokenizer",
+    ):
         IndexedDataset(prefix, vocab_size=10)
     assert scans[0] == 2
 
@@ -107,6 +114,7 @@ def test_ranks_starting_together_scan_a_dataset_once(tmp_path, monkeypatch):
         count[0] += 1
         time.sleep(0.2)  # the others arrive while this one scans, and wait on its lock
         return real(*args, **kwargs)
+
     monkeypatch.setattr(vocab_check, "scan_token_range", slow_scan)
     errors = []
 
@@ -115,6 +123,7 @@ def test_ranks_starting_together_scan_a_dataset_once(tmp_path, monkeypatch):
             IndexedDataset(prefix, vocab_size=10)
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
+
     threads = [threading.Thread(target=rank) for _ in range(4)]
     for t in threads:
         t.start()
@@ -132,6 +141,7 @@ def test_the_scan_lock_is_taken_on_a_writable_lock_file_beside_the_dataset_not_o
         writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
         locked.append((os.fstat(fd).st_ino, writable))
         return real(fd, operation)
+
     monkeypatch.setattr(fcntl, "flock", recorded)
     IndexedDataset(prefix, vocab_size=10)
     assert locked == [(os.stat(prefix + vocab_check.LOCK_SUFFIX).st_ino, True)]
@@ -151,8 +161,9 @@ def test_a_large_scan_shows_progress_as_plain_lines_off_a_terminal(tmp_path, mon
     stream = io.StringIO()
     assert vocab_check.token_range(IndexedDataset(prefix), stream) == (0, 9)
     text = stream.getvalue()
-    assert "\r" not in text and text.splitlines()[-1].startswith(f"vocabulary check of {prefix}.bin (once: the "
-                                                                  "result is recorded): 100.0% | 3 docs |")
+    assert "\r" not in text and text.splitlines()[-1].startswith(
+        f"vocabulary check of {prefix}.bin (once: the result is recorded): 100.0% | 3 docs |"
+    )
 
 
 def test_a_dataset_in_a_directory_it_cannot_write_is_scanned_and_says_why(tmp_path, monkeypatch):
@@ -178,8 +189,11 @@ def test_a_record_that_cannot_be_written_leaves_the_check_standing_and_says_so(t
 
     def full_disk(*args):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(vocab_check, "record_token_range", full_disk)
     stream = io.StringIO()
     assert vocab_check.token_range(IndexedDataset(prefix), stream) == (0, 9)
-    assert stream.getvalue() == (f"vocabulary check of {prefix}.bin: not recorded ([Errno 28] No space left on "
-                                 "device); the next start-up scans again\n")
+    assert stream.getvalue() == (
+        f"vocabulary check of {prefix}.bin: not recorded ([Errno 28] No space left on "
+        "device); the next start-up scans again\n"
+    )

@@ -1,4 +1,5 @@
 """train.py's data: built-in corpus or preprocessed blends, validation, seq_idx, and refusals before start-up."""
+
 import re
 
 import numpy as np
@@ -54,19 +55,26 @@ def test_blend_batches_carry_seq_idx_at_document_boundaries_unless_turned_off(tm
     assert off_seq_idx is None and off_inputs.shape == (8, 24)
 
 
-@pytest.mark.parametrize("data, valid, needs_validation, words", [
-    ([], ["x"], False, "--valid-data without --data"),
-    (["{a}"], [], True, "--eval-interval > 0 with --data needs --valid-data"),
-    (["{big}"], [], False, "token id 300 is outside the vocabulary of 257 ids"),
-    (["0.5", "{a}", "{a}"], [], False, "expected pairs 'weight prefix'"),
-    (["{tmp}/missing"], [], False, "missing.idx: no such file"),
-])
+@pytest.mark.parametrize(
+    "data, valid, needs_validation, words",
+    [
+        ([], ["x"], False, "--valid-data without --data"),
+        (["{a}"], [], True, "--eval-interval > 0 with --data needs --valid-data"),
+        (["{big}"], [], False, "token id 300 is outside the vocabulary of 257 ids"),
+        (["0.5", "{a}", "{a}"], [], False, "expected pairs 'weight prefix'"),
+        (["{tmp}/missing"], [], False, "missing.idx: no such file"),
+    ],
+)
 def test_unusable_data_flags_are_refused_with_the_value_named(tmp_path, data, valid, needs_validation, words):
-    paths = {"a": _dataset(tmp_path / "a", _short_documents(50, 1)),
-             "big": _dataset(tmp_path / "big", [[300, 256]] * 40), "tmp": str(tmp_path)}
+    paths = {
+        "a": _dataset(tmp_path / "a", _short_documents(50, 1)),
+        "big": _dataset(tmp_path / "big", [[300, 256]] * 40),
+        "tmp": str(tmp_path),
+    }
     with pytest.raises((ValueError, OSError), match=re.escape(words)):
-        training_data(TINY, "bytes", [d.format(**paths) for d in data], valid, 8, 4, SEED,
-                      needs_validation=needs_validation)
+        training_data(
+            TINY, "bytes", [d.format(**paths) for d in data], valid, 8, 4, SEED, needs_validation=needs_validation
+        )
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused():

@@ -1,4 +1,5 @@
 """Generation: the recurrent step reproduces the parallel forward's argmax; sampling stays in its allowed set."""
+
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ def check_greedy_matches_parallel_argmax(model, tok, losses, layer, new_tokens=N
     prompt = torch.tensor([[tok.eod] + tok.encode(PROMPT)])
     new = generate_ids(model, prompt, new_tokens, tok.vocab_size, greedy=True)
     with torch.no_grad():
-        logits = model(torch.cat([prompt, new[:, :-1]], dim=1))[0, prompt.shape[1] - 1:, :tok.vocab_size]
+        logits = model(torch.cat([prompt, new[:, :-1]], dim=1))[0, prompt.shape[1] - 1 :, : tok.vocab_size]
     assert torch.isfinite(logits).all()
     top2 = logits.topk(2, dim=-1).values
     margin = (top2[:, 0] - top2[:, 1]).min().item()
@@ -104,14 +105,25 @@ def test_top_k_and_top_p_combine():
 def test_sampling_never_picks_padded_vocabulary_rows(trained):
     model, tok, _ = trained
     assert model.config.padded_vocab_size > tok.vocab_size
-    new = generate_ids(model, torch.tensor([[tok.eod]] * 4), 25, tok.vocab_size, temperature=5.0,
-                       generator=torch.Generator().manual_seed(0))
+    new = generate_ids(
+        model,
+        torch.tensor([[tok.eod]] * 4),
+        25,
+        tok.vocab_size,
+        temperature=5.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert (new < tok.vocab_size).all()
 
 
-@pytest.mark.parametrize("kwargs,message", [({"temperature": 0.0}, "temperature=0.0: must be > 0"),
-                                            ({"top_k": 0}, "top_k=0: must be at least 1"),
-                                            ({"top_p": 1.5}, r"top_p=1.5: must lie in \(0, 1\]")])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": 0.0}, "temperature=0.0: must be > 0"),
+        ({"top_k": 0}, "top_k=0: must be at least 1"),
+        ({"top_p": 1.5}, r"top_p=1.5: must lie in \(0, 1\]"),
+    ],
+)
 def test_bad_sampling_settings_fail_clearly(kwargs, message):
     with pytest.raises(ValueError, match=message):
         sample_next(torch.zeros(1, 4), **kwargs)

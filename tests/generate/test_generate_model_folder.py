@@ -1,4 +1,5 @@
 """Model folders (config.json + model.safetensors + tokenizer) load without unpickling; the CLI generates from one."""
+
 import json
 import re
 
@@ -46,16 +47,28 @@ def test_folder_loads_in_another_dtype(folder):
     assert load_model_folder(path, dtype=torch.bfloat16).backbone.embedding.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda p: open(p + "/model.safetensors", "wb").write(b"\x00" * 20),
-     "model.safetensors: not a readable safetensors"),
-    (lambda p: __import__("os").remove(p + "/model.safetensors"), "model.safetensors: no such file"),
-    (lambda p: __import__("os").remove(p + "/config.json"), "config.json: no such file"),
-    (lambda p: save_file({k: v for k, v in load_file(p + "/model.safetensors").items() if "norm_f" not in k},
-                         p + "/model.safetensors"), r"missing \['backbone.norm_f.weight'\]"),
-    (lambda p: json.dump({**json.load(open(p + "/config.json")), "d_model": 12}, open(p + "/config.json", "w")),
-     r"backbone.embedding.weight has shape \(264, 18\), the config implies \(264, 12\)"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (
+            lambda p: open(p + "/model.safetensors", "wb").write(b"\x00" * 20),
+            "model.safetensors: not a readable safetensors",
+        ),
+        (lambda p: __import__("os").remove(p + "/model.safetensors"), "model.safetensors: no such file"),
+        (lambda p: __import__("os").remove(p + "/config.json"), "config.json: no such file"),
+        (
+            lambda p: save_file(
+                {k: v for k, v in load_file(p + "/model.safetensors").items() if "norm_f" not in k},
+                p + "/model.safetensors",
+            ),
+            r"missing \['backbone.norm_f.weight'\]",
+        ),
+        (
+            lambda p: json.dump({**json.load(open(p + "/config.json")), "d_model": 12}, open(p + "/config.json", "w")),
+            r"backbone.embedding.weight has shape \(264, 18\), the config implies \(264, 12\)",
+        ),
+    ],
+)
 def test_broken_folders_fail_clearly(folder, damage, message):
     _, path = folder
     damage(path)
@@ -72,11 +85,19 @@ def test_command_line_prints_prompt_and_continuation(folder, capsys):
 
 def test_command_line_generates_from_a_hybrid_folder(tmp_path, capsys):
     torch.manual_seed(0)
-    config = MambaConfig(d_model=18, n_layer=3, vocab_size=257, ssm_cfg=SSM, hybrid_layer_pattern="M*-",
-                         d_intermediate=20, attn_cfg={"num_heads": 3, "num_heads_kv": 1, "causal": True})
+    config = MambaConfig(
+        d_model=18,
+        n_layer=3,
+        vocab_size=257,
+        ssm_cfg=SSM,
+        hybrid_layer_pattern="M*-",
+        d_intermediate=20,
+        attn_cfg={"num_heads": 3, "num_heads_kv": 1, "causal": True},
+    )
     save_model_folder(MambaLM(config), str(tmp_path / "m"), tokenizer=load_tokenizer("bytes"))
-    generate_main(["--checkpoint", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "5", "--greedy",
-                   "--device", "cpu"])
+    generate_main(
+        ["--checkpoint", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "5", "--greedy", "--device", "cpu"]
+    )
     assert capsys.readouterr().out.startswith("Hi")
 
 
@@ -93,8 +114,9 @@ def refused(capsys, argv, match: str) -> str:
 def test_command_line_without_a_tokenizer_says_what_to_pass(folder, tmp_path, capsys):
     _, path = folder
     (tmp_path / "m" / "tokenizer_config.json").unlink()
-    refused(capsys, ["--checkpoint", path, "--prompt", "x", "--device", "cpu"],
-            "holds no tokenizer files; pass --tokenizer")
+    refused(
+        capsys, ["--checkpoint", path, "--prompt", "x", "--device", "cpu"], "holds no tokenizer files; pass --tokenizer"
+    )
 
 
 def test_command_line_refuses_a_tokenizer_larger_than_the_model(tmp_path, capsys):
@@ -109,12 +131,26 @@ def test_command_line_follows_a_save_directorys_latest_checkpoint(folder, tmp_pa
     generate_main(["--checkpoint", path, "--prompt", "Hi", "--max-new-tokens", "6", "--greedy", "--device", "cpu"])
     from_folder = capsys.readouterr().out
     save_checkpoint(str(tmp_path / "save"), 7, model.config, model_tensors(model), tokenizer=load_tokenizer("bytes"))
-    generate_main(["--checkpoint", str(tmp_path / "save"), "--prompt", "Hi", "--max-new-tokens", "6", "--greedy",
-                   "--device", "cpu"])
+    generate_main(
+        [
+            "--checkpoint",
+            str(tmp_path / "save"),
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "6",
+            "--greedy",
+            "--device",
+            "cpu",
+        ]
+    )
     assert capsys.readouterr().out == from_folder
 
 
 def test_command_line_on_a_folder_that_is_neither_says_what_it_needs(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    refused(capsys, ["--checkpoint", str(tmp_path / "empty"), "--prompt", "x", "--device", "cpu"],
-            "--checkpoint .*empty: no 'latest' file")
+    refused(
+        capsys,
+        ["--checkpoint", str(tmp_path / "empty"), "--prompt", "x", "--device", "cpu"],
+        "--checkpoint .*empty: no 'latest' file",
+    )

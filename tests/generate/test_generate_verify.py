@@ -1,5 +1,6 @@
 """Generation verifies what it loads: a checkpoint's sizes and checksums whatever path names it, a
 plain model folder loaded with a note; refusals (a flipped bit, a missing CUDA) are one line, exit 2."""
+
 import re
 
 import pytest
@@ -57,8 +58,10 @@ def test_a_model_folder_without_a_manifest_loads_and_says_so(tmp_path, capsys):
     generate_main(["--checkpoint", str(tmp_path / "m"), *PROMPT])
     out, err = capsys.readouterr()
     assert out.startswith("Hi")
-    assert err == f"generate: note: {tmp_path / 'm'} has no manifest.json: loading it as a plain model folder, " \
-                  "without checksums\n"
+    assert (
+        err == f"generate: note: {tmp_path / 'm'} has no manifest.json: loading it as a plain model folder, "
+        "without checksums\n"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

@@ -7,6 +7,7 @@ RATIO times mamba_ssm's error on the same inputs; errors under FLOOR are float32
 (400 times under bf16's 2**-8 step) and pass whatever theirs is; a non-finite output (its error
 inf), ours or theirs, passes no bound.
 """
+
 import math
 
 from megamamba.testing.numerics import errors_against_float64
@@ -33,5 +34,6 @@ def assert_within_theirs(ours: dict, theirs: dict, seed, ratio=RATIO):
     for name, err in theirs.items():
         if name not in ours:
             continue
-        assert math.isfinite(err) and math.isfinite(ours[name]) and ours[name] <= max(ratio * err, FLOOR), \
+        assert math.isfinite(err) and math.isfinite(ours[name]) and ours[name] <= max(ratio * err, FLOOR), (
             f"seed {seed}: {name} error {ours[name]:.2e} > {ratio} x mamba_ssm's {err:.2e} (ours/theirs: {table})"
+        )

@@ -3,6 +3,7 @@ for every op and its backward op (schema, fake tensors' shapes, strides and dtyp
 on compact inputs and on the sliced and transposed views the mixers hand them; FlopCounterMode counts each
 op by its formula; the gradients are the reference's own, under autocast too, with unused outputs and
 absent inputs changing nothing."""
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -44,42 +45,65 @@ def test_the_flop_counter_counts_each_op_by_its_formula():
     A = leaf(-torch.rand(h, generator=gen))
     ssd = flops.ssd_flops(b * L, L, h, p, g, n, 4)
     assert counted(lambda: kernels.ssd_chunk_scan(x, dt, A, B, C, 4).sum().backward()) == {
-        "megamamba.ssd_chunk_scan": ssd, "megamamba.ssd_chunk_scan_backward": 2 * ssd}
+        "megamamba.ssd_chunk_scan": ssd,
+        "megamamba.ssd_chunk_scan_backward": 2 * ssd,
+    }
 
     u, delta, Bs, Cs = (leaf(torch.randn(*s, generator=gen)) for s in ((b, d, L), (b, d, L), (b, n, L), (b, n, L)))
     As = leaf(-torch.rand(d, n, generator=gen))
     scan = flops.selective_scan_flops(b * L, d, n)
     assert scan == 9 * b * L * d * n
     assert counted(lambda: kernels.selective_scan(u, delta, As, Bs, Cs).sum().backward()) == {
-        "megamamba.selective_scan": scan, "megamamba.selective_scan_backward": 2 * scan}
+        "megamamba.selective_scan": scan,
+        "megamamba.selective_scan_backward": 2 * scan,
+    }
 
     w = leaf(torch.randn(d, 3, generator=gen))
     conv = flops.conv_flops(b * L, d, 3)
     assert conv == 2 * b * L * d * 3
     assert counted(lambda: kernels.causal_conv1d(u, w, activation="silu").sum().backward()) == {
-        "megamamba.causal_conv1d": conv, "megamamba.causal_conv1d_backward": 2 * conv}
+        "megamamba.causal_conv1d": conv,
+        "megamamba.causal_conv1d_backward": 2 * conv,
+    }
 
     norm_w = leaf(torch.ones(L, dtype=torch.float32))
     assert counted(lambda: kernels.rmsnorm_gated(u, norm_w).sum().backward()) == {
-        "megamamba.rmsnorm_gated": 0, "megamamba.rmsnorm_gated_backward": 0}
+        "megamamba.rmsnorm_gated": 0,
+        "megamamba.rmsnorm_gated_backward": 0,
+    }
     assert counted(lambda: kernels.add_rmsnorm(u, u, norm_w)[0].sum().backward()) == {
-        "megamamba.add_rmsnorm": 0, "megamamba.add_rmsnorm_backward": 0}
+        "megamamba.add_rmsnorm": 0,
+        "megamamba.add_rmsnorm_backward": 0,
+    }
 
     state, conv_state = torch.zeros(b, d, n), torch.zeros(b, d, 3)
-    step = counted(lambda: (kernels.selective_state_update(state, u[..., 0].detach(), delta[..., 0].detach(),
-                                                           As.detach(), Bs[..., 0].detach(), Cs[..., 0].detach()),
-                            kernels.causal_conv1d_update(u[..., 0].detach(), conv_state, w.detach())))
-    assert step == {"megamamba.selective_state_update": flops.selective_scan_flops(b, d, n),
-                    "megamamba.causal_conv1d_update": flops.conv_flops(b, d, 3)}
+    step = counted(
+        lambda: (
+            kernels.selective_state_update(
+                state, u[..., 0].detach(), delta[..., 0].detach(), As.detach(), Bs[..., 0].detach(), Cs[..., 0].detach()
+            ),
+            kernels.causal_conv1d_update(u[..., 0].detach(), conv_state, w.detach()),
+        )
+    )
+    assert step == {
+        "megamamba.selective_state_update": flops.selective_scan_flops(b, d, n),
+        "megamamba.causal_conv1d_update": flops.conv_flops(b, d, 3),
+    }
 
 
 def ssd_inputs(gen, dtype=torch.float32):
     b, L, h, p, g, n = BATCH, SEQLEN, 4, 3, 2, 5
-    tensors = dict(x=torch.randn(b, L, h, p, generator=gen), dt=torch.randn(b, L, h, generator=gen),
-                   A=-torch.rand(h, generator=gen), B=torch.randn(b, L, g, n, generator=gen),
-                   C=torch.randn(b, L, g, n, generator=gen), D=torch.randn(h, generator=gen),
-                   z=torch.randn(b, L, h, p, generator=gen), dt_bias=torch.randn(h, generator=gen),
-                   initial_states=torch.randn(b, h, p, n, generator=gen))
+    tensors = dict(
+        x=torch.randn(b, L, h, p, generator=gen),
+        dt=torch.randn(b, L, h, generator=gen),
+        A=-torch.rand(h, generator=gen),
+        B=torch.randn(b, L, g, n, generator=gen),
+        C=torch.randn(b, L, g, n, generator=gen),
+        D=torch.randn(h, generator=gen),
+        z=torch.randn(b, L, h, p, generator=gen),
+        dt_bias=torch.randn(h, generator=gen),
+        initial_states=torch.randn(b, h, p, n, generator=gen),
+    )
     return {k: leaf(v.to(dtype) if k in ("x", "z", "B", "C") else v) for k, v in tensors.items()}
 
 
@@ -101,8 +125,9 @@ def test_the_ssd_gradients_are_the_references_own_under_autocast_too(autocast):
     found = {}
     for name, fn in (("op", kernels.ssd_chunk_scan), ("reference", reference_ssd_chunk_scan)):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            found[name] = grads(fn, tensors, lambda y: (y.float() * g).sum(), chunk_size=4, seq_idx=documents(),
-                                dt_softplus=True)
+            found[name] = grads(
+                fn, tensors, lambda y: (y.float() * g).sum(), chunk_size=4, seq_idx=documents(), dt_softplus=True
+            )
     (y_op, g_op), (y_ref, g_ref) = found["op"], found["reference"]
     assert torch.equal(y_op, y_ref), f"seed {seed}"
     for name in tensors:
@@ -114,8 +139,9 @@ def test_unused_final_states_change_no_gradient():
     leaving them unused gives the gradients of not asking."""
     seed = 23
     tensors = ssd_inputs(torch.Generator().manual_seed(seed))
-    _, asked = grads(kernels.ssd_chunk_scan, tensors, lambda out: out[0].square().sum(), chunk_size=4,
-                     return_final_states=True)
+    _, asked = grads(
+        kernels.ssd_chunk_scan, tensors, lambda out: out[0].square().sum(), chunk_size=4, return_final_states=True
+    )
     _, plain = grads(kernels.ssd_chunk_scan, tensors, lambda y: y.square().sum(), chunk_size=4)
     for name in tensors:
         assert torch.equal(asked[name], plain[name]), f"seed {seed}: grad of {name}"
@@ -127,10 +153,16 @@ def test_add_rmsnorm_gradients_through_either_output_are_the_references(residual
     the new residual is x itself, as before."""
     seed = 29
     gen = torch.Generator().manual_seed(seed)
-    tensors = dict(x=torch.randn(BATCH, SEQLEN, 7, generator=gen),
-                   residual=torch.randn(BATCH, SEQLEN, 7, generator=gen), weight=torch.randn(7, generator=gen))
-    losses = {"norm": lambda out: out[0].sum(), "residual": lambda out: out[1].square().sum(),
-              "both": lambda out: out[0].sum() + out[1].square().sum()}
+    tensors = dict(
+        x=torch.randn(BATCH, SEQLEN, 7, generator=gen),
+        residual=torch.randn(BATCH, SEQLEN, 7, generator=gen),
+        weight=torch.randn(7, generator=gen),
+    )
+    losses = {
+        "norm": lambda out: out[0].sum(),
+        "residual": lambda out: out[1].square().sum(),
+        "both": lambda out: out[0].sum() + out[1].square().sum(),
+    }
     for which, loss in losses.items():
         _, ours = grads(kernels.add_rmsnorm, tensors, loss, residual_dtype=residual_dtype)
         _, ref = grads(reference_add_rmsnorm, tensors, loss, residual_dtype=residual_dtype)

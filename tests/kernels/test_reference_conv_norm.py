@@ -1,4 +1,5 @@
 """Reference causal_conv1d and rmsnorm_gated against the naive versions."""
+
 import pytest
 import torch
 
@@ -33,15 +34,22 @@ def documents():
 def test_conv_matches_naive(dtype, activation, with_documents):
     seed = 31
     tensors = conv_inputs(seed) | ({"seq_idx": documents()} if with_documents else {})
-    naive_ops.assert_matches_naive(causal_conv1d, naive_ops.causal_conv1d, tensors, dtype, TOLERANCE[dtype],
-                                   seed, activation=activation)
+    naive_ops.assert_matches_naive(
+        causal_conv1d, naive_ops.causal_conv1d, tensors, dtype, TOLERANCE[dtype], seed, activation=activation
+    )
 
 
 def test_conv_without_bias_and_width_two_matches_naive():
     tensors = conv_inputs(32, width=2)
     del tensors["bias"]
-    naive_ops.assert_matches_naive(causal_conv1d, naive_ops.causal_conv1d, tensors | {"seq_idx": documents()},
-                                   torch.float64, TOLERANCE[torch.float64], 32)
+    naive_ops.assert_matches_naive(
+        causal_conv1d,
+        naive_ops.causal_conv1d,
+        tensors | {"seq_idx": documents()},
+        torch.float64,
+        TOLERANCE[torch.float64],
+        32,
+    )
 
 
 def test_conv_refuses_unknown_activation():
@@ -58,8 +66,9 @@ def test_conv_refuses_weight_of_other_dim():
 
 def norm_inputs(seed, hidden=12):
     gen = torch.Generator().manual_seed(seed)
-    return dict(x=randn(gen, 3, 5, hidden), weight=randn(gen, hidden), bias=randn(gen, hidden),
-                z=randn(gen, 3, 5, hidden))
+    return dict(
+        x=randn(gen, 3, 5, hidden), weight=randn(gen, hidden), bias=randn(gen, hidden), z=randn(gen, 3, 5, hidden)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -67,16 +76,25 @@ def norm_inputs(seed, hidden=12):
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 def test_norm_matches_naive(dtype, group_size, norm_before_gate):
     seed = 41
-    naive_ops.assert_matches_naive(rmsnorm_gated, naive_ops.rmsnorm_gated, norm_inputs(seed), dtype,
-                                   TOLERANCE[dtype], seed, group_size=group_size,
-                                   norm_before_gate=norm_before_gate, eps=1e-5)
+    naive_ops.assert_matches_naive(
+        rmsnorm_gated,
+        naive_ops.rmsnorm_gated,
+        norm_inputs(seed),
+        dtype,
+        TOLERANCE[dtype],
+        seed,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        eps=1e-5,
+    )
 
 
 def test_norm_without_gate_or_bias_matches_naive():
     t = norm_inputs(42)
     del t["z"], t["bias"]
-    naive_ops.assert_matches_naive(rmsnorm_gated, naive_ops.rmsnorm_gated, t, torch.float64,
-                                   TOLERANCE[torch.float64], 42, group_size=6)
+    naive_ops.assert_matches_naive(
+        rmsnorm_gated, naive_ops.rmsnorm_gated, t, torch.float64, TOLERANCE[torch.float64], 42, group_size=6
+    )
 
 
 def test_norm_refuses_group_size_not_dividing_hidden():

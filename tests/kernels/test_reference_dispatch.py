@@ -1,4 +1,5 @@
 """The public ops pick the backend from MEGAMAMBA_KERNELS and the device at each call; helpers they share."""
+
 import inspect
 from types import SimpleNamespace
 
@@ -13,24 +14,61 @@ def call_arguments():
     """For each dispatched op: its arguments, every one given a non-default value (a distinct object)."""
     t = {name: torch.zeros(1, 2, 3) for name in ("u", "delta", "z", "x")}
     return {
-        "selective_scan": dict(u=t["u"], delta=t["delta"], A=torch.zeros(2, 4), B=torch.zeros(1, 1, 4, 3),
-                               C=torch.zeros(1, 1, 4, 3), D=torch.zeros(2), z=t["z"], delta_bias=torch.ones(2),
-                               delta_softplus=True, return_last_state=True,
-                               seq_idx=torch.zeros(1, 3, dtype=torch.int32), initial_state=torch.ones(1, 2, 4)),
-        "ssd_chunk_scan": dict(x=torch.zeros(1), dt=torch.zeros(1), A=torch.zeros(1), B=torch.zeros(1),
-                               C=torch.zeros(1), chunk_size=7, D=torch.zeros(1), z=torch.zeros(1),
-                               dt_bias=torch.ones(1), initial_states=torch.ones(1, 1),
-                               seq_idx=torch.zeros(1, 1, dtype=torch.int32), dt_softplus=True,
-                               dt_limit=(0.1, 9.0), return_final_states=True),
-        "causal_conv1d": dict(x=t["x"], weight=torch.zeros(1), bias=torch.zeros(1),
-                              seq_idx=torch.zeros(1, 1, dtype=torch.int32), activation="silu"),
-        "rmsnorm_gated": dict(x=t["x"], weight=torch.zeros(1), bias=torch.zeros(1), z=torch.zeros(1), eps=1e-3,
-                              group_size=1, norm_before_gate=False),
+        "selective_scan": dict(
+            u=t["u"],
+            delta=t["delta"],
+            A=torch.zeros(2, 4),
+            B=torch.zeros(1, 1, 4, 3),
+            C=torch.zeros(1, 1, 4, 3),
+            D=torch.zeros(2),
+            z=t["z"],
+            delta_bias=torch.ones(2),
+            delta_softplus=True,
+            return_last_state=True,
+            seq_idx=torch.zeros(1, 3, dtype=torch.int32),
+            initial_state=torch.ones(1, 2, 4),
+        ),
+        "ssd_chunk_scan": dict(
+            x=torch.zeros(1),
+            dt=torch.zeros(1),
+            A=torch.zeros(1),
+            B=torch.zeros(1),
+            C=torch.zeros(1),
+            chunk_size=7,
+            D=torch.zeros(1),
+            z=torch.zeros(1),
+            dt_bias=torch.ones(1),
+            initial_states=torch.ones(1, 1),
+            seq_idx=torch.zeros(1, 1, dtype=torch.int32),
+            dt_softplus=True,
+            dt_limit=(0.1, 9.0),
+            return_final_states=True,
+        ),
+        "causal_conv1d": dict(
+            x=t["x"],
+            weight=torch.zeros(1),
+            bias=torch.zeros(1),
+            seq_idx=torch.zeros(1, 1, dtype=torch.int32),
+            activation="silu",
+        ),
+        "rmsnorm_gated": dict(
+            x=t["x"],
+            weight=torch.zeros(1),
+            bias=torch.zeros(1),
+            z=torch.zeros(1),
+            eps=1e-3,
+            group_size=1,
+            norm_before_gate=False,
+        ),
     }
 
 
-TRITON_MODULES = {"selective_scan": "selective_scan", "ssd_chunk_scan": "ssd", "causal_conv1d": "conv",
-                  "rmsnorm_gated": "norm"}
+TRITON_MODULES = {
+    "selective_scan": "selective_scan",
+    "ssd_chunk_scan": "ssd",
+    "causal_conv1d": "conv",
+    "rmsnorm_gated": "norm",
+}
 
 
 class Called(Exception):
@@ -40,9 +78,11 @@ class Called(Exception):
 @pytest.fixture
 def fakes(monkeypatch):
     """Replace both backends of every dispatched op by stand-ins that raise `Called`."""
+
     def recorder(backend, fn):
         def fake(*args, **kwargs):
             raise Called(backend, inspect.signature(fn).bind(*args, **kwargs).arguments)
+
         return fake
 
     stand_ins = {}
@@ -119,6 +159,7 @@ def test_reference_through_the_public_api_computes(monkeypatch):
 
 def test_document_counters_are_computed_once_per_seq_idx_and_redone_after_a_change():
     from megamamba.kernels.triton import common
+
     seq_idx = torch.tensor([[0, 0, 1, 1, 0]], dtype=torch.int32)
     first = common.document_counters(seq_idx, 1, 5)
     assert first.tolist() == [[0, 0, 1, 1, 2]]

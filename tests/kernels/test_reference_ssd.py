@@ -1,4 +1,5 @@
 """Reference Mamba-2 SSD scan (chunked) against the naive per-timestep recurrence."""
+
 import pytest
 import torch
 
@@ -24,13 +25,20 @@ def inputs(seed, ngroups=2, d_per_channel=True, seqlen=SEQLEN, full=True):
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    t = dict(x=randn(BATCH, seqlen, NHEADS, HEADDIM), dt=randn(BATCH, seqlen, NHEADS),
-             A=-torch.rand(NHEADS, generator=gen, dtype=torch.float64) * 2 - 0.1,
-             B=randn(BATCH, seqlen, ngroups, DSTATE), C=randn(BATCH, seqlen, ngroups, DSTATE),
-             D=randn(NHEADS, HEADDIM) if d_per_channel else randn(NHEADS))
+    t = dict(
+        x=randn(BATCH, seqlen, NHEADS, HEADDIM),
+        dt=randn(BATCH, seqlen, NHEADS),
+        A=-torch.rand(NHEADS, generator=gen, dtype=torch.float64) * 2 - 0.1,
+        B=randn(BATCH, seqlen, ngroups, DSTATE),
+        C=randn(BATCH, seqlen, ngroups, DSTATE),
+        D=randn(NHEADS, HEADDIM) if d_per_channel else randn(NHEADS),
+    )
     if full:
-        t.update(z=randn(BATCH, seqlen, NHEADS, HEADDIM), dt_bias=randn(NHEADS),
-                 initial_states=randn(BATCH, NHEADS, HEADDIM, DSTATE))
+        t.update(
+            z=randn(BATCH, seqlen, NHEADS, HEADDIM),
+            dt_bias=randn(NHEADS),
+            initial_states=randn(BATCH, NHEADS, HEADDIM, DSTATE),
+        )
     return t
 
 
@@ -38,9 +46,17 @@ def inputs(seed, ngroups=2, d_per_channel=True, seqlen=SEQLEN, full=True):
 def test_all_options_with_documents_match_naive(dtype):
     seed = 11
     naive_ops.assert_matches_naive(
-        ssd_chunk_scan, naive_ops.ssd_chunk_scan, {**inputs(seed), "seq_idx": documents()}, dtype,
-        TOLERANCE[dtype], seed, chunk_size=CHUNK, dt_softplus=True, dt_limit=(0.05, 2.0),
-        return_final_states=True)
+        ssd_chunk_scan,
+        naive_ops.ssd_chunk_scan,
+        {**inputs(seed), "seq_idx": documents()},
+        dtype,
+        TOLERANCE[dtype],
+        seed,
+        chunk_size=CHUNK,
+        dt_softplus=True,
+        dt_limit=(0.05, 2.0),
+        return_final_states=True,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -48,16 +64,31 @@ def test_per_head_D_without_documents_matches_naive(dtype):
     seed = 12
     tensors = inputs(seed, ngroups=1, d_per_channel=False, full=False)
     tensors["dt"] = tensors["dt"].abs()
-    naive_ops.assert_matches_naive(ssd_chunk_scan, naive_ops.ssd_chunk_scan, tensors, dtype,
-                                   TOLERANCE[dtype], seed, chunk_size=CHUNK, return_final_states=True)
+    naive_ops.assert_matches_naive(
+        ssd_chunk_scan,
+        naive_ops.ssd_chunk_scan,
+        tensors,
+        dtype,
+        TOLERANCE[dtype],
+        seed,
+        chunk_size=CHUNK,
+        return_final_states=True,
+    )
 
 
 def test_chunk_longer_than_sequence_matches_naive():
     seed = 13
     naive_ops.assert_matches_naive(
-        ssd_chunk_scan, naive_ops.ssd_chunk_scan, {**inputs(seed, ngroups=4), "seq_idx": documents()},
-        torch.float64, TOLERANCE[torch.float64], seed, chunk_size=64, dt_softplus=True,
-        return_final_states=True)
+        ssd_chunk_scan,
+        naive_ops.ssd_chunk_scan,
+        {**inputs(seed, ngroups=4), "seq_idx": documents()},
+        torch.float64,
+        TOLERANCE[torch.float64],
+        seed,
+        chunk_size=64,
+        dt_softplus=True,
+        return_final_states=True,
+    )
 
 
 def test_default_dt_limit_zeroes_negative_dt():
@@ -71,8 +102,16 @@ def test_default_dt_limit_zeroes_negative_dt():
 def test_huge_decays_underflow_without_nan():
     t = inputs(15, full=False)
     t["dt"] = t["dt"].abs() * 100  # dt*A mostly below -104, where exp underflows in float32
-    naive_ops.assert_matches_naive(ssd_chunk_scan, naive_ops.ssd_chunk_scan, t, torch.float32,
-                                   TOLERANCE[torch.float32], 15, chunk_size=CHUNK, return_final_states=True)
+    naive_ops.assert_matches_naive(
+        ssd_chunk_scan,
+        naive_ops.ssd_chunk_scan,
+        t,
+        torch.float32,
+        TOLERANCE[torch.float32],
+        15,
+        chunk_size=CHUNK,
+        return_final_states=True,
+    )
 
 
 def test_output_keeps_input_dtype_and_state_is_float32():
@@ -81,12 +120,15 @@ def test_output_keeps_input_dtype_and_state_is_float32():
     assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
 
 
-@pytest.mark.parametrize("name, shape, message", [
-    ("dt", (BATCH, SEQLEN, NHEADS + 1), r"dt must have shape \(batch, seqlen, nheads\)"),
-    ("B", (BATCH, SEQLEN, 3, DSTATE), r"nheads \(4\) must be a multiple of ngroups \(3\)"),
-    ("D", (HEADDIM,), r"D must have shape \(nheads,\)"),
-    ("initial_states", (BATCH, NHEADS, HEADDIM), r"initial_states must have shape"),
-])
+@pytest.mark.parametrize(
+    "name, shape, message",
+    [
+        ("dt", (BATCH, SEQLEN, NHEADS + 1), r"dt must have shape \(batch, seqlen, nheads\)"),
+        ("B", (BATCH, SEQLEN, 3, DSTATE), r"nheads \(4\) must be a multiple of ngroups \(3\)"),
+        ("D", (HEADDIM,), r"D must have shape \(nheads,\)"),
+        ("initial_states", (BATCH, NHEADS, HEADDIM), r"initial_states must have shape"),
+    ],
+)
 def test_bad_shapes_are_refused_naming_the_argument(name, shape, message):
     t = inputs(17)
     t[name] = torch.zeros(shape, dtype=torch.float64)
@@ -107,8 +149,17 @@ def test_random_shapes_and_documents_match_naive(seed):
     starts = torch.rand(BATCH, seqlen, generator=gen) < 0.1
     tensors["seq_idx"] = starts.int().cumsum(1).int()
     for dtype in (torch.float64, torch.float32):
-        naive_ops.assert_matches_naive(ssd_chunk_scan, naive_ops.ssd_chunk_scan, tensors, dtype, TOLERANCE[dtype],
-                                       1000 + seed, chunk_size=chunk, dt_softplus=True, return_final_states=True)
+        naive_ops.assert_matches_naive(
+            ssd_chunk_scan,
+            naive_ops.ssd_chunk_scan,
+            tensors,
+            dtype,
+            TOLERANCE[dtype],
+            1000 + seed,
+            chunk_size=chunk,
+            dt_softplus=True,
+            return_final_states=True,
+        )
 
 
 @pytest.mark.slow
@@ -120,10 +171,24 @@ def test_long_sequence_with_default_chunk_matches_naive_in_float32():
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    tensors = dict(x=randn(batch, seqlen, nheads, headdim), dt=randn(batch, seqlen, nheads) - 3,
-                   A=-torch.rand(nheads, generator=gen, dtype=torch.float64) * 15 - 1,
-                   B=randn(batch, seqlen, 1, dstate), C=randn(batch, seqlen, 1, dstate), D=randn(nheads),
-                   dt_bias=randn(nheads), seq_idx=(torch.arange(seqlen) >= 256).int()[None])
-    naive_ops.assert_matches_naive(ssd_chunk_scan, naive_ops.ssd_chunk_scan, tensors, torch.float32,
-                                   TOLERANCE[torch.float32], 3000, chunk_size=256, dt_softplus=True,
-                                   return_final_states=True)
+    tensors = dict(
+        x=randn(batch, seqlen, nheads, headdim),
+        dt=randn(batch, seqlen, nheads) - 3,
+        A=-torch.rand(nheads, generator=gen, dtype=torch.float64) * 15 - 1,
+        B=randn(batch, seqlen, 1, dstate),
+        C=randn(batch, seqlen, 1, dstate),
+        D=randn(nheads),
+        dt_bias=randn(nheads),
+        seq_idx=(torch.arange(seqlen) >= 256).int()[None],
+    )
+    naive_ops.assert_matches_naive(
+        ssd_chunk_scan,
+        naive_ops.ssd_chunk_scan,
+        tensors,
+        torch.float32,
+        TOLERANCE[torch.float32],
+        3000,
+        chunk_size=256,
+        dt_softplus=True,
+        return_final_states=True,
+    )

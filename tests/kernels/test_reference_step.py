@@ -1,4 +1,5 @@
 """Single-token steps, run token by token, reproduce the full-sequence ops."""
+
 import pytest
 import torch
 
@@ -25,8 +26,15 @@ def test_mamba1_steps_reproduce_selective_scan():
     D, bias = randn(gen, dim), randn(gen, dim)
     full, last = selective_scan(u, delta, A, B, C, D, z, bias, delta_softplus=True, return_last_state=True)
     state = torch.zeros(batch, dim, dstate, dtype=torch.float64)
-    steps = torch.stack([selective_state_update(state, u[..., t], delta[..., t], A, B[..., t], C[..., t], D,
-                                                z[..., t], bias, dt_softplus=True) for t in range(seqlen)], -1)
+    steps = torch.stack(
+        [
+            selective_state_update(
+                state, u[..., t], delta[..., t], A, B[..., t], C[..., t], D, z[..., t], bias, dt_softplus=True
+            )
+            for t in range(seqlen)
+        ],
+        -1,
+    )
     assert relative_error(steps, full) <= TOL, f"seed 51: outputs {relative_error(steps, full):.2e}"
     assert relative_error(state, last) <= TOL, f"seed 51: state {relative_error(state, last):.2e}"
 
@@ -40,16 +48,29 @@ def test_mamba2_steps_with_broadcast_views_reproduce_ssd():
     A, D = -torch.rand(nheads, generator=gen, dtype=torch.float64), randn(gen, nheads)
     B, C = randn(gen, batch, seqlen, ngroups, dstate), randn(gen, batch, seqlen, ngroups, dstate)
     initial = randn(gen, batch, nheads, headdim, dstate)
-    full, final = ssd_chunk_scan(x, dt, A, B, C, 4, D=D, z=z, dt_bias=dt_bias, initial_states=initial,
-                                 dt_softplus=True, return_final_states=True)
+    full, final = ssd_chunk_scan(
+        x, dt, A, B, C, 4, D=D, z=z, dt_bias=dt_bias, initial_states=initial, dt_softplus=True, return_final_states=True
+    )
     state = initial.clone()
     per_head = (nheads, headdim)
-    steps = torch.stack([
-        selective_state_update(state, x[:, t], dt[:, t, :, None].expand(batch, *per_head),
-                               A[:, None, None].expand(*per_head, dstate), B[:, t], C[:, t],
-                               D=D[:, None].expand(per_head), z=z[:, t],
-                               dt_bias=dt_bias[:, None].expand(per_head), dt_softplus=True)
-        for t in range(seqlen)], 1)
+    steps = torch.stack(
+        [
+            selective_state_update(
+                state,
+                x[:, t],
+                dt[:, t, :, None].expand(batch, *per_head),
+                A[:, None, None].expand(*per_head, dstate),
+                B[:, t],
+                C[:, t],
+                D=D[:, None].expand(per_head),
+                z=z[:, t],
+                dt_bias=dt_bias[:, None].expand(per_head),
+                dt_softplus=True,
+            )
+            for t in range(seqlen)
+        ],
+        1,
+    )
     assert relative_error(steps, full) <= TOL, f"seed 52: outputs {relative_error(steps, full):.2e}"
     assert relative_error(state, final) <= TOL, f"seed 52: state {relative_error(state, final):.2e}"
 
@@ -62,8 +83,9 @@ def test_conv_steps_reproduce_causal_conv1d(activation):
     x, weight, bias = randn(gen, batch, dim, seqlen), randn(gen, dim, width), randn(gen, dim)
     full = causal_conv1d(x, weight, bias, activation=activation)
     conv_state = torch.zeros(batch, dim, width, dtype=torch.float64)
-    steps = torch.stack([causal_conv1d_update(x[..., t], conv_state, weight, bias, activation)
-                         for t in range(seqlen)], -1)
+    steps = torch.stack(
+        [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(seqlen)], -1
+    )
     assert relative_error(steps, full) <= TOL, f"seed 53: outputs {relative_error(steps, full):.2e}"
     assert torch.equal(conv_state, x[..., -width:])
 

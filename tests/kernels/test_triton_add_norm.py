@@ -1,5 +1,6 @@
 """Triton add_rmsnorm (under TRITON_INTERPRET=1 on the CPU) against the reference in float64: the
 normed output, the new residual and every gradient within 1e-4 relative in float32."""
+
 import pytest
 import torch
 
@@ -21,10 +22,14 @@ def test_add_rmsnorm_matches_oracle(with_residual, rows, n):
         tensors["residual"] = torch.randn(rows, n, generator=gen)
     else:
         tensors["residual"] = None
-    check_against_oracle(lambda residual=None, **t: add_rmsnorm(residual=residual, **t),
-                         lambda residual=None, **t: reference_add_rmsnorm(residual=residual, **t),
-                         {k: v for k, v in tensors.items() if v is not None}, seed,
-                         names=("normed", "residual"), eps=1e-5)
+    check_against_oracle(
+        lambda residual=None, **t: add_rmsnorm(residual=residual, **t),
+        lambda residual=None, **t: reference_add_rmsnorm(residual=residual, **t),
+        {k: v for k, v in tensors.items() if v is not None},
+        seed,
+        names=("normed", "residual"),
+        eps=1e-5,
+    )
 
 
 def test_only_the_residual_output_used_gives_its_gradient():

@@ -8,6 +8,7 @@ to bf16; the causal-conv1d package is not installed), which has no seq_idx, so d
 to float64 with the bar it sets on the same inputs without them; layernorm_gated.rmsnorm_fn for
 the gated norm; layer_norm.rms_norm_fn (prenorm, residual_in_fp32) for the fused add + norm.
 """
+
 import functools
 import math
 
@@ -20,9 +21,9 @@ from bf16_checks import FLOOR, RATIO, assert_within_theirs, errors
 from megamamba.kernels.triton import add_rmsnorm, causal_conv1d, rmsnorm_gated
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("poisoned_buffers")]
-BATCH, SEQLEN = 2, 77        # seqlen not a multiple of the conv's 64-step or 8-step blocks
-CONV_DIM, WIDTH = 37, 4      # 37 channels: partly masked channel blocks (8 or 64 wide)
-HIDDEN, GROUP = 72, 24       # norm groups of 24 channels: partly masked 32-wide blocks
+BATCH, SEQLEN = 2, 77  # seqlen not a multiple of the conv's 64-step or 8-step blocks
+CONV_DIM, WIDTH = 37, 4  # 37 channels: partly masked channel blocks (8 or 64 wide)
+HIDDEN, GROUP = 72, 24  # norm groups of 24 channels: partly masked 32-wide blocks
 EPS = 1e-5
 
 
@@ -34,10 +35,16 @@ def conv_inputs(seed, channel_last):
     """x (batch, dim, seqlen) in bf16, a transposed (batch, seqlen, dim) as Mamba-2 passes it when
     channel_last; weight, bias float32."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(BATCH, SEQLEN, CONV_DIM, generator=gen).transpose(1, 2) if channel_last else \
-        torch.randn(BATCH, CONV_DIM, SEQLEN, generator=gen)
-    return dict(x=bf16(x), weight=0.5 * torch.randn(CONV_DIM, WIDTH, generator=gen),
-                bias=0.2 * torch.randn(CONV_DIM, generator=gen))
+    x = (
+        torch.randn(BATCH, SEQLEN, CONV_DIM, generator=gen).transpose(1, 2)
+        if channel_last
+        else torch.randn(BATCH, CONV_DIM, SEQLEN, generator=gen)
+    )
+    return dict(
+        x=bf16(x),
+        weight=0.5 * torch.randn(CONV_DIM, WIDTH, generator=gen),
+        bias=0.2 * torch.randn(CONV_DIM, generator=gen),
+    )
 
 
 def documents(seed):
@@ -52,7 +59,7 @@ def torch_conv(x, weight, bias, activation):
     """mamba_ssm's conv without causal-conv1d: nn.Conv1d under autocast (bf16 weight and bias), cut
     to the causal part, then silu."""
     out = F.conv1d(x, bf16(weight).unsqueeze(1), bf16(bias), padding=weight.shape[1] - 1, groups=x.shape[1])
-    return F.silu(out[..., :x.shape[-1]])
+    return F.silu(out[..., : x.shape[-1]])
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,8 +72,9 @@ def conv_errors(conv, seed, channel_last):
 def test_bf16_causal_conv1d_within_mamba_ssm_error(channel_last):
     """Mamba-1's time-contiguous and Mamba-2's channel-last input: output, dx, dweight, dbias."""
     seed = 3000 + channel_last
-    assert_within_theirs(conv_errors(causal_conv1d, seed, channel_last), conv_errors(torch_conv, seed, channel_last),
-                         seed)
+    assert_within_theirs(
+        conv_errors(causal_conv1d, seed, channel_last), conv_errors(torch_conv, seed, channel_last), seed
+    )
 
 
 @pytest.mark.parametrize("channel_last", [False, True])
@@ -78,15 +86,17 @@ def test_bf16_causal_conv1d_documents_within_no_document_bar(channel_last):
     bar = conv_errors(torch_conv, seed, channel_last)
     for name, err in ours.items():
         limit = max(RATIO * bar[name], FLOOR)
-        assert math.isfinite(limit) and err <= limit, \
+        assert math.isfinite(limit) and err <= limit, (
             f"seed {seed}: {name} error {err:.2e} > {limit:.2e} (RATIO x torch's without documents)"
+        )
 
 
 def norm_inputs(seed, **extras):
     """x (batch, seqlen, hidden) in bf16, a float32 weight near 1, and each extra input in its dtype."""
     gen = torch.Generator().manual_seed(seed)
-    t = dict(x=bf16(torch.randn(BATCH, SEQLEN, HIDDEN, generator=gen)),
-             weight=1 + 0.1 * torch.randn(HIDDEN, generator=gen))
+    t = dict(
+        x=bf16(torch.randn(BATCH, SEQLEN, HIDDEN, generator=gen)), weight=1 + 0.1 * torch.randn(HIDDEN, generator=gen)
+    )
     t.update({name: torch.randn(BATCH, SEQLEN, HIDDEN, generator=gen).to(dtype) for name, dtype in extras.items()})
     return t
 
@@ -100,8 +110,12 @@ def test_bf16_rmsnorm_gated_within_mamba_ssm_error(mamba_ssm, norm_before_gate):
 
     def theirs(x, weight, z, **kw):
         return mamba_ssm.rmsnorm_fn(x, weight, None, z=z, **kw)
-    assert_within_theirs(errors(rmsnorm_gated, naive_ops.rmsnorm_gated, t, seed, **options),
-                         errors(theirs, naive_ops.rmsnorm_gated, t, seed, **options), seed)
+
+    assert_within_theirs(
+        errors(rmsnorm_gated, naive_ops.rmsnorm_gated, t, seed, **options),
+        errors(theirs, naive_ops.rmsnorm_gated, t, seed, **options),
+        seed,
+    )
 
 
 def add_norm_oracle(x, weight, residual=None):
@@ -124,6 +138,8 @@ def test_bf16_add_rmsnorm_within_mamba_ssm_error(mamba_ssm, with_residual):
 
     def theirs(x, weight, residual=None):
         return mamba_ssm.rms_norm_fn(x, weight, None, residual=residual, prenorm=True, residual_in_fp32=True, eps=EPS)
+
     names = ("normed", "residual")
-    assert_within_theirs(errors(add_norm_ours, add_norm_oracle, t, seed, names),
-                         errors(theirs, add_norm_oracle, t, seed, names), seed)
+    assert_within_theirs(
+        errors(add_norm_ours, add_norm_oracle, t, seed, names), errors(theirs, add_norm_oracle, t, seed, names), seed
+    )

@@ -8,6 +8,7 @@ mamba_ssm sets on the same inputs without documents or initial state (RATIO x it
 the float32 gradient of the initial state to float32 round-off (FLOOR). SEQLEN spans two chunks
 and ends inside a third; DSTATE is odd; channel blocks are partly masked.
 """
+
 import functools
 import math
 
@@ -32,18 +33,23 @@ def inputs(seed, layout="groups"):
     r = functools.partial(torch.randn, generator=gen)
     dt = torch.empty(DIM).uniform_(math.log(1e-3), math.log(0.1), generator=gen).exp()
     bf16 = functools.partial(torch.Tensor.to, dtype=torch.bfloat16)
-    return dict(u=bf16(r(BATCH, DIM, SEQLEN)), delta=bf16(0.5 * r(BATCH, DIM, SEQLEN)),
-                A=-torch.exp(2 * torch.rand(DIM, DSTATE, generator=gen)),
-                B=bf16(r(*LAYOUTS[layout])), C=bf16(r(*LAYOUTS[layout])), D=r(DIM),
-                z=bf16(r(BATCH, DIM, SEQLEN)), delta_bias=dt + torch.log(-torch.expm1(-dt)))
+    return dict(
+        u=bf16(r(BATCH, DIM, SEQLEN)),
+        delta=bf16(0.5 * r(BATCH, DIM, SEQLEN)),
+        A=-torch.exp(2 * torch.rand(DIM, DSTATE, generator=gen)),
+        B=bf16(r(*LAYOUTS[layout])),
+        C=bf16(r(*LAYOUTS[layout])),
+        D=r(DIM),
+        z=bf16(r(BATCH, DIM, SEQLEN)),
+        delta_bias=dt + torch.log(-torch.expm1(-dt)),
+    )
 
 
 def documents():
     """Row 0: a boundary inside the first chunk, one at the third chunk's start, the first id
     reused; row 1: one document."""
     first, second = 5, 2 * CHUNK - 5
-    return torch.tensor([[3] * first + [1] * second + [3] * (SEQLEN - first - second), [0] * SEQLEN],
-                        dtype=torch.int32)
+    return torch.tensor([[3] * first + [1] * second + [3] * (SEQLEN - first - second), [0] * SEQLEN], dtype=torch.int32)
 
 
 def initial_state(seed):
@@ -55,8 +61,9 @@ def plain_errors(scan, seed, layout, last_state):
     """Errors of `scan` (ours or mamba_ssm's) without documents or initial state, with the last
     state as a second output when asked; kept for the tests that share them."""
     names = ("out", "last_state") if last_state else ("out",)
-    return errors(scan, naive_ops.selective_scan, inputs(seed, layout), seed, names, return_last_state=last_state,
-                  **OPTIONS)
+    return errors(
+        scan, naive_ops.selective_scan, inputs(seed, layout), seed, names, return_last_state=last_state, **OPTIONS
+    )
 
 
 def measured(theirs, seed, layout, last_state):
@@ -68,8 +75,10 @@ def assert_within_bar(ours, bar, seed):
     """Each quantity finite and at most RATIO x bar[name] (or FLOOR; FLOOR alone where bar has none)."""
     for name, err in ours.items():
         limit = max(RATIO * bar[name], FLOOR) if name in bar else FLOOR
-        assert math.isfinite(limit) and err <= limit, f"seed {seed}: {name} error {err:.2e} > {limit:.2e} " \
-                             f"(ours: {' '.join(f'{k} {v:.1e}' for k, v in ours.items())})"
+        assert math.isfinite(limit) and err <= limit, (
+            f"seed {seed}: {name} error {err:.2e} > {limit:.2e} "
+            f"(ours: {' '.join(f'{k} {v:.1e}' for k, v in ours.items())})"
+        )
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -99,8 +108,7 @@ def test_bf16_selective_scan_documents_within_no_document_bar(mamba_ssm):
     """Packed documents (seq_idx), against float64: within mamba_ssm's error on the same inputs
     without documents."""
     seed = 1020
-    ours = errors(selective_scan, naive_ops.selective_scan, dict(inputs(seed), seq_idx=documents()), seed,
-                  **OPTIONS)
+    ours = errors(selective_scan, naive_ops.selective_scan, dict(inputs(seed), seq_idx=documents()), seed, **OPTIONS)
     assert_within_bar(ours, plain_errors(mamba_ssm.selective_scan_ref, seed, "groups", False), seed)
 
 
@@ -113,8 +121,9 @@ def test_bf16_selective_scan_initial_state_within_no_state_bar(mamba_ssm, with_s
     t = dict(inputs(seed), initial_state=initial_state(seed))
     if with_seq_idx:
         t["seq_idx"] = documents()
-    ours = errors(selective_scan, naive_ops.selective_scan, t, seed, ("out", "last_state"),
-                  return_last_state=True, **OPTIONS)
+    ours = errors(
+        selective_scan, naive_ops.selective_scan, t, seed, ("out", "last_state"), return_last_state=True, **OPTIONS
+    )
     assert_within_bar(ours, plain_errors(mamba_ssm.selective_scan_ref, seed, "groups", True), seed)
 
 
@@ -122,10 +131,22 @@ def zero_input_scan(scan, B):
     """The contribution of an initial state as megamamba/parallel/context/context_slice.py computes it: the scan
     of a zero input (a stride-0 expanded scalar, in delta's dtype) from initial_state, gated by z.
     B only scales the zero input (its gradient is zero): it is held fixed."""
+
     def run(delta, A, C, z, delta_bias, initial_state, seq_idx=None):
         zeros = delta.new_zeros(()).expand_as(delta)
-        return scan(zeros, delta, A, B.to(delta.dtype), C, z=z, delta_bias=delta_bias, seq_idx=seq_idx,
-                    initial_state=initial_state, **OPTIONS)
+        return scan(
+            zeros,
+            delta,
+            A,
+            B.to(delta.dtype),
+            C,
+            z=z,
+            delta_bias=delta_bias,
+            seq_idx=seq_idx,
+            initial_state=initial_state,
+            **OPTIONS,
+        )
+
     return run
 
 

@@ -6,6 +6,7 @@ bf16 x, dt, B, C, z as the Mamba-2 mixer passes them under autocast; float32 A, 
 states as it keeps them. Sequences end inside a chunk; two lengths show the errors do not grow
 with the sequence faster than mamba_ssm's.
 """
+
 import functools
 
 import pytest
@@ -24,10 +25,16 @@ def inputs(seed, batch, seqlen, *, d_shape=(NHEADS,), initial_states=False):
     gen = torch.Generator().manual_seed(seed)
     r = functools.partial(torch.randn, generator=gen)
     bf16 = torch.bfloat16
-    t = dict(x=r(batch, seqlen, NHEADS, HEADDIM).to(bf16), dt=(r(batch, seqlen, NHEADS) - 1.0).to(bf16),
-             A=-0.5 - torch.rand(NHEADS, generator=gen), B=r(batch, seqlen, NGROUPS, DSTATE).to(bf16),
-             C=r(batch, seqlen, NGROUPS, DSTATE).to(bf16), D=r(*d_shape), z=r(batch, seqlen, NHEADS, HEADDIM).to(bf16),
-             dt_bias=0.5 * r(NHEADS))
+    t = dict(
+        x=r(batch, seqlen, NHEADS, HEADDIM).to(bf16),
+        dt=(r(batch, seqlen, NHEADS) - 1.0).to(bf16),
+        A=-0.5 - torch.rand(NHEADS, generator=gen),
+        B=r(batch, seqlen, NGROUPS, DSTATE).to(bf16),
+        C=r(batch, seqlen, NGROUPS, DSTATE).to(bf16),
+        D=r(*d_shape),
+        z=r(batch, seqlen, NHEADS, HEADDIM).to(bf16),
+        dt_bias=0.5 * r(NHEADS),
+    )
     if initial_states:
         t["initial_states"] = r(batch, NHEADS, HEADDIM, DSTATE)
     return t
@@ -36,13 +43,20 @@ def inputs(seed, batch, seqlen, *, d_shape=(NHEADS,), initial_states=False):
 def documents(batch, seqlen):
     """Row 0: a boundary inside the first chunk, one exactly at a chunk start and one late; row 1: one document."""
     ids = torch.zeros(batch, seqlen, dtype=torch.int32)
-    ids[0, 11:], ids[0, 2 * CHUNK:], ids[0, seqlen - 9:] = 1, 2, 3
+    ids[0, 11:], ids[0, 2 * CHUNK :], ids[0, seqlen - 9 :] = 1, 2, 3
     return ids
 
 
 def compare(tensors, seed, mamba_ssm, names=("y",), **options):
-    found = errors_of({"ours": ssd_chunk_scan, "theirs": mamba_ssm.mamba_chunk_scan_combined},
-                      naive_ops.ssd_chunk_scan, tensors, seed, names=names, **OPTIONS, **options)
+    found = errors_of(
+        {"ours": ssd_chunk_scan, "theirs": mamba_ssm.mamba_chunk_scan_combined},
+        naive_ops.ssd_chunk_scan,
+        tensors,
+        seed,
+        names=names,
+        **OPTIONS,
+        **options,
+    )
     assert_within_theirs(found["ours"], found["theirs"], seed)
 
 
@@ -61,8 +75,13 @@ def test_bf16_ssd_chunk_scan_state_pieces_within_mamba_ssm_error(mamba_ssm):
     """What context parallelism and generation use: an initial state in, the final state out, and a
     gradient flowing back through both."""
     seed = 62
-    compare(inputs(seed, 2, 107, initial_states=True), seed, mamba_ssm, names=("y", "final_states"),
-            return_final_states=True)
+    compare(
+        inputs(seed, 2, 107, initial_states=True),
+        seed,
+        mamba_ssm,
+        names=("y", "final_states"),
+        return_final_states=True,
+    )
 
 
 def test_bf16_ssd_chunk_scan_per_channel_D_within_mamba_ssm_error(mamba_ssm):

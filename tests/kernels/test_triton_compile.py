@@ -5,6 +5,7 @@ GPU's limits; no register spills; 16 resident warps per SM for the memory-bound 
 Triton 3.6 (the GPU machine's, installed beside the venv by scripts/setup.sh) and with the venv's
 own Triton. Each run is its own process, since interpreted kernels (TRITON_INTERPRET, set for
 the rest of the suite) are never compiled."""
+
 import json
 import os
 import subprocess
@@ -34,10 +35,17 @@ def compiler_env(triton_version):
 @pytest.fixture(scope="module", params=["3.6", "venv"])
 def report(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("compile") / "report.json"
-    run = subprocess.run([sys.executable, SCRIPT, "--arch", "90", "--json", str(out)], cwd=ROOT,
-                         env=compiler_env(request.param), capture_output=True, text=True, timeout=1200)
-    assert out.exists(), (f"compile_kernels.py wrote no report (exit {run.returncode}):\n"
-                          f"{run.stdout}\n{run.stderr[-4000:]}")
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--arch", "90", "--json", str(out)],
+        cwd=ROOT,
+        env=compiler_env(request.param),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert out.exists(), (
+        f"compile_kernels.py wrote no report (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+    )
     data = json.loads(out.read_text())
     if request.param == "3.6":
         assert data["triton"] == "3.6.0"
@@ -47,6 +55,7 @@ def report(request, tmp_path_factory):
 def defined_kernels():
     """Names of the launchable kernels (`*_kernel`) in megamamba.kernels.triton's modules."""
     import importlib
+
     names = set()
     for module in TRITON_MODULES:
         namespace = vars(importlib.import_module(f"megamamba.kernels.triton.{module}"))
@@ -69,8 +78,11 @@ def test_every_specialization_compiles_and_fits_an_sm90_block(report):
 
 def test_no_specialization_spills_registers(report):
     data, _ = report
-    spilled = [f"{r['kernel']} ({r['case']}, {r['num_warps']} warps): "
-               f"{r['stack_bytes']} B stack at {r['regs']} registers" for r in data["kernels"] if r["stack_bytes"] > 0]
+    spilled = [
+        f"{r['kernel']} ({r['case']}, {r['num_warps']} warps): {r['stack_bytes']} B stack at {r['regs']} registers"
+        for r in data["kernels"]
+        if r["stack_bytes"] > 0
+    ]
     assert not spilled, "\n".join(spilled)
 
 
@@ -83,13 +95,15 @@ BELOW_16_WARPS = {"_scan_bwd_kernel"}
 
 def test_memory_bound_kernels_keep_16_warps_resident_per_sm(report):
     data, _ = report
-    low = [f"{r['kernel']} ({r['case']}): {r['regs']} registers x {r['num_warps']} warps -> {r['warps_per_sm']}"
-           for r in data["kernels"]
-           if r["kernel"] not in MATMUL_KERNELS | BELOW_16_WARPS and r["warps_per_sm"] < 16]
+    low = [
+        f"{r['kernel']} ({r['case']}): {r['regs']} registers x {r['num_warps']} warps -> {r['warps_per_sm']}"
+        for r in data["kernels"]
+        if r["kernel"] not in MATMUL_KERNELS | BELOW_16_WARPS and r["warps_per_sm"] < 16
+    ]
     assert not low, "\n".join(low)
 
 
-PROBE = textwrap.dedent('''
+PROBE = textwrap.dedent("""
     import importlib.util, json, sys
     import torch, triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -111,14 +125,15 @@ PROBE = textwrap.dedent('''
     assert torch.all(x == 0), "the recorder launched the kernel"
     (launch,) = recorder.launches.values()
     print(json.dumps(compile_kernels.compile_launch(launch, target, {limits})))
-''')
+""")
 
 
 def probe(tmp_path, block, limits):
     path = tmp_path / "probe.py"
     path.write_text(PROBE.format(script=SCRIPT, block=block, limits=limits))
-    run = subprocess.run([sys.executable, str(path)], env=compiler_env("venv"), capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(path)], env=compiler_env("venv"), capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -138,7 +153,7 @@ def test_a_kernel_over_the_register_or_shared_memory_limit_is_reported(tmp_path)
 def test_occupancy_is_limited_by_registers_shared_memory_or_the_warp_count():
     compile_kernels = load_benchmark("gpu_check/compile_kernels")
     sm90 = compile_kernels.LIMITS[90]
-    assert compile_kernels.resident_warps(255, 8, 149_000, sm90) == 8     # registers: one block of 8 warps
-    assert compile_kernels.resident_warps(40, 4, 100_000, sm90) == 8      # shared memory: two blocks
-    assert compile_kernels.resident_warps(32, 4, 0, sm90) == 64           # the SM's 64 warps
-    assert compile_kernels.resident_warps(33, 4, 0, sm90) == 48           # 33 registers are allocated as 40
+    assert compile_kernels.resident_warps(255, 8, 149_000, sm90) == 8  # registers: one block of 8 warps
+    assert compile_kernels.resident_warps(40, 4, 100_000, sm90) == 8  # shared memory: two blocks
+    assert compile_kernels.resident_warps(32, 4, 0, sm90) == 64  # the SM's 64 warps
+    assert compile_kernels.resident_warps(33, 4, 0, sm90) == 48  # 33 registers are allocated as 40

@@ -1,5 +1,6 @@
 """Triton causal_conv1d and rmsnorm_gated (under TRITON_INTERPRET=1 on the CPU) against the
 float64 per-timestep oracle: forward and every gradient within 1e-4 relative in float32."""
+
 import pytest
 import torch
 
@@ -26,9 +27,11 @@ def test_causal_conv1d_matches_oracle(width, activation, with_seq_idx):
     seed = 100 * width + 10 * (activation is not None) + with_seq_idx
     gen = torch.Generator().manual_seed(seed)
     batch, dim, seqlen = 2, 19, 77  # dim, seqlen not multiples of the blocks (16, 64)
-    tensors = dict(x=torch.randn(batch, dim, seqlen, generator=gen),
-                   weight=torch.randn(dim, width, generator=gen),
-                   bias=torch.randn(dim, generator=gen))
+    tensors = dict(
+        x=torch.randn(batch, dim, seqlen, generator=gen),
+        weight=torch.randn(dim, width, generator=gen),
+        bias=torch.randn(dim, generator=gen),
+    )
     if with_seq_idx:
         tensors["seq_idx"] = documents(batch, seqlen, gen)
     check_against_oracle(causal_conv1d, naive_ops.causal_conv1d, tensors, seed, activation=activation)
@@ -58,7 +61,7 @@ def test_causal_conv1d_channel_last_matches_oracle(width, with_seq_idx):
     results = []
     for dtype, fn in ((torch.float32, causal_conv1d), (torch.float64, naive_ops.causal_conv1d)):
         p, w, b = (t.to(dtype).requires_grad_() for t in (packed, weight, bias))
-        out = fn(p[..., 4:4 + dim].transpose(1, 2), w, b, seq_idx=seq_idx, activation="silu")
+        out = fn(p[..., 4 : 4 + dim].transpose(1, 2), w, b, seq_idx=seq_idx, activation="silu")
         out.backward(grad.to(dtype))
         results.append((out, p.grad, w.grad, b.grad))
     assert results[0][0].stride(1) == 1, "the output is not channel-last like x"
@@ -70,11 +73,16 @@ def test_causal_conv1d_channel_last_matches_oracle(width, with_seq_idx):
 def test_causal_conv1d_64_bit_offsets_match_oracle(monkeypatch):
     """The INT64 specialization (sequences past 2^31 elements of offset) computes the same."""
     from megamamba.kernels.triton import conv
+
     monkeypatch.setattr(conv, "_needs_int64", lambda *tensors: True)
     seed = 500
     gen = torch.Generator().manual_seed(seed)
-    tensors = dict(x=torch.randn(2, 19, 77, generator=gen), weight=torch.randn(19, 3, generator=gen),
-                   bias=torch.randn(19, generator=gen), seq_idx=documents(2, 77, gen))
+    tensors = dict(
+        x=torch.randn(2, 19, 77, generator=gen),
+        weight=torch.randn(19, 3, generator=gen),
+        bias=torch.randn(19, generator=gen),
+        seq_idx=documents(2, 77, gen),
+    )
     check_against_oracle(causal_conv1d, naive_ops.causal_conv1d, tensors, seed, activation="silu")
 
 
@@ -90,16 +98,26 @@ def test_rmsnorm_gated_matches_oracle(gate, group_size, with_bias):
         tensors["bias"] = torch.randn(36, generator=gen)
     if gate != "none":
         tensors["z"] = torch.randn(shape, generator=gen)
-    check_against_oracle(rmsnorm_gated, naive_ops.rmsnorm_gated, tensors, seed, group_size=group_size,
-                         norm_before_gate=gate != "after_norm", eps=1e-5)
+    check_against_oracle(
+        rmsnorm_gated,
+        naive_ops.rmsnorm_gated,
+        tensors,
+        seed,
+        group_size=group_size,
+        norm_before_gate=gate != "after_norm",
+        eps=1e-5,
+    )
 
 
 def test_rmsnorm_gated_wide_rows_use_few_rows_per_program():
     """4096-wide rows: one row per block (BLOCK_M = 1), rows not a multiple of anything."""
     seed = 1100
     gen = torch.Generator().manual_seed(seed)
-    tensors = dict(x=torch.randn(3, 4096, generator=gen), weight=torch.randn(4096, generator=gen),
-                   z=torch.randn(3, 4096, generator=gen))
+    tensors = dict(
+        x=torch.randn(3, 4096, generator=gen),
+        weight=torch.randn(4096, generator=gen),
+        z=torch.randn(3, 4096, generator=gen),
+    )
     check_against_oracle(rmsnorm_gated, naive_ops.rmsnorm_gated, tensors, seed, norm_before_gate=False)
 
 
@@ -110,10 +128,21 @@ def test_rmsnorm_gated_backward_programs_walk_several_row_blocks(group_size, nor
     last of them partly or wholly past the end."""
     seed = 1200 + group_size + norm_before_gate
     gen = torch.Generator().manual_seed(seed)
-    tensors = dict(x=torch.randn(7, 43, 36, generator=gen), weight=1 + 0.1 * torch.randn(36, generator=gen),
-                   bias=torch.randn(36, generator=gen), z=torch.randn(7, 43, 36, generator=gen))
-    check_against_oracle(rmsnorm_gated, naive_ops.rmsnorm_gated, tensors, seed, group_size=group_size,
-                         norm_before_gate=norm_before_gate, eps=1e-5)
+    tensors = dict(
+        x=torch.randn(7, 43, 36, generator=gen),
+        weight=1 + 0.1 * torch.randn(36, generator=gen),
+        bias=torch.randn(36, generator=gen),
+        z=torch.randn(7, 43, 36, generator=gen),
+    )
+    check_against_oracle(
+        rmsnorm_gated,
+        naive_ops.rmsnorm_gated,
+        tensors,
+        seed,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        eps=1e-5,
+    )
 
 
 def test_rmsnorm_gated_reads_column_slices_and_strided_gradients():

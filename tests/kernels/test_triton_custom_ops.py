@@ -1,6 +1,7 @@
 """The custom ops on Triton (the CPU: its interpreter): torch.library.opcheck passes for every op and its
 backward op, so the fake implementations give what the Triton kernels return (its chunk states, its float32
 final states, the conv's channel-last layout)."""
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 oracle: the output, the last state and the gradient of every float input (initial state included)
 within 1e-4 relative in float32. SEQLEN spans three chunks and ends inside a fourth; a group of
 10 channels spans two channel blocks, the second one partly masked."""
+
 import functools
 
 import pytest
@@ -20,12 +21,24 @@ BATCH, DIM, DSTATE, GROUPS = 2, 20, 5, 2
 SEQLEN = 3 * CHUNK + 13
 
 
-def inputs(seed, *, b_shape=(BATCH, GROUPS, DSTATE, SEQLEN), c_shape=(BATCH, GROUPS, DSTATE, SEQLEN),
-           extras=True, delta_scale=0.5, initial=False):
+def inputs(
+    seed,
+    *,
+    b_shape=(BATCH, GROUPS, DSTATE, SEQLEN),
+    c_shape=(BATCH, GROUPS, DSTATE, SEQLEN),
+    extras=True,
+    delta_scale=0.5,
+    initial=False,
+):
     gen = torch.Generator().manual_seed(seed)
     r = functools.partial(torch.randn, generator=gen)
-    t = dict(u=r(BATCH, DIM, SEQLEN), delta=delta_scale * r(BATCH, DIM, SEQLEN),
-             A=-0.2 - torch.rand(DIM, DSTATE, generator=gen), B=r(*b_shape), C=r(*c_shape))
+    t = dict(
+        u=r(BATCH, DIM, SEQLEN),
+        delta=delta_scale * r(BATCH, DIM, SEQLEN),
+        A=-0.2 - torch.rand(DIM, DSTATE, generator=gen),
+        B=r(*b_shape),
+        C=r(*c_shape),
+    )
     if extras:
         t.update(D=r(DIM), z=r(BATCH, DIM, SEQLEN), delta_bias=r(DIM))
     if initial:
@@ -37,14 +50,20 @@ def documents():
     """Row 0: a boundary inside the first chunk, one exactly at the third chunk's start and the
     first id reused; row 1: one document."""
     first, second = 5, 2 * CHUNK - 5
-    return torch.tensor([[3] * first + [1] * second + [3] * (SEQLEN - first - second), [0] * SEQLEN],
-                        dtype=torch.int32)
+    return torch.tensor([[3] * first + [1] * second + [3] * (SEQLEN - first - second), [0] * SEQLEN], dtype=torch.int32)
 
 
 def check_against_oracle(tensors, seed, **kwargs):
     """Triton on float32 copies vs the oracle on float64 copies: out, last state, all gradients."""
-    oracle_checks.check_against_oracle(selective_scan, naive_ops.selective_scan, tensors, seed,
-                                       names=("out", "last_state"), return_last_state=True, **kwargs)
+    oracle_checks.check_against_oracle(
+        selective_scan,
+        naive_ops.selective_scan,
+        tensors,
+        seed,
+        names=("out", "last_state"),
+        return_last_state=True,
+        **kwargs,
+    )
 
 
 def test_shapes_exercise_chunks_and_channel_blocks():
@@ -85,8 +104,9 @@ def test_selective_scan_constant_B_matches_oracle():
 
 def test_selective_scan_constant_B_and_C_with_initial_state_matches_oracle():
     seed = 68
-    check_against_oracle(inputs(seed, b_shape=(DIM, DSTATE), c_shape=(DIM, DSTATE), initial=True), seed,
-                         delta_softplus=True)
+    check_against_oracle(
+        inputs(seed, b_shape=(DIM, DSTATE), c_shape=(DIM, DSTATE), initial=True), seed, delta_softplus=True
+    )
 
 
 def test_selective_scan_large_delta_stays_finite_and_exact():

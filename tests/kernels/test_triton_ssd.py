@@ -1,6 +1,7 @@
 """Triton ssd_chunk_scan (under TRITON_INTERPRET=1 on the CPU) against the float64 per-timestep
 oracle: the output, the final state and the gradient of every float input within 1e-4 relative
 in float32, for seqlen not a multiple of the chunk and ngroups > 1."""
+
 import functools
 
 import pytest
@@ -20,9 +21,14 @@ BATCH, SEQLEN, NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK = 2, 37, 4, 8, 2, 16, 16
 def inputs(seed, *, d_shape=(NHEADS,), z=True, dt_bias=True, initial_states=False, dt_scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     r = functools.partial(torch.randn, generator=gen)
-    t = dict(x=r(BATCH, SEQLEN, NHEADS, HEADDIM), dt=dt_scale * r(BATCH, SEQLEN, NHEADS),
-             A=-0.5 - torch.rand(NHEADS, generator=gen),
-             B=r(BATCH, SEQLEN, NGROUPS, DSTATE), C=r(BATCH, SEQLEN, NGROUPS, DSTATE), D=r(*d_shape))
+    t = dict(
+        x=r(BATCH, SEQLEN, NHEADS, HEADDIM),
+        dt=dt_scale * r(BATCH, SEQLEN, NHEADS),
+        A=-0.5 - torch.rand(NHEADS, generator=gen),
+        B=r(BATCH, SEQLEN, NGROUPS, DSTATE),
+        C=r(BATCH, SEQLEN, NGROUPS, DSTATE),
+        D=r(*d_shape),
+    )
     if z:
         t["z"] = r(BATCH, SEQLEN, NHEADS, HEADDIM)
     if dt_bias:
@@ -42,8 +48,17 @@ def documents():
 def check_against_oracle(fn, tensors, seed, tol_by_grad=None, **kwargs):
     """fn on float32 copies vs the oracle on float64 copies: y, final state and all gradients
     (within TOL, or tol_by_grad[name] for the named ones)."""
-    oracle_checks.check_against_oracle(fn, naive_ops.ssd_chunk_scan, tensors, seed, names=("y", "final_states"),
-                                       tol_by_grad=tol_by_grad, chunk_size=CHUNK, return_final_states=True, **kwargs)
+    oracle_checks.check_against_oracle(
+        fn,
+        naive_ops.ssd_chunk_scan,
+        tensors,
+        seed,
+        names=("y", "final_states"),
+        tol_by_grad=tol_by_grad,
+        chunk_size=CHUNK,
+        return_final_states=True,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("with_initial_states", [False, True])
@@ -51,8 +66,9 @@ def check_against_oracle(fn, tensors, seed, tol_by_grad=None, **kwargs):
 def test_ssd_chunk_scan_matches_oracle(with_initial_states, with_seq_idx):
     seed = 10 + 2 * with_initial_states + with_seq_idx
     kwargs = dict(seq_idx=documents()) if with_seq_idx else {}
-    check_against_oracle(ssd_chunk_scan, inputs(seed, initial_states=with_initial_states), seed,
-                         dt_softplus=True, **kwargs)
+    check_against_oracle(
+        ssd_chunk_scan, inputs(seed, initial_states=with_initial_states), seed, dt_softplus=True, **kwargs
+    )
 
 
 def test_ssd_chunk_scan_per_channel_D_dt_limit_without_softplus_matches_oracle():
@@ -70,8 +86,9 @@ def test_ssd_chunk_scan_large_dt_keeps_every_gradient_accurate():
     separates, so no cancellation amplifies their rounding (measured: dA 2.8e-5, d dt_bias 3.8e-6).
     """
     seed = 30
-    check_against_oracle(ssd_chunk_scan, inputs(seed, dt_scale=300.0, initial_states=True), seed,
-                         dt_softplus=True, seq_idx=documents())
+    check_against_oracle(
+        ssd_chunk_scan, inputs(seed, dt_scale=300.0, initial_states=True), seed, dt_softplus=True, seq_idx=documents()
+    )
 
 
 def test_ssd_chunk_scan_moderately_large_dt_keeps_dA_accurate():
@@ -94,8 +111,17 @@ def test_ssd_chunk_scan_reads_strided_views():
         z, x, B, C, dt = torch.split(packed, [d_inner, d_inner, d_bc, d_bc, NHEADS], dim=-1)
         A = -torch.linspace(0.5, 1.5, NHEADS, dtype=dtype)
         fn = ssd_chunk_scan if dtype == torch.float32 else naive_ops.ssd_chunk_scan
-        y = fn(x.view(shape4), dt, A, B.view(shape_bc), C.view(shape_bc), CHUNK, D=torch.ones(NHEADS, dtype=dtype),
-               z=z.view(shape4), dt_softplus=True)
+        y = fn(
+            x.view(shape4),
+            dt,
+            A,
+            B.view(shape_bc),
+            C.view(shape_bc),
+            CHUNK,
+            D=torch.ones(NHEADS, dtype=dtype),
+            z=z.view(shape4),
+            dt_softplus=True,
+        )
         y.backward(torch.randn(y.shape, generator=gen.manual_seed(seed + 1)).to(dtype))
         return y, packed.grad
 

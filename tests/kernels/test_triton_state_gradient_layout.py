@@ -1,5 +1,6 @@
 """The Triton scans read the final state's gradient through any layout: `final.sum()` hands them an
 expanded (stride 0) gradient, which they once read as contiguous, past its one element (NaN)."""
+
 import pytest
 import torch
 
@@ -31,11 +32,13 @@ def test_ssd_reads_an_expanded_final_state_gradient():
     seed = 71
     gen = torch.Generator().manual_seed(seed)
     batch, seqlen, nheads, headdim, ngroups, dstate = 2, 21, 4, 5, 2, 6
-    tensors = dict(x=torch.randn(batch, seqlen, nheads, headdim, generator=gen),
-                   dt=torch.rand(batch, seqlen, nheads, generator=gen),
-                   A=-torch.rand(nheads, generator=gen),
-                   B=torch.randn(batch, seqlen, ngroups, dstate, generator=gen),
-                   C=torch.randn(batch, seqlen, ngroups, dstate, generator=gen))
+    tensors = dict(
+        x=torch.randn(batch, seqlen, nheads, headdim, generator=gen),
+        dt=torch.rand(batch, seqlen, nheads, generator=gen),
+        A=-torch.rand(nheads, generator=gen),
+        B=torch.randn(batch, seqlen, ngroups, dstate, generator=gen),
+        C=torch.randn(batch, seqlen, ngroups, dstate, generator=gen),
+    )
     check(ssd_chunk_scan, reference_ssd_chunk_scan, tensors, seed, chunk_size=8, return_final_states=True)
 
 
@@ -43,9 +46,11 @@ def test_selective_scan_reads_an_expanded_last_state_gradient():
     seed = 72
     gen = torch.Generator().manual_seed(seed)
     batch, dim, seqlen, dstate = 2, 6, 19, 5
-    tensors = dict(u=torch.randn(batch, dim, seqlen, generator=gen),
-                   delta=torch.rand(batch, dim, seqlen, generator=gen),
-                   A=-torch.rand(dim, dstate, generator=gen),
-                   B=torch.randn(batch, 1, dstate, seqlen, generator=gen),
-                   C=torch.randn(batch, 1, dstate, seqlen, generator=gen))
+    tensors = dict(
+        u=torch.randn(batch, dim, seqlen, generator=gen),
+        delta=torch.rand(batch, dim, seqlen, generator=gen),
+        A=-torch.rand(dim, dstate, generator=gen),
+        B=torch.randn(batch, 1, dstate, seqlen, generator=gen),
+        C=torch.randn(batch, 1, dstate, seqlen, generator=gen),
+    )
     check(selective_scan, reference_selective_scan, tensors, seed, return_last_state=True)

@@ -1,5 +1,6 @@
 """launch/plan.py as a user runs it: --json prints one JSON object and nothing else; a wrong input is one
 line on stderr and exit status 2."""
+
 import json
 import subprocess
 import sys
@@ -11,8 +12,12 @@ MODEL = str(ROOT / "launch/models/mamba2-130m.json")
 
 
 def _plan(*flags):
-    return subprocess.run([sys.executable, str(PLAN_PY), "--model-config", MODEL, "--seq-length", "2048", *flags],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(PLAN_PY), "--model-config", MODEL, "--seq-length", "2048", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_json_output_is_one_object_with_the_ranked_plans():

@@ -5,6 +5,7 @@ test here. Requirements checked: the loss falls (final validation loss at least 
 step-0 training loss; measured 7.65 -> 4.53), TensorBoard event files hold the metric names of
 docs/architecture.md, the checkpoint is a model folder with its tokenizer, and the printed samples are text.
 """
+
 import json
 import os
 import re
@@ -29,8 +30,14 @@ SAMPLE = re.compile(r"^=== sample (\d+): prompt '(.*)' ===$")
 def quickstart(tmp_path_factory):
     out = tmp_path_factory.mktemp("quickstart")
     start = time.monotonic()
-    proc = subprocess.run(["bash", str(ROOT / "scripts/quickstart.sh"), str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/quickstart.sh"), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     print(f"scripts/quickstart.sh took {time.monotonic() - start:.0f} s")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -55,7 +62,8 @@ def test_tensorboard_event_files_hold_the_metrics(quickstart):
     logged = [r["step"] for r in quickstart["records"]]
     assert [e.step for e in events.Scalars("loss")] == logged
     assert [e.value for e in events.Scalars("val_loss")] == pytest.approx(
-        [r["val_loss"] for r in quickstart["records"] if "val_loss" in r])
+        [r["val_loss"] for r in quickstart["records"] if "val_loss" in r]
+    )
 
 
 def test_the_checkpoint_is_a_model_folder_with_its_tokenizer(quickstart):
@@ -71,10 +79,10 @@ def test_printed_samples_are_non_empty_text(quickstart):
     assert len(headers) == 2, quickstart["stdout"][-3000:]
     ends = [i for i, _ in headers[1:]] + [next(i for i, line in enumerate(lines) if line.startswith("== done"))]
     for (start, match), end in zip(headers, ends):
-        text = "\n".join(lines[start + 1:end])
+        text = "\n".join(lines[start + 1 : end])
         prompt = match.group(2)
         assert text.startswith(prompt), (prompt, text)
-        continuation = text[len(prompt):]
+        continuation = text[len(prompt) :]
         print(f"sample {match.group(1)}: {text!r}")
         assert continuation.strip(), (prompt, text)
         assert all(c.isprintable() or c.isspace() for c in continuation), continuation

@@ -10,6 +10,7 @@ document mask both cross CP slices; TP 2 replicates its key/value head. One layo
 activations, one runs ZeRO-2. The (1,1,2,2) run saves after step 3 and that checkpoint continues the
 reference curve at (2,1,1,1) with ZeRO-2.
 """
+
 import json
 
 import pytest
@@ -22,12 +23,10 @@ SAVE_AT = 3
 ZERO_2 = {"zero_optimization": {"stage": 2}}
 LAYOUTS = {  # name: (mixer, world, flags, DeepSpeed config changes); layouts as (dp, cp, tp, pp)
     "hybrid-2-1-1-1-zero2": ("hybrid", 2, [], ZERO_2),
-    "hybrid-1-1-2-2": ("hybrid", 4, ["--tp", "2", "--pp", "2", "--save", "ckpt", "--save-interval", str(SAVE_AT)],
-                       {}),
+    "hybrid-1-1-2-2": ("hybrid", 4, ["--tp", "2", "--pp", "2", "--save", "ckpt", "--save-interval", str(SAVE_AT)], {}),
     "hybrid-1-2-2-1": ("hybrid", 4, ["--cp", "2", "--tp", "2"], {}),
     "hybrid-1-2-1-2": ("hybrid", 4, ["--context-parallel-size", "2", "--pp", "2"], {}),
-    "hybrid-2-2-1-2-recompute": ("hybrid", 8, ["--cp", "2", "--pp", "2", "--checkpoint-activations-interval", "1"],
-                                 {}),
+    "hybrid-2-2-1-2-recompute": ("hybrid", 8, ["--cp", "2", "--pp", "2", "--checkpoint-activations-interval", "1"], {}),
     "mamba1-1-2-2-1-sp": ("mamba1", 4, ["--cp", "2", "--tp", "2", "--sequence-parallel"], {}),
 }
 
@@ -63,8 +62,10 @@ def test_layout_trains_the_single_rank_loss_curve(train_runs, packed_documents, 
 
 def test_the_console_names_the_context_parallel_size_and_the_hybrids_layer_kinds(train_runs, packed_documents):
     stdout = _launched(train_runs, packed_documents, "hybrid-2-2-1-2-recompute")["stdout"]
-    assert "layout: world 8 = dp 2 x cp 2 x tp 1 x pp 2 | micro batch 2 x grad accumulation 2 x dp 2 = global " \
-           "batch 8" in stdout
+    assert (
+        "layout: world 8 = dp 2 x cp 2 x tp 1 x pp 2 | micro batch 2 x grad accumulation 2 x dp 2 = global "
+        "batch 8" in stdout
+    )
     assert "run: Mamba2, 3 layers (1 Mamba2, 1 attention, 1 MLP), d_model 64 | parameters " in stdout
 
 

@@ -1,4 +1,5 @@
 """An unedited DeepSpeed-style config (AdamW + WarmupDecayLR + bf16, ZeRO 1) trains through launch/train.py."""
+
 import json
 import os
 
@@ -22,17 +23,49 @@ DS_CONFIG = {
     "bf16": {"enabled": True},
 }
 # The same settings as flags (DeepSpeed's log warm-up is the default; flags that agree are accepted).
-FLAGS = ["--lr", "1e-3", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--weight-decay", "0.1",
-         "--min-lr", "0", "--lr-warmup-iters", "3", "--lr-decay-iters", "5", "--lr-decay-style", "linear"]
+FLAGS = [
+    "--lr",
+    "1e-3",
+    "--adam-beta1",
+    "0.9",
+    "--adam-beta2",
+    "0.95",
+    "--adam-eps",
+    "1e-8",
+    "--weight-decay",
+    "0.1",
+    "--min-lr",
+    "0",
+    "--lr-warmup-iters",
+    "3",
+    "--lr-decay-iters",
+    "5",
+    "--lr-decay-style",
+    "linear",
+]
 
 
 def _run(tmp_path, name, flags=()):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(DS_CONFIG))
-    argv = ["--deepspeed_config", str(path), "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"),
-            "--train-iters", str(STEPS), "--seq-length", "32", "--log-interval", "1", "--seed", "1234", *flags]
-    return run_ranks(run_train, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"]), init_process_group=False,
-                     timeout=400)[0]
+    argv = [
+        "--deepspeed_config",
+        str(path),
+        "--model-config",
+        str(ROOT / "launch/models/tiny-mamba2.json"),
+        "--train-iters",
+        str(STEPS),
+        "--seq-length",
+        "32",
+        "--log-interval",
+        "1",
+        "--seed",
+        "1234",
+        *flags,
+    ]
+    return run_ranks(
+        run_train, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"]), init_process_group=False, timeout=400
+    )[0]
 
 
 def _deepspeed_lrs() -> list:

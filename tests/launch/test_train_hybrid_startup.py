@@ -1,6 +1,7 @@
 """A hybrid run's start-up: the summary counts its layer kinds; --hybrid-layer-pattern (Megatron's older
 name: --hybrid-override-pattern) sets the pattern; a pattern or layout the model cannot take is one line
 on stderr, exit status 2, before any process group exists."""
+
 import json
 
 import pytest
@@ -21,8 +22,17 @@ WITHOUT_PATTERN = {k: v for k, v in TINY_HYBRID.items() if k != "hybrid_layer_pa
 def _argv(tmp_path, model, flags=()):
     model_path = tmp_path / "model.json"
     model_path.write_text(json.dumps(model))
-    return ["--deepspeed_config", str(ROOT / "launch/configs/tiny-cpu.json"), "--model-config", str(model_path),
-            "--train-iters", "3", "--seq-length", "32", *flags]
+    return [
+        "--deepspeed_config",
+        str(ROOT / "launch/configs/tiny-cpu.json"),
+        "--model-config",
+        str(model_path),
+        "--train-iters",
+        "3",
+        "--seq-length",
+        "32",
+        *flags,
+    ]
 
 
 def _plan(tmp_path, model, flags=(), world=1):
@@ -48,8 +58,10 @@ def test_the_pattern_flag_sets_the_model_configs_hybrid_layer_pattern(tmp_path, 
 
 
 def test_the_flag_repeating_the_files_pattern_changes_nothing(tmp_path):
-    assert _plan(tmp_path, TINY_HYBRID, ["--hybrid-layer-pattern", TINY_HYBRID["hybrid_layer_pattern"]]).model == \
-        _plan(tmp_path, TINY_HYBRID).model
+    assert (
+        _plan(tmp_path, TINY_HYBRID, ["--hybrid-layer-pattern", TINY_HYBRID["hybrid_layer_pattern"]]).model
+        == _plan(tmp_path, TINY_HYBRID).model
+    )
 
 
 def test_a_pattern_of_another_length_than_n_layer_is_one_line_naming_both_and_the_fix(tmp_path, capsys, monkeypatch):
@@ -65,17 +77,27 @@ def test_an_unknown_pattern_symbol_is_one_line_naming_it(tmp_path, capsys, monke
 
 def test_a_flag_disagreeing_with_the_files_pattern_is_refused_naming_both(tmp_path, capsys, monkeypatch):
     line = _refusal(tmp_path, capsys, monkeypatch, TINY_HYBRID, ["--hybrid-layer-pattern", "M*-M-"])
-    assert line.endswith("--hybrid-layer-pattern 'M*-M-' disagrees with --model-config "
-                         f"'{tmp_path / 'model.json'}''s hybrid_layer_pattern='M-M*-'; keep one")
+    assert line.endswith(
+        "--hybrid-layer-pattern 'M*-M-' disagrees with --model-config "
+        f"'{tmp_path / 'model.json'}''s hybrid_layer_pattern='M-M*-'; keep one"
+    )
 
 
-@pytest.mark.parametrize("attention, tp, words", [
-    ({}, 8, "attention tensor parallelism splits the query heads across ranks: num_heads = 4 is not divisible by "
-            "TP = 8"),
-    ({"num_heads": 6, "num_heads_kv": 3}, 2, "num_heads_kv = 3 does neither at TP = 2"),
-])
-def test_a_layout_that_cannot_split_the_attention_heads_is_one_line(tmp_path, capsys, monkeypatch, attention, tp,
-                                                                    words):
+@pytest.mark.parametrize(
+    "attention, tp, words",
+    [
+        (
+            {},
+            8,
+            "attention tensor parallelism splits the query heads across ranks: num_heads = 4 is not divisible by "
+            "TP = 8",
+        ),
+        ({"num_heads": 6, "num_heads_kv": 3}, 2, "num_heads_kv = 3 does neither at TP = 2"),
+    ],
+)
+def test_a_layout_that_cannot_split_the_attention_heads_is_one_line(
+    tmp_path, capsys, monkeypatch, attention, tp, words
+):
     model = {**TINY_HYBRID, "attn_cfg": {**TINY_HYBRID["attn_cfg"], **attention}}
     line = _refusal(tmp_path, capsys, monkeypatch, model, ["--tp", str(tp)], world=tp)
     assert line.startswith("train.py: error: ") and words in line
@@ -85,12 +107,23 @@ def test_the_start_up_summary_counts_a_hybrids_layer_kinds_and_parameters():
     config = MambaConfig.from_dict(TINY_HYBRID)
     total = sum(p.numel() for p in MambaLM(config).parameters())
     lines = startup_summary(
-        model=config, layout=Layout(world_size=1, dp=1, tp=1, pp=1, micro_batch_size=2, grad_accum=4),
-        seq_length=32, train_iters=3, schedule=LRSchedule(1e-3, 1e-4, 0, 3, "cosine"), engine_config={},
-        data=training_data(config, "bytes", [], [], 32, 8, 1234), total_params=count_parameters(config),
-        stage_params=(1, 1), save=None, load=None, save_interval=0, keep_last=None)
-    assert lines[0].startswith(f"run: Mamba2, 5 layers (2 Mamba2, 1 attention, 2 MLP), d_model 64 | parameters "
-                               f"{total} ")
+        model=config,
+        layout=Layout(world_size=1, dp=1, tp=1, pp=1, micro_batch_size=2, grad_accum=4),
+        seq_length=32,
+        train_iters=3,
+        schedule=LRSchedule(1e-3, 1e-4, 0, 3, "cosine"),
+        engine_config={},
+        data=training_data(config, "bytes", [], [], 32, 8, 1234),
+        total_params=count_parameters(config),
+        stage_params=(1, 1),
+        save=None,
+        load=None,
+        save_interval=0,
+        keep_last=None,
+    )
+    assert lines[0].startswith(
+        f"run: Mamba2, 5 layers (2 Mamba2, 1 attention, 2 MLP), d_model 64 | parameters {total} "
+    )
 
 
 def test_the_quick_starts_hybrid_model_takes_the_readmes_pattern(tmp_path):

@@ -3,6 +3,7 @@
 What only the launcher shows: its environment and argument passing (--local_rank), the exit
 status of the job, the console on one rank, files written where the flags say.
 """
+
 import subprocess
 import sys
 
@@ -50,8 +51,9 @@ def _ranks(line: str, world: int) -> list:
 
 def _launched(train_runs, layout, mixer, extra):
     dp, tp, pp = layout
-    run = train_runs.launched(dp * tp * pp, mixer, ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size",
-                                                    str(pp), *extra])
+    run = train_runs.launched(
+        dp * tp * pp, mixer, ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp), *extra]
+    )
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     return run
 
@@ -85,9 +87,22 @@ def test_tensorboard_gets_every_metric_name_at_every_step(train_runs):
 
 def test_an_invalid_layout_stops_the_launched_job_before_training_with_one_message(train_runs, tmp_path):
     ds = train_runs.ds_config(zero_optimization={"stage": 2})
-    cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN_PY),
-           "--deepspeed_config", ds, "--model-config", train_runs.model_config("mamba2"),
-           "--pipeline-parallel-size", "2", "--train-iters", "5"]
+    cmd = [
+        str(DEEPSPEED),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(TRAIN_PY),
+        "--deepspeed_config",
+        ds,
+        "--model-config",
+        train_runs.model_config("mamba2"),
+        "--pipeline-parallel-size",
+        "2",
+        "--train-iters",
+        "5",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     message = "train.py: error: ZeRO stage 2 with pipeline parallel size 2"
@@ -97,10 +112,24 @@ def test_an_invalid_layout_stops_the_launched_job_before_training_with_one_messa
 
 def test_the_script_exits_2_with_the_message_on_stderr(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(TRAIN_PY), "--deepspeed_config", str(ROOT / "launch/configs/tiny-cpu.json"),
-         "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"), "--tensor-parallel-size", "3",
-         "--train-iters", "5"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={"WORLD_SIZE": "4", "PATH": ""})
+        [
+            sys.executable,
+            str(TRAIN_PY),
+            "--deepspeed_config",
+            str(ROOT / "launch/configs/tiny-cpu.json"),
+            "--model-config",
+            str(ROOT / "launch/models/tiny-mamba2.json"),
+            "--tensor-parallel-size",
+            "3",
+            "--train-iters",
+            "5",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"WORLD_SIZE": "4", "PATH": ""},
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
     assert errors == ["train.py: error: world size 4 is not a multiple of tensor x pipeline parallel size 3 x 1 = 3"]

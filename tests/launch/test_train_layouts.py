@@ -6,6 +6,7 @@ have 3 layers (not divisible by 2 stages). Options that must not change the math
 sequence parallelism, activation checkpointing, each partition method, ZeRO stages ((2,1,1) for
 Mamba-2 is the ZeRO-2/3 test below).
 """
+
 import pytest
 
 from train_runs import losses, relative_curve_error
@@ -31,8 +32,9 @@ def _flags(layout, extra):
     return ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp), *extra]
 
 
-@pytest.mark.parametrize("layout, mixer, zero, extra", LAYOUTS,
-                         ids=[f"{m}-{lay}-zero{z}-{' '.join(e)}" for lay, m, z, e in LAYOUTS])
+@pytest.mark.parametrize(
+    "layout, mixer, zero, extra", LAYOUTS, ids=[f"{m}-{lay}-zero{z}-{' '.join(e)}" for lay, m, z, e in LAYOUTS]
+)
 def test_layout_trains_the_single_rank_loss_curve(train_runs, train_reference, layout, mixer, zero, extra):
     ds = train_runs.ds_config(zero_optimization={"stage": zero})
     ranks = train_runs.spawned(layout[0] * layout[1] * layout[2], mixer, _flags(layout, extra), ds_config=ds)
@@ -55,8 +57,12 @@ def test_loss_falls_over_the_five_steps(train_reference):
 
 
 def test_zero1_holds_12_bytes_per_stage_parameter_over_dp_on_every_rank(train_runs):
-    ranks = train_runs.spawned(4, "mamba2", _flags((2, 1, 2), ["--checkpoint-activations-interval", "1"]),
-                         ds_config=train_runs.ds_config(zero_optimization={"stage": 1}))
+    ranks = train_runs.spawned(
+        4,
+        "mamba2",
+        _flags((2, 1, 2), ["--checkpoint-activations-interval", "1"]),
+        ds_config=train_runs.ds_config(zero_optimization={"stage": 1}),
+    )
     assert {s["stage_parameters"] for s in ranks} == {ranks[0]["stage_parameters"], ranks[-1]["stage_parameters"]}
     for rank, s in enumerate(ranks):
         expected = 12 * s["stage_parameters"] / 2
@@ -66,8 +72,9 @@ def test_zero1_holds_12_bytes_per_stage_parameter_over_dp_on_every_rank(train_ru
 
 # ZeRO-3 keeps no separate float32 master: the float32 parameter shard it owns is the master.
 @pytest.mark.parametrize("stage, state_bytes_per_parameter", [(2, 12), (3, 8)])
-def test_zero_2_and_3_at_pipeline_size_1_train_the_same_curve(train_runs, train_reference, stage,
-                                                               state_bytes_per_parameter):
+def test_zero_2_and_3_at_pipeline_size_1_train_the_same_curve(
+    train_runs, train_reference, stage, state_bytes_per_parameter
+):
     ds = train_runs.ds_config(zero_optimization={"stage": stage})
     ranks = train_runs.spawned(2, "mamba2", [], ds_config=ds)
     for summary in ranks:
@@ -80,8 +87,9 @@ def test_zero_2_and_3_at_pipeline_size_1_train_the_same_curve(train_runs, train_
 def test_bf16_autocast_follows_the_float32_curve_with_float32_parameters(train_runs):
     longer = ["--train-iters", "30", "--lr", "3e-3", "--lr-warmup-iters", "3", "--eval-interval", "0"]
     (fp32,) = train_runs.spawned(1, "mamba2", longer)
-    (bf16,) = train_runs.spawned(1, "mamba2", longer, ds_config=train_runs.ds_config(
-        torch_autocast={"enabled": True, "dtype": "bfloat16"}))
+    (bf16,) = train_runs.spawned(
+        1, "mamba2", longer, ds_config=train_runs.ds_config(torch_autocast={"enabled": True, "dtype": "bfloat16"})
+    )
     assert bf16["parameter_dtypes"] == ["torch.float32"]  # A_log, D, dt_bias and the masters stay float32
     curve, ref = losses(bf16["records"]), losses(fp32["records"])
     assert ref[-1] < ref[0] - 0.5, ref  # a real stretch of training, not the flat start

@@ -5,6 +5,7 @@ one short document each, so every 32-token sample holds several document boundar
 --no-reset-at-documents shows that the resets move the curve well beyond the tolerance (by 1.2e-3
 over these 5 steps), so a stage that dropped seq_idx would fail the comparison.
 """
+
 import pytest
 
 from train_runs import losses, relative_curve_error
@@ -23,7 +24,8 @@ def packed_reference(train_runs, packed_documents):
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
 def test_packed_documents_train_the_single_rank_curve_at_pipeline_and_tensor_parallel_layouts(
-        train_runs, packed_documents, packed_reference, tp, pp):
+    train_runs, packed_documents, packed_reference, tp, pp
+):
     ranks = train_runs.spawned(tp * pp, MIXER, [*packed_documents, "--tp", str(tp), "--pp", str(pp)])
     for rank, summary in enumerate(ranks):
         for key in ("loss", "val_loss"):

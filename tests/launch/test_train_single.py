@@ -1,4 +1,5 @@
 """The single-process baseline trainer learns: a few hundred steps on real text cut the loss."""
+
 import json
 import subprocess
 import sys
@@ -12,9 +13,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def _train(tmp_path, model_config, iters):
     metrics = tmp_path / "metrics.jsonl"
     subprocess.run(
-        [sys.executable, str(ROOT / "launch/train_single.py"), "--model-config", str(ROOT / model_config),
-         "--train-iters", str(iters), "--log-interval", "10", "--metrics-jsonl", str(metrics)],
-        check=True, cwd=tmp_path, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "launch/train_single.py"),
+            "--model-config",
+            str(ROOT / model_config),
+            "--train-iters",
+            str(iters),
+            "--log-interval",
+            "10",
+            "--metrics-jsonl",
+            str(metrics),
+        ],
+        check=True,
+        cwd=tmp_path,
+        timeout=600,
     )
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 

@@ -1,5 +1,6 @@
 """Start-up refusals of train.py that used to be tracebacks or silent: one line, exit status 2, before
 training. Data made with another tokenizer is refused by name and trains with the override flag."""
+
 import io
 import json
 
@@ -34,8 +35,10 @@ def test_a_null_block_in_the_deepspeed_config_is_one_line(resume_runs, tmp_path,
         return args
 
     line = refused(resume_runs, argv)
-    assert line == f"train.py: error: --deepspeed_config '{config}': \"{block}\" is null; it must be an object " \
-                   "(e.g. {\"stage\": 1} for zero_optimization), or leave the key out"
+    assert (
+        line == f"train.py: error: --deepspeed_config '{config}': \"{block}\" is null; it must be an object "
+        '(e.g. {"stage": 1} for zero_optimization), or leave the key out'
+    )
 
 
 def test_a_loss_spike_factor_not_above_1_is_one_line(resume_runs):

@@ -1,4 +1,5 @@
 """Tiny model configs shared by the model tests: odd sizes, Mamba-2 with two groups."""
+
 import pytest
 
 from megamamba import MambaConfig

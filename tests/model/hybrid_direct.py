@@ -4,6 +4,7 @@ Written independently of the model's code paths: attention as an explicit score 
 mask built from positions and document ids in loops' terms, rotary as a complex rotation of channel pairs,
 the MLPs from their formulas. The Mamba mixers come from tests/model/test_model_oracle.py.
 """
+
 import math
 
 import torch
@@ -23,8 +24,10 @@ def rotary_direct(x, positions, dim, base, interleaved):
     else:
         re, im = rot[..., :half], rot[..., half:]
     theta = torch.tensor([base ** (-2 * j / dim) for j in range(half)], dtype=torch.float64)
-    phase = torch.polar(torch.ones(len(positions), half, dtype=torch.float64),
-                        torch.tensor(positions, dtype=torch.float64)[:, None] * theta)[:, None]
+    phase = torch.polar(
+        torch.ones(len(positions), half, dtype=torch.float64),
+        torch.tensor(positions, dtype=torch.float64)[:, None] * theta,
+    )[:, None]
     turned = torch.complex(re, im) * phase
     if interleaved:
         rotated = torch.stack([turned.real, turned.imag], dim=-1).flatten(-2)
@@ -41,18 +44,21 @@ def direct_attention(m, u, options, seq_idx=None):
     D = options.get("head_dim") or u.shape[-1] // H
     b, L, _ = u.shape
     p = linear(u, m.in_proj)
-    q = p[..., :H * D].reshape(b, L, H, D)
-    k = p[..., H * D:(H + Hkv) * D].reshape(b, L, Hkv, D)
-    v = p[..., (H + Hkv) * D:].reshape(b, L, Hkv, D)
+    q = p[..., : H * D].reshape(b, L, H, D)
+    k = p[..., H * D : (H + Hkv) * D].reshape(b, L, Hkv, D)
+    v = p[..., (H + Hkv) * D :].reshape(b, L, Hkv, D)
     assert v.shape[-2] == Hkv and p.shape[-1] == (H + 2 * Hkv) * D
-    rotary = (options.get("rotary_emb_dim", 0), options.get("rotary_emb_base", 10000.0),
-              options.get("rotary_emb_interleaved", False))
+    rotary = (
+        options.get("rotary_emb_dim", 0),
+        options.get("rotary_emb_base", 10000.0),
+        options.get("rotary_emb_interleaved", False),
+    )
     q, k = rotary_direct(q, range(L), *rotary), rotary_direct(k, range(L), *rotary)
     scale = options.get("softmax_scale") or 1 / math.sqrt(D)
     context = torch.zeros(b, L, H, D, dtype=u.dtype)
     for n in range(b):
         for i in range(L):
-            visible = [j for j in range(i + 1) if seq_idx is None or all(seq_idx[n, j:i + 1] == seq_idx[n, i])]
+            visible = [j for j in range(i + 1) if seq_idx is None or all(seq_idx[n, j : i + 1] == seq_idx[n, i])]
             for h in range(H):
                 g = h // (H // Hkv)
                 scores = torch.stack([q[n, i, h] @ k[n, j, g] for j in visible]) * scale
@@ -65,7 +71,7 @@ def direct_mlp(m, u, activation):
     """GatedMLP: fc1 rows [y, gate], y * gate * sigmoid(gate); squared ReLU: max(h, 0)^2; then fc2."""
     h = u @ m.fc1.weight.T
     if activation == "gated_silu":
-        y, gate = h[..., :h.shape[-1] // 2], h[..., h.shape[-1] // 2:]
+        y, gate = h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :]
         h = y * gate / (1 + torch.exp(-gate))
     else:
         h = torch.clamp(h, min=0) ** 2

@@ -4,6 +4,7 @@ sequence's rows; FlexAttention's block mask (the CUDA path, run eagerly here) eq
 CPU uses. A document is a run of equal ids: a change of id starts a new one, as the Mamba layers reset
 their state there, so an id reused by a later document names another document.
 """
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -30,7 +31,7 @@ def reference(q, k, v, q_start, ids):
             if ids is None:
                 first = 0
             for h in range(q.shape[2]):
-                keys, values = k[b, first:pos + 1, h // group], v[b, first:pos + 1, h // group]
+                keys, values = k[b, first : pos + 1, h // group], v[b, first : pos + 1, h // group]
                 weights = torch.softmax(keys @ q[b, i, h] / q.shape[-1] ** 0.5, dim=0)
                 out[b, i, h] = weights @ values
     return out
@@ -43,8 +44,9 @@ def inputs(seqlen, seed, dtype=torch.float32):
     return q, k, v
 
 
-DOCUMENTS = torch.tensor([[0] * 5 + [1] * 10 + [2] * 2 + [3] * 7,
-                          [5] * 6 + [2] * 6 + [5] * 12], dtype=torch.int32)  # id 5 names two documents
+DOCUMENTS = torch.tensor(
+    [[0] * 5 + [1] * 10 + [2] * 2 + [3] * 7, [5] * 6 + [2] * 6 + [5] * 12], dtype=torch.int32
+)  # id 5 names two documents
 SEQLEN = DOCUMENTS.shape[1]
 
 
@@ -54,8 +56,8 @@ def test_queries_at_an_offset_give_those_rows_of_the_whole_sequence(q_start, lq,
     """A rank's queries against the gathered keys: keys after its last query are never read."""
     q, k, v = inputs(SEQLEN, SEED)
     ids = DOCUMENTS if documents else None
-    out = causal_attention(q[:, q_start:q_start + lq], k, v, q_start=q_start, ids=ids)
-    err = relative_error(out, reference(q[:, q_start:q_start + lq], k, v, q_start, ids))
+    out = causal_attention(q[:, q_start : q_start + lq], k, v, q_start=q_start, ids=ids)
+    err = relative_error(out, reference(q[:, q_start : q_start + lq], k, v, q_start, ids))
     assert err <= 1e-6, f"seed {SEED}, q_start {q_start}, {lq} queries, documents {documents}: {err:.2e}"
 
 
@@ -69,8 +71,7 @@ def test_an_id_reused_by_a_later_document_is_another_document():
 
 def test_the_mask_of_a_slice_marks_keys_from_its_documents_first_position_to_the_query():
     mask = document_mask(torch.tensor([[3, 3, 7, 7, 3, 3]], dtype=torch.int32), q_start=4)
-    assert mask.tolist() == [[[False, False, False, False, True, False],
-                              [False, False, False, False, True, True]]]
+    assert mask.tolist() == [[[False, False, False, False, True, False], [False, False, False, False, True, True]]]
 
 
 FLEX_CASES = {  # name: (seqlen, q_start, documents' lengths): lengths that are no multiple of the 128-token blocks
@@ -95,8 +96,9 @@ def test_flex_attentions_block_mask_equals_the_boolean_mask_for_a_slice(name):
     ids = _ids(lengths)
     q, k, v = (t.transpose(1, 2) for t in inputs(seqlen, SEED + 2, torch.float64))  # (batch, heads, len, head_dim)
     q = q[:, :, q_start:]
-    boolean = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(ids, q_start)[:, None],
-                                                               enable_gqa=True)
+    boolean = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=document_mask(ids, q_start)[:, None], enable_gqa=True
+    )
     flex = flex_attention(q, k, v, block_mask=document_block_mask(ids, q_start), enable_gqa=True)
     err = relative_error(flex, boolean)
     assert err <= 1e-12, f"seed {SEED + 2}, {name}: {err:.2e}"

@@ -1,4 +1,5 @@
 """MambaConfig: mamba_ssm's config.json form, derived sizes, and refusals that name the field."""
+
 import json
 import math
 
@@ -32,8 +33,16 @@ def test_fields_and_defaults_are_mamba_ssms():
     [
         {},
         {"layer": "Mamba1", "d_state": 8, "dt_rank": 5, "dt_init": "constant", "use_fast_path": False},
-        {"layer": "Mamba2", "d_state": 16, "headdim": 16, "ngroups": 2, "dt_limit": (0.0, float("inf")),
-         "A_init_range": (2, 8), "chunk_size": 32, "D_has_hdim": True},
+        {
+            "layer": "Mamba2",
+            "d_state": 16,
+            "headdim": 16,
+            "ngroups": 2,
+            "dt_limit": (0.0, float("inf")),
+            "A_init_range": (2, 8),
+            "chunk_size": 32,
+            "D_has_hdim": True,
+        },
     ],
 )
 def test_config_json_round_trip(tmp_path, ssm_cfg):
@@ -46,26 +55,49 @@ def test_config_json_round_trip(tmp_path, ssm_cfg):
 
 def test_state_spaces_mamba2_config_json_loads():
     # config.json of state-spaces/mamba2-130m as published.
-    data = {"d_model": 768, "d_intermediate": 0, "n_layer": 24, "vocab_size": 50277,
-            "ssm_cfg": {"layer": "Mamba2"}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
-            "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 16,
-            "tie_embeddings": True}
+    data = {
+        "d_model": 768,
+        "d_intermediate": 0,
+        "n_layer": 24,
+        "vocab_size": 50277,
+        "ssm_cfg": {"layer": "Mamba2"},
+        "attn_layer_idx": [],
+        "attn_cfg": {},
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "fused_add_norm": True,
+        "pad_vocab_size_multiple": 16,
+        "tie_embeddings": True,
+    }
     cfg = MambaConfig.from_dict(data)
     assert (cfg.layer, cfg.d_inner, cfg.nheads, cfg.padded_vocab_size) == ("Mamba2", 1536, 24, 50288)
 
 
 def test_old_mamba1_config_json_without_newer_fields_loads():
     # config.json of state-spaces/mamba-130m: written before d_intermediate / attn_* / tie_embeddings.
-    data = {"d_model": 768, "n_layer": 24, "vocab_size": 50277, "ssm_cfg": {}, "rms_norm": True,
-            "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 8}
+    data = {
+        "d_model": 768,
+        "n_layer": 24,
+        "vocab_size": 50277,
+        "ssm_cfg": {},
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "fused_add_norm": True,
+        "pad_vocab_size_multiple": 8,
+    }
     cfg = MambaConfig.from_dict(data)
     assert (cfg.layer, cfg.d_inner, cfg.dt_rank, cfg.padded_vocab_size) == ("Mamba1", 1536, 48, 50280)
     assert cfg.tie_embeddings
 
 
 def test_derived_sizes():
-    cfg = MambaConfig(d_model=40, n_layer=1, vocab_size=100, pad_vocab_size_multiple=16,
-                      ssm_cfg={"layer": "Mamba2", "expand": 3, "headdim": 8, "ngroups": 5})
+    cfg = MambaConfig(
+        d_model=40,
+        n_layer=1,
+        vocab_size=100,
+        pad_vocab_size_multiple=16,
+        ssm_cfg={"layer": "Mamba2", "expand": 3, "headdim": 8, "ngroups": 5},
+    )
     assert (cfg.d_inner, cfg.nheads, cfg.padded_vocab_size) == (120, 15, 112)
     assert cfg.mixer_options.d_state == 128  # mamba_ssm's Mamba2 default
     m1 = MambaConfig(d_model=40, n_layer=1, vocab_size=100)
@@ -152,21 +184,39 @@ def test_mamba_ssm_hybrid_fields_place_attention_and_an_mlp_in_every_block():
     cfg = MambaConfig(d_model=64, n_layer=3, attn_layer_idx=[1], attn_cfg=ATTN, d_intermediate=100)
     assert cfg.block_kinds == ["mamba", "attention", "mamba"]
     assert cfg.mlp_inside_blocks and cfg.mlp_width == 128  # GatedMLP rounds up to a multiple of 128
-    assert cfg.to_dict() == {**MAMBA_SSM_DEFAULTS, "d_model": 64, "n_layer": 3, "attn_layer_idx": [1],
-                             "attn_cfg": ATTN, "d_intermediate": 100}
+    assert cfg.to_dict() == {
+        **MAMBA_SSM_DEFAULTS,
+        "d_model": 64,
+        "n_layer": 3,
+        "attn_layer_idx": [1],
+        "attn_cfg": ATTN,
+        "d_intermediate": 100,
+    }
 
 
 def test_a_pattern_names_each_layer_and_its_stage_boundaries():
-    cfg = MambaConfig(d_model=64, n_layer=5, hybrid_layer_pattern="M-*|M-", attn_cfg=ATTN, d_intermediate=100,
-                      mlp_activation="squared_relu")
+    cfg = MambaConfig(
+        d_model=64,
+        n_layer=5,
+        hybrid_layer_pattern="M-*|M-",
+        attn_cfg=ATTN,
+        d_intermediate=100,
+        mlp_activation="squared_relu",
+    )
     assert cfg.block_kinds == ["mamba", "mlp", "attention", "mamba", "mlp"]
     assert cfg.pattern_stages == [3, 2]
     assert not cfg.mlp_inside_blocks and cfg.mlp_width == 100  # a pattern's MLP width is d_intermediate as given
 
 
 def test_a_hybrid_config_json_round_trips_with_its_own_fields(tmp_path):
-    cfg = MambaConfig(d_model=64, n_layer=2, hybrid_layer_pattern="*-", attn_cfg=ATTN, d_intermediate=96,
-                      mlp_activation="squared_relu")
+    cfg = MambaConfig(
+        d_model=64,
+        n_layer=2,
+        hybrid_layer_pattern="*-",
+        attn_cfg=ATTN,
+        d_intermediate=96,
+        mlp_activation="squared_relu",
+    )
     cfg.to_json(tmp_path / "config.json")
     assert MambaConfig.from_json(tmp_path / "config.json") == cfg
     assert json.loads((tmp_path / "config.json").read_text())["hybrid_layer_pattern"] == "*-"

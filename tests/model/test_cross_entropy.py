@@ -1,5 +1,6 @@
 """The chunked loss (megamamba.model.chunked_cross_entropy, behind lm_loss on one device) against
 F.cross_entropy on the sliced float32 logits: loss and gradient within 1e-6 relative."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,8 @@ def test_matches_cross_entropy_on_sliced_float32_logits(dtype, chunk_elements, m
     labels[0, :4] = -100
     loss, grad = loss_and_grad(lambda x, y: lm_loss(x, y, vocab), logits, labels)
     ref, ref_grad = loss_and_grad(
-        lambda x, y: F.cross_entropy(x[..., :vocab].flatten(0, -2).float(), y.flatten()), logits, labels)
+        lambda x, y: F.cross_entropy(x[..., :vocab].flatten(0, -2).float(), y.flatten()), logits, labels
+    )
     assert loss.dtype == torch.float32 and grad.dtype == dtype
     assert relative_error(loss, ref) <= 1e-6, (loss, ref)
     tol = 1e-6 if dtype == torch.float32 else 1e-3  # bf16: a few roundings may differ by an ulp

@@ -1,6 +1,7 @@
 """FLOP count of the Mamba, attention and MLP layers: the matmul terms equal what torch's FLOP counter sees in
 the model (attention's QK^T and AV on SDPA's math path, which the counter books as the full square: twice
 the causal half we count)."""
+
 import dataclasses
 
 import pytest
@@ -39,8 +40,15 @@ def _counted_per_token(config, seq, suffixes):
 
 
 ATTENTION = {"num_heads": 6, "num_heads_kv": 2, "head_dim": 12, "rotary_emb_dim": 6, "causal": True}
-HYBRID = dict(d_model=72, n_layer=3, vocab_size=101, hybrid_layer_pattern="M*-", d_intermediate=120,
-              attn_cfg=ATTENTION, ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 24, "chunk_size": 16})
+HYBRID = dict(
+    d_model=72,
+    n_layer=3,
+    vocab_size=101,
+    hybrid_layer_pattern="M*-",
+    d_intermediate=120,
+    attn_cfg=ATTENTION,
+    ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 24, "chunk_size": 16},
+)
 
 
 @pytest.mark.parametrize("activation", ["squared_relu", "gated_silu"])
@@ -80,8 +88,10 @@ def test_mamba1_projections_and_head_match_the_flop_counter():
     # dt_proj's weight is applied by a bare matmul inside the mixer (as mamba_ssm does): checked by formula.
     counted = _counted_per_token(config, 16, ("in_proj", "x_proj", "out_proj", "lm_head"))
     assert config.n_layer * (2 * d * 2 * di + 2 * di * (r + 2 * n) + 2 * di * d) + 2 * d * v == counted
-    assert mamba1_layer_flops(config) == 2 * d * 2 * di + 2 * di * (r + 2 * n) + 2 * r * di + 2 * di * d \
-        + 2 * di * conv + 9 * di * n
+    assert (
+        mamba1_layer_flops(config)
+        == 2 * d * 2 * di + 2 * di * (r + 2 * n) + 2 * r * di + 2 * di * d + 2 * di * conv + 9 * di * n
+    )
 
 
 @pytest.mark.slow
@@ -92,8 +102,11 @@ def test_mamba2_projections_and_head_match_the_flop_counter():
     ssd = 2 * q * n * g + 2 * q * di + 4 * n * di
     conv = 2 * (di + 2 * g * n) * 4
     assert forward_flops_per_token(config, 40) - config.n_layer * (ssd + conv) == counted
-    assert forward_flops_per_token(config, 40) == config.n_layer * mamba2_layer_flops(config, 40) \
-        + 2 * d * config.padded_vocab_size == sum(layer_flops(config, 40))
+    assert (
+        forward_flops_per_token(config, 40)
+        == config.n_layer * mamba2_layer_flops(config, 40) + 2 * d * config.padded_vocab_size
+        == sum(layer_flops(config, 40))
+    )
     assert mamba2_layer_flops(config, 40) == 2 * d * (2 * di + 2 * g * n + h) + 2 * di * d + conv + ssd
 
 

@@ -1,6 +1,7 @@
 """With the kernels as custom ops, torch's FLOP counter sees a whole Mamba block: its count of one forward
 equals the block's FLOPs per token (megamamba/model/flops.py) times the tokens, scans and conv included,
 and a training step's count is three forwards."""
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -10,11 +11,15 @@ from megamamba.model.flops import layer_flops
 from megamamba.model.layers import build_layer
 
 CONFIGS = {
-    "Mamba1": MambaConfig(d_model=18, n_layer=2, vocab_size=37, ssm_cfg={"layer": "Mamba1", "d_state": 5,
-                                                                            "dt_rank": 3}),
-    "Mamba2": MambaConfig(d_model=18, n_layer=2, vocab_size=37, ssm_cfg={"layer": "Mamba2", "d_state": 6,
-                                                                            "headdim": 6, "ngroups": 2,
-                                                                            "chunk_size": 8}),
+    "Mamba1": MambaConfig(
+        d_model=18, n_layer=2, vocab_size=37, ssm_cfg={"layer": "Mamba1", "d_state": 5, "dt_rank": 3}
+    ),
+    "Mamba2": MambaConfig(
+        d_model=18,
+        n_layer=2,
+        vocab_size=37,
+        ssm_cfg={"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 8},
+    ),
 }
 
 

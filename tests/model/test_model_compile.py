@@ -2,6 +2,7 @@
 graph break (the kernels are custom ops), and the compiled block's outputs and every gradient equal eager
 ones, with packed documents. On the reference kernels here; on Triton (the CPU: its interpreter) and with
 inductor in the slow tier."""
+
 import pytest
 import torch
 
@@ -12,13 +13,23 @@ from megamamba.testing.numerics import relative_error
 SEED = 37
 ATTENTION = {"num_heads": 3, "num_heads_kv": 1, "rotary_emb_dim": 4, "causal": True}
 CONFIGS = {  # (config, layer index of the block)
-    "mamba1": (MambaConfig(d_model=18, n_layer=2, vocab_size=37, ssm_cfg={"layer": "Mamba1", "d_state": 5,
-                                                                             "dt_rank": 3}), 1),
-    "mamba2": (MambaConfig(d_model=18, n_layer=2, vocab_size=37, ssm_cfg={"layer": "Mamba2", "d_state": 6,
-                                                                             "headdim": 6, "ngroups": 2,
-                                                                             "chunk_size": 8}), 1),
-    "attention_mlp": (MambaConfig(d_model=18, n_layer=2, vocab_size=37, attn_layer_idx=[1], attn_cfg=ATTENTION,
-                                  d_intermediate=20), 2),
+    "mamba1": (
+        MambaConfig(d_model=18, n_layer=2, vocab_size=37, ssm_cfg={"layer": "Mamba1", "d_state": 5, "dt_rank": 3}),
+        1,
+    ),
+    "mamba2": (
+        MambaConfig(
+            d_model=18,
+            n_layer=2,
+            vocab_size=37,
+            ssm_cfg={"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 8},
+        ),
+        1,
+    ),
+    "attention_mlp": (
+        MambaConfig(d_model=18, n_layer=2, vocab_size=37, attn_layer_idx=[1], attn_cfg=ATTENTION, d_intermediate=20),
+        2,
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 The attention masks alone (the CPU's boolean mask, FlexAttention's block mask, the causal paths) are
 tests/model/test_causal_attention.py's.
 """
+
 import pytest
 import torch
 
@@ -22,10 +23,19 @@ def seq_idx_of(lengths):
 def test_changing_other_documents_leaves_a_documents_logits_unchanged(layer):
     """Row 0's middle document keeps its logits (to 1e-12 in float64) when the tokens before and after
     it change, through a pattern with every layer kind; without seq_idx the same change moves them."""
-    ssm = {"Mamba1": {"layer": "Mamba1", "d_state": 5, "dt_rank": 3},
-           "Mamba2": {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 4}}[layer]
-    cfg = MambaConfig(d_model=18, n_layer=5, vocab_size=37, ssm_cfg=ssm, hybrid_layer_pattern="M*-*M",
-                      attn_cfg=ATTN, d_intermediate=22)
+    ssm = {
+        "Mamba1": {"layer": "Mamba1", "d_state": 5, "dt_rank": 3},
+        "Mamba2": {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 4},
+    }[layer]
+    cfg = MambaConfig(
+        d_model=18,
+        n_layer=5,
+        vocab_size=37,
+        ssm_cfg=ssm,
+        hybrid_layer_pattern="M*-*M",
+        attn_cfg=ATTN,
+        d_intermediate=22,
+    )
     torch.manual_seed(SEED)
     model = MambaLM(cfg).double().eval()
     gen = torch.Generator().manual_seed(SEED)

@@ -4,6 +4,7 @@ MixerModel divides by sqrt(2 n_layer) when d_intermediate puts an MLP in every b
 then applies `_init_weights` once more with one residual per layer, which draws these weights again: its
 LM's fc2 and out_proj end at the sqrt(n_layer) bound (measured on mamba_ssm 2.3.2.post1: max |fc2| 0.04419
 against the bounds 0.04419 for n_layer and 0.03125 for 2 n_layer, d_intermediate 64, n_layer 4)."""
+
 import math
 
 import torch

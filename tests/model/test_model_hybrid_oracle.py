@@ -5,6 +5,7 @@ order (q, k, v), build each score matrix with its mask from positions and docume
 pairs as complex numbers; the rotary convention is also checked against transformers' own functions.
 Every parameter is randomised first, so no bias or norm weight is a no-op.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,13 +28,31 @@ TOL = 1e-10
 ATTENTION_CASES = {
     "mha_biases": {"num_heads": 3},
     "mha_full_rotary": {"num_heads": 2, "head_dim": 8, "rotary_emb_dim": 8, "qkv_proj_bias": False},
-    "gqa_partial_rotary_scale": {"num_heads": 6, "num_heads_kv": 2, "head_dim": 10, "rotary_emb_dim": 4,
-                                 "softmax_scale": 0.37, "qkv_proj_bias": False, "out_proj_bias": False},
-    "mqa_full_rotary_interleaved": {"num_heads": 3, "num_heads_kv": 1, "rotary_emb_dim": 6,
-                                    "rotary_emb_interleaved": True, "out_proj_bias": False},
-    "gqa_partial_rotary_interleaved": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 10, "rotary_emb_dim": 6,
-                                       "rotary_emb_interleaved": True, "rotary_emb_base": 500.0,
-                                       "out_proj_bias": False},
+    "gqa_partial_rotary_scale": {
+        "num_heads": 6,
+        "num_heads_kv": 2,
+        "head_dim": 10,
+        "rotary_emb_dim": 4,
+        "softmax_scale": 0.37,
+        "qkv_proj_bias": False,
+        "out_proj_bias": False,
+    },
+    "mqa_full_rotary_interleaved": {
+        "num_heads": 3,
+        "num_heads_kv": 1,
+        "rotary_emb_dim": 6,
+        "rotary_emb_interleaved": True,
+        "out_proj_bias": False,
+    },
+    "gqa_partial_rotary_interleaved": {
+        "num_heads": 4,
+        "num_heads_kv": 2,
+        "head_dim": 10,
+        "rotary_emb_dim": 6,
+        "rotary_emb_interleaved": True,
+        "rotary_emb_base": 500.0,
+        "out_proj_bias": False,
+    },
 }
 MAMBA2 = {"layer": "Mamba2", "d_state": 6, "headdim": 6, "ngroups": 2, "chunk_size": 8}
 MAMBA1 = {"layer": "Mamba1", "d_state": 5, "dt_rank": 3}
@@ -83,8 +102,9 @@ def test_attention_gradients_equal_the_direct_computations(case):
     up = inputs(cfg.d_model, SEED + 1)
     seq_idx = documents_with_a_reused_id()
     out_grads = torch.autograd.grad((mixer(u, seq_idx=seq_idx) * up).sum(), [u, *mixer.parameters()])
-    ref_grads = torch.autograd.grad((direct_attention(mixer, u, cfg.attn_cfg, seq_idx) * up).sum(),
-                                    [u, *mixer.parameters()])
+    ref_grads = torch.autograd.grad(
+        (direct_attention(mixer, u, cfg.attn_cfg, seq_idx) * up).sum(), [u, *mixer.parameters()]
+    )
     names = ["input", *(n for n, _ in mixer.named_parameters())]
     errs = {n: relative_error(g, r) for n, g, r in zip(names, out_grads, ref_grads)}
     worst = max(errs, key=errs.get)
@@ -156,13 +176,22 @@ def direct_lm(model, cfg, ids, seq_idx=None):
 
 HYBRID_LMS = {
     # mamba_ssm's fields: attention at 1 (GQA, partial rotary), a gated MLP inside every block
-    "attn_layer_idx_d_intermediate": hybrid(ATTENTION_CASES["gqa_partial_rotary_scale"], n_layer=3,
-                                            attn_layer_idx=[1], d_intermediate=20),
+    "attn_layer_idx_d_intermediate": hybrid(
+        ATTENTION_CASES["gqa_partial_rotary_scale"], n_layer=3, attn_layer_idx=[1], d_intermediate=20
+    ),
     # a pattern with all three kinds, squared-ReLU MLPs, LayerNorm, Mamba-1, untied head
-    "pattern_squared_relu": hybrid(ATTENTION_CASES["mqa_full_rotary_interleaved"], n_layer=4,
-                                   attn_layer_idx=[], hybrid_layer_pattern="M*-M", d_intermediate=21,
-                                   mlp_activation="squared_relu", rms_norm=False, residual_in_fp32=False,
-                                   tie_embeddings=False, ssm_cfg=MAMBA1),
+    "pattern_squared_relu": hybrid(
+        ATTENTION_CASES["mqa_full_rotary_interleaved"],
+        n_layer=4,
+        attn_layer_idx=[],
+        hybrid_layer_pattern="M*-M",
+        d_intermediate=21,
+        mlp_activation="squared_relu",
+        rms_norm=False,
+        residual_in_fp32=False,
+        tie_embeddings=False,
+        ssm_cfg=MAMBA1,
+    ),
 }
 
 
@@ -179,4 +208,3 @@ def test_hybrid_lm_equals_the_direct_computation(name, packed):
     assert out.shape == (2, 11, 40)
     err = relative_error(out, ref)
     assert torch.isfinite(out).all() and err <= TOL, f"{name} packed={packed} seed {SEED}: rel err {err:.2e}"
-

@@ -1,4 +1,5 @@
 """Initialisation as mamba_ssm's: dt range, S4D / uniform A, D = 1, LM-level rescale, ties, weight-decay marks."""
+
 import math
 
 import pytest
@@ -37,7 +38,7 @@ def test_mamba1_A_is_minus_one_to_d_state_per_channel_and_D_is_one(tiny_config):
 
 def test_mamba1_dt_proj_weight_init(tiny_config):
     torch.manual_seed(32)
-    std = 3 ** -0.5 * 0.5  # dt_rank 3, dt_scale 0.5
+    std = 3**-0.5 * 0.5  # dt_rank 3, dt_scale 0.5
     w = MambaLM(tiny_config("Mamba1", {"dt_scale": 0.5})).backbone.layers[0].mixer.dt_proj.weight
     assert w.abs().max() <= std and w.abs().max() > 0.8 * std
     constant = MambaLM(tiny_config("Mamba1", {"dt_scale": 0.5, "dt_init": "constant"}))

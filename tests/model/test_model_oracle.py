@@ -6,6 +6,7 @@ per-timestep oracle ops of tests/naive_ops.py, so a wrong split order, a transpo
 a missing term shows. Every parameter is randomised first (biases, norm weights, D) so none
 is a no-op.
 """
+
 import pytest
 import torch
 
@@ -31,14 +32,24 @@ def direct_mamba1(m, u, seq_idx):
     di, R, N = m.d_inner, m.dt_rank, m.d_state
     xz = linear(u, m.in_proj)
     x, z = xz[..., :di], xz[..., di:]
-    x = naive_ops.causal_conv1d(x.transpose(1, 2), m.conv1d.weight[:, 0], m.conv1d.bias,
-                                seq_idx=seq_idx, activation="silu")  # (b, di, l)
+    x = naive_ops.causal_conv1d(
+        x.transpose(1, 2), m.conv1d.weight[:, 0], m.conv1d.bias, seq_idx=seq_idx, activation="silu"
+    )  # (b, di, l)
     x_dbl = x.transpose(1, 2) @ m.x_proj.weight.T
-    dt, B, C = x_dbl[..., :R], x_dbl[..., R:R + N], x_dbl[..., R + N:]
+    dt, B, C = x_dbl[..., :R], x_dbl[..., R : R + N], x_dbl[..., R + N :]
     delta = dt @ m.dt_proj.weight.T
-    y = naive_ops.selective_scan(x, delta.transpose(1, 2), -torch.exp(m.A_log), B.transpose(1, 2),
-                                 C.transpose(1, 2), D=m.D, z=z.transpose(1, 2), delta_bias=m.dt_proj.bias,
-                                 delta_softplus=True, seq_idx=seq_idx)
+    y = naive_ops.selective_scan(
+        x,
+        delta.transpose(1, 2),
+        -torch.exp(m.A_log),
+        B.transpose(1, 2),
+        C.transpose(1, 2),
+        D=m.D,
+        z=z.transpose(1, 2),
+        delta_bias=m.dt_proj.bias,
+        delta_softplus=True,
+        seq_idx=seq_idx,
+    )
     return linear(y.transpose(1, 2), m.out_proj)
 
 
@@ -46,24 +57,36 @@ def direct_mamba2(m, u, seq_idx, options):
     di, G, N, H, P = m.d_inner, m.ngroups, m.d_state, m.nheads, m.headdim
     b, L, _ = u.shape
     p = linear(u, m.in_proj)
-    z, x = p[..., :di], p[..., di:2 * di]
-    B, C = p[..., 2 * di:2 * di + G * N], p[..., 2 * di + G * N:2 * di + 2 * G * N]
-    dt = p[..., 2 * di + 2 * G * N:]
+    z, x = p[..., :di], p[..., di : 2 * di]
+    B, C = p[..., 2 * di : 2 * di + G * N], p[..., 2 * di + G * N : 2 * di + 2 * G * N]
+    dt = p[..., 2 * di + 2 * G * N :]
     assert dt.shape[-1] == H
     xBC = torch.cat([x, B, C], dim=-1).transpose(1, 2)
-    xBC = naive_ops.causal_conv1d(xBC, m.conv1d.weight[:, 0], m.conv1d.bias, seq_idx=seq_idx,
-                                  activation="silu").transpose(1, 2)
-    x, B, C = xBC[..., :di], xBC[..., di:di + G * N], xBC[..., di + G * N:]
+    xBC = naive_ops.causal_conv1d(
+        xBC, m.conv1d.weight[:, 0], m.conv1d.bias, seq_idx=seq_idx, activation="silu"
+    ).transpose(1, 2)
+    x, B, C = xBC[..., :di], xBC[..., di : di + G * N], xBC[..., di + G * N :]
     D = m.D.reshape(H, P) if options.get("D_has_hdim") else m.D
     gate_in_scan = not options.get("rmsnorm", True)
-    y = naive_ops.ssd_chunk_scan(x.reshape(b, L, H, P), dt, -torch.exp(m.A_log), B.reshape(b, L, G, N),
-                                 C.reshape(b, L, G, N), 8, D=D, z=z.reshape(b, L, H, P) if gate_in_scan else None,
-                                 dt_bias=m.dt_bias, seq_idx=seq_idx, dt_softplus=True,
-                                 dt_limit=tuple(options.get("dt_limit", (0.0, float("inf")))))
+    y = naive_ops.ssd_chunk_scan(
+        x.reshape(b, L, H, P),
+        dt,
+        -torch.exp(m.A_log),
+        B.reshape(b, L, G, N),
+        C.reshape(b, L, G, N),
+        8,
+        D=D,
+        z=z.reshape(b, L, H, P) if gate_in_scan else None,
+        dt_bias=m.dt_bias,
+        seq_idx=seq_idx,
+        dt_softplus=True,
+        dt_limit=tuple(options.get("dt_limit", (0.0, float("inf")))),
+    )
     y = y.reshape(b, L, di)
     if not gate_in_scan:
-        y = naive_ops.rmsnorm_gated(y, m.norm.weight, z=z, eps=1e-5, group_size=di // G,
-                                    norm_before_gate=options.get("norm_before_gate", False))
+        y = naive_ops.rmsnorm_gated(
+            y, m.norm.weight, z=z, eps=1e-5, group_size=di // G, norm_before_gate=options.get("norm_before_gate", False)
+        )
     return linear(y, m.out_proj)
 
 

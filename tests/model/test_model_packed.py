@@ -1,4 +1,5 @@
 """Packed documents: with seq_idx, no document sees another (conv and SSM state reset in every layer)."""
+
 import pytest
 import torch
 
@@ -22,8 +23,8 @@ def test_each_packed_document_matches_running_it_alone(tiny_config, layer):
         for row, ls in enumerate(lengths):
             start = 0
             for n in ls:
-                alone = model(ids[row:row + 1, start:start + n])
-                err = relative_error(packed[row:row + 1, start:start + n], alone)
+                alone = model(ids[row : row + 1, start : start + n])
+                err = relative_error(packed[row : row + 1, start : start + n], alone)
                 assert err <= 1e-5, f"{layer} seed {seed}: row {row} document at {start}: rel err {err:.2e}"
                 start += n
     assert torch.isfinite(packed).all()

@@ -1,5 +1,6 @@
 """The recurrent form (step, prefill) computes the same logits as the parallel forward, for pure Mamba models
 and hybrids (attention layers keep a KV cache; MLP layers have no state)."""
+
 import pytest
 import torch
 
@@ -11,8 +12,13 @@ SEQLEN = 21  # not a multiple of the tiny Mamba-2 chunk_size (8)
 ATTN = {"num_heads": 6, "num_heads_kv": 2, "head_dim": 4, "rotary_emb_dim": 2, "causal": True}
 HYBRIDS = {  # mamba_ssm's fields (GQA attention, a gated MLP inside every block); a pattern with every kind (MQA)
     "attn_layer_idx": {"n_layer": 3, "attn_layer_idx": [1], "attn_cfg": ATTN, "d_intermediate": 20},
-    "pattern": {"n_layer": 4, "hybrid_layer_pattern": "M*-*", "d_intermediate": 20, "mlp_activation": "squared_relu",
-                "attn_cfg": {**ATTN, "num_heads_kv": 1, "rotary_emb_interleaved": True}},
+    "pattern": {
+        "n_layer": 4,
+        "hybrid_layer_pattern": "M*-*",
+        "d_intermediate": 20,
+        "mlp_activation": "squared_relu",
+        "attn_cfg": {**ATTN, "num_heads_kv": 1, "rotary_emb_interleaved": True},
+    },
 }
 
 
@@ -24,10 +30,17 @@ def model_and_ids(tiny_config, layer, seed, batch=3, ssm=None, fields=None, seql
     return model, ids
 
 
-@pytest.mark.parametrize("layer,ssm,hybrid", [("Mamba1", None, None), ("Mamba2", None, None),
-                                              ("Mamba2", {"rmsnorm": False, "D_has_hdim": True}, None),
-                                              ("Mamba2", {"dt_limit": [0.01, 0.05], "norm_before_gate": True}, None),
-                                              ("Mamba2", None, "attn_layer_idx"), ("Mamba1", None, "pattern")])
+@pytest.mark.parametrize(
+    "layer,ssm,hybrid",
+    [
+        ("Mamba1", None, None),
+        ("Mamba2", None, None),
+        ("Mamba2", {"rmsnorm": False, "D_has_hdim": True}, None),
+        ("Mamba2", {"dt_limit": [0.01, 0.05], "norm_before_gate": True}, None),
+        ("Mamba2", None, "attn_layer_idx"),
+        ("Mamba1", None, "pattern"),
+    ],
+)
 def test_token_by_token_step_equals_parallel_forward(tiny_config, layer, ssm, hybrid):
     seed = 11
     model, ids = model_and_ids(tiny_config, layer, seed, ssm=ssm, fields=HYBRIDS.get(hybrid))
@@ -40,8 +53,9 @@ def test_token_by_token_step_equals_parallel_forward(tiny_config, layer, ssm, hy
     assert err <= 1e-5, f"{layer} {ssm} {hybrid} seed {seed}: step vs forward rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("layer,hybrid", [("Mamba1", None), ("Mamba2", None), ("Mamba2", "attn_layer_idx"),
-                                          ("Mamba1", "pattern")])
+@pytest.mark.parametrize(
+    "layer,hybrid", [("Mamba1", None), ("Mamba2", None), ("Mamba2", "attn_layer_idx"), ("Mamba1", "pattern")]
+)
 def test_prefill_then_step_continues_the_sequence(tiny_config, layer, hybrid):
     seed, prompt = 12, 13
     model, ids = model_and_ids(tiny_config, layer, seed, fields=HYBRIDS.get(hybrid))

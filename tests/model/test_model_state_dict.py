@@ -3,6 +3,7 @@
 The expected tables are written out from mamba_ssm's module definitions (mixer_seq_simple.py,
 block.py, mamba_simple.py `Mamba`, mamba2.py `Mamba2`), not derived from our modules.
 """
+
 import pytest
 import torch
 
@@ -19,11 +20,13 @@ def mamba_ssm_mixer_shapes(cfg) -> dict:
         N = o.get("d_state", 16)
         R = o["dt_rank"]
         shapes = {
-            "A_log": (di, N), "D": (di,),
+            "A_log": (di, N),
+            "D": (di,),
             "in_proj.weight": (2 * di, D),
             "conv1d.weight": (di, 1, W),
             "x_proj.weight": (R + 2 * N, di),
-            "dt_proj.weight": (di, R), "dt_proj.bias": (di,),
+            "dt_proj.weight": (di, R),
+            "dt_proj.bias": (di,),
             "out_proj.weight": (D, di),
         }
         conv_dim = di
@@ -32,7 +35,9 @@ def mamba_ssm_mixer_shapes(cfg) -> dict:
         H = di // P
         conv_dim = di + 2 * G * N
         shapes = {
-            "dt_bias": (H,), "A_log": (H,), "D": (di,) if o.get("D_has_hdim", False) else (H,),
+            "dt_bias": (H,),
+            "A_log": (H,),
+            "D": (di,) if o.get("D_has_hdim", False) else (H,),
             "in_proj.weight": (2 * di + 2 * G * N + H, D),
             "conv1d.weight": (conv_dim, 1, W),
             "out_proj.weight": (D, di),

@@ -4,6 +4,7 @@ The mixers hand the kernels views, as mamba_ssm does (slices of the fused in_pro
 transposed conv output), so this checks the kernels' stride handling as the model uses them,
 forward and backward, with packed documents. Slow: the interpreter runs each program in Python.
 """
+
 import pytest
 import torch
 

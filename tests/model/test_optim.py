@@ -1,4 +1,5 @@
 """param_groups: decay for matrices (embedding included), none for SSM parameters, biases and norms."""
+
 import pytest
 import torch
 
@@ -27,8 +28,9 @@ def test_groups_split_parameters_by_the_decay_rule(tiny_config, layer):
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     mixer = "backbone.layers.0.mixer."
     expected_decay = {"backbone.embedding.weight"} | {mixer + n for n in DECAY[layer]}
-    expected_no_decay = ({"backbone.layers.0.norm.weight", "backbone.norm_f.weight"}
-                         | {mixer + n for n in NO_DECAY[layer]})
+    expected_no_decay = {"backbone.layers.0.norm.weight", "backbone.norm_f.weight"} | {
+        mixer + n for n in NO_DECAY[layer]
+    }
     assert names(model, decay["params"]) == expected_decay
     assert names(model, no_decay["params"]) == expected_no_decay
 

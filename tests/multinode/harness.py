@@ -9,6 +9,7 @@ in its own session (process group), so `kill_node` can SIGKILL every process of 
 launcher, DeepSpeed's per-node `launch.py` and its ranks — and nothing else. `prefix` runs the
 launcher under another command (e.g. `ip netns exec <ns>`).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,14 +44,39 @@ def launcher_env(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
-def start_node(hostfile: Path, node_rank: int, master_port: int, script: Path, args: list, *, cwd: Path, log: Path,
-               master_addr: str = "127.0.0.1", env: Optional[dict] = None, prefix: tuple = ()) -> Node:
+def start_node(
+    hostfile: Path,
+    node_rank: int,
+    master_port: int,
+    script: Path,
+    args: list,
+    *,
+    cwd: Path,
+    log: Path,
+    master_addr: str = "127.0.0.1",
+    env: Optional[dict] = None,
+    prefix: tuple = (),
+) -> Node:
     """Start node `node_rank`'s launcher in its own session; stdout and stderr go to `log`."""
-    cmd = [*prefix, str(DEEPSPEED), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
-           "--master_addr", master_addr, "--master_port", str(master_port), str(script), *map(str, args)]
+    cmd = [
+        *prefix,
+        str(DEEPSPEED),
+        "--hostfile",
+        str(hostfile),
+        "--no_ssh",
+        "--node_rank",
+        str(node_rank),
+        "--master_addr",
+        master_addr,
+        "--master_port",
+        str(master_port),
+        str(script),
+        *map(str, args),
+    ]
     log_file = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or launcher_env(), stdout=log_file, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env or launcher_env(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+    )
     return Node(node_rank, proc, log, log_file)
 
 
@@ -107,11 +133,10 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2) -> flo
     return time.monotonic() - start
 
 
-
 def placement_rows(output: str, world: int) -> list:
     """(node rank, global rank) of each row of the start-up placement table in a launcher's `output`
     (global rank 0 prints it from what every rank reported of itself; a pdsh host prefix is ignored)."""
     lines = output.splitlines()
     first = next(i for i, line in enumerate(lines) if f"placement: {world} ranks on" in line)
-    rows = [line.split()[-6:] for line in lines[first + 2:first + 2 + world]]  # node, rank, local, dp, tp, pp
+    rows = [line.split()[-6:] for line in lines[first + 2 : first + 2 + world]]  # node, rank, local, dp, tp, pp
     return [(int(node), int(rank)) for node, rank, *_ in rows]

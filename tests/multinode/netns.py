@@ -10,6 +10,7 @@ own interfaces or routes); everything is deleted on exit. `prefix` runs a comman
 host's namespace under its own host name (a UTS namespace), so each rank's gethostname()
 differs as on two machines. Needs root and iproute2; `unavailable()` says why not when it can't.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,18 @@ class Host:
     @property
     def prefix(self) -> tuple:
         """Command prefix: run inside this host's network namespace with host name `name`."""
-        return ("ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.name)
+        return (
+            "ip",
+            "netns",
+            "exec",
+            self.namespace,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.name,
+        )
 
 
 def _ip(*args: str) -> None:
@@ -69,8 +80,20 @@ def two_hosts():
         for h in hosts:
             _ip("netns", "add", h.namespace)
             made.append(h.namespace)
-        _ip("link", "add", hosts[0].interface, "netns", hosts[0].namespace, "type", "veth",
-            "peer", "name", hosts[1].interface, "netns", hosts[1].namespace)
+        _ip(
+            "link",
+            "add",
+            hosts[0].interface,
+            "netns",
+            hosts[0].namespace,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            hosts[1].interface,
+            "netns",
+            hosts[1].namespace,
+        )
         for i, h in enumerate(hosts):
             _ip("-n", h.namespace, "addr", "add", SUBNET.format(i + 1), "dev", h.interface)
             _ip("-n", h.namespace, "link", "set", "lo", "up")

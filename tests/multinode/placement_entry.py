@@ -5,6 +5,7 @@
 Prints the report on global rank 0 and exits 0, or prints `placement_entry.py: error: <message>`
 on every rank and exits 2. No model is built, so a launch costs only the launcher's start-up.
 """
+
 import os
 import sys
 

@@ -10,6 +10,7 @@ for the hostfile, hence two nodes to the launcher. On exit the daemon and every 
 through it are killed by process id. Needs root (sshd's privilege separation), sshd, ssh,
 ssh-keygen and pdsh (scripts/ci_multinode_deps.sh installs them); `unavailable()` says what is missing.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ class LoopbackSSHD:
     @property
     def ssh_args(self) -> str:
         """ssh options for pdsh (PDSH_SSH_ARGS_APPEND) to use this daemon's key without asking."""
-        return (f"-i {self.key} -o IdentitiesOnly=yes -o BatchMode=yes -o StrictHostKeyChecking=no "
-                f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
+        return (
+            f"-i {self.key} -o IdentitiesOnly=yes -o BatchMode=yes -o StrictHostKeyChecking=no "
+            f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+        )
 
 
 def unavailable() -> str | None:
@@ -94,7 +97,8 @@ def loopback_sshd(directory: Path):
     config.write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {directory / 'host_key'}\nPidFile {directory / 'sshd.pid'}\n"
         f"AuthorizedKeysFile {directory / 'authorized_keys'}\nPasswordAuthentication no\n"
-        "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\n")
+        "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\n"
+    )
     PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
     proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE, text=True)
     try:

@@ -6,6 +6,7 @@ a link can be cut without any connection being reset, as when a machine or switc
 Then no collective fails by itself until gloo's timeout (DeepSpeed's default: 10 minutes); the
 trainer's --step-timeout watchdog ends every stalled rank sooner.
 """
+
 import time
 
 import pytest
@@ -32,10 +33,21 @@ EXIT_WITHIN_S = 60
 
 def start_nodes(tmp, hosts, args, **env):
     hostfile = write_hostfile(tmp / "hostfile", {h.name: 2 for h in hosts})
-    return [start_node(hostfile, r, MASTER_PORT, TRAIN_PY, args, cwd=tmp, log=tmp / f"{h.name}.log",
-                       master_addr=hosts[0].address, prefix=h.prefix,
-                       env=launcher_env(GLOO_SOCKET_IFNAME=h.interface, **env))
-            for r, h in enumerate(hosts)]
+    return [
+        start_node(
+            hostfile,
+            r,
+            MASTER_PORT,
+            TRAIN_PY,
+            args,
+            cwd=tmp,
+            log=tmp / f"{h.name}.log",
+            master_addr=hosts[0].address,
+            prefix=h.prefix,
+            env=launcher_env(GLOO_SOCKET_IFNAME=h.interface, **env),
+        )
+        for r, h in enumerate(hosts)
+    ]
 
 
 def test_two_hosts_with_their_own_addresses_train_the_one_node_curve_bit_for_bit(tmp_path):
@@ -62,10 +74,14 @@ def test_a_cut_link_ends_both_nodes_nonzero_within_60s_through_the_step_timeout(
                     left = EXIT_WITHIN_S - (time.monotonic() - start)
                     wait_for(lambda node=node: not node_alive(node), left, f"node {node.rank} exits")
                 except TimeoutError:
-                    pytest.fail(f"node {node.rank} still running {EXIT_WITHIN_S} s after the link was cut:\n"
-                                + node.output()[-3000:])
-                print(f"link cut: node {node.rank} gone after {time.monotonic() - start:.1f} s, "
-                      f"launcher status {node.proc.returncode}")
+                    pytest.fail(
+                        f"node {node.rank} still running {EXIT_WITHIN_S} s after the link was cut:\n"
+                        + node.output()[-3000:]
+                    )
+                print(
+                    f"link cut: node {node.rank} gone after {time.monotonic() - start:.1f} s, "
+                    f"launcher status {node.proc.returncode}"
+                )
                 assert node.proc.returncode not in (0, None)
             for node in nodes:
                 assert f"no training step finished in {STEP_TIMEOUT_S} s" in node.output(), node.output()[-3000:]

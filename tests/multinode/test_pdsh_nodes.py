@@ -5,6 +5,7 @@ remote shells start with sshd's clean environment: what the ranks need (the torc
 cache, one thread) reaches them through `.deepspeed_env` in the working directory, as on a
 cluster; PYTHONPATH is exported by DeepSpeed itself.
 """
+
 import os
 import subprocess
 import time
@@ -21,16 +22,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(sshd.unavailable() is not Non
 
 
 def test_pdsh_over_ssh_trains_the_one_node_curve_bit_for_bit(tmp_path):
-    (tmp_path / ".deepspeed_env").write_text(f"TORCH_EXTENSIONS_DIR={os.environ['TORCH_EXTENSIONS_DIR']}\n"
-                                             "OMP_NUM_THREADS=1\n")
+    (tmp_path / ".deepspeed_env").write_text(
+        f"TORCH_EXTENSIONS_DIR={os.environ['TORCH_EXTENSIONS_DIR']}\nOMP_NUM_THREADS=1\n"
+    )
     hostfile = write_hostfile(tmp_path / "hostfile", {"localhost": 2, "127.0.0.1": 2})
     with sshd.loopback_sshd(tmp_path / "sshd") as daemon:
         env = {**os.environ, "PDSH_SSH_ARGS_APPEND": daemon.ssh_args}
         for name in ("TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS"):  # only .deepspeed_env may bring them
             env.pop(name, None)
-        cmd = [str(DEEPSPEED), "--hostfile", str(hostfile), "--ssh_port", str(daemon.port), "--no_ssh_check",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TRAIN_PY),
-               *map(str, train_args(tmp_path))]
+        cmd = [
+            str(DEEPSPEED),
+            "--hostfile",
+            str(hostfile),
+            "--ssh_port",
+            str(daemon.port),
+            "--no_ssh_check",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(TRAIN_PY),
+            *map(str, train_args(tmp_path)),
+        ]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     print(f"pdsh/ssh, 2 hosts x 2 processes, 5 steps: {time.monotonic() - start:.1f} s")

@@ -5,6 +5,7 @@ given the same hostfile, master address and port. Both nodes share this machine'
 the launcher's node rank tells them apart. World 4: (dp, tp, pp) = (1, 2, 2), tensor groups
 inside the nodes, the pipeline boundary across them.
 """
+
 import time
 
 import pytest
@@ -67,9 +68,13 @@ def test_the_startup_table_shows_each_nodes_ranks_and_coordinates(tmp_path):
     assert codes == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     lines = outputs[0].splitlines()
     first = lines.index("placement: 4 ranks on 2 node(s), dp=1 tp=2 pp=2; every tensor-parallel group inside one node")
-    rows = [line.split()[1:] for line in lines[first + 2:first + 6]]  # host name, then node rank onwards
-    assert rows == [["0", "0", "0", "0", "0", "0"], ["0", "1", "1", "0", "1", "0"],
-                    ["1", "2", "0", "0", "0", "1"], ["1", "3", "1", "0", "1", "1"]], lines[first:first + 7]
+    rows = [line.split()[1:] for line in lines[first + 2 : first + 6]]  # host name, then node rank onwards
+    assert rows == [
+        ["0", "0", "0", "0", "0", "0"],
+        ["0", "1", "1", "0", "1", "0"],
+        ["1", "2", "0", "0", "0", "1"],
+        ["1", "3", "1", "0", "1", "1"],
+    ], lines[first : first + 7]
     assert "rank 0 -> 2, rank 1 -> 3" in lines[first + 6]
     assert "placement:" not in outputs[1], "the table is printed once, by global rank 0"
 
@@ -97,8 +102,12 @@ def kill_one_node_in_training(tmp, victim, args, after_step):
     nodes = launch_nodes(tmp, [2, 2], TRAIN_PY, args)
     metrics = tmp / "metrics.jsonl"
     try:
-        wait_for(lambda: any(r["step"] >= after_step for r in read_metrics(metrics)), 240, f"step {after_step}",
-                 interval=0.05)
+        wait_for(
+            lambda: any(r["step"] >= after_step for r in read_metrics(metrics)),
+            240,
+            f"step {after_step}",
+            interval=0.05,
+        )
         kill_node(nodes[victim])
         survivor = nodes[1 - victim]
         start = time.monotonic()
@@ -107,9 +116,11 @@ def kill_one_node_in_training(tmp, victim, args, after_step):
             elapsed = time.monotonic() - start
         except TimeoutError:
             elapsed = None
-        print(f"node {victim} killed after step {after_step}: node {survivor.rank} "
-              + (f"gone after {elapsed:.1f} s" if elapsed is not None else f"still running after {EXIT_WITHIN_S} s")
-              + f", launcher status {survivor.proc.poll()}")
+        print(
+            f"node {victim} killed after step {after_step}: node {survivor.rank} "
+            + (f"gone after {elapsed:.1f} s" if elapsed is not None else f"still running after {EXIT_WITHIN_S} s")
+            + f", launcher status {survivor.proc.poll()}"
+        )
     finally:
         stop_all(nodes)
     return nodes, elapsed
@@ -125,13 +136,20 @@ def killed_worker_node(tmp_path_factory):
     save = tmp / "checkpoints"
     args = train_args(tmp, RESUME_ITERS, ("--save", save, "--save-interval", SAVE_INTERVAL))
     nodes, elapsed = kill_one_node_in_training(tmp, 1, args, after_step=SAVE_INTERVAL)
-    return {"dir": tmp, "save": save, "nodes": nodes, "elapsed": elapsed,
-            "records": read_metrics(tmp / "metrics.jsonl"), "latest": (save / "latest").read_text().strip()}
+    return {
+        "dir": tmp,
+        "save": save,
+        "nodes": nodes,
+        "elapsed": elapsed,
+        "records": read_metrics(tmp / "metrics.jsonl"),
+        "latest": (save / "latest").read_text().strip(),
+    }
 
 
 def assert_other_node_exited_nonzero_in_time(node, elapsed):
-    assert elapsed is not None, f"node {node.rank} still running {EXIT_WITHIN_S} s after the other was killed:\n" \
-        + node.output()[-3000:]
+    assert elapsed is not None, (
+        f"node {node.rank} still running {EXIT_WITHIN_S} s after the other was killed:\n" + node.output()[-3000:]
+    )
     assert node.proc.returncode != 0, node.output()[-3000:]
 
 
@@ -149,8 +167,9 @@ def test_restarting_both_nodes_resumes_from_the_last_checkpoint_and_repeats_its_
     assert killed["latest"] == f"step_{SAVE_INTERVAL:06d}", killed["latest"]
     restart = killed["dir"] / "restart"
     restart.mkdir()
-    args = train_args(restart, RESUME_ITERS, ("--save", killed["save"], "--load", "auto",
-                                              "--save-interval", SAVE_INTERVAL))
+    args = train_args(
+        restart, RESUME_ITERS, ("--save", killed["save"], "--load", "auto", "--save-interval", SAVE_INTERVAL)
+    )
     codes, outputs = run_nodes(restart, [2, 2], TRAIN_PY, args)
     assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     resumed = read_metrics(restart / "metrics.jsonl")
@@ -160,5 +179,7 @@ def test_restarting_both_nodes_resumes_from_the_last_checkpoint_and_repeats_its_
     assert repeated, f"the killed run logged steps {sorted(before)}: none after the checkpoint"
     for r in repeated:
         assert (r["loss"], r["grad_norm"]) == (before[r["step"]]["loss"], before[r["step"]]["grad_norm"]), r["step"]
-    print(f"resumed at step {SAVE_INTERVAL} from {killed['latest']}; steps {[r['step'] for r in repeated]} "
-          "repeated bit for bit")
+    print(
+        f"resumed at step {SAVE_INTERVAL} from {killed['latest']}; steps {[r['step'] for r in repeated]} "
+        "repeated bit for bit"
+    )

@@ -1,5 +1,6 @@
 """The metrics logger: docs/architecture.md's names to the console, JSON lines and TensorBoard, on the
 enabled rank only."""
+
 import json
 
 import pytest
@@ -7,10 +8,28 @@ import pytest
 from megamamba.observe.metrics import MetricsLogger
 
 RECORDS = [
-    {"step": 0, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_s": 100.0, "tflops_per_device": 0.5,
-     "mem_peak_gb": 1.25, "val_loss": None, "mfu": None},
-    {"step": 10, "loss": 4.0, "lr": 9e-4, "grad_norm": 1.5, "tokens_per_s": 110.0, "tflops_per_device": 0.6,
-     "mem_peak_gb": 1.5, "val_loss": 4.25, "mfu": 0.3},
+    {
+        "step": 0,
+        "loss": 5.5,
+        "lr": 1e-3,
+        "grad_norm": 2.0,
+        "tokens_per_s": 100.0,
+        "tflops_per_device": 0.5,
+        "mem_peak_gb": 1.25,
+        "val_loss": None,
+        "mfu": None,
+    },
+    {
+        "step": 10,
+        "loss": 4.0,
+        "lr": 9e-4,
+        "grad_norm": 1.5,
+        "tokens_per_s": 110.0,
+        "tflops_per_device": 0.6,
+        "mem_peak_gb": 1.5,
+        "val_loss": 4.25,
+        "mfu": 0.3,
+    },
 ]
 
 

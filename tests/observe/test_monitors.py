@@ -3,6 +3,7 @@
 wandb is not installed here: its path runs against a fake `wandb` module (tests/observe/fake_wandb)
 that records its calls as JSON lines in $FAKE_WANDB_CALLS.
 """
+
 import csv
 import json
 import os
@@ -17,8 +18,10 @@ from megamamba.observe.monitor_config import Monitors, monitors_from_config
 from train_entry import ROOT, TRAIN_PY, load_train_script
 
 FAKE_WANDB = Path(__file__).parent / "fake_wandb"
-RECORDS = [{"step": 0, "loss": 5.5, "lr": 1e-3, "val_loss": None},
-           {"step": 10, "loss": 4.0, "lr": 9e-4, "val_loss": 4.25}]
+RECORDS = [
+    {"step": 0, "loss": 5.5, "lr": 1e-3, "val_loss": None},
+    {"step": 10, "loss": 4.0, "lr": 9e-4, "val_loss": 4.25},
+]
 
 
 @pytest.fixture
@@ -56,12 +59,18 @@ def test_a_block_without_enabled_true_is_off():
     assert monitors_from_config(config, None) == Monitors(None, None, None)
 
 
-@pytest.mark.parametrize("block, message", [
-    ({"csv_monitor": {"enabled": True, "outputpath": "x"}}, "\"csv_monitor\" block has the unknown key 'outputpath'"),
-    ({"wandb": {"enabled": True, "project": 3}}, "\"wandb\".project is 3; it must be str"),
-    ({"tensorboard": "on"}, "\"tensorboard\" is 'on'; it must be an object"),
-    ({"comet": {"enabled": True}}, "comet is not supported here"),
-])
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        (
+            {"csv_monitor": {"enabled": True, "outputpath": "x"}},
+            "\"csv_monitor\" block has the unknown key 'outputpath'",
+        ),
+        ({"wandb": {"enabled": True, "project": 3}}, '"wandb".project is 3; it must be str'),
+        ({"tensorboard": "on"}, "\"tensorboard\" is 'on'; it must be an object"),
+        ({"comet": {"enabled": True}}, "comet is not supported here"),
+    ],
+)
 def test_a_block_that_cannot_work_is_refused_by_name(block, message):
     with pytest.raises(ValueError, match=message):
         monitors_from_config(block, None)
@@ -74,12 +83,26 @@ def test_wandb_enabled_without_wandb_installed_is_refused_with_the_install_comma
 
 def test_train_py_refuses_wandb_without_wandb_in_one_line_with_exit_2(tmp_path):
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({**json.loads((ROOT / "launch/configs/tiny-cpu.json").read_text()),
-                              "wandb": {"enabled": True}}))
+    ds.write_text(
+        json.dumps({**json.loads((ROOT / "launch/configs/tiny-cpu.json").read_text()), "wandb": {"enabled": True}})
+    )
     proc = subprocess.run(
-        [sys.executable, str(TRAIN_PY), "--deepspeed_config", str(ds),
-         "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"), "--train-iters", "5"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={"WORLD_SIZE": "1", "PATH": ""})
+        [
+            sys.executable,
+            str(TRAIN_PY),
+            "--deepspeed_config",
+            str(ds),
+            "--model-config",
+            str(ROOT / "launch/models/tiny-mamba2.json"),
+            "--train-iters",
+            "5",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"WORLD_SIZE": "1", "PATH": ""},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
     assert len(errors) == 1 and "pip install wandb" in errors[0], proc.stderr[-2000:]
@@ -88,11 +111,21 @@ def test_train_py_refuses_wandb_without_wandb_in_one_line_with_exit_2(tmp_path):
 def test_deepspeed_never_sees_the_monitor_blocks(tmp_path, fake_wandb):
     script = load_train_script()
     ds, model = tmp_path / "ds.json", ROOT / "launch/models/tiny-mamba2.json"
-    ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-                              "tensorboard": {"enabled": True}, "csv_monitor": {"enabled": True},
-                              "wandb": {"enabled": True}, "comet": {"enabled": False}}))
-    plan = script.prepare(script.parse_args(["--deepspeed_config", str(ds), "--model-config", str(model),
-                                             "--train-iters", "3"]), 1)
+    ds.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 8,
+                "train_micro_batch_size_per_gpu": 2,
+                "tensorboard": {"enabled": True},
+                "csv_monitor": {"enabled": True},
+                "wandb": {"enabled": True},
+                "comet": {"enabled": False},
+            }
+        )
+    )
+    plan = script.prepare(
+        script.parse_args(["--deepspeed_config", str(ds), "--model-config", str(model), "--train-iters", "3"]), 1
+    )
     assert not {"tensorboard", "csv_monitor", "wandb", "comet"} & set(plan.engine_config)
     assert plan.monitors.csv_dir == "DeepSpeedJobName" and plan.monitors.wandb["project"] == "deepspeed"
 
@@ -140,8 +173,10 @@ def test_a_launched_run_writes_csv_and_wandb_values_equal_to_the_jsonl(train_run
     calls = tmp_path / "wandb_calls.jsonl"
     monkeypatch.setenv("FAKE_WANDB_CALLS", str(calls))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_WANDB), os.environ.get("PYTHONPATH", "")]))
-    ds = train_runs.ds_config(csv_monitor={"enabled": True, "output_path": "csv", "job_name": "tiny"},
-                        wandb={"enabled": True, "team": "t", "group": "g", "project": "p"})
+    ds = train_runs.ds_config(
+        csv_monitor={"enabled": True, "output_path": "csv", "job_name": "tiny"},
+        wandb={"enabled": True, "team": "t", "group": "g", "project": "p"},
+    )
     run = train_runs.launched(2, "mamba2", ds_config=ds)
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     records = run["records"]
@@ -152,6 +187,7 @@ def test_a_launched_run_writes_csv_and_wandb_values_equal_to_the_jsonl(train_run
         assert [(int(s), float(v)) for s, v in rows[1:]] == [(r["step"], r[name]) for r in records if name in r]
     wandb = _calls(calls)
     assert wandb[0] == {"call": "init", "kwargs": {"project": "p", "group": "g", "entity": "t"}}
-    assert wandb[1:-1] == [{"call": "log", "data": {k: v for k, v in r.items() if k != "step"}, "step": r["step"]}
-                           for r in records]
+    assert wandb[1:-1] == [
+        {"call": "log", "data": {k: v for k, v in r.items() if k != "step"}, "step": r["step"]} for r in records
+    ]
     assert wandb[-1] == {"call": "finish"}

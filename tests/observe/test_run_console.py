@@ -1,4 +1,5 @@
 """The console's pieces without a run: ETA arithmetic, step lines, optimizer-state grouping, parameter count."""
+
 import json
 
 from megamamba.config import MambaConfig
@@ -53,11 +54,20 @@ def test_summary_names_a_deepspeed_schedule_bf16_and_warns_about_the_builtin_cor
     config = MambaConfig.from_dict(json.loads((ROOT / "launch/models/tiny-mamba2.json").read_text()))
     layout = Layout(world_size=2, dp=2, tp=1, pp=1, micro_batch_size=2, grad_accum=2)
     lines = startup_summary(
-        model=config, layout=layout, seq_length=32, train_iters=10,
+        model=config,
+        layout=layout,
+        seq_length=32,
+        train_iters=10,
         schedule=DeepSpeedSchedule(1e-3, 0.0, 4, "linear", "linear", 10, 0.0, 0.0),
         engine_config={"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 2}},
-        data=training_data(config, "bytes", [], [], 32, 8, 1234), total_params=100, stage_params=(40, 60),
-        save=None, load=None, save_interval=0, keep_last=None)
+        data=training_data(config, "bytes", [], [], 32, 8, 1234),
+        total_params=100,
+        stage_params=(40, 60),
+        save=None,
+        load=None,
+        save_interval=0,
+        keep_last=None,
+    )
     text = "\n".join(lines)
     assert "parameters 100 (100) total, 40..60 per rank" in lines[0]
     assert "global batch 8 x seq 32 = 256 tokens per step" in text and "10 steps = 2560 tokens" in text

@@ -1,5 +1,6 @@
 """A training run's console, as a log file sees it: the start-up summary, `step N/TOTAL` with elapsed
 time and ETA on every logged step, one line per save and per resume, no carriage return."""
+
 import re
 
 import pytest
@@ -17,12 +18,17 @@ def _step_lines(stdout: str) -> list:
 
 def test_summary_steps_and_saves_are_printed_once_by_rank_0(resume_reference):
     out = resume_reference["stdout"]
-    summary = out[out.index("run: Mamba2, 4 layers"):].splitlines()[:9]
+    summary = out[out.index("run: Mamba2, 4 layers") :].splitlines()[:9]
     assert "per rank (this stage / TP shard)" in summary[0]
-    expected = ["global batch 8 x seq 32 = 256 tokens per step", f"{STEPS} steps = {STEPS * 256} tokens",
-                "data: <built-in corpus> train weight 1 |", "train.py: warning: no --data",
-                "lr: peak 0.001, min 0.0001, warm-up 1 iters, cosine decay over 8 iters",
-                "precision: float32 | ZeRO stage 0", f"every {SAVE_AT} steps"]
+    expected = [
+        "global batch 8 x seq 32 = 256 tokens per step",
+        f"{STEPS} steps = {STEPS * 256} tokens",
+        "data: <built-in corpus> train weight 1 |",
+        "train.py: warning: no --data",
+        "lr: peak 0.001, min 0.0001, warm-up 1 iters, cosine decay over 8 iters",
+        "precision: float32 | ZeRO stage 0",
+        f"every {SAVE_AT} steps",
+    ]
     for text in expected:
         assert sum(text in line for line in summary) == 1, (text, summary)
     assert out.count("optimizer state, every rank:") == 1 and out.count("optimizer state bytes") == 1  # no ZeRO
@@ -41,8 +47,9 @@ def test_a_resumed_run_says_where_it_resumes_and_counts_to_the_same_total(resume
     run = resume_runs.direct(resume_runs.argv(out_dir, zero=0, flags=["--load", str(checkpoint)]), out=out_dir)
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     resumed = [line for line in run["stdout"].splitlines() if line.startswith("train.py: resumed from")]
-    assert resumed == [f"train.py: resumed from {checkpoint}: next step {SAVE_AT} of {STEPS}, "
-                       f"next sample {SAVE_AT * 8}"], run["stdout"][-3000:]
+    assert resumed == [
+        f"train.py: resumed from {checkpoint}: next step {SAVE_AT} of {STEPS}, next sample {SAVE_AT * 8}"
+    ], run["stdout"][-3000:]
     assert f"--load {checkpoint}" in run["stdout"]
     steps = [STEP_LINE.match(line).groups() for line in _step_lines(run["stdout"])]
     assert steps == [(str(s), str(STEPS)) for s in range(SAVE_AT, STEPS)]

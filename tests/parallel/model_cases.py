@@ -1,5 +1,6 @@
 """The tiny models and seeded inputs the tensor- and context-parallel model tests build (importable as
 `model_cases`); each test keeps its own sizes, mixer options and documents."""
+
 import torch
 
 from megamamba import MambaConfig
@@ -15,8 +16,15 @@ def hybrid_config(pattern: str, ssm: dict, attn: dict, d_model: int, d_intermedi
     """A hybrid of Megatron-style `pattern` (M Mamba of `ssm`, * attention of `attn`, - MLP of d_intermediate
     channels) at width d_model over 37 tokens, unpadded; `fields` override the rest."""
     layers = len(pattern.replace("|", ""))
-    return lm_config(ssm, d_model, n_layer=layers, hybrid_layer_pattern=pattern, attn_cfg=attn,
-                     d_intermediate=d_intermediate, **fields)
+    return lm_config(
+        ssm,
+        d_model,
+        n_layer=layers,
+        hybrid_layer_pattern=pattern,
+        attn_cfg=attn,
+        d_intermediate=d_intermediate,
+        **fields,
+    )
 
 
 def lm_inputs(cfg: MambaConfig, batch: int, seqlen: int, seed: int, documents=None):

@@ -1,4 +1,5 @@
 """Helpers of the tensor- and context-parallel model tests (importable as `model_checks`)."""
+
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
@@ -64,8 +65,9 @@ def recompute_blocks_in_backward(model: torch.nn.Module) -> None:
     """Activation checkpointing of every block, as pipelines/stages/pipeline_module.py does (non-reentrant)."""
     for block in model.backbone.layers:
         forward = block.forward
-        block.forward = lambda *args, _forward=forward, **kwargs: checkpoint(_forward, *args, use_reentrant=False,
-                                                                            **kwargs)
+        block.forward = lambda *args, _forward=forward, **kwargs: checkpoint(
+            _forward, *args, use_reentrant=False, **kwargs
+        )
 
 
 def context_parallel_errors(cfg, inputs, cp, tp=None, seed: int = 0, prepare=None) -> dict:
@@ -94,16 +96,19 @@ def context_parallel_errors(cfg, inputs, cp, tp=None, seed: int = 0, prepare=Non
     loss = lm_loss(logits, local_labels, cfg.vocab_size, tp, cp)
     loss.backward()
     if tp is not None:
-        logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
+        logits = gather_from_tp_region(logits.detach(), tp)[..., : cfg.padded_vocab_size]
         grads = full_tensors(model, tp, lambda p: p.grad)
     else:
         grads = {name: p.grad for name, p in model.named_parameters()}
     for g in grads.values():
         dist.all_reduce(g, group=cp.group)
     ref_grads = {name: p.grad for name, p in plain.named_parameters()}
-    return dict(logits=relative_error(logits, sequence_slice(ref_logits, cp)), loss=relative_error(loss, ref_loss),
-                grad_keys=sorted(grads) == sorted(ref_grads),
-                grads={name: relative_error(grads[name], g) for name, g in ref_grads.items()})
+    return dict(
+        logits=relative_error(logits, sequence_slice(ref_logits, cp)),
+        loss=relative_error(loss, ref_loss),
+        grad_keys=sorted(grads) == sorted(ref_grads),
+        grads={name: relative_error(grads[name], g) for name, g in ref_grads.items()},
+    )
 
 
 def tensor_parallel_errors(cfg, inputs, tp: TensorParallel, seed: int, steps: int = 0) -> dict:
@@ -128,13 +133,18 @@ def tensor_parallel_errors(cfg, inputs, tp: TensorParallel, seed: int, steps: in
     loss = lm_loss(logits, labels, cfg.vocab_size, tp)
     loss.backward()
 
-    full_logits = gather_from_tp_region(logits.detach(), tp)[..., :cfg.padded_vocab_size]
+    full_logits = gather_from_tp_region(logits.detach(), tp)[..., : cfg.padded_vocab_size]
     grads = full_tensors(model, tp, lambda p: p.grad)
     ref_grads = {k: p.grad for k, p in plain.named_parameters()}
-    result = dict(init_equal=init_equal, logits=relative_error(full_logits, ref_logits),
-                  loss=relative_error(loss, ref_loss), loss_value=loss.item(), local_vocab=logits.shape[-1],
-                  grad_keys=sorted(grads) == sorted(ref_grads),
-                  grads={k: relative_error(grads[k], g) for k, g in ref_grads.items()})
+    result = dict(
+        init_equal=init_equal,
+        logits=relative_error(full_logits, ref_logits),
+        loss=relative_error(loss, ref_loss),
+        loss_value=loss.item(),
+        local_vocab=logits.shape[-1],
+        grad_keys=sorted(grads) == sorted(ref_grads),
+        grads={k: relative_error(grads[k], g) for k, g in ref_grads.items()},
+    )
     if steps:
         result["step"] = _step_error(plain, model, ids[:, :steps], tp)
     return result
@@ -148,6 +158,6 @@ def _step_error(plain, model, ids, tp) -> float:
         worst = 0.0
         for t in range(ids.shape[1]):
             ref = plain.step(ids[:, t], ref_cache)
-            out = gather_from_tp_region(model.step(ids[:, t], cache), tp)[..., :ref.shape[-1]]
+            out = gather_from_tp_region(model.step(ids[:, t], cache), tp)[..., : ref.shape[-1]]
             worst = max(worst, relative_error(out, ref))
     return worst

@@ -18,6 +18,7 @@ float32 (an all-gather counts its output, a reduce-scatter its input):
 
 The same at every rank; it grows with L (every rank holds the whole sequence's K and V).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,8 +47,10 @@ PATTERN = "M*-M*-"  # every layer kind, two attention layers
 MAMBA2 = {"layer": "Mamba2", "d_state": 4, "headdim": 4, "chunk_size": 4, "ngroups": 2}
 GQA = {"num_heads": 4, "num_heads_kv": 2, "head_dim": 6, "rotary_emb_dim": 4, "causal": True}
 MQA = {**GQA, "num_heads_kv": 1}  # under TP 2 its one key/value head is replicated
-DOCUMENTS = [[0] * 5 + [1] * 10 + [2] * 2 + [3] * 7,  # changes at 5, 15, 17: documents cross the edges 6, 12, 18
-             [5] * 6 + [2] * 6 + [5] * 12]            # changes exactly at the edges 6 and 12; id 5 names two documents
+DOCUMENTS = [
+    [0] * 5 + [1] * 10 + [2] * 2 + [3] * 7,  # changes at 5, 15, 17: documents cross the edges 6, 12, 18
+    [5] * 6 + [2] * 6 + [5] * 12,
+]  # changes exactly at the edges 6 and 12; id 5 names two documents
 
 # name: (ssm_cfg, attn_cfg, packed documents); Mamba-1 under CP is test_context_parallel.py's, MQA's one
 # key/value head is CP_TP_CASES'
@@ -94,8 +97,9 @@ def isolation(cp):
         tokens[row, positions] = (tokens[row, positions] + shift) % cfg.vocab_size
         return tokens
 
-    documents = [(row, start, end) for row, ids_of_row in enumerate(DOCUMENTS)
-                 for start, end in _document_bounds(ids_of_row)]
+    documents = [
+        (row, start, end) for row, ids_of_row in enumerate(DOCUMENTS) for start, end in _document_bounds(ids_of_row)
+    ]
     first_tokens = ids
     for row, start, _ in documents:
         first_tokens = changed(first_tokens, row, [start])
@@ -105,8 +109,10 @@ def isolation(cp):
         after_others = logits(changed(ids, row, [i for i in range(SEQLEN) if not start <= i < end]))  # every rank
         local = [i - lo for i in range(max(start, lo), min(end, hi))]  # this rank's positions of the document
         if local:
-            out[(row, start)] = (relative_error(after_others[row, local], before[row, local]),
-                                 relative_error(after_own[row, local], before[row, local]))
+            out[(row, start)] = (
+                relative_error(after_others[row, local], before[row, local]),
+                relative_error(after_own[row, local], before[row, local]),
+            )
     return out
 
 
@@ -126,8 +132,9 @@ def attention_block_comm(cp, seqlen, documents):
     stream.requires_grad_()
     seq_idx = None
     if documents:
-        seq_idx = sequence_slice(torch.arange(seqlen, dtype=torch.int32).div(5, rounding_mode="floor")
-                                 .expand(BATCH, -1), cp)
+        seq_idx = sequence_slice(
+            torch.arange(seqlen, dtype=torch.int32).div(5, rounding_mode="floor").expand(BATCH, -1), cp
+        )
     with comm_counter.capture() as fwd:
         out = block(stream if seq_idx is None else (stream, seq_idx))
     out = out if seq_idx is None else out[0]
@@ -142,8 +149,10 @@ def four_rank_checks():
     strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     world = ContextParallel(dist.group.WORLD, 4, rank)
     pair = ContextParallel(pairs[rank // 2], 2, rank % 2)
-    out = {"cp4": {name: errors(*case, world) for name, case in CP_CASES.items()},
-           "cp2": {name: errors(*case, pair) for name, case in CP_CASES.items()}}
+    out = {
+        "cp4": {name: errors(*case, world) for name, case in CP_CASES.items()},
+        "cp2": {name: errors(*case, pair) for name, case in CP_CASES.items()},
+    }
     out["cp2_recomputed"] = errors(*CP_CASES["mamba2_gqa_documents"], pair, prepare=recompute_blocks_in_backward)
     cp = ContextParallel(strided[rank % 2], 2, rank // 2)
     out["cp2_tp2"] = {}
@@ -151,8 +160,11 @@ def four_rank_checks():
         tp = TensorParallel(pairs[rank // 2], 2, rank % 2, sequence_parallel=sp)
         out["cp2_tp2"][name] = errors(MAMBA2, attn, True, cp, tp)
     out["isolation"] = isolation(world)
-    out["comm"] = {(seqlen, documents): attention_block_comm(world, seqlen, documents)
-                   for seqlen in (SEQLEN, 2 * SEQLEN) for documents in (True, False)}
+    out["comm"] = {
+        (seqlen, documents): attention_block_comm(world, seqlen, documents)
+        for seqlen in (SEQLEN, 2 * SEQLEN)
+        for documents in (True, False)
+    }
     return out
 
 
@@ -196,6 +208,7 @@ def _expected_comm(seqlen, documents):
 @pytest.mark.parametrize("documents", [True, False])
 @pytest.mark.parametrize("seqlen", [SEQLEN, 2 * SEQLEN])
 def test_an_attention_block_gathers_keys_and_values_once_and_reduce_scatters_their_gradient_once(
-        four_ranks, seqlen, documents):
+    four_ranks, seqlen, documents
+):
     for rank, r in enumerate(four_ranks):
         assert r["comm"][(seqlen, documents)] == _expected_comm(seqlen, documents), f"rank {rank}"

@@ -1,5 +1,6 @@
 """The run's context-parallel checks for hybrids: attention needs no conv halo, only equal slices (split over
 TP too with sequence parallelism); the Mamba layers' conv halo rule applies only where a Mamba layer is."""
+
 import re
 
 import pytest
@@ -22,15 +23,20 @@ def test_attention_and_mlp_layers_take_slices_shorter_than_a_conv_halo():
 
 
 def test_a_mamba_layer_beside_attention_keeps_the_conv_halo_rule():
-    with pytest.raises(LayoutError, match=re.escape("d_conv - 1 = 3 tokens to the next rank: slices of seqlen 8 / "
-                                                    "CP 4 = 2 are shorter")):
+    with pytest.raises(
+        LayoutError,
+        match=re.escape("d_conv - 1 = 3 tokens to the next rank: slices of seqlen 8 / CP 4 = 2 are shorter"),
+    ):
         check("M*-", 8, cp=4)
 
 
-@pytest.mark.parametrize("seq_length, tp, sequence_parallel, words", [
-    (30, 1, False, "seqlen = 30 is not divisible by CP 4"),
-    (36, 2, True, "seqlen = 36 is not divisible by CP 4 x TP 2 (sequence parallelism) = 8"),
-])
+@pytest.mark.parametrize(
+    "seq_length, tp, sequence_parallel, words",
+    [
+        (30, 1, False, "seqlen = 30 is not divisible by CP 4"),
+        (36, 2, True, "seqlen = 36 is not divisible by CP 4 x TP 2 (sequence parallelism) = 8"),
+    ],
+)
 def test_attention_alone_still_needs_equal_slices(seq_length, tp, sequence_parallel, words):
     with pytest.raises(LayoutError, match=re.escape(words)):
         check("*-", seq_length, cp=4, tp=tp, sequence_parallel=sequence_parallel)

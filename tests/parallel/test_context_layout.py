@@ -1,4 +1,5 @@
 """Context-parallel layouts that cannot work are refused before any work, naming the numbers."""
+
 from types import SimpleNamespace
 
 import pytest

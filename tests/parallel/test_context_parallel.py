@@ -18,6 +18,7 @@ summaries = C x batch x (decay + final state) float32:
 
 None of it depends on the sequence length, asserted at two lengths.
 """
+
 import os
 
 import pytest
@@ -42,8 +43,10 @@ D_CONV = 4
 
 MAMBA1 = {"layer": "Mamba1", "d_state": 4, "dt_rank": 2}
 MAMBA2 = {"layer": "Mamba2", "d_state": 4, "headdim": 4, "chunk_size": 4}  # d_inner 32: 8 heads
-DOCUMENTS = [[0] * 5 + [1] * 10 + [2] * 2 + [3] * 7,  # changes at 5, 15, 17: documents cross every edge
-             [5] * 6 + [2] * 6 + [5] * 12]            # changes exactly at the edges 6 and 12; id 5 reused
+DOCUMENTS = [
+    [0] * 5 + [1] * 10 + [2] * 2 + [3] * 7,  # changes at 5, 15, 17: documents cross every edge
+    [5] * 6 + [2] * 6 + [5] * 12,
+]  # changes exactly at the edges 6 and 12; id 5 reused
 
 # name: (ssm_cfg, other config fields, packed documents)
 CP_CASES = {
@@ -71,7 +74,7 @@ def compare(cfg, documents, cp, tp=None, recompute=False, masked_half=False):
     (masked_half: no token of the sequences' second half counted, as a masked prompt's)."""
     inputs = lm_inputs(cfg, BATCH, SEQLEN, SEED + 1, DOCUMENTS if documents else None)
     if masked_half:
-        inputs[1][:, SEQLEN // 2:] = -100
+        inputs[1][:, SEQLEN // 2 :] = -100
     return context_parallel_errors(cfg, inputs, cp, tp, SEED, recompute_blocks_in_backward if recompute else None)
 
 
@@ -127,11 +130,16 @@ def _world(size):
 def two_rank_checks():
     cp = _world(2)
     out = {"model": {name: compare(config(ssm, **fields), docs, cp) for name, (ssm, fields, docs) in CP_CASES.items()}}
-    out["recompute"] = {name: compare(config(ssm, **fields), docs, cp, recompute=True)
-                        for name, (ssm, fields, docs) in CP_CASES.items() if docs}
-    out["comm"] = {(mixer, seqlen): block_comm(cp, ssm, seqlen)
-                   for mixer, ssm in (("mamba1", MAMBA1), ("mamba2", {**MAMBA2, "ngroups": 2}))
-                   for seqlen in (SEQLEN, 2 * SEQLEN)}
+    out["recompute"] = {
+        name: compare(config(ssm, **fields), docs, cp, recompute=True)
+        for name, (ssm, fields, docs) in CP_CASES.items()
+        if docs
+    }
+    out["comm"] = {
+        (mixer, seqlen): block_comm(cp, ssm, seqlen)
+        for mixer, ssm in (("mamba1", MAMBA1), ("mamba2", {**MAMBA2, "ngroups": 2}))
+        for seqlen in (SEQLEN, 2 * SEQLEN)
+    }
     out["memory"] = {name: saved_bytes(name, cp) for name in MEMORY_CASES}
     out["prefill"] = {mixer: prefill_refusal(cp, ssm) for mixer, ssm in (("mamba1", MAMBA1), ("mamba2", MAMBA2))}
     if cp.rank == 0:
@@ -141,8 +149,11 @@ def two_rank_checks():
 
 def four_rank_checks():
     rank = dist.get_rank()
-    out = {"model": {name: compare(config(ssm, **fields), docs, _world(4))
-                     for name, (ssm, fields, docs) in CP_CASES.items()}}
+    out = {
+        "model": {
+            name: compare(config(ssm, **fields), docs, _world(4)) for name, (ssm, fields, docs) in CP_CASES.items()
+        }
+    }
     out["memory"] = {name: saved_bytes(name, _world(4)) for name in MEMORY_CASES}
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # TP rank fastest, as the process grid lays it out
     cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -248,5 +259,6 @@ def test_activation_memory_per_rank_falls_as_one_over_c(two_ranks, four_ranks, n
     for size, results in ((2, two_ranks), (4, four_ranks)):
         for rank, r in enumerate(results):
             ratio = r["memory"][name] / (whole / size)
-            assert 0.9 <= ratio <= 1.1, (f"{name}, C = {size}, rank {rank}: {r['memory'][name]} bytes "
-                                         f"vs {whole} at C = 1")
+            assert 0.9 <= ratio <= 1.1, (
+                f"{name}, C = {size}, rank {rank}: {r['memory'][name]} bytes vs {whole} at C = 1"
+            )

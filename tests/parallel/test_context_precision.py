@@ -1,4 +1,5 @@
 """The state-passing correction keeps float32 under bf16 autocast, as the scan kernels keep theirs."""
+
 import torch
 
 from megamamba.parallel.context.context_slice import _ssd_contribution

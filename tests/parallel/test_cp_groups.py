@@ -5,6 +5,7 @@ context rank i % cp of data-parallel replica i // cp; the context group is real 
 over it), DeepSpeed's data group and the mpu's data-parallel size cover dp x cp ranks, and the
 pipeline engine's grid sees the same data axis.
 """
+
 import functools
 
 import pytest
@@ -91,8 +92,12 @@ def test_without_context_parallelism_no_group_is_created():
 
 
 def test_a_layout_the_world_cannot_hold_is_refused_naming_every_size_and_the_product():
-    assert all(r["refused"] == [
-        "world size 4 != data (3) x context (2) x tensor (1) x pipeline (1) = 6",
-        "world size 4 is not divisible by context (3) x tensor (1) x pipeline (1) = 3; "
-        "data-parallel size = world / (context x tensor x pipeline)",
-    ] for r in _results()), _results()[0]["refused"]
+    assert all(
+        r["refused"]
+        == [
+            "world size 4 != data (3) x context (2) x tensor (1) x pipeline (1) = 6",
+            "world size 4 is not divisible by context (3) x tensor (1) x pipeline (1) = 3; "
+            "data-parallel size = world / (context x tensor x pipeline)",
+        ]
+        for r in _results()
+    ), _results()[0]["refused"]

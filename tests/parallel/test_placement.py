@@ -3,6 +3,7 @@
 Places are built as DeepSpeed's launcher assigns them: each node in hostfile order gets the next
 `slots` global ranks, local ranks 0..slots-1, its node rank in CROSS_RANK.
 """
+
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -52,14 +53,17 @@ def test_tensor_group_of_eight_over_two_four_slot_nodes_is_refused():
         check_tensor_groups(launcher_places({"a": 4, "b": 4}), topology(1, 8, 1))
 
 
-@pytest.mark.parametrize("slots, layout", [
-    ({"a": 2, "b": 2}, (1, 2, 2)),
-    ({"a": 4, "b": 4}, (2, 2, 2)),
-    ({"a": 4, "b": 4}, (1, 4, 2)),
-    ({"a": 8}, (1, 8, 1)),
-    ({"a": 1, "b": 1, "c": 1, "d": 1}, (2, 1, 2)),
-    ({"a": 2, "b": 4, "c": 2}, (2, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "slots, layout",
+    [
+        ({"a": 2, "b": 2}, (1, 2, 2)),
+        ({"a": 4, "b": 4}, (2, 2, 2)),
+        ({"a": 4, "b": 4}, (1, 4, 2)),
+        ({"a": 8}, (1, 8, 1)),
+        ({"a": 1, "b": 1, "c": 1, "d": 1}, (2, 1, 2)),
+        ({"a": 2, "b": 4, "c": 2}, (2, 2, 2)),
+    ],
+)
 def test_tensor_groups_inside_nodes_are_accepted(slots, layout):
     check_tensor_groups(launcher_places(slots), topology(*layout))
 

@@ -7,6 +7,7 @@ and what it keeps for the backward. Across ranks, tests/parallel/test_tp_model.p
 model with the single-device one (ngroups 1 at TP 2 and 4, ngroups 2 at TP 4, with and without
 sequence parallelism) and counts the collectives.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ def _inputs(dtype):
     gen = torch.Generator().manual_seed(SEED)
     y, z = (torch.randn(BATCH, SEQLEN, CHANNELS, generator=gen).to(dtype) for _ in range(2))
     norm_weight = 1 + 0.3 * torch.randn(CHANNELS, generator=gen)
-    out_weight = torch.randn(D_MODEL, CHANNELS, generator=gen) / CHANNELS ** 0.5
+    out_weight = torch.randn(D_MODEL, CHANNELS, generator=gen) / CHANNELS**0.5
     out_bias = torch.randn(D_MODEL, generator=gen)
     upstream = torch.randn(BATCH, SEQLEN, D_MODEL, generator=gen)
     return [t.requires_grad_() for t in (y, z, norm_weight, out_weight, out_bias)], upstream
@@ -47,8 +48,9 @@ def _inputs(dtype):
 def _spanning(y, z, norm_weight, out_weight, out_bias, norm_before_gate):
     out_proj = RowParallelLinear(CHANNELS, D_MODEL, TensorParallel())
     out_proj.weight, out_proj.bias = torch.nn.Parameter(out_weight), torch.nn.Parameter(out_bias)
-    out = gated_rmsnorm_row_parallel(y, z, norm_weight, eps=EPS, group_size=CHANNELS, ngroups=1,
-                                     norm_before_gate=norm_before_gate, out_proj=out_proj)
+    out = gated_rmsnorm_row_parallel(
+        y, z, norm_weight, eps=EPS, group_size=CHANNELS, ngroups=1, norm_before_gate=norm_before_gate, out_proj=out_proj
+    )
     return out, [y, z, norm_weight, out_proj.weight, out_proj.bias]
 
 

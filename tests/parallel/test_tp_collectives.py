@@ -3,6 +3,7 @@
 Each rank draws its own input and upstream gradient from (seed, rank), so every rank can
 recompute every other rank's tensors and the expected sums in float64.
 """
+
 import functools
 import time
 
@@ -101,8 +102,9 @@ def _all(tag, shape=SHAPE):
 
 
 def _counted(res, fwd, bwd):
-    return (res["fwd"] == [CommRecord(k, n, WORLD) for k, n in fwd]
-            and res["bwd"] == [CommRecord(k, n, WORLD) for k, n in bwd])
+    return res["fwd"] == [CommRecord(k, n, WORLD) for k, n in fwd] and res["bwd"] == [
+        CommRecord(k, n, WORLD) for k, n in bwd
+    ]
 
 
 BYTES = 3 * 4 * 6 * 8  # one rank's SHAPE in float64
@@ -182,8 +184,15 @@ def test_indivisible_sequence_is_refused_naming_the_numbers():
 def test_regions_are_identities_at_tp1_and_count_nothing():
     tp = TensorParallel()
     x = torch.randn(3, 4, 6)
-    regions = [copy_to_tp_region, reduce_from_tp_region, gather_from_tp_region, scatter_to_tp_region,
-               gather_from_sequence_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region]
+    regions = [
+        copy_to_tp_region,
+        reduce_from_tp_region,
+        gather_from_tp_region,
+        scatter_to_tp_region,
+        gather_from_sequence_region,
+        reduce_scatter_to_sequence_region,
+        scatter_to_sequence_region,
+    ]
     with comm_counter.capture() as records:
         outs = [region(x, tp) for region in regions] + [start_sequence_gather(x, tp).wait()]
     assert all(out is x for out in outs) and records == []

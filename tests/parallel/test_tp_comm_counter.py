@@ -1,4 +1,5 @@
 """The communication counter: exact records inside `capture`, running totals per kind."""
+
 from megamamba.parallel.comm_counter import CommCounter, CommRecord, CommTotals
 
 

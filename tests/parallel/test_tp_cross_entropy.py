@@ -1,4 +1,5 @@
 """vocab_parallel_cross_entropy on one rank against torch (the multi-rank checks are in test_tp_layers)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,5 +60,6 @@ def test_mismatched_target_shape_is_refused():
 
 def test_vocab_size_beyond_the_rows_is_refused():
     with pytest.raises(ValueError, match=r"vocab_size 12 must be in \(0, 11 rows x TP 1\]"):
-        vocab_parallel_cross_entropy(torch.zeros(3, 11), torch.zeros(3, dtype=torch.long), TensorParallel(),
-                                     vocab_size=12)
+        vocab_parallel_cross_entropy(
+            torch.zeros(3, 11), torch.zeros(3, dtype=torch.long), TensorParallel(), vocab_size=12
+        )

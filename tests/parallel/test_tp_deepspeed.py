@@ -1,6 +1,7 @@
 """DeepSpeed's plain engine with our `mpu` at TP 2: the global gradient norm counts every
 parameter exactly once (sharded ones on every rank, replicated ones once), so clipping and
 the reported norm equal the single-process model's, with and without ZeRO-1."""
+
 import functools
 
 import pytest
@@ -53,17 +54,27 @@ def _train_step(zero_stage):
     groups = ParallelGroups(tensor_parallel_size=2)
     tp = groups.tensor_parallel()
     gen = torch.Generator().manual_seed(SEED)
-    full = {"in_proj.weight": torch.randn(Z + NB, D, generator=gen), "in_proj.bias": torch.randn(Z + NB, generator=gen),
-            "out_proj.weight": torch.randn(D, Z, generator=gen), "out_proj.bias": torch.randn(D, generator=gen),
-            "norm_weight": 1 + 0.1 * torch.randn(D, generator=gen)}
+    full = {
+        "in_proj.weight": torch.randn(Z + NB, D, generator=gen),
+        "in_proj.bias": torch.randn(Z + NB, generator=gen),
+        "out_proj.weight": torch.randn(D, Z, generator=gen),
+        "out_proj.bias": torch.randn(D, generator=gen),
+        "norm_weight": 1 + 0.1 * torch.randn(D, generator=gen),
+    }
     x = torch.randn(2, 5, D, generator=gen)
     model = TinyMixer(tp)
     load_full_tensors(model, full, tp)
     lr, clip = 0.1, 0.05
-    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip,
-              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                                      config=config, mpu=groups.mpu())
+    config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=config, mpu=groups.mpu()
+    )
     engine.backward(engine(x).pow(2).mean())
     if zero_stage == 0:  # the plain engine clips without recording the norm: ask the same function
         from deepspeed.runtime.utils import clip_grad_norm_
@@ -94,8 +105,9 @@ def _results():
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_global_gradient_norm_equals_the_single_process_norm(zero_stage):
     for rank, res in enumerate(r[zero_stage] for r in _results()):
-        assert abs(res["norm"] - res["ref_norm"]) <= 1e-5 * res["ref_norm"], \
+        assert abs(res["norm"] - res["ref_norm"]) <= 1e-5 * res["ref_norm"], (
             f"rank {rank}: {res['norm']} vs {res['ref_norm']} (seed {SEED})"
+        )
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])

@@ -1,4 +1,5 @@
 """Process groups: laid out as DeepSpeed's topology and grid, impossible layouts refused."""
+
 import functools
 
 import pytest
@@ -27,14 +28,28 @@ def _describe_grid(grid):
 
 def _describe_mpu(mpu):
     return dict(
-        model=(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
-               group_members(mpu.get_model_parallel_group())),
-        tensor=(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
-                group_members(mpu.get_tensor_model_parallel_group()), mpu.get_tensor_model_parallel_src_rank()),
-        data=(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
-              group_members(mpu.get_data_parallel_group()), mpu.get_data_parallel_group_ranks()),
-        pipe=(mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(),
-              group_members(mpu.get_pipe_parallel_group())),
+        model=(
+            mpu.get_model_parallel_rank(),
+            mpu.get_model_parallel_world_size(),
+            group_members(mpu.get_model_parallel_group()),
+        ),
+        tensor=(
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_world_size(),
+            group_members(mpu.get_tensor_model_parallel_group()),
+            mpu.get_tensor_model_parallel_src_rank(),
+        ),
+        data=(
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
+            group_members(mpu.get_data_parallel_group()),
+            mpu.get_data_parallel_group_ranks(),
+        ),
+        pipe=(
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            group_members(mpu.get_pipe_parallel_group()),
+        ),
     )
 
 
@@ -56,14 +71,18 @@ def group_checks():
     for dp, tp, pp in LAYOUTS:
         groups = ParallelGroups(tensor_parallel_size=tp, pipeline_parallel_size=pp)
         out[dp, tp, pp] = dict(
-            ours=_describe(groups), grid=_describe_grid(PipelineParallelGrid(topology=groups.topology)),
+            ours=_describe(groups),
+            grid=_describe_grid(PipelineParallelGrid(topology=groups.topology)),
             mpu=_describe_mpu(groups.mpu()) if pp == 1 else _error(groups.mpu),
-            tensor_parallel=(groups.tensor_parallel(sequence_parallel=True).size,
-                             groups.tensor_parallel(sequence_parallel=True).rank),
+            tensor_parallel=(
+                groups.tensor_parallel(sequence_parallel=True).size,
+                groups.tensor_parallel(sequence_parallel=True).rank,
+            ),
         )
     out["bad_tp"] = _error(lambda: ParallelGroups(tensor_parallel_size=3))
-    out["bad_total"] = _error(lambda: ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2,
-                                                     data_parallel_size=2))
+    out["bad_total"] = _error(
+        lambda: ParallelGroups(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
+    )
     return out
 
 
@@ -122,8 +141,10 @@ def test_tensor_parallel_handle_carries_the_tensor_rank_and_size():
 @pytest.mark.slow
 def test_building_groups_for_an_impossible_layout_is_refused_on_every_rank():
     for res in _results():
-        assert res["bad_tp"] == ("world size 4 is not divisible by context (1) x tensor (3) x pipeline (1) = 3; "
-                                 "data-parallel size = world / (context x tensor x pipeline)")
+        assert res["bad_tp"] == (
+            "world size 4 is not divisible by context (1) x tensor (3) x pipeline (1) = 3; "
+            "data-parallel size = world / (context x tensor x pipeline)"
+        )
         assert res["bad_total"] == "world size 4 != data (2) x context (1) x tensor (2) x pipeline (2) = 8"
 
 
@@ -133,17 +154,26 @@ def test_data_parallel_size_is_world_over_tensor_times_pipeline():
     assert data_parallel_size_for(1) == 1
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(world_size=6, tensor_parallel_size=4),
-     r"world size 6 is not divisible by context \(1\) x tensor \(4\) x pipeline \(1\) = 4"),
-    (dict(world_size=8, tensor_parallel_size=2, data_parallel_size=2),
-     r"world size 8 != data \(2\) x context \(1\) x tensor \(2\) x pipeline \(1\) = 4"),
-    (dict(world_size=4, data_parallel_size=3, context_parallel_size=2),
-     r"world size 4 != data \(3\) x context \(2\) x tensor \(1\) x pipeline \(1\) = 6"),
-    (dict(world_size=8, tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
-    (dict(world_size=8, context_parallel_size=0), r"context_parallel_size must be a positive integer, got 0"),
-    (dict(world_size=8, pipeline_parallel_size=-2), r"pipeline_parallel_size must be a positive integer, got -2"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            dict(world_size=6, tensor_parallel_size=4),
+            r"world size 6 is not divisible by context \(1\) x tensor \(4\) x pipeline \(1\) = 4",
+        ),
+        (
+            dict(world_size=8, tensor_parallel_size=2, data_parallel_size=2),
+            r"world size 8 != data \(2\) x context \(1\) x tensor \(2\) x pipeline \(1\) = 4",
+        ),
+        (
+            dict(world_size=4, data_parallel_size=3, context_parallel_size=2),
+            r"world size 4 != data \(3\) x context \(2\) x tensor \(1\) x pipeline \(1\) = 6",
+        ),
+        (dict(world_size=8, tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
+        (dict(world_size=8, context_parallel_size=0), r"context_parallel_size must be a positive integer, got 0"),
+        (dict(world_size=8, pipeline_parallel_size=-2), r"pipeline_parallel_size must be a positive integer, got -2"),
+    ],
+)
 def test_impossible_layouts_are_refused_naming_the_numbers(kwargs, message):
     with pytest.raises(ValueError, match=message):
         data_parallel_size_for(**kwargs)

@@ -18,6 +18,7 @@ plus, backward, one all-reduce per replicated key/value parameter (in_proj weigh
 `Component(sharded=False)`) and, with SP, one of out_proj's bias (added to every rank's tokens after the
 reduce-scatter). A Mamba block with an MLP inside (d_intermediate) communicates as the two in sequence.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,15 +41,39 @@ MAMBA1 = {"layer": "Mamba1", "d_state": 5, "dt_rank": 3}
 MAMBA2 = {"layer": "Mamba2", "d_state": 6, "headdim": 8, "ngroups": 4, "chunk_size": 8}  # d_inner 64: 8 heads
 ATTN_GQA = {"num_heads": 8, "num_heads_kv": 2, "head_dim": 6, "rotary_emb_dim": 4, "causal": True}
 ATTN_MHA = {"num_heads": 4, "head_dim": 10, "qkv_proj_bias": False, "softmax_scale": 0.3, "causal": True}
-ATTN_MQA = {"num_heads": 4, "num_heads_kv": 1, "rotary_emb_dim": 8, "rotary_emb_interleaved": True,
-            "out_proj_bias": False, "causal": True}  # head_dim 32 / 4 = 8
+ATTN_MQA = {
+    "num_heads": 4,
+    "num_heads_kv": 1,
+    "rotary_emb_dim": 8,
+    "rotary_emb_interleaved": True,
+    "out_proj_bias": False,
+    "causal": True,
+}  # head_dim 32 / 4 = 8
 
-GQA_PATTERN = {"ssm_cfg": MAMBA2, "n_layer": 3, "hybrid_layer_pattern": "M*-", "attn_cfg": ATTN_GQA,
-               "d_intermediate": 24}
-MQA_PATTERN = {"ssm_cfg": MAMBA2, "n_layer": 3, "hybrid_layer_pattern": "*M-", "attn_cfg": ATTN_MQA,
-               "d_intermediate": 20, "mlp_activation": "squared_relu", "tie_embeddings": False}
-BLOCK_MLPS = {"ssm_cfg": MAMBA1, "n_layer": 2, "attn_layer_idx": [1], "attn_cfg": ATTN_MHA,
-              "d_intermediate": 40, "rms_norm": False}  # gated MLP of 128 channels inside both blocks
+GQA_PATTERN = {
+    "ssm_cfg": MAMBA2,
+    "n_layer": 3,
+    "hybrid_layer_pattern": "M*-",
+    "attn_cfg": ATTN_GQA,
+    "d_intermediate": 24,
+}
+MQA_PATTERN = {
+    "ssm_cfg": MAMBA2,
+    "n_layer": 3,
+    "hybrid_layer_pattern": "*M-",
+    "attn_cfg": ATTN_MQA,
+    "d_intermediate": 20,
+    "mlp_activation": "squared_relu",
+    "tie_embeddings": False,
+}
+BLOCK_MLPS = {
+    "ssm_cfg": MAMBA1,
+    "n_layer": 2,
+    "attn_layer_idx": [1],
+    "attn_cfg": ATTN_MHA,
+    "d_intermediate": 40,
+    "rms_norm": False,
+}  # gated MLP of 128 channels inside both blocks
 
 # name: (config fields, sequence parallel, packed documents, also check `step`)
 CASES = {
@@ -106,8 +131,10 @@ def hybrid_checks():
     out = {}
     for tp in (TensorParallel(dist.group.WORLD, world, rank), TensorParallel(pairs[rank // 2], 2, rank % 2)):
         torch.manual_seed(0)
-        out[tp.size] = {"model": {name: check_model(tp, name) for name in CASES},
-                        "comm": {(name, sp): block_comm(tp, name, sp) for name in BLOCK_CASES for sp in (False, True)}}
+        out[tp.size] = {
+            "model": {name: check_model(tp, name) for name in CASES},
+            "comm": {(name, sp): block_comm(tp, name, sp) for name in BLOCK_CASES for sp in (False, True)},
+        }
     return out
 
 
@@ -148,8 +175,9 @@ def _replicated_kv(attn, tp_size):
     if kv % tp_size == 0:
         return []
     rows = 2 * kv * attn.get("head_dim", D_MODEL // attn["num_heads"])
-    return [("all_reduce", rows * D_MODEL * F32)] + ([("all_reduce", rows * F32)] if attn.get("qkv_proj_bias", True)
-                                                      else [])
+    return [("all_reduce", rows * D_MODEL * F32)] + (
+        [("all_reduce", rows * F32)] if attn.get("qkv_proj_bias", True) else []
+    )
 
 
 def _mixer_expected(fields, kind, sp, tp_size):
@@ -160,8 +188,12 @@ def _mixer_expected(fields, kind, sp, tp_size):
         if sp and fields["attn_cfg"].get("out_proj_bias", True):
             extra.append(("all_reduce", D_MODEL * F32))
     if sp:
-        return [("all_gather", act), ("reduce_scatter", act)], [("all_gather", act), ("reduce_scatter", act),
-                                                                ("all_reduce", D_MODEL * F32), *extra]
+        return [("all_gather", act), ("reduce_scatter", act)], [
+            ("all_gather", act),
+            ("reduce_scatter", act),
+            ("all_reduce", D_MODEL * F32),
+            *extra,
+        ]
     return [("all_reduce", act)], [("all_reduce", act), *extra]
 
 

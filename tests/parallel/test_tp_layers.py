@@ -5,6 +5,7 @@ outputs and gradients, gathered to full shapes, are compared with nn.functional 
 the full tensors. Each layer's forward and backward collectives are captured and compared with
 the design. One spawned run per TP size computes everything; the tests read its results.
 """
+
 import functools
 
 import pytest
@@ -76,8 +77,11 @@ def _features(local, tp, comps):
 def _local_features(full, tp, comps, replicated_upstream=None):
     """This rank's features of a full tensor, replicated components taken from `replicated_upstream`."""
     blocks = full.split([c.size for c in comps], -1)
-    rep = (iter(replicated_upstream.split([c.size for c in comps if not c.sharded], -1))
-           if replicated_upstream is not None else None)
+    rep = (
+        iter(replicated_upstream.split([c.size for c in comps if not c.sharded], -1))
+        if replicated_upstream is not None
+        else None
+    )
     return torch.cat([b.chunk(tp.size, -1)[tp.rank] if c.sharded else next(rep) for c, b in zip(comps, blocks)], -1)
 
 
@@ -108,10 +112,15 @@ def check_column(tp, comps, gather_output=False):
     full_out = out if gather_output else _features(out, tp, comps)
     grads = full_tensors(layer, tp, lambda p: p.grad)
     return dict(
-        out=relative_error(full_out, ref), x_grad=relative_error(x_in.grad, _seq_local(xr.grad, tp)),
-        weight_grad=relative_error(grads["weight"], wr.grad), bias_grad=relative_error(grads["bias"], br.grad),
+        out=relative_error(full_out, ref),
+        x_grad=relative_error(x_in.grad, _seq_local(xr.grad, tp)),
+        weight_grad=relative_error(grads["weight"], wr.grad),
+        bias_grad=relative_error(grads["bias"], br.grad),
         weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
-        fwd=fwd, bwd=bwd, numel_in=x.numel(), numel_out=BATCH * SEQLEN * n_out,
+        fwd=fwd,
+        bwd=bwd,
+        numel_in=x.numel(),
+        numel_out=BATCH * SEQLEN * n_out,
     )
 
 
@@ -132,9 +141,12 @@ def check_row(tp):
     return dict(
         out=relative_error(_seq_full(out, tp), ref),
         x_grad=relative_error(x_in.grad, xr.grad.chunk(tp.size, -1)[tp.rank]),
-        weight_grad=relative_error(grads["weight"], wr.grad), bias_grad=relative_error(grads["bias"], br.grad),
+        weight_grad=relative_error(grads["weight"], wr.grad),
+        bias_grad=relative_error(grads["bias"], br.grad),
         weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
-        fwd=fwd, bwd=bwd, numel_out=ref.numel(),
+        fwd=fwd,
+        bwd=bwd,
+        numel_out=ref.numel(),
     )
 
 
@@ -154,7 +166,10 @@ def check_embedding(tp):
         out=relative_error(_seq_full(out, tp), ref),
         weight_grad=relative_error(full_tensors(layer, tp, lambda p: p.grad)["weight"], wr.grad),
         weight_exact=torch.equal(full_tensors(layer, tp)["weight"], w.float()),
-        local_rows=layer.weight.shape[0], fwd=fwd, bwd=bwd, numel_out=ref.numel(),
+        local_rows=layer.weight.shape[0],
+        fwd=fwd,
+        bwd=bwd,
+        numel_out=ref.numel(),
     )
 
 
@@ -177,9 +192,13 @@ def check_head_loss(tp):
     with comm_counter.capture() as bwd:
         loss.backward()
     return dict(
-        loss=relative_error(loss, ref), h_grad=relative_error(h_in.grad, _seq_local(hr.grad, tp)),
+        loss=relative_error(loss, ref),
+        h_grad=relative_error(h_in.grad, _seq_local(hr.grad, tp)),
         weight_grad=relative_error(full_tensors(head, tp, lambda p: p.grad)["weight"], wr.grad),
-        fwd=fwd, bwd=bwd, tokens=target.numel(), numel_h=h.numel(),
+        fwd=fwd,
+        bwd=bwd,
+        tokens=target.numel(),
+        numel_h=h.numel(),
     )
 
 
@@ -200,16 +219,21 @@ def check_cross_entropy(tp):
     loss = vocab_parallel_cross_entropy(local, target, tp, vocab_size=vocab, reduction="none")
     loss.sum().backward()
     grad = _gather(local.grad, tp, -1)
-    return dict(loss=relative_error(loss, ref), logits_grad=relative_error(grad[..., :vocab], lr.grad),
-                padding_grad_zero=bool((grad[..., vocab:] == 0).all()),
-                ignored_loss_zero=bool((loss[1, 2:5] == 0).all()))
+    return dict(
+        loss=relative_error(loss, ref),
+        logits_grad=relative_error(grad[..., :vocab], lr.grad),
+        padding_grad_zero=bool((grad[..., vocab:] == 0).all()),
+        ignored_loss_zero=bool((loss[1, 2:5] == 0).all()),
+    )
 
 
 def check_init(tp):
     """Full weights each layer draws after manual_seed(s) vs the matching torch module's."""
     pairs = {
-        "column_fused": (lambda: ColumnParallelLinear(7, 30, tp, components=IN_PROJ_REPLICATED),
-                         lambda: torch.nn.Linear(7, 30)),
+        "column_fused": (
+            lambda: ColumnParallelLinear(7, 30, tp, components=IN_PROJ_REPLICATED),
+            lambda: torch.nn.Linear(7, 30),
+        ),
         "row": (lambda: RowParallelLinear(12, 5, tp), lambda: torch.nn.Linear(12, 5)),
         "embedding": (lambda: VocabParallelEmbedding(13, 6, tp), lambda: torch.nn.Embedding(13, 6)),
         "head": (lambda: VocabParallelHead(6, 13, tp), lambda: torch.nn.Linear(6, 13, bias=False)),
@@ -224,8 +248,13 @@ def check_init(tp):
     return same
 
 
-IN_PROJ_REPLICATED = (Component("z", 8), Component("x", 12), Component("B", 3, sharded=False),
-                      Component("C", 3, sharded=False), Component("dt", 4))
+IN_PROJ_REPLICATED = (
+    Component("z", 8),
+    Component("x", 12),
+    Component("B", 3, sharded=False),
+    Component("C", 3, sharded=False),
+    Component("dt", 4),
+)
 IN_PROJ_SHARDED = (Component("z", 8), Component("x", 12), Component("B", 4), Component("C", 4), Component("dt", 4))
 
 
@@ -339,8 +368,13 @@ def test_gather_output_adds_one_output_all_gather(tp_size, sp):
     res = _per_rank(tp_size, "column_gather", sp)[0]
     x_bytes, out_bytes = res["numel_in"] * F32, res["numel_out"] * F32
     if sp:
-        _assert_comm(tp_size, "column_gather", sp, [("all_gather", x_bytes), ("all_gather", out_bytes)],
-                     [("reduce_scatter", x_bytes)])
+        _assert_comm(
+            tp_size,
+            "column_gather",
+            sp,
+            [("all_gather", x_bytes), ("all_gather", out_bytes)],
+            [("reduce_scatter", x_bytes)],
+        )
     else:
         _assert_comm(tp_size, "column_gather", sp, [("all_gather", out_bytes)], [("all_reduce", x_bytes)])
 
@@ -351,16 +385,22 @@ def test_replicated_components_add_one_weight_and_one_bias_gradient_all_reduce(t
     x_bytes, rep_rows = res["numel_in"] * F32, 3 + 3
     grad_x = ("reduce_scatter", x_bytes) if sp else ("all_reduce", x_bytes)
     fwd = [("all_gather", x_bytes)] if sp else []
-    _assert_comm(tp_size, "fused_replicated", sp, fwd,
-                 [grad_x, ("all_reduce", rep_rows * 7 * F32), ("all_reduce", rep_rows * F32)])
+    _assert_comm(
+        tp_size,
+        "fused_replicated",
+        sp,
+        fwd,
+        [grad_x, ("all_reduce", rep_rows * 7 * F32), ("all_reduce", rep_rows * F32)],
+    )
 
 
 @pytest.mark.parametrize("tp_size,sp", CASES, ids=IDS)
 def test_row_parallel_communicates_one_reduction_forward(tp_size, sp):
     out_bytes = _per_rank(tp_size, "row", sp)[0]["numel_out"] * F32
     if sp:  # the bias sees only this rank's tokens: its gradient is summed
-        _assert_comm(tp_size, "row", sp, [("reduce_scatter", out_bytes)],
-                     [("all_gather", out_bytes), ("all_reduce", 5 * F32)])
+        _assert_comm(
+            tp_size, "row", sp, [("reduce_scatter", out_bytes)], [("all_gather", out_bytes), ("all_reduce", 5 * F32)]
+        )
     else:
         _assert_comm(tp_size, "row", sp, [("all_reduce", out_bytes)], [])
 

@@ -1,4 +1,5 @@
 """parallel_linear on one rank: the fused autograd function equals F.linear, also under autocast."""
+
 import torch
 import torch.nn.functional as F
 

@@ -23,6 +23,7 @@ one of the float32 norm statistics (batch x seqlen x ngroups; with SP reduce-sca
 and all-gathered backward), and backward adds one all-reduce per replicated-component gradient:
 in_proj.weight's B/C rows, conv1d.weight's and conv1d.bias's B/C channels.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -136,9 +137,10 @@ def _expected(name, sp, tp_size):
     if name == "mamba1":
         x_dbl = BATCH * SEQLEN * (MAMBA1["dt_rank"] + 2 * MAMBA1["d_state"]) * F32
         if sp:
-            return ([("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act)],
-                    [("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act),
-                     ("all_reduce", D_MODEL * F32)])
+            return (
+                [("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act)],
+                [("all_gather", act), ("all_reduce", x_dbl), ("reduce_scatter", act), ("all_reduce", D_MODEL * F32)],
+            )
         return [("all_reduce", x_dbl), ("all_reduce", act)], [("all_reduce", x_dbl), ("all_reduce", act)]
     ngroups = BLOCK_CASES[name]["ngroups"]
     out = act
@@ -150,9 +152,16 @@ def _expected(name, sp, tp_size):
         bc = 2 * ngroups * MAMBA2["d_state"]
         replicated = [("all_reduce", bc * D_MODEL * F32), ("all_reduce", bc * 4 * F32), ("all_reduce", bc * F32)]
     if sp:
-        return ([("all_gather", act), ("reduce_scatter", out), *[("reduce_scatter", b) for b in stats]],
-                [("all_gather", out), *[("all_gather", b) for b in stats], ("reduce_scatter", act),
-                 ("all_reduce", D_MODEL * F32), *replicated])
+        return (
+            [("all_gather", act), ("reduce_scatter", out), *[("reduce_scatter", b) for b in stats]],
+            [
+                ("all_gather", out),
+                *[("all_gather", b) for b in stats],
+                ("reduce_scatter", act),
+                ("all_reduce", D_MODEL * F32),
+                *replicated,
+            ],
+        )
     return [("all_reduce", out), *[("all_reduce", b) for b in stats]], [("all_reduce", act), *replicated]
 
 

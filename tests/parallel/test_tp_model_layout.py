@@ -3,6 +3,7 @@
 Building a TP model communicates nothing, so one rank of a larger group can be built here with
 a stand-in group object; anything that did communicate would fail on it.
 """
+
 import pytest
 import torch
 
@@ -73,8 +74,11 @@ def test_tp_size_one_is_the_plain_model(cfg):
     assert records == [] and torch.equal(out, plain(ids))
 
 
-@pytest.mark.parametrize("cfg,tp_size,rank", [(mamba2(ngroups=1), 4, 3), (mamba2(ngroups=4), 2, 1), (mamba1(), 4, 2)],
-                         ids=["mamba2_one_group_tp4", "mamba2_four_groups_tp2", "mamba1_tp4"])
+@pytest.mark.parametrize(
+    "cfg,tp_size,rank",
+    [(mamba2(ngroups=1), 4, 3), (mamba2(ngroups=4), 2, 1), (mamba1(), 4, 2)],
+    ids=["mamba2_one_group_tp4", "mamba2_four_groups_tp2", "mamba1_tp4"],
+)
 def test_one_ranks_parameters_are_its_slices_of_the_single_device_init(cfg, tp_size, rank):
     assert parameters_not_their_slices(cfg, tp_size, rank, seed=7) == []
 

@@ -1,4 +1,5 @@
 """Sharding metadata and the full <-> local conversions, on simulated ranks (no processes)."""
+
 import pytest
 import torch
 from torch import nn
@@ -17,8 +18,13 @@ from megamamba.parallel import (
 )
 from megamamba.testing.numerics import relative_error
 
-IN_PROJ = (Component("z", 8), Component("x", 12), Component("B", 3, sharded=False),
-           Component("C", 3, sharded=False), Component("dt", 4))
+IN_PROJ = (
+    Component("z", 8),
+    Component("x", 12),
+    Component("B", 3, sharded=False),
+    Component("C", 3, sharded=False),
+    Component("dt", 4),
+)
 
 
 def _round_trip(full, shard, tp_size, partner=None):

@@ -4,6 +4,7 @@ A failure names the DeepSpeed (or torch) version and the internal that moved: re
 pipelines/deepspeed_internals.py against the new version. Checked on DeepSpeed's classes and source
 and on small torch objects, without building an engine.
 """
+
 import dataclasses
 import inspect
 
@@ -21,8 +22,10 @@ from megamamba.pipelines import deepspeed_internals as internals
 
 
 def moved(internal: str) -> str:
-    return (f"DeepSpeed {deepspeed.__version__} (torch {torch.__version__}): {internal} is not what "
-            "pipelines/deepspeed_internals.py relies on (written against DeepSpeed 0.19.8)")
+    return (
+        f"DeepSpeed {deepspeed.__version__} (torch {torch.__version__}): {internal} is not what "
+        "pipelines/deepspeed_internals.py relies on (written against DeepSpeed 0.19.8)"
+    )
 
 
 def assert_source_has(obj, code: str, internal: str) -> None:
@@ -30,35 +33,57 @@ def assert_source_has(obj, code: str, internal: str) -> None:
 
 
 def _fragment(numel: int, start: int, flat: torch.Tensor) -> tensor_fragment:
-    return tensor_fragment(lp_fragment=torch.zeros(numel), lp_fragment_address=fragment_address(numel, start),
-                           hp_fragment=flat.narrow(0, 0, numel), hp_fragment_address=fragment_address(numel, 0),
-                           gradient_dict={}, offload_gradient_dict={}, use_offload=False, param_group_index=0)
+    return tensor_fragment(
+        lp_fragment=torch.zeros(numel),
+        lp_fragment_address=fragment_address(numel, start),
+        hp_fragment=flat.narrow(0, 0, numel),
+        hp_fragment_address=fragment_address(numel, 0),
+        gradient_dict={},
+        offload_gradient_dict={},
+        use_offload=False,
+        param_group_index=0,
+    )
 
 
 def test_the_engine_clips_through_clip_fp32_gradients_without_zero():
-    assert_source_has(DeepSpeedEngine._take_model_step, "self.clip_fp32_gradients()",
-                      "DeepSpeedEngine._take_model_step calling self.clip_fp32_gradients()")
+    assert_source_has(
+        DeepSpeedEngine._take_model_step,
+        "self.clip_fp32_gradients()",
+        "DeepSpeedEngine._take_model_step calling self.clip_fp32_gradients()",
+    )
 
 
 def test_get_global_grad_norm_returns_global_grad_norm():
-    assert_source_has(DeepSpeedEngine.get_global_grad_norm, "return self._global_grad_norm",
-                      "DeepSpeedEngine._global_grad_norm returned by get_global_grad_norm()")
+    assert_source_has(
+        DeepSpeedEngine.get_global_grad_norm,
+        "return self._global_grad_norm",
+        "DeepSpeedEngine._global_grad_norm returned by get_global_grad_norm()",
+    )
 
 
 def test_the_engine_counts_overflow_steps_in_skipped_steps():
-    assert_source_has(DeepSpeedEngine._take_model_step, "self.skipped_steps += 1",
-                      "DeepSpeedEngine.skipped_steps counted in _take_model_step")
+    assert_source_has(
+        DeepSpeedEngine._take_model_step,
+        "self.skipped_steps += 1",
+        "DeepSpeedEngine.skipped_steps counted in _take_model_step",
+    )
 
 
 def test_the_engine_counts_optimizer_steps_in_global_steps():
     assert_source_has(DeepSpeedEngine.__init__, "self.global_steps = 0", "DeepSpeedEngine.global_steps")
-    assert_source_has(DeepSpeedEngine._take_model_step, "self.global_steps += 1",
-                      "DeepSpeedEngine.global_steps advanced in _take_model_step")
+    assert_source_has(
+        DeepSpeedEngine._take_model_step,
+        "self.global_steps += 1",
+        "DeepSpeedEngine.global_steps advanced in _take_model_step",
+    )
 
 
 def test_the_engine_steps_through_the_optimizers_step_attribute():
-    assert_source_has(DeepSpeedEngine._take_model_step, "self.optimizer.step()",
-                      "DeepSpeedEngine._take_model_step calling self.optimizer.step()")
+    assert_source_has(
+        DeepSpeedEngine._take_model_step,
+        "self.optimizer.step()",
+        "DeepSpeedEngine._take_model_step calling self.optimizer.step()",
+    )
 
 
 def test_a_wrapped_optimizer_step_runs_the_hook_first_then_the_step():
@@ -89,8 +114,11 @@ def test_the_zero_optimizer_keeps_bit16_groups_and_its_flat_fp32_partitions():
 
 
 def test_the_zero_optimizer_maps_each_parameter_to_its_fragment_in_hp_mapping():
-    assert_source_has(deepspeed.utils.mixed_precision_linkage.link_hp_params, "lp_param._hp_mapping = ",
-                      "param._hp_mapping set by link_hp_params")
+    assert_source_has(
+        deepspeed.utils.mixed_precision_linkage.link_hp_params,
+        "lp_param._hp_mapping = ",
+        "param._hp_mapping set by link_hp_params",
+    )
 
 
 def test_a_fragment_gives_its_flat_range_master_and_linked_moments():
@@ -102,7 +130,8 @@ def test_a_fragment_gives_its_flat_range_master_and_linked_moments():
     assert internals.fragment_range(fragment) == (1, 4), moved("tensor_fragment.lp_fragment_address")
     assert torch.equal(internals.fragment_values(fragment), flat[:3]), moved("tensor_fragment.get_hp_fragment()")
     assert torch.equal(internals.fragment_values(fragment, "exp_avg"), flat[:3] * 10), moved(
-        "lazy_init_hp_params_optimizer_state linking tensor_fragment.get_hp_fragment(key)")
+        "lazy_init_hp_params_optimizer_state linking tensor_fragment.get_hp_fragment(key)"
+    )
 
 
 def test_a_fragment_is_the_dataclass_the_adapter_reads():
@@ -113,20 +142,21 @@ def test_a_fragment_is_the_dataclass_the_adapter_reads():
 
 def test_zero3_keeps_flat_fp32_masters_beside_its_parameter_partitions():
     for field in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"):
-        assert_source_has(DeepSpeedZeroOptimizer_Stage3.__init__, f"self.{field} = []",
-                          f"DeepSpeedZeroOptimizer_Stage3.{field}")
+        assert_source_has(
+            DeepSpeedZeroOptimizer_Stage3.__init__, f"self.{field} = []", f"DeepSpeedZeroOptimizer_Stage3.{field}"
+        )
 
 
 def test_zero3_parameters_carry_their_full_shape_size_group_and_partition():
     for field in ("ds_shape", "ds_numel", "ds_tensor", "ds_process_group"):
         assert_source_has(Init._convert_to_deepspeed_param, f"param.{field} = ", f"ZeRO-3 param.{field}")
-    assert_source_has(Init, "param.ds_tensor.ds_numel = partition_size",
-                      "ZeRO-3 param.ds_tensor.ds_numel")
+    assert_source_has(Init, "param.ds_tensor.ds_numel = partition_size", "ZeRO-3 param.ds_tensor.ds_numel")
 
 
 def test_the_pipeline_module_marks_a_tied_weights_other_copies_pipe_replicated():
-    assert_source_has(PipelineModule._index_tied_modules, "p.ds_pipe_replicated = True",
-                      "PipelineModule's ds_pipe_replicated")
+    assert_source_has(
+        PipelineModule._index_tied_modules, "p.ds_pipe_replicated = True", "PipelineModule's ds_pipe_replicated"
+    )
 
 
 def test_setting_a_schedulers_last_lr_is_what_get_last_lr_returns():
@@ -139,8 +169,11 @@ def test_setting_a_schedulers_last_lr_is_what_get_last_lr_returns():
 def test_the_pipeline_module_takes_its_stages_from_partition_layers():
     """`pipeline_module_with_stages` replaces `_partition_layers`, which __init__ calls with the partition method
     and which sets `parts` (what `partitions()` and `stage_owner` read) and this rank's layers."""
-    assert_source_has(PipelineModule.__init__, "self._partition_layers(method=partition_method)",
-                      "PipelineModule.__init__ calling _partition_layers(method=partition_method)")
+    assert_source_has(
+        PipelineModule.__init__,
+        "self._partition_layers(method=partition_method)",
+        "PipelineModule.__init__ calling _partition_layers(method=partition_method)",
+    )
     for code in ("self.parts = ", "self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])"):
         assert_source_has(PipelineModule._partition_layers, code, f"PipelineModule._partition_layers: {code}")
     assert_source_has(PipelineModule.partitions, "return self.parts", "PipelineModule.partitions()")
@@ -148,4 +181,5 @@ def test_the_pipeline_module_takes_its_stages_from_partition_layers():
     source = inspect.getsource(PipelineModule.__init__)
     for field in ("self._topo = ", "self.global_rank = "):  # read by our _partition_layers: set before it runs
         assert field in source and source.index(field) < source.index("self._partition_layers("), moved(
-            f"PipelineModule.{field[5:-3]} set before _partition_layers")
+            f"PipelineModule.{field[5:-3]} set before _partition_layers"
+        )

@@ -1,6 +1,7 @@
 """The bf16 for Triton's interpreter (megamamba/testing/interpreter_bf16.py): a bf16 dot is the
 float32 matmul of the bf16 values, a float32 dot is untouched, and float32 -> bf16 casts round to
 nearest even as torch (and a GPU) do."""
+
 import os
 
 import numpy as np
@@ -60,8 +61,9 @@ def test_float32_to_bf16_cast_rounds_to_nearest_even_as_torch():
     x = torch.cat([torch.randn(1024 - 11, generator=gen), ties, special])
     out = torch.empty(1024, dtype=torch.bfloat16)
     _cast_kernel[(1,)](x, out, SIZE=1024)
-    assert torch.equal(out.view(torch.int16), x.bfloat16().view(torch.int16)), \
+    assert torch.equal(out.view(torch.int16), x.bfloat16().view(torch.int16)), (
         f"seed {SEED}: {(out != x.bfloat16()).sum().item()} casts differ from torch's"
+    )
 
 
 def test_float32_to_bf16_cast_keeps_nan():

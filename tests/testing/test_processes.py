@@ -1,5 +1,6 @@
 """A command run with a log and a hard timeout (megamamba.testing.processes): its exit status, and past
 its timeout it is stopped (SIGTERM, then SIGKILL) together with its own children."""
+
 import os
 import sys
 import time
@@ -31,12 +32,14 @@ def test_a_stopped_section_stops_the_groups_it_started(tmp_path):
     """A section runs launch/train.py in a session of its own; when the driver stops the section,
     that session must not outlive it. The section loads the module by its path: importing megamamba
     (torch) would take longer than the timeout here."""
-    code = ("import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('processes', {processes.__file__!r})\n"
-            "processes = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(processes)\n"
-            "processes.stop_children_on_sigterm(grace=1.0)\n"
-            "processes.run_logged(['bash', '-c', 'echo $$ > inner; sleep 60'], 'inner.log', timeout=60)\n")
+    code = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('processes', {processes.__file__!r})\n"
+        "processes = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(processes)\n"
+        "processes.stop_children_on_sigterm(grace=1.0)\n"
+        "processes.run_logged(['bash', '-c', 'echo $$ > inner; sleep 60'], 'inner.log', timeout=60)\n"
+    )
     status = run_logged([sys.executable, "-c", code], str(tmp_path / "outer.log"), timeout=3, cwd=tmp_path, grace=5)
     assert status["timed_out"] and status["rc"] == 143, (tmp_path / "outer.log").read_text()
     inner = int((tmp_path / "inner").read_text())

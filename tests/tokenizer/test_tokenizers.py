@@ -1,4 +1,5 @@
 """Tokenizers: SentencePiece training is reproducible and lossless; HF tokenizer.json and folders load."""
+
 import json
 
 import pytest
@@ -63,8 +64,9 @@ def tiny_hf_tokenizer_json(path, eod="<|endoftext|>"):
     tok = HFLibTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=450, special_tokens=[eod],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=450, special_tokens=[eod], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(path))
     return str(path)
@@ -90,8 +92,11 @@ def test_hf_end_of_document_token_comes_from_tokenizer_config(tmp_path):
 
 @pytest.mark.parametrize("kind", ["bytes", "sentencepiece", "hf"])
 def test_saved_tokenizer_loads_from_its_folder(tmp_path, kind):
-    source = {"bytes": lambda: "bytes", "sentencepiece": lambda: trained(tmp_path),
-              "hf": lambda: tiny_hf_tokenizer_json(tmp_path / "src.json")}[kind]()
+    source = {
+        "bytes": lambda: "bytes",
+        "sentencepiece": lambda: trained(tmp_path),
+        "hf": lambda: tiny_hf_tokenizer_json(tmp_path / "src.json"),
+    }[kind]()
     tok = load_tokenizer(source)
     folder = tmp_path / "model"
     folder.mkdir()
@@ -107,11 +112,16 @@ def test_byte_tokenizer_spec():
     assert isinstance(tok, Bytes) and (tok.vocab_size, tok.eod) == (257, 256)
 
 
-@pytest.mark.parametrize("spec,message", [("missing.model", "no such file or folder"),
-                                          ("empty_dir", "holds no tokenizer.model, tokenizer.json"),
-                                          ("notes.txt", "expected 'bytes', a SentencePiece .model"),
-                                          ("bad.model", "not a readable SentencePiece model"),
-                                          ("bad.json", "not a readable tokenizer.json")])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("missing.model", "no such file or folder"),
+        ("empty_dir", "holds no tokenizer.model, tokenizer.json"),
+        ("notes.txt", "expected 'bytes', a SentencePiece .model"),
+        ("bad.model", "not a readable SentencePiece model"),
+        ("bad.json", "not a readable tokenizer.json"),
+    ],
+)
 def test_unusable_tokenizer_specs_fail_clearly(tmp_path, spec, message):
     (tmp_path / "empty_dir").mkdir()
     for name in ("notes.txt", "bad.model", "bad.json"):

@@ -6,6 +6,7 @@ that own those positions. The document ids of the keys are gathered the same way
 The causal and document masks then work in global positions (`megamamba.model.causal_attention`).
 Every rank holds, and keeps for the backward, the whole sequence's K and V: O(L) per rank, not L / C.
 """
+
 import torch
 
 from megamamba.parallel.context.context_parallel import ContextParallel

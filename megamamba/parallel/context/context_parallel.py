@@ -5,6 +5,7 @@ document ids (seq_idx, with ids that mean the same document on every rank) and l
 every layer. Layers receive a `ContextParallel` explicitly, as they receive a `TensorParallel`;
 the collectives of `megamamba.parallel.tensor.collectives` read only its `group` and `size`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ class ContextParallel:
         return dist.get_global_rank(self.group, group_rank)
 
 
-def check_context_layout(seqlen: int, cp_size: int, d_conv: int, tp_size: int = 1,
-                         sequence_parallel: bool = False) -> None:
+def check_context_layout(
+    seqlen: int, cp_size: int, d_conv: int, tp_size: int = 1, sequence_parallel: bool = False
+) -> None:
     """Refuse a sequence length that `cp_size` ranks cannot split: equal slices (further split across
     TP with sequence parallelism), each at least the conv's d_conv - 1 tokens of history long."""
     if cp_size == 1:
@@ -46,18 +48,23 @@ def check_context_layout(seqlen: int, cp_size: int, d_conv: int, tp_size: int = 
     parts = cp_size * tp_size if sequence_parallel else cp_size
     if seqlen % parts:
         what = f"CP {cp_size} x TP {tp_size} (sequence parallelism) = {parts}" if sequence_parallel else f"CP {cp_size}"
-        raise LayoutError(f"context parallelism splits each sequence into equal slices: seqlen = {seqlen} "
-                          f"is not divisible by {what}")
+        raise LayoutError(
+            f"context parallelism splits each sequence into equal slices: seqlen = {seqlen} is not divisible by {what}"
+        )
     if seqlen // cp_size < d_conv - 1:
-        raise LayoutError(f"context parallelism hands each rank's last d_conv - 1 = {d_conv - 1} tokens to the "
-                          f"next rank: slices of seqlen {seqlen} / CP {cp_size} = {seqlen // cp_size} are shorter")
+        raise LayoutError(
+            f"context parallelism hands each rank's last d_conv - 1 = {d_conv - 1} tokens to the "
+            f"next rank: slices of seqlen {seqlen} / CP {cp_size} = {seqlen // cp_size} are shorter"
+        )
 
 
 def sequence_window(seq_length: int, cp: ContextParallel) -> tuple[int, int]:
     """Positions [lo, hi) of a sequence that this rank holds: the data path reads only those."""
     if seq_length % cp.size:
-        raise ValueError(f"context parallelism splits the sequence into {cp.size} equal slices: "
-                         f"seqlen = {seq_length} is not divisible by {cp.size}")
+        raise ValueError(
+            f"context parallelism splits the sequence into {cp.size} equal slices: "
+            f"seqlen = {seq_length} is not divisible by {cp.size}"
+        )
     width = seq_length // cp.size
     return cp.rank * width, (cp.rank + 1) * width
 

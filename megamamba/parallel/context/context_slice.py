@@ -5,6 +5,7 @@ and `selective_scan` signatures and returns what they would for these positions 
 sequence: a conv halo, a zero-start scan, and the true initial state's exact contribution added
 after. Design, derivation and byte counts: docs/context-parallel.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,10 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 def _refuse_final_state(requested: bool) -> None:
     """Refuse the prefill cache's final states: generation runs on one rank's whole sequence."""
     if requested:
-        raise ValueError("inference_state with context parallelism: the recurrent form (prefill, step) needs "
-                         "the whole sequence on one rank; build the model without a context-parallel group")
+        raise ValueError(
+            "inference_state with context parallelism: the recurrent form (prefill, step) needs "
+            "the whole sequence on one rank; build the model without a context-parallel group"
+        )
 
 
 class ContextSlice:
@@ -39,8 +42,10 @@ class ContextSlice:
 
     def _check_ids(self, seq_idx: torch.Tensor | None) -> None:
         if seq_idx is not self.seq_idx:
-            raise ValueError("seq_idx is not the tensor this ContextSlice was built with: its ids (and the previous "
-                             "rank's, exchanged then) are the ones the conv and scans use")
+            raise ValueError(
+                "seq_idx is not the tensor this ContextSlice was built with: its ids (and the previous "
+                "rank's, exchanged then) are the ones the conv and scans use"
+            )
 
     def _reaches(self, batch: int, seqlen: int, device) -> torch.Tensor:
         """(batch, seqlen) bool: positions the entering state reaches."""
@@ -50,42 +55,105 @@ class ContextSlice:
     def causal_conv1d(self, x, weight, bias=None, seq_idx=None, activation=None):
         """`megamamba.kernels.causal_conv1d` of the slice x (batch, dim, seqlen), with the halo."""
         self._check_ids(seq_idx)
-        return causal_conv1d_with_halo(x, weight, bias, self.cp, seq_idx=self.seq_idx, halo_ids=self.halo_ids,
-                                       activation=activation)
+        return causal_conv1d_with_halo(
+            x, weight, bias, self.cp, seq_idx=self.seq_idx, halo_ids=self.halo_ids, activation=activation
+        )
 
-    def ssd_chunk_scan(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, seq_idx=None,
-                       dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+    def ssd_chunk_scan(
+        self,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        z=None,
+        dt_bias=None,
+        seq_idx=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+    ):
         """`megamamba.kernels.ssd_chunk_scan` of the slice, started from the state the earlier slices leave."""
         self._check_ids(seq_idx)
         _refuse_final_state(return_final_states)
-        y, final = ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, seq_idx=self.seq_idx,
-                                  dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
+        y, final = ssd_chunk_scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            seq_idx=self.seq_idx,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+            return_final_states=True,
+        )
         reaches = self._reaches(x.shape[0], x.shape[1], x.device)
         dt_args = (dt, dt_bias, A, reaches, dt_softplus, dt_limit)
         h0 = initial_state(checkpoint(_ssd_decay, *dt_args, use_reentrant=False), final, self.cp)
         contribution = checkpoint(_ssd_contribution, C, h0, z, *dt_args, use_reentrant=False)
         return (y.to(contribution.dtype) + contribution).to(y.dtype)
 
-    def selective_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                       return_last_state=False, seq_idx=None):
+    def selective_scan(
+        self,
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D=None,
+        z=None,
+        delta_bias=None,
+        delta_softplus=False,
+        return_last_state=False,
+        seq_idx=None,
+    ):
         """`megamamba.kernels.selective_scan` of the slice, started from the state the earlier slices leave."""
         self._check_ids(seq_idx)
         _refuse_final_state(return_last_state)
-        y, final = selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                                  return_last_state=True, seq_idx=self.seq_idx)
+        y, final = selective_scan(
+            u,
+            delta,
+            A,
+            B,
+            C,
+            D=D,
+            z=z,
+            delta_bias=delta_bias,
+            delta_softplus=delta_softplus,
+            return_last_state=True,
+            seq_idx=self.seq_idx,
+        )
         reaches = self._reaches(u.shape[0], u.shape[2], u.device)
         decay = checkpoint(_selective_decay, delta, delta_bias, A, reaches, delta_softplus, use_reentrant=False)
         h0 = initial_state(decay, final, self.cp) * reaches[:, 0, None, None]
         ct = _compute_dtype(u)
         zeros = torch.zeros((), dtype=ct, device=u.device).expand_as(u)  # the contribution comes back in ct
-        contribution = checkpoint(selective_scan, zeros, delta, A, B, C, z=z, delta_bias=delta_bias,
-                                  delta_softplus=delta_softplus, seq_idx=self.seq_idx, initial_state=h0,
-                                  use_reentrant=False)
+        contribution = checkpoint(
+            selective_scan,
+            zeros,
+            delta,
+            A,
+            B,
+            C,
+            z=z,
+            delta_bias=delta_bias,
+            delta_softplus=delta_softplus,
+            seq_idx=self.seq_idx,
+            initial_state=h0,
+            use_reentrant=False,
+        )
         return (y.to(ct) + contribution).to(y.dtype)
 
 
 # The pieces below run under `checkpoint`: the backward keeps their inputs (which the scan keeps
 # anyway) and recomputes the rest, so the state passing adds no sequence-length-sized activations.
+
 
 def _ssd_log_decays(dt, dt_bias, A, dt_softplus, dt_limit):
     """dt * A (batch, seqlen, nheads) as the SSD kernel computes it (bias, softplus, clamp)."""

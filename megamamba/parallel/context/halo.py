@@ -8,6 +8,7 @@ documents the previous rank's last document ids travel too, so taps across a doc
 (including one exactly at the rank edge) are masked as on one device. Every send is counted
 (`comm_counter`, kind "send", the bytes sent).
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,14 +51,22 @@ class _PreviousHalo(torch.autograd.Function):
 def previous_ids(seq_idx: torch.Tensor, count: int, cp: ContextParallel) -> torch.Tensor:
     """The previous rank's last `count` document ids (batch, count); zeros on rank 0."""
     if seq_idx.shape[1] < count:
-        raise ValueError(f"a context-parallel slice of {seq_idx.shape[1]} tokens is shorter than the "
-                         f"{count} tokens of document history the next rank needs")
+        raise ValueError(
+            f"a context-parallel slice of {seq_idx.shape[1]} tokens is shorter than the "
+            f"{count} tokens of document history the next rank needs"
+        )
     return shift_along_ranks(seq_idx[:, -count:], cp, 1)
 
 
-def causal_conv1d_with_halo(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ContextParallel,
-                            seq_idx: torch.Tensor | None = None, halo_ids: torch.Tensor | None = None,
-                            activation: str | None = None) -> torch.Tensor:
+def causal_conv1d_with_halo(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cp: ContextParallel,
+    seq_idx: torch.Tensor | None = None,
+    halo_ids: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
     """`causal_conv1d` of this rank's slice x (batch, dim, seqlen) as part of the whole sequence.
 
     seq_idx: this slice's document ids; halo_ids: the previous rank's last w - 1 ids
@@ -67,8 +76,10 @@ def causal_conv1d_with_halo(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if halo == 0:
         return causal_conv1d(x, weight, bias, seq_idx=seq_idx, activation=activation)
     if x.shape[-1] < halo:
-        raise ValueError(f"a context-parallel slice of {x.shape[-1]} tokens is shorter than the conv's "
-                         f"halo of {halo} tokens (d_conv - 1)")
+        raise ValueError(
+            f"a context-parallel slice of {x.shape[-1]} tokens is shorter than the conv's "
+            f"halo of {halo} tokens (d_conv - 1)"
+        )
     received = _PreviousHalo.apply(x[..., -halo:], cp)
     ids = None if seq_idx is None else torch.cat([halo_ids[:, -halo:], seq_idx], dim=-1)
     return checkpoint(_conv_after_halo, received, x, weight, bias, ids, activation, use_reentrant=False)
@@ -78,4 +89,4 @@ def _conv_after_halo(received, x, weight, bias, ids, activation):
     """The conv of [received, x] at x's positions. Run under `checkpoint`: backward keeps x, not a
     copy of it with the halo in front."""
     extended = torch.cat([received, x], dim=-1)
-    return causal_conv1d(extended, weight, bias, seq_idx=ids, activation=activation)[..., received.shape[-1]:]
+    return causal_conv1d(extended, weight, bias, seq_idx=ids, activation=activation)[..., received.shape[-1] :]

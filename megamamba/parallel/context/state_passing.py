@@ -4,6 +4,7 @@ A slice maps its entering state affinely, h_end = decay * h0 + h_zero; the ranks
 (decay, h_zero) in float32 and rank r folds ranks 0 .. r-1 (backward: one reduce-scatter).
 Details: docs/context-parallel.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,8 +63,9 @@ def initial_state(decay: torch.Tensor, final: torch.Tensor, cp: ContextParallel)
     return _InitialState.apply(decay.to(ct), final.to(ct), cp)
 
 
-def reaches_from_start(seq_idx: torch.Tensor | None, last_previous_id: torch.Tensor | None, batch: int,
-                       seqlen: int, device) -> torch.Tensor:
+def reaches_from_start(
+    seq_idx: torch.Tensor | None, last_previous_id: torch.Tensor | None, batch: int, seqlen: int, device
+) -> torch.Tensor:
     """(batch, seqlen) bool: True where the state entering the slice still counts, i.e. every id up to
     the position equals the previous rank's last id (no document starts in between)."""
     if seq_idx is None:

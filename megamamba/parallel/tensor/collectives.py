@@ -4,6 +4,7 @@ Raw operations are asynchronous and return a `Pending`; each records itself in `
 At TP size 1 every one is the identity and nothing is counted. The regions' forward and backward:
 docs/code.md ("Tensor and sequence parallelism").
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -5,6 +5,7 @@ its slice of each sharded component, so the full tensor is the same at every TP 
 component may be replicated instead (B, C when ngroups < TP): it lives whole in a second
 parameter whose gradient is all-reduced over TP, because each rank uses it differently.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,7 +19,11 @@ from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 
 def component_parameters(
-    full_shape: Sequence[int], dim: int, components: Sequence[Component], tp: TensorParallel, full_name: str,
+    full_shape: Sequence[int],
+    dim: int,
+    components: Sequence[Component],
+    tp: TensorParallel,
+    full_name: str,
 ) -> tuple[nn.Parameter, nn.Parameter | None]:
     """Empty, marked local parameters for the full tensor `full_name` of `full_shape`.
 
@@ -27,8 +32,10 @@ def component_parameters(
     """
     components = tuple(components)
     if sum(c.size for c in components) != full_shape[dim]:
-        raise ValueError(f"{full_name}: components {[(c.name, c.size) for c in components]} do not sum to "
-                         f"dim {dim} of the full shape {tuple(full_shape)}")
+        raise ValueError(
+            f"{full_name}: components {[(c.name, c.size) for c in components]} do not sum to "
+            f"dim {dim} of the full shape {tuple(full_shape)}"
+        )
     if not any(c.sharded for c in components):
         raise ValueError(f"{full_name}: at least one component must be sharded, got {components}")
     shard = Shard(full_name, dim, components)
@@ -44,8 +51,11 @@ def component_parameters(
 
 
 def in_component_order(
-    sharded: torch.Tensor, replicated: torch.Tensor | None, components: Sequence[Component],
-    tp: TensorParallel, dim: int = 0,
+    sharded: torch.Tensor,
+    replicated: torch.Tensor | None,
+    components: Sequence[Component],
+    tp: TensorParallel,
+    dim: int = 0,
 ) -> torch.Tensor:
     """This rank's tensor along `dim` in component order: its slice of each sharded component,
     the replicated ones whole (entering through `copy_to_tp_region`, so their gradient is summed

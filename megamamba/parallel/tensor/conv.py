@@ -7,6 +7,7 @@ rank when the groups are replicated (ngroups < TP), their gradients then summed 
 Full shapes are nn.Conv1d's, (channels, 1, width) and (channels,), under the names `weight`
 and `bias`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,8 +31,9 @@ class ParallelDepthwiseConv1d(nn.Module):
         super().__init__()
         self.components, self.width, self.tp = tuple(components), width, tp
         channels = sum(c.size for c in self.components)
-        self.weight, self.weight_replicated = component_parameters((channels, 1, width), 0, self.components, tp,
-                                                                   "weight")
+        self.weight, self.weight_replicated = component_parameters(
+            (channels, 1, width), 0, self.components, tp, "weight"
+        )
         self.bias = self.bias_replicated = None
         if bias:
             self.bias, self.bias_replicated = component_parameters((channels,), 0, self.components, tp, "bias")

@@ -5,6 +5,7 @@ of per-token scalars suffice: the max (for a stable softmax), then the sum of ex
 packed with the target's logit (held by exactly one rank). Padding columns (global index >=
 `vocab_size`) are excluded as if they were -inf. Computed in float32 whatever the logits dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits.float()
         if start + rows > vocab_size:
             x = x.clone()
-            x[..., max(vocab_size - start, 0):] = float("-inf")
+            x[..., max(vocab_size - start, 0) :] = float("-inf")
         row_max = x.max(dim=-1).values.contiguous()
         start_all_reduce(row_max, tp, "max").wait()
         shifted = x - row_max.unsqueeze(-1)
@@ -70,8 +71,9 @@ def vocab_parallel_cross_entropy(
     if not 0 < vocab_size <= logits.shape[-1] * tp.size:
         raise ValueError(f"vocab_size {vocab_size} must be in (0, {logits.shape[-1]} rows x TP {tp.size}]")
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)} "
-                         "minus the vocab dim")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)} minus the vocab dim"
+        )
     loss = _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
     if reduction == "none":
         return loss

@@ -8,6 +8,7 @@ full tensors at a time. Values, dtype, device and the optimizer marks (`_no_weig
 `_no_reinit`) carry over; the parallel module's own initial draw is discarded and does not
 touch the global random stream.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -60,8 +61,10 @@ def sharded(full: nn.Module, build: Callable[[], nn.Module], tp: TensorParallel)
             raise KeyError(f"parallel parameter {name} has no full tensor {key!r}; full: {sorted(full_params)}")
         values = _slice_of(full_params[key], getattr(param, "tp_shard", None), tp)
         if values.shape != param.shape:
-            raise ValueError(f"{name}: this rank's slice of the full {key} has shape {tuple(values.shape)}, "
-                             f"the parallel parameter {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: this rank's slice of the full {key} has shape {tuple(values.shape)}, "
+                f"the parallel parameter {tuple(param.shape)}"
+            )
         param.data = values
         _carry_marks(param, full_params[key])
         used.add(key)

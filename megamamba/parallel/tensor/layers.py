@@ -8,6 +8,7 @@ With `tp.sequence_parallel`, activations outside these layers are split along th
 ColumnParallelLinear all-gathers its input, RowParallelLinear and VocabParallelEmbedding
 reduce-scatter their output. Without it they are replicated and the layers all-reduce.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,16 +80,20 @@ class ColumnParallelLinear(nn.Module):
         components = tuple(components) if components is not None else (Component("out_features", out_features),)
         total = sum(c.size for c in components)
         if total != out_features:
-            raise ValueError(f"components {[(c.name, c.size) for c in components]} sum to {total}, "
-                             f"not out_features = {out_features}")
+            raise ValueError(
+                f"components {[(c.name, c.size) for c in components]} sum to {total}, not out_features = {out_features}"
+            )
         replicated = [c.name for c in components if not c.sharded]
         if gather_output and replicated:
-            raise ValueError(f"gather_output=True with replicated components {replicated}: "
-                             "their output is already full on every rank and feeds rank-specific compute")
+            raise ValueError(
+                f"gather_output=True with replicated components {replicated}: "
+                "their output is already full on every rank and feeds rank-specific compute"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.gather_output, self.components = tp, gather_output, components
-        self.weight, self.weight_replicated = component_parameters((out_features, in_features), 0, components, tp,
-                                                                   "weight")
+        self.weight, self.weight_replicated = component_parameters(
+            (out_features, in_features), 0, components, tp, "weight"
+        )
         self.bias = self.bias_replicated = None
         if bias:
             self.bias, self.bias_replicated = component_parameters((out_features,), 0, components, tp, "bias")
@@ -99,8 +104,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = in_component_order(self.weight, self.weight_replicated, self.components, self.tp)
-        bias = (None if self.bias is None
-                else in_component_order(self.bias, self.bias_replicated, self.components, self.tp))
+        bias = (
+            None if self.bias is None else in_component_order(self.bias, self.bias_replicated, self.components, self.tp)
+        )
         out = parallel_linear(x, weight, bias, self.tp)
         if not self.gather_output or self.tp.size == 1:
             return out

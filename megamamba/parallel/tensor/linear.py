@@ -5,6 +5,7 @@
 A sequence-parallel `x` is all-gathered while this rank's own tokens are multiplied; backward
 computes the weight gradient while the input gradient's collective travels. More: docs/code.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,11 @@ class _ParallelLinear(torch.autograd.Function):
         pending = None
         if ctx.needs_input_grad[0]:
             grad_total = grad.matmul(weight)
-            pending = (start_reduce_scatter(grad_total, tp, SEQ_DIM) if tp.sequence_parallel
-                       else start_all_reduce(grad_total, tp))
+            pending = (
+                start_reduce_scatter(grad_total, tp, SEQ_DIM)
+                if tp.sequence_parallel
+                else start_all_reduce(grad_total, tp)
+            )
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None

@@ -5,6 +5,7 @@ and `tp_shard` (a `Shard`); `local_shard` and `assemble_full` are exact inverses
 `full_tensors` gather across the TP group, `load_full_tensors` slices a full state dict.
 Components, replicated parts and vocab padding: docs/code.md.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -48,8 +49,9 @@ class Shard:
         if self.dim is not None and not self.components:
             raise ValueError(f"shard of {self.full_name!r} splits dim {self.dim} but lists no components")
         if self.pad and (len(self.components) != 1 or not self.components[0].sharded):
-            raise ValueError(f"shard of {self.full_name!r}: padding needs exactly one sharded component, "
-                             f"got {self.components}")
+            raise ValueError(
+                f"shard of {self.full_name!r}: padding needs exactly one sharded component, got {self.components}"
+            )
         if self.replicated_part and not self.grad_reduced:
             raise ValueError(f"shard of {self.full_name!r}: a replicated component must have its gradient reduced")
 
@@ -139,8 +141,11 @@ def assemble_full(
             f"{shard.full_name}: components {[(c.name, c.sharded) for c in shard.components]} "
             f"{'need' if has_replicated else 'have no'} a replicated partner"
         )
-    rep_blocks = iter(replicated.split([c.size for c in shard.components if not c.sharded], dim=shard.dim)
-                      if replicated is not None else [])
+    rep_blocks = iter(
+        replicated.split([c.size for c in shard.components if not c.sharded], dim=shard.dim)
+        if replicated is not None
+        else []
+    )
     blocks, held_index = [], 0
     for c in shard.components:
         if c.sharded:
@@ -189,10 +194,7 @@ def full_tensors(
     optimizer moment... Collective: every TP rank must call it; every rank gets the result.
     """
     named = dict(module.named_parameters())
-    replicas = {
-        _full_key(n, _shard_of(p, n)): select(p)
-        for n, p in named.items() if _shard_of(p, n).replicated_part
-    }
+    replicas = {_full_key(n, _shard_of(p, n)): select(p) for n, p in named.items() if _shard_of(p, n).replicated_part}
     out = {}
     for name, param in named.items():
         shard = _shard_of(param, name)
@@ -215,6 +217,8 @@ def load_full_tensors(module: nn.Module, full: Mapping[str, torch.Tensor], tp: T
             shard = _shard_of(param, name)
             local = local_shard(full[_full_key(name, shard)], shard, tp.size, tp.rank)
             if local.shape != param.shape:
-                raise ValueError(f"{name}: shard of the full tensor has shape {tuple(local.shape)}, "
-                                 f"the parameter {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: shard of the full tensor has shape {tuple(local.shape)}, "
+                    f"the parameter {tuple(param.shape)}"
+                )
             param.copy_(local)

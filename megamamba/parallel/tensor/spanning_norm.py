@@ -6,6 +6,7 @@ The RMS is one scalar per token and group, so it commutes with the row-parallel 
 
 The mean squares travel in float32 beside out_proj's reduction. Why, and the memory: docs/code.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,8 +63,15 @@ class _GatedScale(torch.autograd.Function):
 
 
 def gated_rmsnorm_row_parallel(
-    y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, *, eps: float, group_size: int, ngroups: int,
-    norm_before_gate: bool, out_proj: RowParallelLinear,
+    y: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    eps: float,
+    group_size: int,
+    ngroups: int,
+    norm_before_gate: bool,
+    out_proj: RowParallelLinear,
 ) -> torch.Tensor:
     """out_proj(rmsnorm_gated(y, norm_weight, z=z, group_size=group_size)) over the TP group.
 

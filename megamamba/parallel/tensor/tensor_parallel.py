@@ -4,6 +4,7 @@ Layers never look a group up globally: whoever builds the model passes a `Tensor
 (from `megamamba.parallel.groups.ParallelGroups.tensor_parallel`, or the default single-rank
 one), so the same layer code runs at any TP size and in single-process tests.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """The GPU check's plumbing: records are on disk as soon as they are written, and a shipped Triton
 cache is found wherever it is unpacked."""
+
 from benchmark_scripts import load_benchmark
 
 check_io = load_benchmark("gpu_check/check_io")
@@ -23,6 +24,7 @@ def test_an_unpacked_triton_cache_is_found_in_its_new_folder(tmp_path, monkeypat
     import tarfile
 
     from triton.runtime.cache import FileCacheManager
+
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "made"))
     made = FileCacheManager("KERNELKEY")
     made.put_group("k.json", {"k.json": made.put("{}", "k.json"), "k.cubin": made.put(b"\0", "k.cubin", binary=True)})

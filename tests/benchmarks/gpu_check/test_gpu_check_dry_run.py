@@ -2,6 +2,7 @@
 package, runs every section from outside the checkout and each section writes its JSONL records (the
 last one a planner profile), leaving no temporary DeepSpeed config behind, so a GPU session is never the
 driver's first run."""
+
 import json
 import os
 import subprocess
@@ -19,16 +20,32 @@ def test_dry_run_writes_every_sections_records(tmp_path):
     out, work, scratch = tmp_path / "out", tmp_path / "work", tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable, "TMPDIR": str(scratch)}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check/gpu_check.sh"), "--dry-run"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/gpu_check/gpu_check.sh"), "--dry-run"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     kinds = {}
     for r in records:
         kinds.setdefault((r["section"], r["kind"]), []).append(r)
     sections = {r["name"]: r for r in kinds[("check", "section")]}
-    assert list(sections) == ["imports", "nccl_smoke", "errors", "timings", *(f"throughput:{s}" for s in SIZES),
-                              "parity", "profile:1.3b", "memory_plan:130m", "memory_plan:1.3b", "planner_profile"]
+    assert list(sections) == [
+        "imports",
+        "nccl_smoke",
+        "errors",
+        "timings",
+        *(f"throughput:{s}" for s in SIZES),
+        "parity",
+        "profile:1.3b",
+        "memory_plan:130m",
+        "memory_plan:1.3b",
+        "planner_profile",
+    ]
     assert all(r["rc"] == 0 and not r["timed_out"] for r in sections.values()), sections
     imports = kinds[("imports", "import")]
     assert len(imports) == 9 and all(r["ok"] and r["file"].startswith(str(work / "site")) for r in imports), imports
@@ -36,9 +53,11 @@ def test_dry_run_writes_every_sections_records(tmp_path):
     resume = kinds[("nccl_smoke", "resume")][0]
     assert resume["ok"] and resume["first_step"] == 3 and resume["max_rel_loss_diff"] == 0.0, resume
     errors = kinds[("errors", "error")]
-    assert {(r["op"], r["dtype"]) for r in errors} == {(op, dt) for op in ("ssd_chunk_scan", "selective_scan",
-                                                                           "causal_conv1d", "rmsnorm_gated")
-                                                      for dt in ("float32", "bfloat16")}
+    assert {(r["op"], r["dtype"]) for r in errors} == {
+        (op, dt)
+        for op in ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated")
+        for dt in ("float32", "bfloat16")
+    }
     assert all(r["ours"] < 1e-2 and r["theirs"] is not None for r in errors)
     assert not kinds.get(("errors", "bf16_failed")), kinds.get(("errors", "bf16_failed"))
     bf16_ops = {r["op"] for r in kinds[("errors", "bf16_error")]}

@@ -1,5 +1,6 @@
 """The shipped Triton cache is keyed as the GPU machine's Triton keys it: the same release built for
 another Python hashes the same sources and its own libtriton (benchmarks/gpu_check/triton_cache.py)."""
+
 import hashlib
 import importlib.util
 import os

@@ -1,4 +1,5 @@
 """A stand-in for the wandb package: records init, log and finish calls as JSON lines in $FAKE_WANDB_CALLS."""
+
 import json
 import os
 

@@ -1,6 +1,7 @@
 """--context-parallel-size C in the run's layout: world = dp x cp x tp x pp, the global batch counts dp
 replicas (the C ranks of a group share their samples), DeepSpeed's data axis holds dp x C ranks, and
 layouts CP cannot run are refused before any process group with one message."""
+
 import json
 import re
 import subprocess
@@ -16,12 +17,15 @@ TINY = MambaConfig.from_json(ROOT / "launch/models/tiny-mamba2.json")
 BATCH = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
 
 
-@pytest.mark.parametrize("world, cp, tp, pp, expect", [
-    (2, 2, 1, 1, (1, 4)),
-    (4, 2, 2, 1, (1, 4)),
-    (8, 2, 1, 2, (2, 2)),
-    (8, 4, 1, 1, (2, 2)),
-])
+@pytest.mark.parametrize(
+    "world, cp, tp, pp, expect",
+    [
+        (2, 2, 1, 1, (1, 4)),
+        (4, 2, 2, 1, (1, 4)),
+        (8, 2, 1, 2, (2, 2)),
+        (8, 4, 1, 1, (2, 2)),
+    ],
+)
 def test_data_parallel_size_is_world_over_context_tensor_and_pipeline(world, cp, tp, pp, expect):
     layout = resolve_layout(world, tp, pp, BATCH, cp)
     assert (layout.dp, layout.grad_accum) == expect
@@ -35,24 +39,48 @@ def test_deepspeed_counts_a_micro_batch_on_every_rank_of_its_data_axis():
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 2)
 
 
-@pytest.mark.parametrize("world, cp, tp, pp, words", [
-    (6, 2, 2, 1, "world size 6 is not a multiple of context x tensor x pipeline parallel size 2 x 2 x 1 = 4"),
-    (4, 0, 1, 1, "--context-parallel-size=0: must be a positive integer"),
-    (4, 2, 1, 1, "train_batch_size=6 is not divisible by train_micro_batch_size_per_gpu x data-parallel size = 2 x 2 "
-                 "(dp = world 4 / (cp 2 x tp 1 x pp 1))"),
-])
+@pytest.mark.parametrize(
+    "world, cp, tp, pp, words",
+    [
+        (6, 2, 2, 1, "world size 6 is not a multiple of context x tensor x pipeline parallel size 2 x 2 x 1 = 4"),
+        (4, 0, 1, 1, "--context-parallel-size=0: must be a positive integer"),
+        (
+            4,
+            2,
+            1,
+            1,
+            "train_batch_size=6 is not divisible by train_micro_batch_size_per_gpu x data-parallel size = 2 x 2 "
+            "(dp = world 4 / (cp 2 x tp 1 x pp 1))",
+        ),
+    ],
+)
 def test_layouts_the_world_cannot_hold_are_refused(world, cp, tp, pp, words):
     with pytest.raises(LayoutError, match=re.escape(words)):
         resolve_layout(world, tp, pp, {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2}, cp)
 
 
-@pytest.mark.parametrize("seq, cp, tp, sp, words", [
-    (30, 4, 1, False, "--seq-length 30: context parallelism splits each sequence into equal slices: seqlen = 30 is "
-                      "not divisible by CP 4"),
-    (36, 4, 2, True, "seqlen = 36 is not divisible by CP 4 x TP 2 (sequence parallelism) = 8"),
-    (8, 4, 1, False, "--seq-length 8: context parallelism hands each rank's last d_conv - 1 = 3 tokens to the next "
-                     "rank: slices of seqlen 8 / CP 4 = 2 are shorter"),
-])
+@pytest.mark.parametrize(
+    "seq, cp, tp, sp, words",
+    [
+        (
+            30,
+            4,
+            1,
+            False,
+            "--seq-length 30: context parallelism splits each sequence into equal slices: seqlen = 30 is "
+            "not divisible by CP 4",
+        ),
+        (36, 4, 2, True, "seqlen = 36 is not divisible by CP 4 x TP 2 (sequence parallelism) = 8"),
+        (
+            8,
+            4,
+            1,
+            False,
+            "--seq-length 8: context parallelism hands each rank's last d_conv - 1 = 3 tokens to the next "
+            "rank: slices of seqlen 8 / CP 4 = 2 are shorter",
+        ),
+    ],
+)
 def test_sequences_context_parallelism_cannot_split_are_refused(seq, cp, tp, sp, words):
     layout = resolve_layout(cp * tp, tp, 1, BATCH, cp)
     with pytest.raises(LayoutError, match=re.escape(words)):
@@ -72,11 +100,29 @@ def test_the_context_parallel_flag_and_its_short_name_set_the_layout(tmp_path):
 
 def test_the_script_exits_2_with_one_line_for_a_sequence_cp_cannot_split(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(TRAIN_PY), "--deepspeed_config", str(ROOT / "launch/configs/tiny-cpu.json"),
-         "--model-config", str(ROOT / "launch/models/tiny-mamba2.json"), "--context-parallel-size", "4",
-         "--seq-length", "30", "--train-iters", "5"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={"WORLD_SIZE": "4", "PATH": ""})
+        [
+            sys.executable,
+            str(TRAIN_PY),
+            "--deepspeed_config",
+            str(ROOT / "launch/configs/tiny-cpu.json"),
+            "--model-config",
+            str(ROOT / "launch/models/tiny-mamba2.json"),
+            "--context-parallel-size",
+            "4",
+            "--seq-length",
+            "30",
+            "--train-iters",
+            "5",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"WORLD_SIZE": "4", "PATH": ""},
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
-    assert errors == ["train.py: error: --seq-length 30: context parallelism splits each sequence into equal slices: "
-                      "seqlen = 30 is not divisible by CP 4"], proc.stderr
+    assert errors == [
+        "train.py: error: --seq-length 30: context parallelism splits each sequence into equal slices: "
+        "seqlen = 30 is not divisible by CP 4"
+    ], proc.stderr

@@ -4,6 +4,7 @@
 `PackedGlobalBatches.micro_batches_at` wrapped: every micro-batch is logged as its first global
 sample number and its input rows. Top-level, so tests/distributed.run_ranks can spawn it.
 """
+
 from train_entry import run_train
 
 

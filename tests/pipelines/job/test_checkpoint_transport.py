@@ -8,6 +8,7 @@ is counted per rank. Then: no payload above CAP; each rank writes the ZeRO parti
 to the checkpoint; a second run resumes bit-identically and finds every optimizer state tensor
 where torch's AdamW keeps it for its (flat ZeRO) parameter.
 """
+
 import pickle
 
 import pytest
@@ -81,6 +82,7 @@ def _measured_rank(argv, extensions_dir):
             if after:
                 after(*args)
             return result
+
         return run
 
     def placement(trainer, *_):
@@ -95,8 +97,13 @@ def _measured_rank(argv, extensions_dir):
 
 def _run(resume_runs, flags):
     out = resume_runs.new_dir()
-    ranks = run_ranks(_measured_rank, 4, args=(resume_runs.argv(out, LAYOUT, 1, flags), resume_runs.extensions_dir),
-                      init_process_group=False, timeout=400)
+    ranks = run_ranks(
+        _measured_rank,
+        4,
+        args=(resume_runs.argv(out, LAYOUT, 1, flags), resume_runs.extensions_dir),
+        init_process_group=False,
+        timeout=400,
+    )
     return ranks
 
 
@@ -127,10 +134,11 @@ def test_a_pipeline_save_moves_tensors_through_files_and_each_rank_writes_only_i
     path = str(save / "step_000002")
     ckpt = Checkpoint(path)  # every sha256 checked
     assert ckpt.model_tensors().keys() and len(ckpt.optimizer_tensors()) > 0
-    per_save = [r["written"][:len(r["written"]) // 2] for r in ranks]
+    per_save = [r["written"][: len(r["written"]) // 2] for r in ranks]
     assert [[name for name, _ in files] for files in per_save] == [
         [f"model-rank-{r:05d}.safetensors", f"optimizer-rank-{r:05d}.safetensors", f"rng-rank-{r:05d}.safetensors"]
-        for r in range(4)]
+        for r in range(4)
+    ]
     written = [sum(n for _, n in files[:2]) for files in per_save]
     total = _stage_bytes(path, [name for files in per_save for name, _ in files[:2]])
     print(f"tensor bytes written per rank per save: {written}; the checkpoint holds {total}")

@@ -8,6 +8,7 @@ steps fp32 master copies of the weights: the second loss must equal that of a ru
 (its optimizer steps the module's own weights) from the same folder, else the first step went
 back to the run's initial weights.
 """
+
 import json
 import os
 import shutil
@@ -55,8 +56,10 @@ def first_batch_loss(model: MambaLM, argv: list) -> float:
     batches = plan.data.train.micro_batches(0, 0, 1, plan.layout.micro_batch_size)
     model = model.to(torch.float64)
     with torch.no_grad():
-        losses = [lm_loss(model(inputs, seq_idx=seq_idx), labels, plan.model.vocab_size)
-                  for inputs, labels, seq_idx in batches]
+        losses = [
+            lm_loss(model(inputs, seq_idx=seq_idx), labels, plan.model.vocab_size)
+            for inputs, labels, seq_idx in batches
+        ]
     return torch.stack(losses).mean().item()
 
 
@@ -68,8 +71,12 @@ def run_argv(train_runs, folders) -> list:
 @pytest.fixture(scope="module")
 def second_loss_without_zero(train_runs, folders) -> float:
     """Step 1's loss of a run at (1,1,1) with ZeRO stage 0 initialized from the checkpoint."""
-    run = train_runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["checkpoint"]],
-                        ds_config=train_runs.ds_config(zero_optimization={"stage": 0}))
+    run = train_runs.launched(
+        1,
+        "mamba2",
+        [*SHORT, "--init-from", folders["checkpoint"]],
+        ds_config=train_runs.ds_config(zero_optimization={"stage": 0}),
+    )
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == [0, 1]
     return run["records"][1]["loss"]
@@ -96,20 +103,26 @@ def test_init_from_a_transformers_export_starts_at_its_weights_at_step_0(train_r
     run = train_runs.launched(1, "mamba2", [*SHORT, "--init-from", folders["hf"]])
     first_loss = first_batch_loss(load_model_folder(imported), argv)
     check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
-    assert (f"train.py: initialized from {folders['hf']} (transformers Mamba2ForCausalLM folder, not verified: no "
-            "manifest.json): step 0, fresh optimizer") in run["stdout"]
+    assert (
+        f"train.py: initialized from {folders['hf']} (transformers Mamba2ForCausalLM folder, not verified: no "
+        "manifest.json): step 0, fresh optimizer"
+    ) in run["stdout"]
 
 
 @pytest.mark.slow
-def test_init_from_a_checkpoint_at_tensor_parallel_2_starts_at_its_weights_verified(train_runs, folders,
-                                                                                   second_loss_without_zero):
+def test_init_from_a_checkpoint_at_tensor_parallel_2_starts_at_its_weights_verified(
+    train_runs, folders, second_loss_without_zero
+):
     argv = run_argv(train_runs, folders)
-    run = train_runs.launched(2, "mamba2", [*SHORT, "--tensor-parallel-size", "2", "--init-from",
-                                            folders["checkpoint"]])
+    run = train_runs.launched(
+        2, "mamba2", [*SHORT, "--tensor-parallel-size", "2", "--init-from", folders["checkpoint"]]
+    )
     first_loss = first_batch_loss(load_model_folder(folders["checkpoint"]), argv)
     check_started_at_weights(run, first_loss, second_loss_without_zero, argv)
-    assert (f"train.py: initialized from {folders['checkpoint']} (checkpoint of step {SAVED_STEP}, verified: sizes "
-            "and sha256 of") in run["stdout"]
+    assert (
+        f"train.py: initialized from {folders['checkpoint']} (checkpoint of step {SAVED_STEP}, verified: sizes "
+        "and sha256 of"
+    ) in run["stdout"]
     assert "resumed from" not in run["stdout"]
 
 
@@ -126,8 +139,22 @@ def test_finetune_takes_only_the_weights_of_load(train_runs, folders, second_los
 def test_a_checkpoint_that_load_finds_wins_over_init_from(train_runs, folders):
     save = folders["root"] / "requeued"
     shutil.copytree(os.path.dirname(folders["checkpoint"]), save)
-    run = train_runs.launched(1, "mamba2", ["--train-iters", str(SAVED_STEP + 1), "--eval-interval", "0",
-                                      "--init-from", folders["hf"], "--save", str(save), "--load", "auto"])
+    run = train_runs.launched(
+        1,
+        "mamba2",
+        [
+            "--train-iters",
+            str(SAVED_STEP + 1),
+            "--eval-interval",
+            "0",
+            "--init-from",
+            folders["hf"],
+            "--save",
+            str(save),
+            "--load",
+            "auto",
+        ],
+    )
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == [SAVED_STEP]
     assert f"train.py: --init-from {folders['hf']} not used: --load found" in run["stdout"]
@@ -173,12 +200,15 @@ def test_a_plain_folder_is_read_unverified_and_a_checkpoint_verified(folders):
     assert note.startswith(f"checkpoint of step {SAVED_STEP}, verified: sizes and sha256 of ")
 
 
-@pytest.mark.parametrize("init, finetune, load, message", [
-    (None, True, None, "--finetune takes the weights of --load, but --load is not set"),
-    ("D", True, "C", "both name the initial weights"),
-    (None, True, "auto", "--finetune --load auto"),
-    ("/no/such/dir", False, None, "--init-from /no/such/dir: no such directory"),
-])
+@pytest.mark.parametrize(
+    "init, finetune, load, message",
+    [
+        (None, True, None, "--finetune takes the weights of --load, but --load is not set"),
+        ("D", True, "C", "both name the initial weights"),
+        (None, True, "auto", "--finetune --load auto"),
+        ("/no/such/dir", False, None, "--init-from /no/such/dir: no such directory"),
+    ],
+)
 def test_start_up_refuses_contradictory_initial_weights(init, finetune, load, message):
     with pytest.raises(ValueError, match=message):
         init_from.check_flags(init, finetune, load)

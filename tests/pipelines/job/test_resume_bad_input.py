@@ -3,6 +3,7 @@
 Each case works on a copy of the (1,1,1) reference's save directory (step_000004, step_000008,
 latest) and passes it as --save too, so an overwrite would show in the snapshot.
 """
+
 import os
 import shutil
 
@@ -36,9 +37,12 @@ def test_truncated_checkpoint_file(resume_runs, save):
     path = save / "step_000008" / "optimizer-rank-00000.safetensors"
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 7)
-    refused(resume_runs,
-            lambda out: resume_runs.argv(out, zero=0, flags=["--load", str(save / "step_000008"), "--save", str(save)]),
-            save, "optimizer-rank-00000.safetensors: ")
+    refused(
+        resume_runs,
+        lambda out: resume_runs.argv(out, zero=0, flags=["--load", str(save / "step_000008"), "--save", str(save)]),
+        save,
+        "optimizer-rank-00000.safetensors: ",
+    )
 
 
 def test_corrupt_checkpoint_file_of_the_right_size(resume_runs, save):
@@ -46,8 +50,12 @@ def test_corrupt_checkpoint_file_of_the_right_size(resume_runs, save):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    refused(resume_runs, lambda out: resume_runs.argv(out, zero=0, flags=["--load", str(save), "--save", str(save)]),
-            save, "model-rank-00000.safetensors: sha256 differs from manifest.json")
+    refused(
+        resume_runs,
+        lambda out: resume_runs.argv(out, zero=0, flags=["--load", str(save), "--save", str(save)]),
+        save,
+        "model-rank-00000.safetensors: sha256 differs from manifest.json",
+    )
 
 
 def test_checkpoint_of_another_model_config(resume_runs, save):
@@ -62,8 +70,12 @@ def test_checkpoint_of_another_model_config(resume_runs, save):
 
 def test_missing_latest(resume_runs, save):
     os.remove(save / "latest")
-    refused(resume_runs, lambda out: resume_runs.argv(out, zero=0, flags=["--load", str(save), "--save", str(save)]),
-            save, "no 'latest' file")
+    refused(
+        resume_runs,
+        lambda out: resume_runs.argv(out, zero=0, flags=["--load", str(save), "--save", str(save)]),
+        save,
+        "no 'latest' file",
+    )
 
 
 @pytest.mark.parametrize("flag", ["--deepspeed_config", "--model-config"])
@@ -82,5 +94,9 @@ def test_malformed_json_config(resume_runs, save, tmp_path, flag):
 def test_save_directory_that_cannot_be_created(resume_runs, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    refused(resume_runs, lambda out: resume_runs.argv(out, zero=0, flags=["--save", str(blocker / "ckpt")]), tmp_path,
-            f"--save {blocker / 'ckpt'}: cannot create it")
+    refused(
+        resume_runs,
+        lambda out: resume_runs.argv(out, zero=0, flags=["--save", str(blocker / "ckpt")]),
+        tmp_path,
+        f"--save {blocker / 'ckpt'}: cannot create it",
+    )

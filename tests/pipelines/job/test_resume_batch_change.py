@@ -6,6 +6,7 @@ samples 32..63 that the uninterrupted run's steps 4..7 trained on (sample number
 the run ends when its 64 samples are done, and the LR follows the samples: resumed step 5 runs
 the LR of uninterrupted step 6.
 """
+
 import json
 
 import pytest
@@ -23,17 +24,29 @@ FLAGS = [f for f in COMMON if f not in ("--train-iters", "8")] + ["--train-sampl
 def _ds_config(resume_runs) -> str:
     """ZeRO-1, micro-batch 2, no train_batch_size: --global-batch-size sets it."""
     path = resume_runs.root / "ds-zero1-no-batch.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
-                                "steps_per_print": 1000000}))
+    path.write_text(
+        json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "steps_per_print": 1000000})
+    )
     return str(path)
 
 
 def _run(resume_runs, dp: int, global_batch: int, flags) -> dict:
     out = resume_runs.new_dir()
-    argv = ["--deepspeed_config", _ds_config(resume_runs), "--model-config", resume_runs.model_config(),
-            "--metrics-jsonl", str(out / "metrics.jsonl"), "--global-batch-size", str(global_batch), *FLAGS, *flags]
-    ranks = run_ranks(run_train_logging_samples, dp, args=(argv, resume_runs.extensions_dir), init_process_group=False,
-                      timeout=600)
+    argv = [
+        "--deepspeed_config",
+        _ds_config(resume_runs),
+        "--model-config",
+        resume_runs.model_config(),
+        "--metrics-jsonl",
+        str(out / "metrics.jsonl"),
+        "--global-batch-size",
+        str(global_batch),
+        *FLAGS,
+        *flags,
+    ]
+    ranks = run_ranks(
+        run_train_logging_samples, dp, args=(argv, resume_runs.extensions_dir), init_process_group=False, timeout=600
+    )
     samples = sorted(s for r in ranks for s in r["samples"])
     return {"records": ranks[0]["records"], "samples": samples}
 
@@ -57,8 +70,9 @@ def test_the_checkpoint_records_the_consumed_samples_and_the_stream(uninterrupte
     assert extra["lr_plan"]["global_batch_size"] == 8 and extra["lr_plan"]["position"] == str(SAVE_AT)
 
 
-def test_resuming_at_global_batch_16_on_4_ranks_trains_on_the_samples_the_uninterrupted_run_would(resume_runs,
-                                                                                                   uninterrupted):
+def test_resuming_at_global_batch_16_on_4_ranks_trains_on_the_samples_the_uninterrupted_run_would(
+    resume_runs, uninterrupted
+):
     resumed = _run(resume_runs, 4, 16, ["--load", str(uninterrupted["checkpoint"])])
     assert [r["step"] for r in resumed["records"]] == [SAVE_AT, SAVE_AT + 1]  # 32 samples left / 16 per step
     rest = [s for s in uninterrupted["samples"] if s[0] >= SAVE_AT * 8]

@@ -3,6 +3,7 @@
 (1,1,1) without ZeRO (torch AdamW stepped by the engine) here; (2,2,2) with ZeRO-1 in
 test_resume_layouts.py. The last four losses must be bit-identical in float32.
 """
+
 import pytest
 
 from resume_runs import SAVE_AT, STEPS, losses
@@ -16,8 +17,10 @@ def test_single_rank_resume_continues_the_loss_curve_bit_identically(resume_runs
     run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=["--load", str(checkpoint)]), out=out)
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, STEPS))
-    assert losses(run["records"]) == losses(resume_reference["records"])[SAVE_AT:], \
-        (run["records"], resume_reference["records"])
+    assert losses(run["records"]) == losses(resume_reference["records"])[SAVE_AT:], (
+        run["records"],
+        resume_reference["records"],
+    )
 
 
 def test_the_reference_saved_at_the_interval_and_at_the_end(resume_reference):
@@ -32,8 +35,12 @@ def test_the_reference_saved_at_the_interval_and_at_the_end(resume_reference):
 def test_keep_last_keeps_only_the_newest_checkpoints(resume_runs):
     out = resume_runs.new_dir()
     save = out / "ckpt"
-    run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=["--train-iters", "4", "--save", str(save),
-                                                                  "--save-interval", "1", "--keep-last", "2"]), out=out)
+    run = resume_runs.direct(
+        resume_runs.argv(
+            out, zero=0, flags=["--train-iters", "4", "--save", str(save), "--save-interval", "1", "--keep-last", "2"]
+        ),
+        out=out,
+    )
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert sorted(p.name for p in save.iterdir()) == ["latest", "step_000003", "step_000004"]
 
@@ -42,11 +49,14 @@ def test_save_and_load_on_the_same_empty_directory_start_afresh_then_resume(resu
     out = resume_runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--load", str(save), "--save-interval", str(SAVE_AT)]
-    first = resume_runs.direct(resume_runs.argv(out, zero=0, flags=[*flags, "--train-iters", str(SAVE_AT),
-                                                           "--lr-decay-iters", str(STEPS)]), out=out)
+    first = resume_runs.direct(
+        resume_runs.argv(out, zero=0, flags=[*flags, "--train-iters", str(SAVE_AT), "--lr-decay-iters", str(STEPS)]),
+        out=out,
+    )
     assert first["returncode"] == 0, first["stderr"][-3000:]
-    assert (f"train.py: warning: --load {save} is the --save directory and holds no checkpoint yet; starting from "
-            "step 0") in first["stdout"]
+    assert (
+        f"train.py: warning: --load {save} is the --save directory and holds no checkpoint yet; starting from step 0"
+    ) in first["stdout"]
     again = resume_runs.direct(resume_runs.argv(out, zero=0, flags=flags), out=out)
     assert again["returncode"] == 0, again["stderr"][-3000:]
     assert losses(again["records"]) == losses(resume_reference["records"]), "the curve of an uninterrupted run"

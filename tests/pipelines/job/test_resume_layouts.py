@@ -7,6 +7,7 @@ ZeRO (the plain engine stepping torch AdamW) within 1e-4 relative of the uninter
 (reduction order differs between layouts, as in the 3D loss-curve tests). And the (1,1,1) ZeRO-0
 reference checkpoint continues in a 2-stage pipeline without ZeRO.
 """
+
 import pytest
 import torch
 
@@ -36,8 +37,9 @@ def test_2_2_2_resume_is_bit_identical(resume_runs, run222):
     assert resumed(resume_runs, run222, (2, 2, 2), 1) == losses(run222["records"])[SAVE_AT:]
 
 
-@pytest.mark.parametrize("layout, zero", [((1, 1, 4), 1), ((4, 1, 1), 1), ((1, 2, 1), 0)],
-                         ids=["1-1-4-zero1", "4-1-1-zero1", "1-2-1-zero0"])
+@pytest.mark.parametrize(
+    "layout, zero", [((1, 1, 4), 1), ((4, 1, 1), 1), ((1, 2, 1), 0)], ids=["1-1-4-zero1", "4-1-1-zero1", "1-2-1-zero0"]
+)
 def test_2_2_2_checkpoint_continues_the_curve_at_another_layout(resume_runs, run222, layout, zero):
     got = torch.tensor(resumed(resume_runs, run222, layout, zero), dtype=torch.float64)
     ref = torch.tensor(losses(run222["records"])[SAVE_AT:], dtype=torch.float64)

@@ -4,6 +4,7 @@ The stream record (consumed samples, data, tokenizer, sequence length, seed, doc
 decides where a resume continues and refuses what would silently change the sample stream; the
 LR plan record refuses a changed LR plan; a continued LR plan follows the samples consumed.
 """
+
 import copy
 from fractions import Fraction
 
@@ -57,15 +58,25 @@ def test_a_resume_continues_at_the_recorded_consumed_samples_and_names_a_changed
     assert point.changes == ["global batch 8 -> 16"]
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("seq_length", 64, "--seq-length: checkpoint 32, run 64"),
-    ("seed", 7, "--seed: checkpoint 1234, run 7"),
-    ("reset_at_documents", False, "reset at documents (--no-reset-at-documents): checkpoint True, run False"),
-    ("tokenizer", {"name": "t.model", "identity": "sha256:abc", "vocab_size": 300},
-     "tokenizer: checkpoint 'bytes' (bytes, 257 ids), run 't.model' (sha256:abc, 300 ids)"),
-    ("data", [{"weight": "1", "prefix": "other", "documents": 9, "tokens": 900, "fingerprint": "sha256:0123"}],
-     "run 1 other (9 documents, 900 tokens, sha256:0123)"),
-], ids=["seq-length", "seed", "reset-at-documents", "tokenizer", "data"])
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("seq_length", 64, "--seq-length: checkpoint 32, run 64"),
+        ("seed", 7, "--seed: checkpoint 1234, run 7"),
+        ("reset_at_documents", False, "reset at documents (--no-reset-at-documents): checkpoint True, run False"),
+        (
+            "tokenizer",
+            {"name": "t.model", "identity": "sha256:abc", "vocab_size": 300},
+            "tokenizer: checkpoint 'bytes' (bytes, 257 ids), run 't.model' (sha256:abc, 300 ids)",
+        ),
+        (
+            "data",
+            [{"weight": "1", "prefix": "other", "documents": 9, "tokens": 900, "fingerprint": "sha256:0123"}],
+            "run 1 other (9 documents, 900 tokens, sha256:0123)",
+        ),
+    ],
+    ids=["seq-length", "seed", "reset-at-documents", "tokenizer", "data"],
+)
 def test_a_change_of_the_sample_stream_is_refused_naming_it_and_the_override(saved, key, value, named):
     run = {**saved, key: value}
     with pytest.raises(CheckpointError) as e:
@@ -95,8 +106,10 @@ def test_the_fingerprint_follows_the_contents_not_the_name():
 def test_a_checkpoint_without_a_stream_record_assumes_step_times_global_batch(saved):
     point = resume_point({"args": {}}, 4, {**saved, "global_batch_size": 16}, False, SOURCE)
     assert point.consumed_samples == 64
-    assert point.warning == (f"{SOURCE} records no data position (written before it was recorded): assuming step 4 "
-                             "x global batch 16 = 64 samples consumed")
+    assert point.warning == (
+        f"{SOURCE} records no data position (written before it was recorded): assuming step 4 "
+        "x global batch 16 = 64 samples consumed"
+    )
 
 
 def test_a_changed_lr_plan_is_refused_naming_megatrons_override():

@@ -4,6 +4,7 @@ A change of the sample stream or of the LR plan is refused at start-up: exit 2, 
 the difference and its override flag. The overrides accept them. --no-load-optim continues the
 step count from the checkpoint's weights with a fresh optimizer and LR schedule.
 """
+
 import pytest
 
 from megamamba.checkpoint import Checkpoint
@@ -21,13 +22,17 @@ def _resume(resume_runs, resume_reference, flags, zero: int = 0) -> dict:
     return {**run, "checkpoint": checkpoint, "resumed": resumed}
 
 
-@pytest.mark.parametrize("flags, named, override", [
-    (["--seq-length", "64"], "--seq-length: checkpoint 32, run 64", "--override-data-check"),
-    (["--lr", "2e-3"], "peak: checkpoint 0.001, run 0.002", "--override-opt_param-scheduler"),
-], ids=["seq-length", "lr"])
-def test_a_change_the_run_cannot_honour_is_refused_with_one_line_naming_it_and_the_override(resume_runs,
-                                                                                          resume_reference, flags,
-                                                                                          named, override):
+@pytest.mark.parametrize(
+    "flags, named, override",
+    [
+        (["--seq-length", "64"], "--seq-length: checkpoint 32, run 64", "--override-data-check"),
+        (["--lr", "2e-3"], "peak: checkpoint 0.001, run 0.002", "--override-opt_param-scheduler"),
+    ],
+    ids=["seq-length", "lr"],
+)
+def test_a_change_the_run_cannot_honour_is_refused_with_one_line_naming_it_and_the_override(
+    resume_runs, resume_reference, flags, named, override
+):
     run = _resume(resume_runs, resume_reference, flags)
     assert run["returncode"] == 2, run["stderr"][-3000:]
     lines = errors(run["stderr"])
@@ -36,8 +41,11 @@ def test_a_change_the_run_cannot_honour_is_refused_with_one_line_naming_it_and_t
 
 
 def test_the_overrides_continue_with_the_new_sequence_length_and_lr_plan(resume_runs, resume_reference):
-    run = _resume(resume_runs, resume_reference, ["--seq-length", "64", "--override-data-check", "--lr", "2e-3",
-                                    "--override-opt_param-scheduler"])
+    run = _resume(
+        resume_runs,
+        resume_reference,
+        ["--seq-length", "64", "--override-data-check", "--lr", "2e-3", "--override-opt_param-scheduler"],
+    )
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, STEPS))
     assert run["records"][0]["lr"] == LRSchedule(2e-3, 1e-4, 1, STEPS)(SAVE_AT)
@@ -47,19 +55,29 @@ def test_the_overrides_continue_with_the_new_sequence_length_and_lr_plan(resume_
 
 
 @pytest.mark.parametrize("zero", [0, 1], ids=["torch-adamw", "zero1"])
-def test_no_load_optim_continues_the_steps_from_the_weights_with_a_fresh_optimizer_and_schedule(resume_runs,
-                                                                                               resume_reference, zero):
+def test_no_load_optim_continues_the_steps_from_the_weights_with_a_fresh_optimizer_and_schedule(
+    resume_runs, resume_reference, zero
+):
     save = resume_runs.new_dir() / "ckpt"
-    run = _resume(resume_runs, resume_reference, ["--no-load-optim", "--no-load-rng", "--train-iters", str(SAVE_AT + 1),
-                                                  "--save", str(save)], zero)
+    run = _resume(
+        resume_runs,
+        resume_reference,
+        ["--no-load-optim", "--no-load-rng", "--train-iters", str(SAVE_AT + 1), "--save", str(save)],
+        zero,
+    )
     assert run["returncode"] == 0, run["stderr"][-3000:]
     (record,) = run["records"]
     assert record["step"] == SAVE_AT
     assert record["loss"] == resume_reference["records"][SAVE_AT]["loss"]  # the same weights
     assert record["lr"] == LRSchedule(1e-3, 1e-4, 1, SAVE_AT + 1)(0)  # the schedule's first step
-    assert run["resumed"] == [f"train.py: resumed from {run['checkpoint']}: next step {SAVE_AT} of {SAVE_AT + 1}, "
-                              f"next sample {SAVE_AT * 8} (fresh optimizer state and LR schedule (--no-load-optim); "
-                              "RNG states not restored (--no-load-rng))"]
-    steps = {t.item() for k, t in Checkpoint(str(save / f"step_{SAVE_AT + 1:06d}")).optimizer_tensors().items()
-             if k.endswith("/step")}
+    assert run["resumed"] == [
+        f"train.py: resumed from {run['checkpoint']}: next step {SAVE_AT} of {SAVE_AT + 1}, "
+        f"next sample {SAVE_AT * 8} (fresh optimizer state and LR schedule (--no-load-optim); "
+        "RNG states not restored (--no-load-rng))"
+    ]
+    steps = {
+        t.item()
+        for k, t in Checkpoint(str(save / f"step_{SAVE_AT + 1:06d}")).optimizer_tensors().items()
+        if k.endswith("/step")
+    }
     assert steps == {1.0}, steps  # one AdamW step since the fresh start, not SAVE_AT + 1

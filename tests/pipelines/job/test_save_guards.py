@@ -1,6 +1,7 @@
 """What keeps a save directory's past safe, through train.py: one job writes it (a second is refused
 at start-up, naming the holder), and a run that goes bad neither writes nor prunes checkpoints while
 its steps are being skipped, and keeps the newest checkpoint from before the trouble."""
+
 import os
 import signal
 import time
@@ -31,8 +32,10 @@ def test_a_second_trainer_on_the_same_save_directory_is_refused_and_the_first_is
             time.sleep(0.2)
         before = snapshot(save / "step_000002")
         out2 = resume_runs.new_dir()
-        second = resume_runs.direct(resume_runs.argv(out2, zero=0, flags=["--save", str(save), "--save-interval", "1",
-                                                            "--load", "auto"]), out=out2)
+        second = resume_runs.direct(
+            resume_runs.argv(out2, zero=0, flags=["--save", str(save), "--save-interval", "1", "--load", "auto"]),
+            out=out2,
+        )
         assert first.poll() is None, "the first run ended before the second was refused: lengthen it"
     finally:
         first.send_signal(signal.SIGTERM)  # stops after its current step and saves
@@ -61,10 +64,13 @@ def test_a_blow_up_writes_and_prunes_nothing_and_the_good_checkpoint_survives_ke
     good = save / "step_000004"
     assert errors(run["stderr"]) == [
         "train.py: error: 3 steps in a row up to step 6 had non-finite loss or gradients or a loss spike; lower the "
-        f"learning rate and resume from {good}"]
+        f"learning rate and resume from {good}"
+    ]
     for step, in_a_row in ((4, 1), (5, 2)):
-        assert (f"train.py: warning: step {step}: no checkpoint written and none pruned while steps are being skipped "
-                f"({in_a_row} in a row); the newest stays {good}") in run["stdout"], run["stdout"][-3000:]
+        assert (
+            f"train.py: warning: step {step}: no checkpoint written and none pruned while steps are being skipped "
+            f"({in_a_row} in a row); the newest stays {good}"
+        ) in run["stdout"], run["stdout"][-3000:]
     assert checkpoints(save) == ["step_000004"]
     assert find_latest(str(save)) == str(good) and Checkpoint(str(good), hashes=True).step == 4
 

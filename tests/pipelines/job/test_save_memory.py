@@ -12,6 +12,7 @@ writer would (TP all-gather, DP all-reduce: DeepSpeed's safe_get_full_*) and eac
 rank writes it down. One rank then builds the (1,1,1) ZeRO-1 trainer, loads the checkpoint with
 `checkpointing.load`, and compares every master, moment and step with that assembled state.
 """
+
 import os
 
 import pytest
@@ -44,8 +45,9 @@ def _assembled_state(trainer) -> dict:
     (step,) = {s["step"].item() for s in zero.optimizer.state.values()}
     state = {rename(n): t for n, t in full_tensors(trainer.module, trainer.tp, select=safe_get_full_fp32_param).items()}
     for key in MOMENTS:
-        gathered = full_tensors(trainer.module, trainer.tp,
-                                select=lambda p, key=key: safe_get_full_optimizer_state(p, key))
+        gathered = full_tensors(
+            trainer.module, trainer.tp, select=lambda p, key=key: safe_get_full_optimizer_state(p, key)
+        )
         state |= {f"{rename(n)}/{key}": t for n, t in gathered.items()}
     return {k: t.detach().clone().contiguous() for k, t in state.items()} | {"step": torch.tensor(step)}
 
@@ -89,9 +91,16 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
     args = script.parse_args(argv)
     plan = script.prepare(args, 1)
     init_distributed()
-    trainer = script.build_trainer(plan.layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
-                                   args.partition_method, args.checkpoint_activations_interval,
-                                   seq_length=args.seq_length)
+    trainer = script.build_trainer(
+        plan.layout,
+        plan.model,
+        plan.engine_config,
+        plan.optimizer,
+        args.seed,
+        args.partition_method,
+        args.checkpoint_activations_interval,
+        seq_length=args.seq_length,
+    )
     checkpoint = checkpointing.open_for_run(checkpoint_path, None, plan.model)
     checkpointing.load(trainer, checkpoint, plan.model)
     rename = trainer.mamba_name
@@ -109,9 +118,10 @@ def test_a_2_2_2_save_grows_no_rank_by_more_than_its_shard_and_loads_at_1_1_1_bi
     save = out / "ckpt"
     config = ["--model-config", resume_runs.model_config(d_model=512, pad_vocab_size_multiple=1)]
     argv = resume_runs.argv(out, LAYOUT, 1, ["--train-iters", "2", "--save", str(save)])
-    argv[argv.index("--model-config"):argv.index("--model-config") + 2] = config
-    ranks = run_ranks(_saving_rank, 8, args=(argv, resume_runs.extensions_dir, str(out)), init_process_group=False,
-                      timeout=600)
+    argv[argv.index("--model-config") : argv.index("--model-config") + 2] = config
+    ranks = run_ranks(
+        _saving_rank, 8, args=(argv, resume_runs.extensions_dir, str(out)), init_process_group=False, timeout=600
+    )
     print("rank: save growth / own shard / the stage a gathering writer holds (MiB)")
     for rank, r in enumerate(ranks):
         print(f"  {rank}: {r['growth'] / 2**20:.2f} / {r['own'] / 2**20:.2f} / {r['stage'] / 2**20:.2f}")
@@ -122,9 +132,14 @@ def test_a_2_2_2_save_grows_no_rank_by_more_than_its_shard_and_loads_at_1_1_1_bi
         part = load_file(str(out / f"assembled-stage{stage}.safetensors"))
         assembled |= {k: t for k, t in part.items() if k not in assembled}  # a tied embedding: stage 0's
     single = resume_runs.argv(out, (1, 1, 1), 1, ["--train-iters", "2"])
-    single[single.index("--model-config"):single.index("--model-config") + 2] = config
-    (loaded,) = run_ranks(_loading_rank, 1, args=(single, resume_runs.extensions_dir, ranks[0]["path"]),
-                          init_process_group=False, timeout=300)
+    single[single.index("--model-config") : single.index("--model-config") + 2] = config
+    (loaded,) = run_ranks(
+        _loading_rank,
+        1,
+        args=(single, resume_runs.extensions_dir, ranks[0]["path"]),
+        init_process_group=False,
+        timeout=300,
+    )
     assert loaded.keys() == assembled.keys()
     differ = sorted(k for k in assembled if not torch.equal(loaded[k], assembled[k]))
     assert not differ, differ

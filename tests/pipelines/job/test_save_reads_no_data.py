@@ -1,6 +1,7 @@
 """A save reads no training data: the stream record's blend identity (a sampled fingerprint of every
 dataset, up to 1024 random reads each on what is often shared storage) is computed once at start-up
 and every save reuses it."""
+
 import pytest
 
 from distributed import run_ranks
@@ -29,10 +30,19 @@ def run_train_counting_fingerprints(argv, extensions_dir) -> int:
 
 def test_three_saves_fingerprint_the_one_dataset_once(resume_runs):
     out = resume_runs.new_dir()
-    argv = resume_runs.argv(out, zero=0, flags=["--train-iters", "3", "--save", str(out / "ckpt"), "--save-interval",
-                                                "1"])
-    (fingerprints,) = run_ranks(run_train_counting_fingerprints, 1, args=(argv, resume_runs.extensions_dir),
-                                init_process_group=False, timeout=300)
+    argv = resume_runs.argv(
+        out, zero=0, flags=["--train-iters", "3", "--save", str(out / "ckpt"), "--save-interval", "1"]
+    )
+    (fingerprints,) = run_ranks(
+        run_train_counting_fingerprints,
+        1,
+        args=(argv, resume_runs.extensions_dir),
+        init_process_group=False,
+        timeout=300,
+    )
     assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("step_")) == [
-        "step_000001", "step_000002", "step_000003"]
+        "step_000001",
+        "step_000002",
+        "step_000003",
+    ]
     assert fingerprints == 1

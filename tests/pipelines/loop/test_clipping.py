@@ -1,4 +1,5 @@
 """Stage-0 gradient clipping counts every parameter of the model once."""
+
 import torch
 
 from megamamba.pipelines.loop.clipping import clip_, counted_here, global_grad_norm

@@ -6,6 +6,7 @@ job's process group, as a scheduler or a terminal sends it: the `deepspeed` runn
 (DeepSpeed 0.19.8 forwards signals there only for multi-node pdsh), launch.py terminates the
 ranks one at a time, and the flag all-reduce makes every rank stop after the same step.
 """
+
 import os
 import signal
 import time
@@ -56,10 +57,10 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
     assert f"train.py: SIGTERM: stopped after step {stopped} ({stopped + 1} steps done)" in stdout, stdout[-3000:]
     checkpoint = Checkpoint(find_latest(str(save)))
     assert checkpoint.step == stopped + 1
-    assert losses(records_of(out)) == losses(reference)[:stopped + 1]
+    assert losses(records_of(out)) == losses(reference)[: stopped + 1]
     resumed = resume_runs.spawned((2, 1, 1), 1, ["--load", "auto", "--save", str(save)])["records"]
     assert [r["step"] for r in resumed] == list(range(stopped + 1, STEPS))
-    assert losses(resumed) == losses(reference)[stopped + 1:]
+    assert losses(resumed) == losses(reference)[stopped + 1 :]
 
 
 def test_a_rank_killed_mid_training_ends_the_launched_job_non_zero_within_60_s(resume_runs):
@@ -81,8 +82,9 @@ def test_a_rank_killed_mid_training_ends_the_launched_job_non_zero_within_60_s(r
 # 5: the tensor files written, not the JSON ones; 10: before the manifest; 16: the new checkpoint in place,
 # before `latest`.
 @pytest.mark.parametrize("at", [5, 10, 16])
-def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resumes_from_it(resume_runs,
-                                                                                          resume_reference, at):
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resumes_from_it(
+    resume_runs, resume_reference, at
+):
     out = resume_runs.new_dir()
     save = out / "ckpt"
     flags = ["--save", str(save), "--save-interval", "2"]
@@ -101,9 +103,11 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_load_auto_resum
 def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(resume_runs, zero):
     out = resume_runs.new_dir()
     save = out / "ckpt"
-    run = resume_runs.direct(resume_runs.argv(out, zero=zero, flags=["--train-iters", "4", "--save", str(save),
-                                                       "--save-interval", "1"]),
-                      out=out, faults={"nan_steps": [2]})
+    run = resume_runs.direct(
+        resume_runs.argv(out, zero=zero, flags=["--train-iters", "4", "--save", str(save), "--save-interval", "1"]),
+        out=out,
+        faults={"nan_steps": [2]},
+    )
     assert run["returncode"] == 0, run["stderr"][-3000:]
     assert "train.py: warning: step 2: non-finite loss or gradients" in run["stdout"], run["stdout"][-2000:]
     assert all(r["loss"] == r["loss"] for r in run["records"])
@@ -116,9 +120,12 @@ def test_a_non_finite_step_is_skipped_with_a_warning_and_training_goes_on(resume
 
 def test_too_many_non_finite_steps_in_a_row_abort_with_one_message(resume_runs):
     out = resume_runs.new_dir()
-    run = resume_runs.direct(resume_runs.argv(out, zero=0, flags=["--max-skipped-steps", "2"]),
-                      out=out, faults={"nan_steps": [1, 2]})
+    run = resume_runs.direct(
+        resume_runs.argv(out, zero=0, flags=["--max-skipped-steps", "2"]), out=out, faults={"nan_steps": [1, 2]}
+    )
     assert run["returncode"] == 1
-    assert errors(run["stderr"]) == ["train.py: error: 2 steps in a row up to step 2 had non-finite loss or "
-                                     "gradients or a loss spike; lower the learning rate and resume from step 0 "
-                                     "(no checkpoint was written before the trouble)"]
+    assert errors(run["stderr"]) == [
+        "train.py: error: 2 steps in a row up to step 2 had non-finite loss or "
+        "gradients or a loss spike; lower the learning rate and resume from step 0 "
+        "(no checkpoint was written before the trouble)"
+    ]

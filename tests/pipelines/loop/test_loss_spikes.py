@@ -1,4 +1,5 @@
 """The loss-spike rule of --loss-spike-factor: above factor x the running median, after a warm-up."""
+
 import pytest
 
 from megamamba.pipelines.loop.faults import SPIKE_MIN_HISTORY, SPIKE_WINDOW, LossSpikes

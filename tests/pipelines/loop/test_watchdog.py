@@ -1,5 +1,6 @@
 """The step watchdog: a process whose next step boundary does not come in time exits 1 with one message;
 a paused watchdog (saves, evaluations) waits."""
+
 import subprocess
 import sys
 import time
@@ -29,8 +30,10 @@ def run(body: str):
 def test_a_stalled_step_ends_the_process_with_one_message():
     proc, _ = run("time.sleep(30)")
     assert proc.returncode == 1 and "survived" not in proc.stdout
-    assert proc.stderr.strip().splitlines()[-1] == ("train.py: error: rank 0: no training step finished in 0.5 s "
-                                                    "(--step-timeout): a peer has probably died; exiting")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "train.py: error: rank 0: no training step finished in 0.5 s "
+        "(--step-timeout): a peer has probably died; exiting"
+    )
 
 
 def test_a_paused_watchdog_lets_slow_work_finish():

@@ -3,6 +3,7 @@
 micro-batches in flight keep more, recomputation, tensor and sequence parallelism keep less.
 (How close it comes to a measured peak is a GPU check: mamba2-130m and 1.3b within 20% of
 torch.cuda.max_memory_allocated.)"""
+
 import json
 import os
 
@@ -86,39 +87,58 @@ def test_bf16_autocast_keeps_less_than_float32(name):
 
 def _kept_by_autograd(model: PlainLM, input_ids: torch.Tensor, autocast: bool) -> int:
     """Bytes of the distinct storages autograd keeps for the loss's backward, parameters excluded."""
+
     def forward():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(input_ids, input_ids)
+
     return autograd_saved_bytes(model, forward)
 
 
 ATTENTION = {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "causal": True}
 HYBRIDS = {  # tiny Mamba-2 hybrids: a pattern with rotary GQA and squared-ReLU MLPs; mamba_ssm's fields with
     # an MLP inside every block
-    "pattern": {"hybrid_layer_pattern": "M-*-*M", "n_layer": 6, "d_intermediate": 96, "mlp_activation": "squared_relu",
-                "attn_cfg": {**ATTENTION, "rotary_emb_dim": 8}},
+    "pattern": {
+        "hybrid_layer_pattern": "M-*-*M",
+        "n_layer": 6,
+        "d_intermediate": 96,
+        "mlp_activation": "squared_relu",
+        "attn_cfg": {**ATTENTION, "rotary_emb_dim": 8},
+    },
     "mlp-inside-blocks": {"attn_layer_idx": [1], "n_layer": 3, "d_intermediate": 96, "attn_cfg": ATTENTION},
     # at TP 2: its one key/value head replicated, its MLPs split
-    "pattern-kv-replicated": {"hybrid_layer_pattern": "M-*-*M", "n_layer": 6, "d_intermediate": 96,
-                              "mlp_activation": "squared_relu",
-                              "attn_cfg": {**ATTENTION, "num_heads_kv": 1, "rotary_emb_dim": 8}},
+    "pattern-kv-replicated": {
+        "hybrid_layer_pattern": "M-*-*M",
+        "n_layer": 6,
+        "d_intermediate": 96,
+        "mlp_activation": "squared_relu",
+        "attn_cfg": {**ATTENTION, "num_heads_kv": 1, "rotary_emb_dim": 8},
+    },
 }
 
 
 def _tiny(mixer: str) -> MambaConfig:
     if mixer in HYBRIDS:
-        return MambaConfig.from_dict({**json.loads((ROOT / "launch/models/tiny-mamba2.json").read_text()),
-                                      **HYBRIDS[mixer]})
+        return MambaConfig.from_dict(
+            {**json.loads((ROOT / "launch/models/tiny-mamba2.json").read_text()), **HYBRIDS[mixer]}
+        )
     return MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
 
 
-SLOW_CASES = [("mamba1", True), ("pattern", False), ("pattern", True), ("mlp-inside-blocks", False),
-              ("mlp-inside-blocks", True)]
+SLOW_CASES = [
+    ("mamba1", True),
+    ("pattern", False),
+    ("pattern", True),
+    ("mlp-inside-blocks", False),
+    ("mlp-inside-blocks", True),
+]
 
 
-@pytest.mark.parametrize("mixer, autocast", [("mamba2", False), ("mamba2", True),
-                                             *(pytest.param(m, a, marks=pytest.mark.slow) for m, a in SLOW_CASES)],
-                         ids=lambda v: v if isinstance(v, str) else ("bf16-autocast" if v else "float32"))
+@pytest.mark.parametrize(
+    "mixer, autocast",
+    [("mamba2", False), ("mamba2", True), *(pytest.param(m, a, marks=pytest.mark.slow) for m, a in SLOW_CASES)],
+    ids=lambda v: v if isinstance(v, str) else ("bf16-autocast" if v else "float32"),
+)
 def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(monkeypatch, mixer, autocast):
     """Hybrids without documents: CPU attention then runs SDPA's fused (flash) kernel, which keeps what the GPU's
     kernels keep (with documents the CPU path adds its boolean seqlen x seqlen mask, which the GPU never has).
@@ -145,10 +165,18 @@ def _kept_at_tp2(mixer: str, sequence_parallel: bool) -> list:
     model = PlainLM(MambaLM(config, tp=tp))
     input_ids = torch.randint(0, config.vocab_size, (2, 64))
     last = config.n_layer + 2
-    return [(_kept_by_autograd(model, input_ids, autocast),
-             kept_bytes(ActivationShape(config, 2, 64, tp=2, sequence_parallel=sequence_parallel, autocast=autocast),
-                        0, last + 1, last))
-            for autocast in (False, True)]
+    return [
+        (
+            _kept_by_autograd(model, input_ids, autocast),
+            kept_bytes(
+                ActivationShape(config, 2, 64, tp=2, sequence_parallel=sequence_parallel, autocast=autocast),
+                0,
+                last + 1,
+                last,
+            ),
+        )
+        for autocast in (False, True)
+    ]
 
 
 @pytest.mark.slow
@@ -159,6 +187,8 @@ def test_what_a_tensor_parallel_rank_keeps_is_what_autograd_keeps_on_the_triton_
     one key/value head (its in_proj weight concatenated in float32)."""
     for rank, pairs in enumerate(run_ranks(_kept_at_tp2, 2, args=(mixer, sequence_parallel), timeout=600)):
         for (measured, estimated), precision in zip(pairs, ("float32", "bf16 autocast")):
-            print(f"{mixer} tp 2 {'SP ' if sequence_parallel else ''}{precision} rank {rank}: kept {measured} bytes, "
-                  f"estimated {estimated}")
+            print(
+                f"{mixer} tp 2 {'SP ' if sequence_parallel else ''}{precision} rank {rank}: kept {measured} bytes, "
+                f"estimated {estimated}"
+            )
             assert abs(estimated - measured) <= 0.01 * measured, (rank, precision, measured, estimated)

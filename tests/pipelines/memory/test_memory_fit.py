@@ -1,5 +1,6 @@
 """A run whose memory plan does not fit its device is refused before anything is built, naming the
 single layout changes that fit (each computed by planning the changed run)."""
+
 import contextlib
 import dataclasses
 import io
@@ -18,20 +19,28 @@ from train_entry import ROOT, load_train_script
 
 def _plan(**changes):
     """mamba2-130m on 2 ranks (dp 2), micro batch 8 x seq 2048, bf16 autocast, ZeRO 0."""
-    shape = RunShape(model=MambaConfig.from_json(str(ROOT / "launch/models/mamba2-130m.json")),
-                     layout=Layout(world_size=2, dp=2, tp=1, pp=1, micro_batch_size=8, grad_accum=1),
-                     seq_length=2048, autocast=True)
+    shape = RunShape(
+        model=MambaConfig.from_json(str(ROOT / "launch/models/mamba2-130m.json")),
+        layout=Layout(world_size=2, dp=2, tp=1, pp=1, micro_batch_size=8, grad_accum=1),
+        seq_length=2048,
+        autocast=True,
+    )
     return plan_memory(shape.changed(**changes))
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_context_parallel_ranks_share_optimizer_state_as_data_parallel_ones_do(zero):
     """ZeRO shards over DeepSpeed's data axis, dp x cp ranks: (dp 1, cp 2) holds what (dp 2, cp 1) does."""
-    by_cp = _plan(zero_stage=zero, layout=Layout(world_size=2, dp=1, tp=1, pp=1, micro_batch_size=8, grad_accum=2,
-                                                 cp=2)).worst
+    by_cp = _plan(
+        zero_stage=zero, layout=Layout(world_size=2, dp=1, tp=1, pp=1, micro_batch_size=8, grad_accum=2, cp=2)
+    ).worst
     by_dp = _plan(zero_stage=zero).worst
     assert (by_cp.parameters, by_cp.gradients, by_cp.optimizer, by_cp.buffers) == (
-        by_dp.parameters, by_dp.gradients, by_dp.optimizer, by_dp.buffers)
+        by_dp.parameters,
+        by_dp.gradients,
+        by_dp.optimizer,
+        by_dp.buffers,
+    )
 
 
 def test_a_plan_that_fits_its_device_is_not_refused():
@@ -46,8 +55,12 @@ def test_a_plan_too_large_for_its_device_is_refused_with_the_changes_that_fit():
     assert f"needs {plan.worst.total / GiB:.2f} GiB" in message
     fits = message.split("fits with: ")[1].split("; --no-memory-check")[0]
     # The largest smaller micro batch keeping the global batch of 16 on dp 2 is 4.
-    for change in ("--checkpoint-activations-interval 1", "micro batch 4", "--pipeline-parallel-size 2",
-                   "--tensor-parallel-size 2"):
+    for change in (
+        "--checkpoint-activations-interval 1",
+        "micro batch 4",
+        "--pipeline-parallel-size 2",
+        "--tensor-parallel-size 2",
+    ):
         assert change in fits, (change, message)
     assert "zero_optimization" not in fits  # ZeRO-1's 1.86 GiB gradient bucket outweighs what it saves here
 
@@ -115,22 +128,39 @@ def _run_with_device(argv, extensions_dir, device_gib):
 
 
 def _argv(train_runs, *flags):
-    return ["--deepspeed_config", train_runs.ds_config(), "--model-config",
-            str(ROOT / "launch/models/mamba2-130m.json"), "--train-iters", "1", "--seq-length", "2048", *flags]
+    return [
+        "--deepspeed_config",
+        train_runs.ds_config(),
+        "--model-config",
+        str(ROOT / "launch/models/mamba2-130m.json"),
+        "--train-iters",
+        "1",
+        "--seq-length",
+        "2048",
+        *flags,
+    ]
 
 
 def test_train_py_refuses_a_run_that_does_not_fit_in_one_line_with_status_2(train_runs):
-    (status, err, out), = run_ranks(_run_with_device, 1,
-                                    args=(_argv(train_runs), os.environ["TORCH_EXTENSIONS_DIR"], 3),
-                                    init_process_group=False, timeout=300)
+    ((status, err, out),) = run_ranks(
+        _run_with_device,
+        1,
+        args=(_argv(train_runs), os.environ["TORCH_EXTENSIONS_DIR"], 3),
+        init_process_group=False,
+        timeout=300,
+    )
     lines = err.strip().splitlines()
     assert status == 2 and len(lines) == 1, (status, err)
     assert lines[0].startswith("train.py: error: memory plan: a rank of pipeline stage 0 needs"), lines
     # tiny-cpu.json: ZeRO 1 on one rank, so ZeRO 2 has no data axis to shard over and is not offered.
     offered = lines[0].split("no single change fits: ")[1].split("; --no-memory-check")[0]
-    for change in ("--tensor-parallel-size 2 on 2 ranks (", "--pipeline-parallel-size 2 on 2 ranks (",
-                   "--checkpoint-activations-interval 1 (", "zero_optimization.reduce_bucket_size 50000000 (",
-                   "micro batch 1 ("):
+    for change in (
+        "--tensor-parallel-size 2 on 2 ranks (",
+        "--pipeline-parallel-size 2 on 2 ranks (",
+        "--checkpoint-activations-interval 1 (",
+        "zero_optimization.reduce_bucket_size 50000000 (",
+        "micro batch 1 (",
+    ):
         assert change in offered, (change, lines)
     assert "zero_optimization.stage" not in offered, lines
     assert "memory plan, GiB per rank" not in out  # refused before the plan is printed as accepted
@@ -145,10 +175,20 @@ def test_on_the_cpu_the_plan_is_printed_and_the_fit_not_checked(monkeypatch):
 
 @pytest.mark.slow
 def test_no_memory_check_starts_a_run_that_does_not_fit_and_says_so(train_runs):
-    argv = ["--deepspeed_config", train_runs.ds_config(), "--model-config", train_runs.model_config("mamba2"),
-            "--train-iters", "1", "--seq-length", "32", "--no-memory-check"]
-    (status, err, out), = run_ranks(_run_with_device, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"], 1),
-                                    init_process_group=False, timeout=300)
+    argv = [
+        "--deepspeed_config",
+        train_runs.ds_config(),
+        "--model-config",
+        train_runs.model_config("mamba2"),
+        "--train-iters",
+        "1",
+        "--seq-length",
+        "32",
+        "--no-memory-check",
+    ]
+    ((status, err, out),) = run_ranks(
+        _run_with_device, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"], 1), init_process_group=False, timeout=300
+    )
     assert status == 0, (status, err[-2000:])
     assert "memory plan, GiB per rank" in out, out[-2000:]
     assert "DOES NOT FIT, starting anyway (--no-memory-check)" in out, out[-2000:]
@@ -158,16 +198,38 @@ def test_nemotron_h_8b_fits_eight_80_gb_devices_at_tp_2_with_sequence_parallelis
     """launch/configs/nemotron-h-8b.json at seq 8192 on 8 ranks with --tp 2 --sequence-parallel (dp 4, micro batch
     1, no recomputation): 66.17 GiB a rank by the plan, under 80 GB (74.5 GiB) less the reserve."""
     script = load_train_script()
-    args = script.parse_args(["--deepspeed_config", str(ROOT / "launch/configs/nemotron-h-8b.json"), "--model-config",
-                              str(ROOT / "launch/models/nemotron-h-8b.json"), "--seq-length", "8192",
-                              "--train-iters", "1", "--tp", "2", "--sequence-parallel"])
+    args = script.parse_args(
+        [
+            "--deepspeed_config",
+            str(ROOT / "launch/configs/nemotron-h-8b.json"),
+            "--model-config",
+            str(ROOT / "launch/models/nemotron-h-8b.json"),
+            "--seq-length",
+            "8192",
+            "--train-iters",
+            "1",
+            "--tp",
+            "2",
+            "--sequence-parallel",
+        ]
+    )
     plan = script.prepare(args, 8)
-    memory = plan_memory(RunShape.of_run(plan.model, plan.layout, plan.engine_config, args.seq_length,
-                                         args.partition_method, args.checkpoint_activations_interval,
-                                         args.sequence_parallel))
+    memory = plan_memory(
+        RunShape.of_run(
+            plan.model,
+            plan.layout,
+            plan.engine_config,
+            args.seq_length,
+            args.partition_method,
+            args.checkpoint_activations_interval,
+            args.sequence_parallel,
+        )
+    )
     worst = memory.worst
-    print(f"nemotron-h-8b {plan.layout}: parameters {worst.parameters / GiB:.2f}, gradients "
-          f"{worst.gradients / GiB:.2f}, optimizer {worst.optimizer / GiB:.2f}, buffers {worst.buffers / GiB:.2f}, "
-          f"activations {worst.activations / GiB:.2f}, total {worst.total / GiB:.2f} GiB")
+    print(
+        f"nemotron-h-8b {plan.layout}: parameters {worst.parameters / GiB:.2f}, gradients "
+        f"{worst.gradients / GiB:.2f}, optimizer {worst.optimizer / GiB:.2f}, buffers {worst.buffers / GiB:.2f}, "
+        f"activations {worst.activations / GiB:.2f}, total {worst.total / GiB:.2f} GiB"
+    )
     assert (plan.layout.dp, plan.layout.tp, plan.layout.pp, plan.layout.micro_batch_size) == (4, 2, 1, 1)
     assert refusal(memory, 80 * 10**9) is None

@@ -9,6 +9,7 @@ as launch/train.py measures it (`optimizer_state_bytes` after step 0), ZeRO's re
 one is reduced (5e8 float32 elements by default; two with the pipeline engine). ZeRO-2's gradients
 live in its bucket (measured as their storage: 2e9 bytes); their partition is an estimate.
 """
+
 import json
 import os
 from pathlib import Path
@@ -41,12 +42,27 @@ def _measure(argv, extensions_dir):
     args = script.parse_args(argv)
     plan = script.prepare(args, int(os.environ["WORLD_SIZE"]))
     layout = plan.layout
-    shape = RunShape.of_run(plan.model, layout, plan.engine_config, args.seq_length, args.partition_method,
-                            args.checkpoint_activations_interval, args.sequence_parallel)
+    shape = RunShape.of_run(
+        plan.model,
+        layout,
+        plan.engine_config,
+        args.seq_length,
+        args.partition_method,
+        args.checkpoint_activations_interval,
+        args.sequence_parallel,
+    )
     init_distributed()
-    trainer = script.build_trainer(layout, plan.model, plan.engine_config, plan.optimizer, args.seed,
-                                   args.partition_method, args.checkpoint_activations_interval,
-                                   args.sequence_parallel, seq_length=args.seq_length)
+    trainer = script.build_trainer(
+        layout,
+        plan.model,
+        plan.engine_config,
+        plan.optimizer,
+        args.seed,
+        args.partition_method,
+        args.checkpoint_activations_interval,
+        args.sequence_parallel,
+        seq_length=args.seq_length,
+    )
     params = list(trainer.module.parameters())
     grads = []
     reduce = trainer.engine.allreduce_gradients
@@ -66,16 +82,24 @@ def _measure(argv, extensions_dir):
 
         trainer.optimizer.reduce_ipg_grads = measured_bucket
     trainer.train_step(plan.data.train.micro_batches(0, trainer.dp_rank, layout.dp, layout.micro_batch_size))
-    measured = (_storage_bytes(params), max(grads, default=0), optimizer_state_bytes(trainer.optimizer, trainer.module),
-                max(buckets))
+    measured = (
+        _storage_bytes(params),
+        max(grads, default=0),
+        optimizer_state_bytes(trainer.optimizer, trainer.module),
+        max(buckets),
+    )
     stage = plan_memory(shape).stages[getattr(trainer.engine, "stage_id", 0)]
     shutdown_distributed()
     return measured, (stage.parameters, stage.gradients, stage.optimizer, stage.buffers)
 
 
 ODD = {"d_model": 63}  # groups whose sizes are not multiples of 2 x dp: ZeRO pads them
-HYBRID = {"hybrid_layer_pattern": "M*-", "d_intermediate": 96, "mlp_activation": "squared_relu",
-          "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True}}
+HYBRID = {
+    "hybrid_layer_pattern": "M*-",
+    "d_intermediate": 96,
+    "mlp_activation": "squared_relu",
+    "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True},
+}
 
 
 def _argv(train_runs, tmp_path, mixer, zero, flags, changes=None):
@@ -83,13 +107,23 @@ def _argv(train_runs, tmp_path, mixer, zero, flags, changes=None):
     if changes:
         model = tmp_path / "model.json"
         model.write_text(json.dumps({**json.loads(Path(train_runs.model_config(mixer)).read_text()), **changes}))
-    return ["--deepspeed_config", train_runs.ds_config(zero_optimization={"stage": zero}), "--model-config", str(model),
-            "--train-iters", "1", "--seq-length", str(SEQ), *flags]
+    return [
+        "--deepspeed_config",
+        train_runs.ds_config(zero_optimization={"stage": zero}),
+        "--model-config",
+        str(model),
+        "--train-iters",
+        "1",
+        "--seq-length",
+        str(SEQ),
+        *flags,
+    ]
 
 
 def _ranks(argv, world):
-    return run_ranks(_measure, world, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"]), init_process_group=False,
-                     timeout=300)
+    return run_ranks(
+        _measure, world, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"]), init_process_group=False, timeout=300
+    )
 
 
 CASES = [
@@ -98,22 +132,44 @@ CASES = [
     (2, "mamba1", 1, [], ODD),
     (2, "mamba2", 0, ["--tensor-parallel-size", "2"], None),
     (2, "mamba1", 1, ["--pipeline-parallel-size", "2", "--checkpoint-activations-interval", "1"], None),
-    (8, "mamba2", 1, ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--partition-method",
-                      "parameters", "--checkpoint-activations-interval", "1"], HYBRID),
+    (
+        8,
+        "mamba2",
+        1,
+        [
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-parallel-size",
+            "2",
+            "--partition-method",
+            "parameters",
+            "--checkpoint-activations-interval",
+            "1",
+        ],
+        HYBRID,
+    ),
     (4, "mamba2", 1, ["--tensor-parallel-size", "2"], HYBRID),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, mixer, zero, flags, changes", CASES,
-                         ids=[f"{m}-world{w}-zero{z}-{' '.join(f)}{'-hybrid' if c is HYBRID else '-odd' if c else ''}"
-                              for w, m, z, f, c in CASES])
+@pytest.mark.parametrize(
+    "world, mixer, zero, flags, changes",
+    CASES,
+    ids=[
+        f"{m}-world{w}-zero{z}-{' '.join(f)}{'-hybrid' if c is HYBRID else '-odd' if c else ''}"
+        for w, m, z, f, c in CASES
+    ],
+)
 def test_planned_parameters_gradients_optimizer_state_and_buckets_are_what_the_engine_holds(
-        train_runs, tmp_path, world, mixer, zero, flags, changes):
+    train_runs, tmp_path, world, mixer, zero, flags, changes
+):
     ranks = _ranks(_argv(train_runs, tmp_path, mixer, zero, flags, changes), world)
     for rank, (measured, planned) in enumerate(ranks):
-        print(f"{mixer} world {world} ZeRO {zero} {' '.join(flags)} {changes or ''} rank {rank}: measured {measured}, "
-              f"planned {planned} (parameters, gradients, optimizer state, ZeRO's reduce buckets: bytes)")
+        print(
+            f"{mixer} world {world} ZeRO {zero} {' '.join(flags)} {changes or ''} rank {rank}: measured {measured}, "
+            f"planned {planned} (parameters, gradients, optimizer state, ZeRO's reduce buckets: bytes)"
+        )
         assert measured[:3] == planned[:3], (rank, measured, planned)
         if zero:  # without ZeRO, DeepSpeed's flattened all-reduce buffer lives inside one call: estimated
             assert measured[3] == planned[3], (rank, measured, planned)

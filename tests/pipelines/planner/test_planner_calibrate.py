@@ -1,6 +1,7 @@
 """The calibration's measurements: a kernel's backward is timed on its own, so noise in the forward's timing
 cannot make its backward ratio vanish; a kernel's fixed cost and efficiency, and a link's alpha-beta, come from
 fits, and so does a layer's fixed cost and scale over what its kernels predict."""
+
 import time
 
 import pytest

@@ -3,6 +3,7 @@ backward on 2 gloo ranks under bf16 autocast, the multiset of (kind, bytes) `com
 the planner's, under TP with and without sequence parallelism (replicated B/C groups and key/value heads,
 a gated norm spanning ranks, biases, MLPs inside blocks) and under CP (the worst rank: it sends its halo
 and receives one, so rank 0's forward and rank 1's backward)."""
+
 import collections
 
 import pytest
@@ -20,12 +21,26 @@ from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_
 BATCH, SEQLEN, SEED = 2, 32, 11
 MAMBA2 = {"layer": "Mamba2", "d_state": 8, "headdim": 16, "chunk_size": 16}
 CONFIGS = {
-    "hybrid": MambaConfig(d_model=64, n_layer=3, vocab_size=37, pad_vocab_size_multiple=1, ssm_cfg=MAMBA2,
-                          hybrid_layer_pattern="M*-", d_intermediate=96,
-                          attn_cfg={"num_heads": 4, "num_heads_kv": 1, "causal": True, "rotary_emb_dim": 8}),
-    "mamba1_mlp_inside": MambaConfig(d_model=32, n_layer=2, vocab_size=37, pad_vocab_size_multiple=1,
-                                     ssm_cfg={"layer": "Mamba1", "d_state": 4, "bias": True}, d_intermediate=64,
-                                     attn_layer_idx=[1], attn_cfg={"num_heads": 4, "num_heads_kv": 2, "causal": True}),
+    "hybrid": MambaConfig(
+        d_model=64,
+        n_layer=3,
+        vocab_size=37,
+        pad_vocab_size_multiple=1,
+        ssm_cfg=MAMBA2,
+        hybrid_layer_pattern="M*-",
+        d_intermediate=96,
+        attn_cfg={"num_heads": 4, "num_heads_kv": 1, "causal": True, "rotary_emb_dim": 8},
+    ),
+    "mamba1_mlp_inside": MambaConfig(
+        d_model=32,
+        n_layer=2,
+        vocab_size=37,
+        pad_vocab_size_multiple=1,
+        ssm_cfg={"layer": "Mamba1", "d_state": 4, "bias": True},
+        d_intermediate=64,
+        attn_layer_idx=[1],
+        attn_cfg={"num_heads": 4, "num_heads_kv": 2, "causal": True},
+    ),
 }
 CASES = [(name, tp, cp, sp) for name in CONFIGS for tp, cp, sp in ((2, 1, True), (2, 1, False), (1, 2, False))]
 

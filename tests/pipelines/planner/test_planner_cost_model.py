@@ -2,6 +2,7 @@
 law, the pipeline bubble is DeepSpeed 1F1B's (p - 1) / (m + p - 1), the data-parallel traffic is
 DeepSpeed 0.19.8's per ZeRO stage, a measured profile's layer fits and engine costs apply where they
 are measured, and profiles are read strictly."""
+
 import dataclasses
 import json
 import os
@@ -26,9 +27,15 @@ from megamamba.pipelines.planner.step_time import (
 from train_entry import ROOT
 
 H100 = load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
-HYBRID = MambaConfig(d_model=96, n_layer=4, vocab_size=257, hybrid_layer_pattern="M*-M", d_intermediate=192,
-                     attn_cfg={"num_heads": 6, "num_heads_kv": 2, "causal": True, "rotary_emb_dim": 8},
-                     ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 64})
+HYBRID = MambaConfig(
+    d_model=96,
+    n_layer=4,
+    vocab_size=257,
+    hybrid_layer_pattern="M*-M",
+    d_intermediate=192,
+    attn_cfg={"num_heads": 6, "num_heads_kv": 2, "causal": True, "rotary_emb_dim": 8},
+    ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 64},
+)
 MAMBA1 = MambaConfig(d_model=96, n_layer=2, vocab_size=257, ssm_cfg={"d_state": 8})
 
 
@@ -59,8 +66,9 @@ def test_a_ring_collective_costs_alpha_per_step_and_its_share_of_the_bytes():
 
 
 def test_the_pipeline_bubble_is_p_minus_1_slots_of_the_slowest_stage():
-    result = search(Request(HYBRID, 4, 4, 256, 16, 16 * 2**30, fixed={"pp": 4, "tp": 1, "cp": 1,
-                                                                        "micro_batch_size": 1}), H100)
+    result = search(
+        Request(HYBRID, 4, 4, 256, 16, 16 * 2**30, fixed={"pp": 4, "tp": 1, "cp": 1, "micro_batch_size": 1}), H100
+    )
     plan = result.plans[0]
     stage = plan.time.compute + plan.time.tp_comm + plan.time.cp_comm + plan.time.pipeline_sends
     m, p = plan.grad_accum, plan.pp
@@ -108,14 +116,16 @@ def test_zero_3_pays_a_ring_latency_for_each_layer_it_gathers():
     assert ten - one == pytest.approx(2 * 9 * 3 * LINK.alpha_s)
 
 
-@pytest.mark.parametrize("bandwidth, overlap", [(1e9, True), (1e13, True), (1e13, False)],
-                         ids=["slow-link", "fast-link", "no-overlap"])
+@pytest.mark.parametrize(
+    "bandwidth, overlap", [(1e9, True), (1e13, True), (1e13, False)], ids=["slow-link", "fast-link", "no-overlap"]
+)
 def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_them(bandwidth, overlap):
     """Under sequence parallelism the all-gather runs beside the product of this rank's own tokens (1/TP of
     the matmul), the input gradient's reduce-scatter beside the weight gradient's product; on a profile
     without overlap (the CPU) nothing is hidden."""
-    profile = dataclasses.replace(H100, links={"intra_node": Link(1e-6, bandwidth), "inter_node": Link(1e-6, 1e9)},
-                                  overlap=overlap)
+    profile = dataclasses.replace(
+        H100, links={"intra_node": Link(1e-6, bandwidth), "inter_node": Link(1e-6, 1e9)}, overlap=overlap
+    )
     shape = RankShape(MAMBA1, micro_batch_size=2, seq_length=4096, tp=2, sequence_parallel=True)
     work = layer_work(shape, "head")
     projection = work.kernels[0]
@@ -136,8 +146,12 @@ def test_context_parallel_mamba2_adds_its_float32_state_product_recomputed_in_th
 
 def test_a_written_profile_reads_back_equal(tmp_path):
     kernels = {"ssd": Kernel(efficiency=0.35, backward_ratio=1.3, fixed_s=6e-4), "norm": Kernel(0.5, 2.0)}
-    profile = dataclasses.replace(H100, kernels=kernels, layers={"mamba": LayerFit(1e-4, 1.2, 2e-4, 0.9)},
-                                  engine={"0": EngineCost(3e-3, 1e-2), "2": EngineCost(4e-3, 2e-2)})
+    profile = dataclasses.replace(
+        H100,
+        kernels=kernels,
+        layers={"mamba": LayerFit(1e-4, 1.2, 2e-4, 0.9)},
+        engine={"0": EngineCost(3e-3, 1e-2), "2": EngineCost(4e-3, 2e-2)},
+    )
     profile.to_json(str(tmp_path / "p.json"))
     assert load_profile(str(tmp_path / "p.json")) == profile
 
@@ -181,8 +195,9 @@ def test_the_engine_costs_its_share_per_micro_batch_and_once_per_step():
 def test_the_layers_run_at_the_models_scale_and_at_the_shared_nodes_only_beside_other_ranks():
     scaled = dataclasses.replace(H100, model_scale=1.25, shared_node_scale=1.5)
     work = layer_work(RankShape(HYBRID, 2, 256), "mlp")
-    alone, beside = (layer_time("mlp", work, grid, scaled, False).compute
-                     for grid in (Grid(1, 1, 1, 1, 8), Grid(2, 1, 1, 1, 8)))
+    alone, beside = (
+        layer_time("mlp", work, grid, scaled, False).compute for grid in (Grid(1, 1, 1, 1, 8), Grid(2, 1, 1, 1, 8))
+    )
     forward, backward = kernel_seconds_of(work, scaled)
     assert alone == pytest.approx(1.25 * (forward + backward)) and beside == pytest.approx(1.5 * alone)
     assert layer_time("mlp", work, Grid(2, 1, 1, 1, 1), scaled, False).compute == pytest.approx(alone)

@@ -1,5 +1,6 @@
 """--auto-parallel's start-up choice: what the user set stays fixed, the rest is the planner's fastest plan,
 and train.py knows which flags were given."""
+
 import json
 import os
 
@@ -17,22 +18,25 @@ GiB = 2**30
 
 
 def test_flags_given_on_the_command_line_are_told_from_defaults():
-    given = load_train_script().given_flags(["--deepspeed_config", "x.json", "--model-config", "m.json", "--tp", "1",
-                                              "--auto-parallel"])
+    given = load_train_script().given_flags(
+        ["--deepspeed_config", "x.json", "--model-config", "m.json", "--tp", "1", "--auto-parallel"]
+    )
     assert given == {"deepspeed_config", "model_config", "tensor_parallel_size", "auto_parallel"}
 
 
 def test_a_given_tensor_parallel_size_and_the_jsons_zero_stage_stay_fixed():
-    choice = choose(MODEL, {"train_batch_size": 64, "zero_optimization": {"stage": 1}}, {"tp": 2}, 8, 8, 40 * GiB,
-                    2048, H100)
+    choice = choose(
+        MODEL, {"train_batch_size": 64, "zero_optimization": {"stage": 1}}, {"tp": 2}, 8, 8, 40 * GiB, 2048, H100
+    )
     assert (choice.best.tp, choice.best.zero_stage) == (2, 1)
     assert choice.runner_up is not None and choice.runner_up.time.total >= choice.best.time.total
 
 
 def test_the_choice_is_the_searchs_fastest_plan():
     free = choose(MODEL, {"train_batch_size": 64}, {}, 8, 8, 40 * GiB, 2048, H100)
-    fixed = choose(MODEL, {"train_batch_size": 64}, {"tp": free.best.tp, "pp": free.best.pp}, 8, 8, 40 * GiB, 2048,
-                   H100)
+    fixed = choose(
+        MODEL, {"train_batch_size": 64}, {"tp": free.best.tp, "pp": free.best.pp}, 8, 8, 40 * GiB, 2048, H100
+    )
     assert fixed.best == free.best
 
 

@@ -5,6 +5,7 @@ and activations. (That start-up plan is the built engine's: tests/pipelines/memo
 Plans of the tiny hybrid on 1, 2, 4 and 8 ranks: the fastest with each ZeRO stage and recompute setting,
 and with each use of TP, PP and CP.
 """
+
 import json
 import shlex
 
@@ -45,17 +46,42 @@ def test_the_plans_cover_one_to_eight_ranks_zero_0_to_2_and_recompute_on_and_off
     assert all(any(getattr(p, k) > 1 for _, p in PLANS) for k in ("tp", "pp", "cp"))
 
 
-@pytest.mark.parametrize("world, plan", PLANS, ids=[
-    f"world{w}-dp{p.dp}-cp{p.cp}-tp{p.tp}-pp{p.pp}-zero{p.zero_stage}-micro{p.micro_batch_size}"
-    f"-{'recompute' if p.recompute else 'keep'}" for w, p in PLANS])
+@pytest.mark.parametrize(
+    "world, plan",
+    PLANS,
+    ids=[
+        f"world{w}-dp{p.dp}-cp{p.cp}-tp{p.tp}-pp{p.pp}-zero{p.zero_stage}-micro{p.micro_batch_size}"
+        f"-{'recompute' if p.recompute else 'keep'}"
+        for w, p in PLANS
+    ],
+)
 def test_a_plans_memory_is_the_start_up_plan_of_the_run_its_flags_launch(tmp_path, world, plan):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": BATCH, **deepspeed_keys(plan)}))
     script = load_train_script()
-    args = script.parse_args(["--deepspeed_config", str(ds), "--model-config", str(MODEL), "--seq-length", str(SEQ),
-                              "--train-iters", "1", *shlex.split(train_flags(plan))])
+    args = script.parse_args(
+        [
+            "--deepspeed_config",
+            str(ds),
+            "--model-config",
+            str(MODEL),
+            "--seq-length",
+            str(SEQ),
+            "--train-iters",
+            "1",
+            *shlex.split(train_flags(plan)),
+        ]
+    )
     run = script.prepare(args, world)
-    start_up = plan_memory(RunShape.of_run(run.model, run.layout, run.engine_config, SEQ // run.layout.cp,
-                                           args.partition_method, args.checkpoint_activations_interval,
-                                           args.sequence_parallel))
+    start_up = plan_memory(
+        RunShape.of_run(
+            run.model,
+            run.layout,
+            run.engine_config,
+            SEQ // run.layout.cp,
+            args.partition_method,
+            args.checkpoint_activations_interval,
+            args.sequence_parallel,
+        )
+    )
     assert start_up.worst == plan.memory, (world, plan)

@@ -1,5 +1,6 @@
 """The planner's answer as a user reads it: the table ends with where the best plan's time goes and how to
 run it, and --json holds the same plans with train.py's flags and the DeepSpeed keys."""
+
 import json
 import os
 
@@ -15,8 +16,9 @@ from train_entry import ROOT
 @pytest.fixture(scope="module")
 def result():
     model = MambaConfig.from_json(os.path.join(ROOT, "launch/models/mamba2-130m.json"))
-    return search(Request(model, 8, 8, 2048, 64, 16 * 2**30),
-                  load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json")))
+    return search(
+        Request(model, 8, 8, 2048, 64, 16 * 2**30), load_profile(os.path.join(ROOT, "launch/profiles/h100-80gb.json"))
+    )
 
 
 def test_the_table_shows_every_part_of_the_best_step_and_how_to_run_it(result):
@@ -26,13 +28,16 @@ def test_the_table_shows_every_part_of_the_best_step_and_how_to_run_it(result):
     run = next(line for line in lines if line.startswith("run it:"))
     assert f"--tensor-parallel-size {best.tp} --pipeline-parallel-size {best.pp}" in run
     assert json.loads(run.split("DeepSpeed JSON ", 1)[1]) == {
-        "train_micro_batch_size_per_gpu": best.micro_batch_size, "gradient_accumulation_steps": best.grad_accum,
-        "zero_optimization": {"stage": best.zero_stage}}
+        "train_micro_batch_size_per_gpu": best.micro_batch_size,
+        "gradient_accumulation_steps": best.grad_accum,
+        "zero_optimization": {"stage": best.zero_stage},
+    }
 
 
 def test_json_lists_the_top_plans_with_their_flags_and_every_rejected_family(result):
     out = json.loads(json.dumps(search_dict(result, 3)))
-    assert [(p["dp"], p["tp"], p["pp"], p["zero_stage"]) for p in out["plans"]] == \
-        [(p.dp, p.tp, p.pp, p.zero_stage) for p in result.plans[:3]]
+    assert [(p["dp"], p["tp"], p["pp"], p["zero_stage"]) for p in out["plans"]] == [
+        (p.dp, p.tp, p.pp, p.zero_stage) for p in result.plans[:3]
+    ]
     assert out["plans"][0]["train_flags"].startswith(f"--tensor-parallel-size {result.plans[0].tp} ")
     assert len(out["rejected"]) == len(result.rejected)

@@ -1,5 +1,6 @@
 """The planner: every plan it lists fits as the start-up check decides, settings the user fixed are kept,
 impossible layouts are rejected by family with their rule, and impossible requests are one clear error."""
+
 import os
 
 import pytest
@@ -30,8 +31,16 @@ def small_search():
 def test_every_listed_plan_passes_the_start_up_memory_check(small_search):
     assert small_search.plans
     for plan in small_search.plans[:20]:
-        shape = run_shape(small_search.request, plan.dp, plan.cp, plan.tp, plan.pp, plan.zero_stage,
-                           plan.micro_batch_size, plan.recompute)
+        shape = run_shape(
+            small_search.request,
+            plan.dp,
+            plan.cp,
+            plan.tp,
+            plan.pp,
+            plan.zero_stage,
+            plan.micro_batch_size,
+            plan.recompute,
+        )
         memory = plan_memory(shape)
         assert memory.worst == plan.memory
         assert refusal(memory, 16 * GiB) is None, plan
@@ -49,8 +58,9 @@ def test_every_plan_keeps_the_global_batch(small_search):
 
 
 def test_a_fixed_setting_is_kept_and_the_rest_chosen():
-    result = search(Request(model("mamba2-130m.json"), 8, 8, 2048, 64, 16 * GiB, fixed={"tp": 2, "zero_stage": 1}),
-                    H100)
+    result = search(
+        Request(model("mamba2-130m.json"), 8, 8, 2048, 64, 16 * GiB, fixed={"tp": 2, "zero_stage": 1}), H100
+    )
     assert result.plans and all(p.tp == 2 and p.zero_stage == 1 for p in result.plans)
 
 
@@ -68,9 +78,15 @@ def test_a_pipeline_with_zero_2_fixed_is_refused_naming_the_engine():
 
 
 def test_tensor_parallel_sizes_the_heads_do_not_divide_are_rejected_with_the_numbers():
-    hybrid = MambaConfig(d_model=96, n_layer=3, vocab_size=257, hybrid_layer_pattern="M*-", d_intermediate=192,
-                         attn_cfg={"num_heads": 6, "num_heads_kv": 2, "causal": True},
-                         ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16})
+    hybrid = MambaConfig(
+        d_model=96,
+        n_layer=3,
+        vocab_size=257,
+        hybrid_layer_pattern="M*-",
+        d_intermediate=192,
+        attn_cfg={"num_heads": 6, "num_heads_kv": 2, "causal": True},
+        ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16},
+    )
     result = search(Request(hybrid, 8, 8, 256, 16, 16 * GiB), H100)
     reasons = {r.family: r.reason for r in result.rejected}
     assert "num_heads = 6 is not divisible by TP = 4" in reasons["dp 2 x cp 1 x tp 4 x pp 1"]
@@ -83,15 +99,17 @@ def test_more_gpus_per_node_than_gpus_is_refused_with_the_fix():
 
 
 def test_a_model_that_fits_nowhere_names_the_closest_plan_and_the_memory_it_needs():
-    with pytest.raises(PlanError, match=r"no plan fits 1 GPU of 16\.0 GiB: the closest, dp 1 x cp 1 x tp 1 x pp 1, "
-                                        r"does not fit: at best .* GiB per GPU"):
+    with pytest.raises(
+        PlanError,
+        match=r"no plan fits 1 GPU of 16\.0 GiB: the closest, dp 1 x cp 1 x tp 1 x pp 1, "
+        r"does not fit: at best .* GiB per GPU",
+    ):
         search(Request(model("mamba2-7b.json"), 1, 1, 2048, 8, 16 * GiB), H100)
 
 
 def test_a_batch_no_data_parallel_size_splits_is_refused_with_the_fix():
     with pytest.raises(PlanError, match="global batch 3 splits over no data-parallel size of 8 GPUs"):
-        search(Request(model("mamba2-130m.json"), 8, 8, 2048, 3, 16 * GiB, fixed={"tp": 1, "pp": 1, "cp": 1}),
-               H100)
+        search(Request(model("mamba2-130m.json"), 8, 8, 2048, 3, 16 * GiB, fixed={"tp": 1, "pp": 1, "cp": 1}), H100)
 
 
 def test_a_7b_plan_for_64_gpus_passes_the_start_up_checks_at_that_world_size():
@@ -100,14 +118,24 @@ def test_a_7b_plan_for_64_gpus_passes_the_start_up_checks_at_that_world_size():
     request = Request(model("mamba2-7b.json"), 64, 8, 4096, 512, H100.device_memory_bytes)
     result = search(request, H100)
     for plan in result.plans[:3]:
-        ds_config = {"train_batch_size": 512, "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-                     "zero_optimization": {"stage": plan.zero_stage}, "bf16": {"enabled": True}}
+        ds_config = {
+            "train_batch_size": 512,
+            "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+            "zero_optimization": {"stage": plan.zero_stage},
+            "bf16": {"enabled": True},
+        }
         layout = resolve_layout(64, plan.tp, plan.pp, ds_config, plan.cp)
         assert (layout.dp, layout.grad_accum) == (plan.dp, plan.grad_accum)
         check_run(layout, ds_config, request.model, 4096, plan.sequence_parallel, None)
-        shape = RunShape.of_run(request.model, layout, engine_config(ds_config, layout, None, plan.sequence_parallel),
-                                4096 // plan.cp, DEFAULT_PARTITION, 1 if plan.recompute else 0,
-                                plan.sequence_parallel)
+        shape = RunShape.of_run(
+            request.model,
+            layout,
+            engine_config(ds_config, layout, None, plan.sequence_parallel),
+            4096 // plan.cp,
+            DEFAULT_PARTITION,
+            1 if plan.recompute else 0,
+            plan.sequence_parallel,
+        )
         memory = plan_memory(shape)
         assert memory.worst.total == plan.memory.total
         assert refusal(memory, H100.device_memory_bytes) is None, plan
@@ -125,8 +153,9 @@ def test_tensor_parallel_sizes_beyond_a_node_are_one_rejection():
 
 
 def test_a_fixed_tensor_parallel_size_beyond_a_node_is_refused_by_its_rule():
-    with pytest.raises(PlanError, match="can run this model and sequence: tp 16 would span nodes of 8 GPUs: use tp 8 "
-                                        "or less$"):
+    with pytest.raises(
+        PlanError, match="can run this model and sequence: tp 16 would span nodes of 8 GPUs: use tp 8 or less$"
+    ):
         search(Request(model("mamba2-130m.json"), 32, 8, 2048, 64, 16 * GiB, fixed={"tp": 16}), H100)
 
 

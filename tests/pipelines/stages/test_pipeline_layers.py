@@ -3,6 +3,7 @@
 Here the layer specs are built and chained in one process, named as DeepSpeed names them
 (`<index>.<name>`, `tied_modules.embed.*`); the multi-rank tests run the real PipelineModule.
 """
+
 import dataclasses
 import functools
 
@@ -81,12 +82,15 @@ def test_the_chained_pipeline_layers_give_the_models_logits_bit_for_bit():
         assert torch.equal(chain(ids), model(ids)), f"seed {SEED}"
 
 
-@pytest.mark.parametrize("path, tied", [
-    (CONFIGS[1], True),
-    pytest.param(CONFIGS[0], False, marks=pytest.mark.slow),
-    pytest.param(CONFIGS[0], True, marks=pytest.mark.slow),
-    pytest.param(CONFIGS[1], False, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "path, tied",
+    [
+        (CONFIGS[1], True),
+        pytest.param(CONFIGS[0], False, marks=pytest.mark.slow),
+        pytest.param(CONFIGS[0], True, marks=pytest.mark.slow),
+        pytest.param(CONFIGS[1], False, marks=pytest.mark.slow),
+    ],
+)
 def test_chained_pipeline_layers_match_the_single_device_model(path, tied):
     config, model, ids, labels = _setup(path, tied)
     ref_loss, ref_grads = _reference(model, config, ids, labels)
@@ -118,12 +122,15 @@ def test_loading_a_state_dict_that_lacks_a_parameter_names_it():
         load_mamba_state_dict(ChainedSpecs(config), state, config)
 
 
-@pytest.mark.parametrize("path, interval", [
-    (CONFIGS[1], 0),
-    pytest.param(CONFIGS[1], 2, marks=pytest.mark.slow),
-    pytest.param(CONFIGS[0], 2, marks=pytest.mark.slow),
-    pytest.param(CONFIGS[0], 1, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "path, interval",
+    [
+        (CONFIGS[1], 0),
+        pytest.param(CONFIGS[1], 2, marks=pytest.mark.slow),
+        pytest.param(CONFIGS[0], 2, marks=pytest.mark.slow),
+        pytest.param(CONFIGS[0], 1, marks=pytest.mark.slow),
+    ],
+)
 def test_plain_module_matches_the_model_with_and_without_activation_checkpointing(path, interval):
     config, model, ids, labels = _setup(path)
     ref_loss, ref_grads = _reference(model, config, ids, labels)

@@ -1,4 +1,5 @@
 """Pipeline parameter names <-> mamba_ssm names: a bijection over every parameter, tied or not."""
+
 import dataclasses
 
 import pytest

@@ -1,6 +1,7 @@
 """Pipeline stages by cost: each layer weighs its forward FLOPs at the run's sequence length, so a hybrid's
 stages even out its attention, MLP and Mamba layers and the head where counting layers does not; a
 pattern's | marks set the stages. (That the engine builds these stages: test_pipeline_stages.py.)"""
+
 import dataclasses
 import itertools
 import random
@@ -29,14 +30,21 @@ def test_cost_balances_a_hybrids_stages_better_than_counting_blocks(pp):
     blocks, cost = (imbalance(stage_costs(NEMOTRON, b, 8192)) for b in (by_blocks, by_cost))
     print(f"pp {pp}: type:Block {by_blocks} imbalance {blocks:.3f}, cost {by_cost} imbalance {cost:.3f}")
     assert cost < blocks and cost < 1.08, (blocks, cost)
-    assert cost <= min(imbalance(stage_costs(NEMOTRON, _bounds(NEMOTRON, pp, m, 8192), 8192))
-                       for m in ("uniform", "parameters"))
+    assert cost <= min(
+        imbalance(stage_costs(NEMOTRON, _bounds(NEMOTRON, pp, m, 8192), 8192)) for m in ("uniform", "parameters")
+    )
 
 
 def test_attention_makes_the_stages_depend_on_the_sequence_length():
     """QK^T and AV grow with the sequence: at 64K tokens the attention-heavy first stage takes fewer blocks."""
-    config = MambaConfig(d_model=64, n_layer=8, vocab_size=64, hybrid_layer_pattern="**MMMMMM",
-                         attn_cfg={"num_heads": 4, "head_dim": 16, "causal": True}, ssm_cfg={"layer": "Mamba2"})
+    config = MambaConfig(
+        d_model=64,
+        n_layer=8,
+        vocab_size=64,
+        hybrid_layer_pattern="**MMMMMM",
+        attn_cfg={"num_heads": 4, "head_dim": 16, "causal": True},
+        ssm_cfg={"layer": "Mamba2"},
+    )
     short, long = cost_bounds(config, 2, 128), cost_bounds(config, 2, 65536)
     assert short[1] > long[1] == 2, (short, long)  # embedding and the two attention blocks alone
 
@@ -48,7 +56,8 @@ def test_pure_mamba_stages_move_blocks_off_the_last_stage_for_the_head():
     by_cost = _bounds(config, 4, "cost", 2048)
     assert [b - a for a, b in zip(by_cost, by_cost[1:])] == [14, 13, 13, 11]  # embedding, norm, head: layers too
     assert imbalance(stage_costs(config, by_cost, 2048)) < imbalance(
-        stage_costs(config, _bounds(config, 4, "type:Block", 2048), 2048))
+        stage_costs(config, _bounds(config, 4, "type:Block", 2048), 2048)
+    )
 
 
 def test_the_heaviest_stage_is_minimal_then_the_rest_spread_evenly_lighter_first():
@@ -65,8 +74,10 @@ def test_balanced_cuts_equal_an_exhaustive_search():
     for trial in range(200):
         weights = [rng.choice([1, 1, 2, 3, 0.5, 40]) for _ in range(rng.randint(1, 8))]
         parts = rng.randint(1, len(weights))
-        best = min(_score(weights, [0, *inner, len(weights)])
-                   for inner in itertools.combinations(range(1, len(weights)), parts - 1))
+        best = min(
+            _score(weights, [0, *inner, len(weights)])
+            for inner in itertools.combinations(range(1, len(weights)), parts - 1)
+        )
         assert _score(weights, balanced_cuts(weights, parts)) == best, (trial, weights, parts)
 
 

@@ -1,6 +1,7 @@
 """The real PipelineModule at (tp, pp) = (2, 2): every stage's parameters, gathered over TP and named the
 mamba_ssm way, together are exactly the single-device model's initial state dict; its stages are the
 memory plan's `stage_bounds` (the default "cost" partition, a hybrid's | marks, DeepSpeed's "type:Block")."""
+
 import pytest
 import torch
 
@@ -10,8 +11,12 @@ pytestmark = pytest.mark.slow
 
 SEED = 5
 SEQ = 48
-HYBRID = {"hybrid_layer_pattern": "*M-", "d_intermediate": 96, "mlp_activation": "squared_relu",
-          "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True}}
+HYBRID = {
+    "hybrid_layer_pattern": "*M-",
+    "d_intermediate": 96,
+    "mlp_activation": "squared_relu",
+    "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True},
+}
 CASES = [  # model, tie_embeddings, partition method, model changes
     ("launch/models/tiny-mamba2.json", True, "cost", {}),
     ("launch/models/tiny-mamba1.json", False, "type:Block", {}),

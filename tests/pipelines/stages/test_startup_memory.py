@@ -10,6 +10,7 @@ process itself (torch, DeepSpeed, the training data). Before freed tensors were 
 (`pipelines.memory.host`) a (1,2,2) rank reached 2.0-2.2 GiB; before ranks built only their own
 pieces, it also held the whole model once.
 """
+
 import subprocess
 import sys
 
@@ -22,7 +23,18 @@ MODEL = ROOT / "launch/models/mamba2-370m.json"
 
 @pytest.mark.slow
 def test_a_tp2_pp2_rank_starts_with_at_most_two_fifths_of_the_single_rank_memory():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/startup_memory.py"), "--model-config", str(MODEL),
-                           "--max-ratio", "0.4"], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/startup_memory.py"),
+            "--model-config",
+            str(MODEL),
+            "--max-ratio",
+            "0.4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

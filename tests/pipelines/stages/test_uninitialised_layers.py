@@ -1,5 +1,6 @@
 """The pipeline's layer specs build their layers without drawing their default initialisation, with the
 same parameters (names, shapes, dtypes, marks) as the layers built the DeepSpeed way."""
+
 import dataclasses
 
 import pytest
@@ -27,8 +28,10 @@ def _tp(size: int):
 
 
 def _described(module: nn.Module) -> dict:
-    return {name: (p.shape, p.dtype, p.device, p.requires_grad, {m: getattr(p, m) for m in MARKS if hasattr(p, m)})
-            for name, p in module.named_parameters()}
+    return {
+        name: (p.shape, p.dtype, p.device, p.requires_grad, {m: getattr(p, m) for m in MARKS if hasattr(p, m)})
+        for name, p in module.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
