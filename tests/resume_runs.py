@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from distributed import free_port, run_ranks
+from run_cache import RunCache, shared_dir
 from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 
 FAULT_INJECTION_PY = str(ROOT / "tests" / "fault_injection.py")
@@ -176,12 +177,15 @@ def resume_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def resume_reference(resume_runs):
-    """(1,1,1) without ZeRO, 8 steps, one checkpoint every 4 steps: its records and save directory."""
-    out = resume_runs.new_dir()
-    run = resume_runs.direct(
-        resume_runs.argv(out, zero=0, flags=["--save", str(out / "ckpt"), "--save-interval", str(SAVE_AT)]), out=out
-    )
+def resume_reference(resume_runs, tmp_path_factory):
+    """(1,1,1) without ZeRO, 8 steps, one checkpoint every 4 steps: its records and save directory (made
+    once for all xdist workers)."""
+
+    def make(out: Path) -> dict:
+        argv = resume_runs.argv(out, zero=0, flags=["--save", str(out / "ckpt"), "--save-interval", str(SAVE_AT)])
+        return resume_runs.direct(argv, out=out)
+
+    run = RunCache(shared_dir(tmp_path_factory, "resume_reference")).get("resume_reference", make)
     assert run["returncode"] == 0, run["stdout"][-3000:] + run["stderr"][-3000:]
     assert [r["step"] for r in run["records"]] == list(range(STEPS))
     return run

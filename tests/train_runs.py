@@ -1,4 +1,5 @@
-"""Training runs shared by the tests that compare whole runs: each distinct run happens once per session.
+"""Training runs shared by the tests that compare whole runs: each distinct run happens once per session,
+whichever xdist worker asks first (tests/run_cache.py).
 
 Models: the tiny Mamba-1 / Mamba-2 / hybrid configs of launch/models with n_layer = 3, which two
 pipeline stages cannot split evenly; the hybrid's 3 layers are one of each kind ("M*-"), with one
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from distributed import free_port, run_ranks
+from run_cache import RunCache, shared_dir, write_atomically
 from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
 
 N_LAYER = 3
@@ -57,7 +59,7 @@ def losses(records, key="loss"):
 class Runs:
     def __init__(self, root: Path):
         self.root = root
-        self._cache = {}
+        self._cache = RunCache(root)
         self.extensions_dir = os.environ["TORCH_EXTENSIONS_DIR"]
 
     def model_config(self, mixer: str) -> str:
@@ -66,13 +68,13 @@ class Runs:
             config = {**json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()), "n_layer": N_LAYER}
             if mixer == "hybrid":
                 config.update(hybrid_layer_pattern=HYBRID_PATTERN, attn_cfg={**config["attn_cfg"], "num_heads_kv": 1})
-            path.write_text(json.dumps(config))
+            write_atomically(path, json.dumps(config))
         return str(path)
 
     def ds_config(self, **changes) -> str:
         config = {**json.loads(DS_CONFIG.read_text()), **changes}
         path = self.root / f"ds-{hashlib.md5(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]}.json"
-        path.write_text(json.dumps(config))
+        write_atomically(path, json.dumps(config))
         return str(path)
 
     def _argv(self, mixer, flags, ds_config, out):
@@ -91,48 +93,46 @@ class Runs:
         """Rank summaries of a run on `world` directly spawned ranks, with `faults` (tests/fault_injection.py's
         `install` keywords) injected."""
         key = ("spawned", world, mixer, tuple(flags), ds_config, json.dumps(faults, sort_keys=True))
-        if key not in self._cache:
-            out = self.root / f"run{len(self._cache)}"
-            out.mkdir()
-            self._cache[key] = run_ranks(
+        return self._cache.get(
+            key,
+            lambda out: run_ranks(
                 run_train,
                 world,
                 args=(self._argv(mixer, flags, ds_config, out), self.extensions_dir, faults),
                 init_process_group=False,
                 timeout=300,
-            )
-        return self._cache[key]
+            ),
+        )
 
     def launched(self, world: int, mixer: str, flags=(), ds_config=None) -> dict:
         """`deepspeed --num_gpus world launch/train.py ...`: its stdout, exit code and JSONL records."""
         key = ("launched", world, mixer, tuple(flags), ds_config)
-        if key not in self._cache:
-            out = self.root / f"run{len(self._cache)}"
-            out.mkdir()
-            cmd = [
-                str(DEEPSPEED),
-                "--num_gpus",
-                str(world),
-                "--master_port",
-                str(free_port()),
-                str(TRAIN_PY),
-                *self._argv(mixer, flags, ds_config, out),
-            ]
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-            self._cache[key] = {
-                "returncode": proc.returncode,
-                "stdout": proc.stdout,
-                "stderr": proc.stderr,
-                "records": read_metrics(out / "metrics.jsonl"),
-                "dir": out,
-            }
-        return self._cache[key]
+        return self._cache.get(key, lambda out: self._launch(world, mixer, flags, ds_config, out))
+
+    def _launch(self, world, mixer, flags, ds_config, out: Path) -> dict:
+        cmd = [
+            str(DEEPSPEED),
+            "--num_gpus",
+            str(world),
+            "--master_port",
+            str(free_port()),
+            str(TRAIN_PY),
+            *self._argv(mixer, flags, ds_config, out),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
+        return {
+            "returncode": proc.returncode,
+            "stdout": proc.stdout,
+            "stderr": proc.stderr,
+            "records": read_metrics(out / "metrics.jsonl"),
+            "dir": out,
+        }
 
 
 @pytest.fixture(scope="session")
 def train_runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("train_runs"))
+    return Runs(shared_dir(tmp_path_factory, "train_runs"))
 
 
 @pytest.fixture(scope="session")
@@ -142,17 +142,19 @@ def packed_documents(tmp_path_factory):
     from megamamba.corpus import python_docs
     from megamamba.data.preprocess import preprocess
 
-    root = tmp_path_factory.mktemp("packed_documents")
-    corpus = root / "lines.jsonl"
-    with open(corpus, "w") as f:
-        for doc in python_docs()[:20]:
-            for line in doc.split("\n"):
-                if line.strip():
-                    f.write(json.dumps({"text": line.strip()}) + "\n")
-    train, valid = preprocess(
-        [str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1, progress_stream=io.StringIO()
-    )
-    return ["--data", train, "--valid-data", valid]
+    def make(root: Path) -> list:
+        corpus = root / "lines.jsonl"
+        with open(corpus, "w") as f:
+            for doc in python_docs()[:20]:
+                for line in doc.split("\n"):
+                    if line.strip():
+                        f.write(json.dumps({"text": line.strip()}) + "\n")
+        train, valid = preprocess(
+            [str(corpus)], "bytes", str(root / "lines"), valid_fraction=0.1, progress_stream=io.StringIO()
+        )
+        return ["--data", train, "--valid-data", valid]
+
+    return RunCache(shared_dir(tmp_path_factory, "packed_documents")).get("packed_documents", make)
 
 
 @pytest.fixture(scope="session")
