@@ -49,6 +49,7 @@ setup(
     extras_require={
         "dev": [
             "pytest>=9.2,<10",
+            "pytest-xdist>=3.8,<4",
             "ninja>=1.13",
             "transformers>=5.25,<6",
             "ruff>=0.17,<0.18",

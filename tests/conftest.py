@@ -27,7 +27,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     interpreter_bf16.install()
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Workers of pytest-xdist share the cores: each computes on its share of them.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 os.environ["MEGAMAMBA_STRICT_COLLECTIVES"] = "1"
 _STRICT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "strict_site")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_STRICT_SITE, os.environ.get("PYTHONPATH")) if p)
