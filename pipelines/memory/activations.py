@@ -86,9 +86,8 @@ def mixer_bytes_per_token(shape: ActivationShape) -> int:
     if isinstance(opts, Mamba1Options):
         d_inner = model.d_inner // shape.tp
         x_proj_out = model.dt_rank + 2 * opts.d_state
-        scan_states = STREAM * d_inner * opts.d_state // SCAN_CHECKPOINT_STEPS
-        # normed input, in_proj out (x, z), conv out, x_proj out, delta, scan states, scan out
-        return a * (d + 2 * d_inner + d_inner + x_proj_out + d_inner + d_inner) + scan_states
+        # normed input, in_proj out (x, z), conv out, x_proj out, delta, scan out (its states: _scan_state_bytes)
+        return a * (d + 2 * d_inner + d_inner + x_proj_out + d_inner + d_inner)
     d_inner, nheads, bc, replicated = _mamba2_widths(shape)
     in_proj_out = 2 * d_inner + 2 * bc + nheads
     conv_out = d_inner + 2 * bc
@@ -144,6 +143,16 @@ def block_bytes_per_token(shape: ActivationShape, kind: str) -> int:
     if shape.model.mlp_inside_blocks:
         kept += stream + normed + mlp_bytes_per_token(shape)
     return stream + kept
+
+
+def _scan_state_bytes(shape: ActivationShape, kind: str) -> int:
+    """Mamba-1's Triton scan keeps the float32 state entering each of a sequence's chunks: a whole chunk's for a
+    sequence that ends inside one."""
+    opts = shape.model.mixer_options
+    if kind != "mamba" or not isinstance(opts, Mamba1Options):
+        return 0
+    chunks = math.ceil(shape.seq_length / SCAN_CHECKPOINT_STEPS)
+    return STREAM * shape.micro_batch_size * chunks * (shape.model.d_inner // shape.tp) * opts.d_state
 
 
 def _block_constant_bytes(shape: ActivationShape, kind: str) -> int:
@@ -228,7 +237,9 @@ def _layer_table(shape: ActivationShape, last_layer: int) -> tuple:
     copy = 2 if shape.autocast else 0
     blocks = {
         kind: (
-            block_bytes_per_token(shape, kind) * shape.tokens + _block_constant_bytes(shape, kind),
+            block_bytes_per_token(shape, kind) * shape.tokens
+            + _scan_state_bytes(shape, kind)
+            + _block_constant_bytes(shape, kind),
             copy * _linear_weights_per_block(shape, kind),
         )
         for kind in set(shape.model.block_kinds)

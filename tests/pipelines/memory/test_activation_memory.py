@@ -125,6 +125,9 @@ def _tiny(mixer: str) -> MambaConfig:
     return MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
 
 
+# On the kernels: sequences end inside a chunk (Mamba-2's chunk is 32, the selective scan's 16).
+BATCH, SEQLEN = 2, 40
+
 SLOW_CASES = [
     ("mamba1", True),
     ("pattern", False),
@@ -142,14 +145,14 @@ SLOW_CASES = [
 def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(monkeypatch, mixer, autocast):
     """Hybrids without documents: CPU attention then runs SDPA's fused (flash) kernel, which keeps what the GPU's
     kernels keep (with documents the CPU path adds its boolean seqlen x seqlen mask, which the GPU never has).
-    Mamba-1 (25 s interpreted) in bf16 only here: its float32 is checked at TP 2 below."""
+    Mamba-1 (about 20 s interpreted) in bf16 only here: its float32 is checked at TP 2 below."""
     monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
     config = _tiny(mixer)
     torch.manual_seed(0)
-    input_ids = torch.randint(0, config.vocab_size, (2, 64))
+    input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQLEN))
     measured = _kept_by_autograd(PlainLM(MambaLM(config)), input_ids, autocast)
     last = config.n_layer + 2
-    estimated = kept_bytes(ActivationShape(config, 2, 64, autocast=autocast), 0, last + 1, last)
+    estimated = kept_bytes(ActivationShape(config, BATCH, SEQLEN, autocast=autocast), 0, last + 1, last)
     print(f"{mixer} {'bf16 autocast' if autocast else 'float32'}: kept {measured} bytes, estimated {estimated}")
     assert abs(estimated - measured) <= 0.01 * measured, (measured, estimated)
 
@@ -163,13 +166,13 @@ def _kept_at_tp2(mixer: str, sequence_parallel: bool) -> list:
     tp = ParallelGroups(2, 1, 1).tensor_parallel(sequence_parallel)
     torch.manual_seed(0)
     model = PlainLM(MambaLM(config, tp=tp))
-    input_ids = torch.randint(0, config.vocab_size, (2, 64))
+    input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQLEN))
     last = config.n_layer + 2
     return [
         (
             _kept_by_autograd(model, input_ids, autocast),
             kept_bytes(
-                ActivationShape(config, 2, 64, tp=2, sequence_parallel=sequence_parallel, autocast=autocast),
+                ActivationShape(config, BATCH, SEQLEN, tp=2, sequence_parallel=sequence_parallel, autocast=autocast),
                 0,
                 last + 1,
                 last,
