@@ -2,15 +2,18 @@
 against the keys from position 0, through torch's fused kernels: SDPA's causal paths without documents;
 with documents FlexAttention's block mask on CUDA (no seqlen x seqlen mask), a boolean mask on the CPU.
 A document is a run of equal ids, as the Mamba layers reset their state where the id changes.
+torch.nn.attention's modules import TorchDynamo (about a second per process), so they are imported where
+used: a Mamba-only run, and every rank and command-line tool that imports the package, never pays for them.
 """
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 TILE = 128  # FlexAttention's default block size, queries and keys
 
@@ -37,6 +40,8 @@ def causal_attention(
         if q_start == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
+            from torch.nn.attention.bias import causal_lower_right
+
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=causal_lower_right(lq, k.shape[2]), scale=scale, enable_gqa=gqa
             )
@@ -70,7 +75,7 @@ def document_mask(ids: torch.Tensor, q_start: int) -> torch.Tensor:
     return (k_pos <= q_pos) & (k_pos >= first)
 
 
-def document_block_mask(ids: torch.Tensor, q_start: int) -> BlockMask:
+def document_block_mask(ids: torch.Tensor, q_start: int) -> "BlockMask":
     """FlexAttention's block mask of `document_mask`, from each TILE x TILE tile's bounds alone.
 
     Query q reads the keys [first(q), q], and first(q) never decreases with q, so the queries of a tile row
@@ -78,6 +83,8 @@ def document_block_mask(ids: torch.Tensor, q_start: int) -> BlockMask:
     one inside every query's interval (and not cut by the sequence's end) is full and needs no mask.
     Work and memory are (lq / TILE) x (lk / TILE) per row.
     """
+    from torch.nn.attention.flex_attention import BlockMask
+
     lk = ids.shape[1]
     lq = lk - q_start
     first = document_starts(ids)[:, q_start:]  # (batch, lq)
@@ -115,4 +122,6 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache
 def _compiled_flex_attention():
     """FlexAttention compiled once per process (recompiled per shape); uncompiled it materialises the scores."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention, dynamic=False)
