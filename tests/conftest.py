@@ -58,9 +58,3 @@ def _no_leaked_deepspeed_shm_buffers():
                 os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def pytest_collection_modifyitems(items):
-    """Slow tests first: pytest-xdist then hands out the long files while the short ones can still fill
-    the other worker's gaps, instead of one worker ending the session alone on a long file."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
