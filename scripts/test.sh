@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Run the test suite in the project's venv, on two pytest-xdist workers (each test file stays on one
-# worker, so a module's fixtures run once; tests/run_cache.py shares the session's runs between them).
-# Arguments go to pytest, e.g. `-m "not slow"` (the fast tier), or `-n 0` for one process.
+# Run the test suite in the project's venv. Arguments go to pytest, e.g. `-m "not slow"` (the fast tier).
+# `-n 2 --dist loadfile` runs it on two pytest-xdist workers (docs/testing.md says what that gives today).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+exec .venv/bin/python -m pytest "$@"
