@@ -209,8 +209,7 @@ def assert_recovers(save_dir, scenario: str, where: str) -> None:
 def test_nothing_changes_when_the_model_tensors_do_not_fit_the_config(tmp_path):
     save(tmp_path, 1)
     before = snapshot(str(tmp_path))
-    bad = weights(2)
-    bad["backbone.layers.0.mixer.D"] = torch.ones(5)
+    bad = {**weights(2), "backbone.layers.0.mixer.D": torch.ones(5)}  # a copy: weights() is cached
     with pytest.raises(
         files.CheckpointError,
         match=r"backbone.layers.0.mixer.D has shape \(5,\), the model config "
