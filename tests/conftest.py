@@ -27,6 +27,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     interpreter_bf16.install()
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+# Processes the tests start find the venv's tools first, as in an activated venv. DeepSpeed builds its op
+# with whichever `ninja` PATH finds; the venv's (1.13) and a system one (1.11) log different command
+# hashes, so each rebuilt the op (25 s on 2 cores, every rank waiting) after the other had built it.
+os.environ["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), os.environ.get("PATH")) if p)
 # Workers of pytest-xdist share the cores: each computes on its share of them.
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 os.environ["MEGAMAMBA_STRICT_COLLECTIVES"] = "1"
