@@ -62,3 +62,11 @@ def _no_leaked_deepspeed_shm_buffers():
                 os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_compile_cache(tmp_path_factory):
+    """torch.compile's caches (Inductor's FX graphs, AOTAutograd's) in this session's (and xdist worker's)
+    own folder, not the machine-wide /tmp/torchinductor_$USER that earlier runs of other checkouts and the
+    other worker write: no test reads a compiled graph it did not make."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("torchinductor"))
