@@ -34,6 +34,11 @@ os.environ["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable)
 # Workers of pytest-xdist share the cores: each computes on its share of them.
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 os.environ["MEGAMAMBA_STRICT_COLLECTIVES"] = "1"
+# A pytest-xdist worker is itself a process started with this environment, so its sitecustomize turned strict
+# mode on; tests run in a plain process, as in one pytest process (the mode's torch-function hook made
+# TorchDynamo graph-break inside Tensor.unflatten). Strict mode is for the processes the tests start.
+if "strict_collectives" in sys.modules:
+    sys.modules["strict_collectives"].uninstall()
 _STRICT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "strict_site")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_STRICT_SITE, os.environ.get("PYTHONPATH")) if p)
 

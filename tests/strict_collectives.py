@@ -179,6 +179,7 @@ class StrictMode(TorchFunctionMode):
 
 
 MODE: StrictMode | None = None
+_UNWRAPPED: dict = {}  # (module, name) -> the collective install() wrapped
 
 
 def _check_tensors(name: str, args, kwargs) -> None:
@@ -233,10 +234,24 @@ def install() -> StrictMode:
     for module in (dist, distributed_c10d):
         for name in TENSOR_COLLECTIVES:
             if hasattr(module, name):
+                _UNWRAPPED[module, name] = getattr(module, name)
                 setattr(module, name, _wrap_tensor_collective(name, getattr(module, name)))
         for name, argument in OBJECT_COLLECTIVES.items():
             if hasattr(module, name):
+                _UNWRAPPED[module, name] = getattr(module, name)
                 setattr(module, name, _wrap_object_collective(name, argument, getattr(module, name)))
     MODE = StrictMode()
     MODE.__enter__()
     return MODE
+
+
+def uninstall() -> None:
+    """Turn strict mode off in this process again: the torch-function mode left, the collectives unwrapped."""
+    global MODE
+    if MODE is None:
+        return
+    MODE.__exit__(None, None, None)
+    for (module, name), original in _UNWRAPPED.items():
+        setattr(module, name, original)
+    _UNWRAPPED.clear()
+    MODE = None

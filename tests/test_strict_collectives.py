@@ -95,3 +95,14 @@ def test_processes_started_by_tests_run_in_strict_mode():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
+def test_uninstall_leaves_a_launched_process_without_strict_mode():
+    """What tests/conftest.py does in a pytest-xdist worker, which starts in strict mode like any launched process."""
+    code = (
+        "import strict_collectives, torch, torch.distributed as d; strict_collectives.uninstall(); "
+        "print(strict_collectives.MODE, d.all_reduce.__code__.co_filename == strict_collectives.__file__, "
+        "torch._C._len_torch_function_stack())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
+    assert out.stdout.split() == ["None", "False", "0"], out.stdout + out.stderr
