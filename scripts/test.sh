@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run the test suite in the project's venv. Arguments go to pytest, e.g. `-m "not slow"` (the fast tier).
-# `-n 2 --dist loadfile` runs it on two pytest-xdist workers (docs/testing.md says what that gives today).
+# Run the test suite in the project's venv on two pytest-xdist workers (`--dist loadfile`: a file stays on one
+# worker, so its module fixtures run once). Arguments go to pytest, e.g. `-m "not slow"` (the fast tier);
+# `-n 0` runs one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
