@@ -2,8 +2,8 @@
 
 Two host names for one private sshd on loopback (`localhost`, `127.0.0.1`), 2 slots each. The
 remote shells start with sshd's clean environment: what the ranks need (the torch-extension
-cache, one thread) reaches them through `.deepspeed_env` in the working directory, as on a
-cluster; PYTHONPATH is exported by DeepSpeed itself.
+cache and the PATH whose `ninja` built it, one thread) reaches them through `.deepspeed_env` in the
+working directory, as on a cluster; PYTHONPATH is exported by DeepSpeed itself.
 """
 
 import os
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(sshd.unavailable() is not Non
 
 def test_pdsh_over_ssh_trains_the_one_node_curve_bit_for_bit(tmp_path):
     (tmp_path / ".deepspeed_env").write_text(
-        f"TORCH_EXTENSIONS_DIR={os.environ['TORCH_EXTENSIONS_DIR']}\nOMP_NUM_THREADS=1\n"
+        f"TORCH_EXTENSIONS_DIR={os.environ['TORCH_EXTENSIONS_DIR']}\nPATH={os.environ['PATH']}\nOMP_NUM_THREADS=1\n"
     )
     hostfile = write_hostfile(tmp_path / "hostfile", {"localhost": 2, "127.0.0.1": 2})
     with sshd.loopback_sshd(tmp_path / "sshd") as daemon:
