@@ -234,12 +234,12 @@ def install() -> StrictMode:
     for module in (dist, distributed_c10d):
         for name in TENSOR_COLLECTIVES:
             if hasattr(module, name):
-                _UNWRAPPED[module, name] = getattr(module, name)
-                setattr(module, name, _wrap_tensor_collective(name, getattr(module, name)))
+                original = _UNWRAPPED[module, name] = getattr(module, name)
+                setattr(module, name, _wrap_tensor_collective(name, original))
         for name, argument in OBJECT_COLLECTIVES.items():
             if hasattr(module, name):
-                _UNWRAPPED[module, name] = getattr(module, name)
-                setattr(module, name, _wrap_object_collective(name, argument, getattr(module, name)))
+                original = _UNWRAPPED[module, name] = getattr(module, name)
+                setattr(module, name, _wrap_object_collective(name, argument, original))
     MODE = StrictMode()
     MODE.__enter__()
     return MODE
