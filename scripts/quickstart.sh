@@ -18,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/quickstart}
 STEPS=${QUICKSTART_STEPS:-200}
+EVAL_INTERVAL=$(( STEPS >= 4 ? STEPS / 4 : 1 ))  # four validations over the run
 MODEL=(--model-config launch/models/quickstart-mamba2.json)
 if [ -n "${QUICKSTART_PATTERN:-}" ]; then
   MODEL=(--model-config launch/models/quickstart-hybrid.json --hybrid-layer-pattern "$QUICKSTART_PATTERN")
@@ -51,7 +52,7 @@ PORT=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); pri
   --deepspeed_config launch/configs/quickstart-cpu.json "${MODEL[@]}" \
   --tokenizer "$OUT/data/spm.model" --data "$OUT/data/corpus_train" --valid-data "$OUT/data/corpus_valid" \
   --seq-length 128 --train-iters "$STEPS" --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 \
-  --log-interval 10 --eval-interval 50 --eval-iters 4 \
+  --log-interval 10 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 \
   --log-dir "$OUT/tensorboard" --metrics-jsonl "$OUT/metrics.jsonl" --save "$OUT/checkpoints" 2>&1 |
   grep --line-buffered -v -e '^\[20' -e 'Warning' -e 'warnings.warn' -e '^  return func' ||
   { echo "quickstart: training failed (exit status ${PIPESTATUS[0]})" >&2; exit 1; }
