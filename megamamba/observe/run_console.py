@@ -9,7 +9,6 @@ import time
 from typing import Optional, Sequence, Union
 
 from megamamba.config import MambaConfig
-from megamamba.data.progress import clock
 from megamamba.data.training_data import BUILTIN_NAME, TrainingData
 from megamamba.model.layers import layer_class, layer_kinds
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
@@ -129,10 +128,6 @@ class StepClock:
         else:
             per_step = (now - self._mark[0]) / (step - self._mark[1])
         return now - self.job_start, per_step * (self.train_iters - step - 1)
-
-
-def step_suffix(elapsed_s: float, eta_s: float) -> str:
-    return f"elapsed {clock(elapsed_s)} | ETA {clock(eta_s)}"
 
 
 def optimizer_state_lines(layout, per_rank: Sequence[tuple]) -> list:
