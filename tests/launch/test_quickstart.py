@@ -2,8 +2,9 @@
 
 One run of the script at 100 steps (QUICKSTART_STEPS; the README's run is 200) serves every test
 here; it needs the set-up .venv. Requirements checked: the loss falls (final validation loss at least
-2 nats below the step-0 training loss; measured 7.66 -> 5.07 at 100 steps, 4.53 at 200), TensorBoard event files hold the metric names of
-docs/architecture.md, the checkpoint is a model folder with its tokenizer, and the printed samples are text.
+2 nats below the step-0 training loss; measured 7.66 -> 5.07 at 100 steps, 4.53 at 200),
+TensorBoard event files hold the metric names of docs/architecture.md, the checkpoint is a model
+folder with its tokenizer, and the printed samples are text.
 """
 
 import json
