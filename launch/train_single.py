@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.byte_tokenizer import ByteTokenizer
 from megamamba.corpus import default_corpus
 from megamamba.optim import param_groups
+from megamamba.tokenizer.byte_tokenizer import ByteTokenizer
 
 
 def parse_args(argv=None):

@@ -12,8 +12,8 @@ import json
 import os
 from typing import Protocol, Sequence
 
-from megamamba.byte_tokenizer import ByteTokenizer
 from megamamba.errors import MegamambaError
+from megamamba.tokenizer.byte_tokenizer import ByteTokenizer
 
 CONFIG_FILE = "tokenizer_config.json"
 BYTES_MARKER = {"megamamba_tokenizer": "bytes"}
