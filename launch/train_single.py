@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.corpus import default_corpus
+from megamamba.data.corpus import default_corpus
 from megamamba.optim import param_groups
 from megamamba.tokenizer.byte_tokenizer import ByteTokenizer
 

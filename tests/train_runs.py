@@ -139,7 +139,7 @@ def train_runs(tmp_path_factory):
 def packed_documents(tmp_path_factory):
     """--data / --valid-data flags of the built-in corpus cut into its lines, one short document each
     (bytes; several document boundaries in every 32-token sample)."""
-    from megamamba.corpus import python_docs
+    from megamamba.data.corpus import python_docs
     from megamamba.data.preprocess import preprocess
 
     def make(root: Path) -> list:

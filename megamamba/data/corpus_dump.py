@@ -1,4 +1,4 @@
-"""Write the built-in corpus (megamamba.corpus.default_corpus) as JSONL, one {"text": ...} per document.
+"""Write the built-in corpus (megamamba.data.corpus.default_corpus) as JSONL, one {"text": ...} per document.
 
     python -m megamamba.data.corpus_dump --output data/python_docs.jsonl [--include-sources]
 
@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from megamamba.corpus import default_corpus
+from megamamba.data.corpus import default_corpus
 
 
 def dump(path: str, include_sources: bool = False) -> int:

@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megamamba.config import MambaConfig
-from megamamba.corpus import default_corpus
 from megamamba.data.batches import PackedGlobalBatches, open_blend
 from megamamba.data.blend import parse_blend
+from megamamba.data.corpus import default_corpus
 from megamamba.data.dataset_meta import check_tokenizer
 from megamamba.data.preprocess import is_validation
 from megamamba.data.split import split_blend

@@ -11,7 +11,7 @@ import random
 
 from tokenizers import Tokenizer as Library
 
-from megamamba.corpus import python_docs
+from megamamba.data.corpus import python_docs
 from megamamba.tokenizer.base import BYTES_MARKER, CONFIG_FILE, Bytes, Tokenizer, TokenizerError
 from megamamba.tokenizer.bytes_json import EOD_TOKEN, bytes_as_tokenizers
 from megamamba.tokenizer.hf_json import JSON_FILE, HFTokenizer

@@ -2,8 +2,8 @@
 
 import json
 
-from megamamba.corpus import python_docs
 from megamamba.data import corpus_dump
+from megamamba.data.corpus import python_docs
 from megamamba.data.documents import input_files, iter_documents
 from megamamba.tokenizer import load_tokenizer
 from megamamba.tokenizer import train as train_cli
