@@ -1,4 +1,4 @@
-"""Running `python -m megamamba.convert` in-process from tests."""
+"""Running `python -m megamamba.checkpoint.convert` in-process from tests."""
 
 import contextlib
 import io
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megamamba.convert import main
+from megamamba.checkpoint.convert import main
 
 
 def convert(*argv) -> None:

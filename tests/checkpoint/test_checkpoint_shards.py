@@ -20,11 +20,11 @@ from megamamba.checkpoint import (
     write_shard,
 )
 from megamamba.checkpoint import rng as rng_files
+from megamamba.checkpoint.convert import export_hf
 from megamamba.checkpoint.folder_tensors import FolderTensors
 from megamamba.checkpoint.manifest import write_manifest
 from megamamba.checkpoint.model_folder import load_model_folder
 from megamamba.checkpoint.tensor_pieces import Cut, Piece
-from megamamba.convert import export_hf
 
 CONFIG = tiny("Mamba2", tie_embeddings=False)
 MOMENTS = (("exp_avg", 0.5), ("exp_avg_sq", 0.25))

@@ -1,4 +1,4 @@
-"""`python -m megamamba.convert`: export to transformers' format, import from it and from mamba_ssm.
+"""`python -m megamamba.checkpoint.convert`: export to transformers' format, import from it and from mamba_ssm.
 
 Fast tests: round trips, file handling and refusals, without importing transformers. The
 transformers tests (slow: importing it takes seconds) load the exported folder with

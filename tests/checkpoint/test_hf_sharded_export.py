@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from checkpoint_fixtures import perturbed_model, tiny
 from megamamba.checkpoint import model_tensors, save_checkpoint
+from megamamba.checkpoint.convert import main
 from megamamba.checkpoint.model_folder import load_model_folder
 from megamamba.checkpoint.safetensors_stream import TensorReader, TensorSpec, parse_size, plan_shards, write_sharded
-from megamamba.convert import main
 from megamamba.testing.numerics import relative_error
 
 LIMIT = 2000  # bytes: the tiny models' embedding (40 x 18 float32 = 2880 B) is above it, the rest well below

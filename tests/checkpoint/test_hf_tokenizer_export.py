@@ -18,7 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from checkpoint_fixtures import perturbed_model, tiny
 from megamamba.checkpoint import model_tensors, save_checkpoint
-from megamamba.convert import main
+from megamamba.checkpoint.convert import main
 from megamamba.data.corpus import python_docs
 from megamamba.tokenizer import Bytes, TokenizerError, load_tokenizer, train_sentencepiece, transformers_export
 from megamamba.tokenizer.sentencepiece_json import read_model, sentencepiece_as_tokenizers

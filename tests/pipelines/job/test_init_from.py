@@ -2,7 +2,7 @@
 
 The folders: a checkpoint written after one AdamW step of a MambaLM drawn with another seed than
 the run's (so it holds optimizer state that must not be loaded), and its transformers export
-(megamamba.convert). The first logged loss must equal the loss that a plain MambaLM loaded from
+(megamamba.checkpoint.convert). The first logged loss must equal the loss that a plain MambaLM loaded from
 the folder (float64) gives on the run's first global batch. The runs use ZeRO-1, whose optimizer
 steps fp32 master copies of the weights: the second loss must equal that of a run without ZeRO
 (its optimizer steps the module's own weights) from the same folder, else the first step went
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megamamba.checkpoint import CheckpointError, save_training_checkpoint
+from megamamba.checkpoint.convert import export_hf, import_weights
 from megamamba.checkpoint.model_folder import FolderWeights, load_model_folder
 from megamamba.config import MambaConfig
-from megamamba.convert import export_hf, import_weights
 from megamamba.model.lm import MambaLM, lm_loss
 from megamamba.optim import param_groups
 from megamamba.pipelines.job import init_from

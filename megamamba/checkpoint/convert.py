@@ -1,8 +1,8 @@
 """Convert between our checkpoints / model folders and Hugging Face or mamba_ssm weights.
 
-    python -m megamamba.convert export --checkpoint DIR [--tag step_000100] --output DIR [--to hf|mamba_ssm]
+    python -m megamamba.checkpoint.convert export --checkpoint DIR [--tag step_000100] --output DIR [--to hf|mamba_ssm]
                                       [--max-shard-size 5GB] [--no-tokenizer]
-    python -m megamamba.convert import --from hf|mamba_ssm --input DIR --output MODEL_DIR
+    python -m megamamba.checkpoint.convert import --from hf|mamba_ssm --input DIR --output MODEL_DIR
 
 transformers' format is Mamba / Mamba2 for Mamba-only models and NemotronH for hybrids.
 
