@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megamamba.errors import LayoutError
-from megamamba.parallel.tensor.collectives import reduce_from_tp_region, start_all_reduce
+from megamamba.parallel.tensor.collectives import start_all_reduce
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,19 @@ def sequence_slice(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     return t[:, lo:hi]
 
 
+class _SumKeepingShare(torch.autograd.Function):
+    """Forward: the sum of every rank's value over the CP group. Backward: each rank's gradient
+    unchanged, for its own share of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        return start_all_reduce(x.clone(memory_format=torch.contiguous_format), cp).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def mean_over_context(local_mean: torch.Tensor, labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """The mean over every counted token of the whole sequences from each rank's mean over its slice.
 
@@ -86,4 +99,4 @@ def mean_over_context(local_mean: torch.Tensor, labels: torch.Tensor, cp: Contex
     total = start_all_reduce(count.clone(), cp).wait()
     # a slice without counted tokens (a masked prompt) has the mean 0 / 0: it adds nothing, not NaN
     local_sum = torch.where(count > 0, local_mean, torch.zeros_like(local_mean)) * count
-    return reduce_from_tp_region(local_sum, cp) / total
+    return _SumKeepingShare.apply(local_sum, cp) / total
