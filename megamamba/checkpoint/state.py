@@ -15,13 +15,9 @@ from torch import nn
 from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.store import CheckpointWarning
 from megamamba.model.layers import EMBEDDING, HEAD
-from megamamba.parallel import TensorParallel, full_key, full_tensors, load_full_tensors, local_shard
+from megamamba.parallel import TensorParallel, full_key, full_tensors, load_full_tensors, local_shard, split
 
 _LR_KEYS = ("lr", "initial_lr")
-
-
-def _split(tp: Optional[TensorParallel]) -> Optional[TensorParallel]:
-    return tp if tp is not None and tp.size > 1 else None
 
 
 def _named(model: nn.Module) -> dict:
@@ -31,7 +27,7 @@ def _named(model: nn.Module) -> dict:
 
 def model_tensors(model: nn.Module, tp: Optional[TensorParallel] = None) -> dict:
     """Full parameters by single-device name, detached (on the parameters' device)."""
-    if _split(tp):
+    if split(tp):
         return full_tensors(model, tp)
     return {name: p.detach() for name, p in _named(model).items()}
 
@@ -54,7 +50,7 @@ def load_model_tensors(
         raise CheckpointError(
             f"{source}: parameters do not match the model: missing {missing}, unexpected {unexpected}"
         )
-    if _split(tp):
+    if split(tp):
         try:
             load_full_tensors(model, tensors, tp)
         except ValueError as e:
@@ -93,7 +89,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, tp: Op
     elementwise, scalar = _state_keys(optimizer, named)
     out = {}
     for key in elementwise:
-        if _split(tp):
+        if split(tp):
             gathered = full_tensors(model, tp, select=lambda p, key=key: optimizer.state[p][key])
         else:
             gathered = {n: optimizer.state[p][key].detach() for n, p in named.items()}
@@ -150,7 +146,7 @@ def check_optimizer_groups(saved: list, run: list) -> None:
 def _local(t: torch.Tensor, param: nn.Parameter, tp: Optional[TensorParallel]) -> torch.Tensor:
     """This rank's part of a saved optimizer state tensor (a 0-d one whole)."""
     shard = getattr(param, "tp_shard", None)
-    return local_shard(t, shard, tp.size, tp.rank) if t.dim() and _split(tp) and shard is not None else t
+    return local_shard(t, shard, tp.size, tp.rank) if t.dim() and split(tp) and shard is not None else t
 
 
 def load_optimizer_tensors(

@@ -11,7 +11,7 @@ from torch import nn
 from megamamba.config import AttentionOptions
 from megamamba.model.causal_attention import causal_attention
 from megamamba.model.rotary import rotate
-from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
+from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel, split
 from megamamba.parallel.context.attention import gather_ids, gather_keys_values
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.from_full import sharded
@@ -70,7 +70,7 @@ class Attention(nn.Module):
         qkv_rows = (self.num_heads + 2 * self.kv_heads) * self.head_dim
         self.in_proj = nn.Linear(d_model, qkv_rows, bias=options.qkv_proj_bias, **factory)
         self.out_proj = nn.Linear(self.num_heads * self.head_dim, d_model, bias=options.out_proj_bias, **factory)
-        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp = split(cp)
         self.own_kv_head = None  # with key/value heads replicated over TP: the one this rank's queries read
         if tp is not None and tp.size > 1:
             self._shard(tp, options)

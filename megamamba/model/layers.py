@@ -28,17 +28,13 @@ from megamamba.parallel import (
     VocabParallelHead,
     local_shard,
     parallel_linear,
+    split,
 )
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.from_full import sharded
 
 EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"  # mamba_ssm's keys
 EMBEDDING_INIT_STD = 0.02
-
-
-def split(tp: Optional[TensorParallel]) -> Optional[TensorParallel]:
-    """`tp` when it splits anything, None for no TP or a single rank (the plain model)."""
-    return tp if tp is not None and tp.size > 1 else None
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: Optional[TensorParallel] = None) -> torch.Tensor:

@@ -12,9 +12,9 @@ from torch import nn
 
 from megamamba.config import MambaConfig
 from megamamba.model.chunked_cross_entropy import chunked_cross_entropy
-from megamamba.model.layers import build_layer, draw_seed, layer_count, split, tie
+from megamamba.model.layers import build_layer, draw_seed, layer_count, tie
 from megamamba.model.stream import pack
-from megamamba.parallel import TensorParallel, vocab_parallel_cross_entropy
+from megamamba.parallel import TensorParallel, split, vocab_parallel_cross_entropy
 from megamamba.parallel.context.context_parallel import ContextParallel, mean_over_context
 from megamamba.parallel.tensor.model_layout import check_model_layout, check_sequence_length
 
@@ -35,7 +35,8 @@ def lm_loss(
         loss = chunked_cross_entropy(logits, labels, vocab_size)
     else:
         loss = vocab_parallel_cross_entropy(logits, labels, tp, vocab_size=vocab_size)
-    return loss if cp is None or cp.size == 1 else mean_over_context(loss, labels, cp)
+    cp = split(cp)
+    return loss if cp is None else mean_over_context(loss, labels, cp)
 
 
 class MambaBackbone(nn.Module):
@@ -71,7 +72,7 @@ class MambaLM(nn.Module):
         super().__init__()
         config.validate()
         self.tp = split(tp)
-        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp = split(cp)
         if self.tp is not None:
             check_model_layout(config, self.tp.size)
         self.config = config

@@ -22,6 +22,7 @@ from megamamba.parallel import (
     RowParallelLinear,
     TensorParallel,
     copy_to_tp_region,
+    split,
 )
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.context.context_slice import ContextSlice
@@ -97,9 +98,10 @@ class Mamba1(nn.Module):
         self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
         self.D._no_weight_decay = True
 
-        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp = split(cp)
         self.tp = None
-        if tp is not None and tp.size > 1:
+        tp = split(tp)
+        if tp is not None:
             self._shard(tp)
 
     def _shard(self, tp: TensorParallel) -> None:

@@ -17,7 +17,7 @@ from megamamba.config import Mamba2Options
 from megamamba.kernels import causal_conv1d_update, selective_state_update
 from megamamba.model.mamba1 import fp32_or_wider, sample_dt_bias
 from megamamba.model.norm import RMSNormGated
-from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
+from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.context.context_slice import ContextSlice
 from megamamba.parallel.tensor.conv import ParallelDepthwiseConv1d
@@ -89,11 +89,12 @@ class Mamba2(nn.Module):
             )
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=options.bias, **factory)
 
-        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp = split(cp)
         self.tp = None
         self.own_group = None  # with B/C replicated over TP: the group this rank's heads read
         self.norm_groups_across_ranks = None  # with norm groups spanning ranks: ngroups
-        if tp is not None and tp.size > 1:
+        tp = split(tp)
+        if tp is not None:
             self._shard(tp)
 
     def _shard(self, tp: TensorParallel) -> None:

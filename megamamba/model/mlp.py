@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel
+from megamamba.parallel import ColumnParallelLinear, Component, RowParallelLinear, TensorParallel, split
 from megamamba.parallel.tensor.from_full import sharded
 
 
@@ -32,7 +32,8 @@ class MLP(nn.Module):
         self.d_model, self.hidden = d_model, hidden
         self.fc1 = nn.Linear(d_model, 2 * hidden if self.gated else hidden, bias=False, device=device, dtype=dtype)
         self.fc2 = nn.Linear(hidden, d_model, bias=False, device=device, dtype=dtype)
-        if tp is not None and tp.size > 1:
+        tp = split(tp)
+        if tp is not None:
             self._shard(tp)
 
     def _shard(self, tp: TensorParallel) -> None:

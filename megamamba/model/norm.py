@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamamba.kernels import add_rmsnorm, rmsnorm_gated
-from megamamba.parallel import Shard, TensorParallel, copy_to_tp_region, mark
+from megamamba.parallel import Shard, TensorParallel, copy_to_tp_region, mark, split
 
 
 def _shared_over_sequence(module: nn.Module, tp: Optional[TensorParallel]) -> Optional[TensorParallel]:
     """The TP group whose sequence shards this norm sees, marking its parameters; None without SP."""
-    if tp is None or tp.size == 1 or not tp.sequence_parallel:
+    tp = split(tp)
+    if tp is None or not tp.sequence_parallel:
         return None
     for name, param in module.named_parameters(recurse=False):
         mark(param, Shard(name, None, grad_reduced=True))

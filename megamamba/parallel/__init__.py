@@ -7,6 +7,7 @@ topology classes).
 """
 
 from megamamba.parallel.comm_counter import CommRecord, CommTotals, comm_counter
+from megamamba.parallel.split import split
 from megamamba.parallel.tensor.collectives import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -70,6 +71,7 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
+    "split",
     "start_sequence_gather",
     "tp_padded_vocab_size",
     "vocab_parallel_cross_entropy",

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from megamamba.model.lm import lm_loss
-from megamamba.parallel import TensorParallel
+from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 
 
@@ -21,7 +21,7 @@ class LMLoss:
     def __init__(self, vocab_size: int, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None):
         self.vocab_size = vocab_size
         self.tp = tp
-        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp = split(cp)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(logits, labels, self.vocab_size, self.tp, self.cp)
