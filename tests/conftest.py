@@ -31,8 +31,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 # with whichever `ninja` PATH finds; the venv's (1.13) and a system one (1.11) log different command
 # hashes, so each rebuilt the op (25 s on 2 cores, every rank waiting) after the other had built it.
 os.environ["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), os.environ.get("PATH")) if p)
-# Workers of pytest-xdist share the cores: each computes on its share of them.
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+# Workers of pytest-xdist share the cores: each computes on its share of them, and so does every process a
+# test starts. Two OpenMP-threaded processes on two busy cores spin against each other: two train_single.py
+# runs side by side took 62 s with two threads each, 8 s with one.
+THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(THREADS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 os.environ["MEGAMAMBA_STRICT_COLLECTIVES"] = "1"
 # A pytest-xdist worker is itself a process started with this environment, so its sitecustomize turned strict
 # mode on; tests run in a plain process, as in one pytest process (the mode's torch-function hook made
