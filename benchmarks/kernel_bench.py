@@ -58,26 +58,16 @@ def mamba1_shape(d_model, tokens=TOKENS, seqlen=2048):
     return dict(batch=tokens // seqlen, seqlen=seqlen, dim=EXPAND * d_model, dstate=D_STATE1)
 
 
-def ssd_flops(batch, seqlen, nheads, headdim, ngroups, dstate, chunk):
-    """Forward FLOPs of the chunked SSD algorithm (dense chunk blocks, masking not discounted):
-    C.B^T per group, its product with x, the chunk states and the state read-out."""
-    tokens = batch * seqlen
-    return 2 * tokens * (chunk * dstate * ngroups + chunk * nheads * headdim + 2 * nheads * headdim * dstate)
-
-
-def scan_flops(batch, seqlen, dim, dstate):
-    """Forward FLOPs of the selective scan: per state element exp-argument, decay, input and read-out."""
-    return 7 * batch * seqlen * dim * dstate
-
-
 def least_work(op, tensors, kwargs, outputs):
     """What a call must do at least: dict(fwd_bytes, bwd_bytes, fwd_flops, bwd_flops).
 
     Bytes: the forward reads every input once and writes its outputs; the backward reads the
     inputs again and the first output's gradient and writes one gradient per float input. FLOPs:
-    the scans' arithmetic (the backward counted as twice the forward); the other ops' arithmetic
-    is negligible next to their bytes.
+    the scans' arithmetic by the formulas the model's MFU counts (megamamba.kernels.flops; the
+    backward twice the forward); the other ops' arithmetic is negligible next to their bytes.
     """
+    from megamamba.kernels.flops import selective_scan_flops, ssd_flops
+
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     inputs = sum(t.nbytes for t in tensors.values())
     grads = sum(t.nbytes for t in tensors.values() if t.is_floating_point())
@@ -85,10 +75,10 @@ def least_work(op, tensors, kwargs, outputs):
     if op == "ssd_chunk_scan":
         b, L, h, p = tensors["x"].shape
         g, n = tensors["B"].shape[2:]
-        flops = ssd_flops(b, L, h, p, g, n, kwargs["chunk_size"])
+        flops = ssd_flops(b * L, L, h, p, g, n, kwargs["chunk_size"])
     elif op == "selective_scan":
         b, d, L = tensors["u"].shape
-        flops = scan_flops(b, L, d, tensors["A"].shape[1])
+        flops = selective_scan_flops(b * L, d, tensors["A"].shape[1])
     return dict(
         fwd_bytes=inputs + sum(o.nbytes for o in outputs),
         bwd_bytes=inputs + outputs[0].nbytes + grads,

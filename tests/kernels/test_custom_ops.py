@@ -37,6 +37,19 @@ def counted(fn):
     return {str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items()}
 
 
+def test_ssd_flops_equal_the_matmuls_of_the_dense_chunked_algorithm():
+    b, L, h, p, g, n, q = 2, 64, 4, 8, 2, 16, 16
+    c = L // q
+    x = torch.randn(b, c, q, g, h // g, p)
+    B, C = torch.randn(b, c, q, g, n), torch.randn(b, c, q, g, n)
+    with FlopCounterMode(display=False) as counter:
+        cb = torch.einsum("bclgn,bcsgn->bcgls", C, B)
+        torch.einsum("bcgls,bcsgrp->bclgrp", cb, x)
+        states = torch.einsum("bcsgrp,bcsgn->bcgrpn", x, B)
+        torch.einsum("bclgn,bcgrpn->bclgrp", C, states)
+    assert flops.ssd_flops(b * L, L, h, p, g, n, q) == counter.get_total_flops()
+
+
 def test_the_flop_counter_counts_each_op_by_its_formula():
     seed = 17
     gen = torch.Generator().manual_seed(seed)
