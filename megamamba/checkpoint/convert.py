@@ -42,7 +42,8 @@ from megamamba.checkpoint.store import resolve_model_folder
 from megamamba.checkpoint.transformers_formats import assemble, export_config, file_names, file_parts, import_config
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
-from megamamba.model.layers import EMBEDDING, HEAD, tie
+from megamamba.model.layer_types.head import tie
+from megamamba.model.layers import EMBEDDING, HEAD
 from megamamba.model.lm import MambaLM
 from megamamba.tokenizer import TokenizerError, find_tokenizer, load_tokenizer
 from megamamba.tokenizer.transformers_export import write_transformers_tokenizer

@@ -17,7 +17,8 @@ from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError,
 from megamamba.checkpoint.hf import HFFormatError, Part, decode_special_floats
 from megamamba.checkpoint.transformers_formats import architecture, assemble, file_names, file_parts, import_config
 from megamamba.config import ConfigError, MambaConfig
-from megamamba.model.layers import EMBEDDING, HEAD, tie
+from megamamba.model.layer_types.head import tie
+from megamamba.model.layers import EMBEDDING, HEAD
 from megamamba.model.lm import MambaLM
 
 CONFIG_FILE = "config.json"

@@ -10,15 +10,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from megamamba.config import Mamba1Options, MambaConfig
-from megamamba.model.attention import Attention
-from megamamba.model.mamba1 import Mamba1
-from megamamba.model.mamba2 import Mamba2
+from megamamba.config import MambaConfig
 from megamamba.model.mlp import MLP
 from megamamba.model.norm import LayerNorm, RMSNorm
 from megamamba.model.stream import pack, to_stream, unpack
 from megamamba.parallel import TensorParallel
-from megamamba.parallel.context.context_parallel import ContextParallel
 
 NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
 
@@ -28,20 +24,6 @@ def make_norm(config: MambaConfig, device=None, dtype=None, tp: Optional[TensorP
     (`tp.sequence_parallel`) it normalises this rank's sequence shard (see `megamamba.model.norm`)."""
     cls = RMSNorm if config.rms_norm else LayerNorm
     return cls(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
-
-
-def make_mamba_mixer(
-    config: MambaConfig,
-    device=None,
-    dtype=None,
-    tp: Optional[TensorParallel] = None,
-    cp: Optional[ContextParallel] = None,
-) -> nn.Module:
-    """The Mamba mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`; on a
-    slice of the sequence in the context-parallel group `cp`)."""
-    options = config.mixer_options
-    cls = Mamba1 if isinstance(options, Mamba1Options) else Mamba2
-    return cls(config.d_model, options, device=device, dtype=dtype, tp=tp, cp=cp)
 
 
 class Block(nn.Module):
@@ -98,62 +80,3 @@ class Block(nn.Module):
         """One token, (batch, d_model): as forward, through the mixer's recurrent step."""
         normed, stream = self._norm(self.norm, stream)
         return self._mlp(self.mixer.step(normed, inference_state) + stream)
-
-
-class MambaBlock(Block):
-    """A block whose mixer is Mamba-1 or Mamba-2 (ssm_cfg.layer); pattern symbol M."""
-
-    def __init__(
-        self,
-        config: MambaConfig,
-        tp: Optional[TensorParallel] = None,
-        cp: Optional[ContextParallel] = None,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(
-            config, lambda: make_mamba_mixer(config, device=device, dtype=dtype, tp=tp, cp=cp), tp, device, dtype
-        )
-
-
-class AttentionBlock(Block):
-    """A block whose mixer is causal self-attention (attn_cfg); attn_layer_idx, or pattern symbol *."""
-
-    def __init__(
-        self,
-        config: MambaConfig,
-        tp: Optional[TensorParallel] = None,
-        cp: Optional[ContextParallel] = None,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(
-            config,
-            lambda: Attention(config.d_model, config.attention_options, device=device, dtype=dtype, tp=tp, cp=cp),
-            tp,
-            device,
-            dtype,
-        )
-
-
-class MLPBlock(Block):
-    """A block whose mixer is an MLP of d_intermediate channels (mlp_activation); pattern symbol -."""
-
-    def __init__(
-        self,
-        config: MambaConfig,
-        tp: Optional[TensorParallel] = None,
-        cp: Optional[ContextParallel] = None,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(
-            config,
-            lambda: MLP(config.d_model, config.mlp_width, config.mlp_activation, device=device, dtype=dtype, tp=tp),
-            tp,
-            device,
-            dtype,
-        )
-
-
-BLOCK_CLASSES = {"mamba": MambaBlock, "attention": AttentionBlock, "mlp": MLPBlock}  # by `MambaConfig.block_kinds`

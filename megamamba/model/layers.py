@@ -13,23 +13,17 @@ import re
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.model.block import BLOCK_CLASSES, NORM_EPS, Block
-from megamamba.model.norm import LayerNorm, RMSNorm
-from megamamba.model.stream import pack, to_stream, unpack
-from megamamba.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallel,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-    local_shard,
-    parallel_linear,
-    split,
-)
+from megamamba.model.block import Block
+from megamamba.model.layer_types.attention import AttentionBlock
+from megamamba.model.layer_types.embedding import Embedding, ParallelEmbedding, _EmbeddingOnTheStream
+from megamamba.model.layer_types.final_norm import FinalLayerNorm, FinalRMSNorm
+from megamamba.model.layer_types.head import Head, ParallelHead
+from megamamba.model.layer_types.mamba import MambaBlock
+from megamamba.model.layer_types.mlp import MLPBlock
+from megamamba.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, local_shard, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.from_full import sharded
 
@@ -37,113 +31,7 @@ EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_he
 EMBEDDING_INIT_STD = 0.02
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: Optional[TensorParallel] = None) -> torch.Tensor:
-    """hidden @ weight.T over the padded vocab; under TP `weight` is this rank's rows and the logits its
-    block of columns (with sequence parallelism the hidden shards are gathered first)."""
-    if tp is None:
-        return F.linear(hidden, weight)
-    return parallel_linear(hidden, weight, None, tp)
-
-
-class _EmbeddingOnTheStream:
-    """Mixed into an embedding: token ids [, seq_idx] -> the stream [, seq_idx]."""
-
-    def forward(self, x):
-        ids, seq_idx = unpack(x)
-        return pack(to_stream(super().forward(ids), self.residual_in_fp32), seq_idx)
-
-
-class Embedding(_EmbeddingOnTheStream, nn.Embedding):
-    """Layer 0; weight (padded vocab, d_model)."""
-
-    def __init__(
-        self,
-        config: MambaConfig,
-        tp: Optional[TensorParallel] = None,
-        cp: Optional[ContextParallel] = None,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(config.padded_vocab_size, config.d_model, device=device, dtype=dtype)
-        self.residual_in_fp32, self.tp = config.residual_in_fp32, None
-
-
-class ParallelEmbedding(_EmbeddingOnTheStream, VocabParallelEmbedding):
-    """Embedding with the vocabulary rows split across TP (with sequence parallelism the stream is
-    this rank's sequence shard)."""
-
-    def __init__(self, config: MambaConfig, tp: TensorParallel, cp: Optional[ContextParallel] = None):
-        super().__init__(config.padded_vocab_size, config.d_model, tp)
-        self.residual_in_fp32 = config.residual_in_fp32
-
-
-class _FinalNorm:
-    """Mixed into a norm: the final norm (mamba_ssm's norm_f), the stream [, seq_idx] -> the hidden
-    states the head reads, normalised in the norm's dtype."""
-
-    def forward(self, x) -> torch.Tensor:
-        return super().forward(unpack(x)[0].to(dtype=self.weight.dtype))
-
-
-class FinalRMSNorm(_FinalNorm, RMSNorm):
-    """Layer n_layer + 1 with rms_norm (key weight)."""
-
-    def __init__(
-        self,
-        config: MambaConfig,
-        tp: Optional[TensorParallel] = None,
-        cp: Optional[ContextParallel] = None,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
-
-
-class FinalLayerNorm(_FinalNorm, LayerNorm):
-    """Layer n_layer + 1 without rms_norm (keys weight, bias)."""
-
-    def __init__(
-        self,
-        config: MambaConfig,
-        tp: Optional[TensorParallel] = None,
-        cp: Optional[ContextParallel] = None,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
-
-
-class Head(nn.Linear):
-    """Layer n_layer + 2: hidden -> logits over the padded vocabulary (mamba_ssm's lm_head)."""
-
-    def __init__(
-        self,
-        config: MambaConfig,
-        tp: Optional[TensorParallel] = None,
-        cp: Optional[ContextParallel] = None,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
-
-
-class ParallelHead(VocabParallelHead):
-    """Head with the vocabulary rows split across TP: this rank's block of the logits."""
-
-    def __init__(self, config: MambaConfig, tp: TensorParallel, cp: Optional[ContextParallel] = None):
-        super().__init__(config.d_model, config.padded_vocab_size, tp)
-
-
-def tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The head with tie_embeddings: the embedding layer's weight read as the head's."""
-    return head_logits(hidden, embedding.weight, embedding.tp)
-
-
-def tie(head: nn.Module, embedding: nn.Module) -> None:
-    """Make `head` read `embedding`'s weight (tie_embeddings), as `tied_head` does."""
-    head.weight = embedding.weight
-
-
+BLOCK_CLASSES = {"mamba": MambaBlock, "attention": AttentionBlock, "mlp": MLPBlock}  # by `MambaConfig.block_kinds`
 _PREFIX = {"embedding": "backbone.embedding.", "final_norm": NORM_F + ".", "head": "lm_head."}  # blocks: numbered
 
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from megamamba.config import MambaConfig
 from megamamba.model.chunked_cross_entropy import chunked_cross_entropy
-from megamamba.model.layers import build_layer, draw_seed, layer_count, tie
+from megamamba.model.layer_types.head import tie
+from megamamba.model.layers import build_layer, draw_seed, layer_count
 from megamamba.model.stream import pack
 from megamamba.parallel import TensorParallel, split, vocab_parallel_cross_entropy
 from megamamba.parallel.context.context_parallel import ContextParallel, mean_over_context

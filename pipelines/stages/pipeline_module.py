@@ -22,7 +22,8 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MambaConfig
-from megamamba.model.layers import layer_class, layer_count, tied_head
+from megamamba.model.layer_types.head import tied_head
+from megamamba.model.layers import layer_class, layer_count
 from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.pipelines.deepspeed_internals import pipeline_module_with_stages

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megamamba import MambaLM
-from megamamba.model.block import AttentionBlock
+from megamamba.model.layer_types.attention import AttentionBlock
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from megamamba.testing.numerics import relative_error

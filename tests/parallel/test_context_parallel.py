@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megamamba import MambaLM
-from megamamba.model.block import MambaBlock
+from megamamba.model.layer_types.mamba import MambaBlock
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from model_cases import lm_config, lm_inputs

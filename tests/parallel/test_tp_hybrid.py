@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from megamamba.model.block import BLOCK_CLASSES
+from megamamba.model.layers import BLOCK_CLASSES
 from megamamba.parallel import TensorParallel, comm_counter
 from model_cases import lm_config, lm_inputs
 from model_checks import assert_equal_to_single_process, tensor_parallel_errors

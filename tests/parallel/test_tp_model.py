@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from megamamba.model.block import MambaBlock
+from megamamba.model.layer_types.mamba import MambaBlock
 from megamamba.parallel import TensorParallel, comm_counter
 from model_cases import lm_config, lm_inputs
 from model_checks import assert_equal_to_single_process, tensor_parallel_errors

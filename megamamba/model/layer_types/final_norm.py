@@ -1,0 +1,48 @@
+"""Layer n_layer + 1 of the list: the final norm (mamba_ssm's norm_f), from the stream to the head's input."""
+
+from typing import Optional
+
+import torch
+
+from megamamba.config import MambaConfig
+from megamamba.model.block import NORM_EPS
+from megamamba.model.norm import LayerNorm, RMSNorm
+from megamamba.model.stream import unpack
+from megamamba.parallel import TensorParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
+
+
+class _FinalNorm:
+    """Mixed into a norm: the final norm (mamba_ssm's norm_f), the stream [, seq_idx] -> the hidden
+    states the head reads, normalised in the norm's dtype."""
+
+    def forward(self, x) -> torch.Tensor:
+        return super().forward(unpack(x)[0].to(dtype=self.weight.dtype))
+
+
+class FinalRMSNorm(_FinalNorm, RMSNorm):
+    """Layer n_layer + 1 with rms_norm (key weight)."""
+
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
+
+
+class FinalLayerNorm(_FinalNorm, LayerNorm):
+    """Layer n_layer + 1 without rms_norm (keys weight, bias)."""
+
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)

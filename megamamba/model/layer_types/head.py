@@ -1,0 +1,51 @@
+"""The last layer of the list: the head, hidden states to logits over the padded vocabulary (with
+tie_embeddings, the embedding's weight)."""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamamba.config import MambaConfig
+from megamamba.parallel import TensorParallel, VocabParallelHead, parallel_linear
+from megamamba.parallel.context.context_parallel import ContextParallel
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: Optional[TensorParallel] = None) -> torch.Tensor:
+    """hidden @ weight.T over the padded vocab; under TP `weight` is this rank's rows and the logits its
+    block of columns (with sequence parallelism the hidden shards are gathered first)."""
+    if tp is None:
+        return F.linear(hidden, weight)
+    return parallel_linear(hidden, weight, None, tp)
+
+
+class Head(nn.Linear):
+    """Layer n_layer + 2: hidden -> logits over the padded vocabulary (mamba_ssm's lm_head)."""
+
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+
+
+class ParallelHead(VocabParallelHead):
+    """Head with the vocabulary rows split across TP: this rank's block of the logits."""
+
+    def __init__(self, config: MambaConfig, tp: TensorParallel, cp: Optional[ContextParallel] = None):
+        super().__init__(config.d_model, config.padded_vocab_size, tp)
+
+
+def tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The head with tie_embeddings: the embedding layer's weight read as the head's."""
+    return head_logits(hidden, embedding.weight, embedding.tp)
+
+
+def tie(head: nn.Module, embedding: nn.Module) -> None:
+    """Make `head` read `embedding`'s weight (tie_embeddings), as `tied_head` does."""
+    head.weight = embedding.weight
