@@ -190,12 +190,6 @@ class MambaConfig:
         return [len(part) for part in self.hybrid_layer_pattern.split("|")]
 
     @property
-    def conv_width(self) -> int:
-        """The widest causal conv of the layers, whose d_conv - 1 tokens a context-parallel slice hands the
-        next: the Mamba mixers' d_conv, 1 (no halo) without Mamba layers."""
-        return self.mixer_options.d_conv if "mamba" in self.block_kinds else 1
-
-    @property
     def mlp_inside_blocks(self) -> bool:
         """mamba_ssm's d_intermediate > 0: every block ends with norm2 + mlp (not with a pattern)."""
         return self.d_intermediate > 0 and not self.hybrid_layer_pattern

@@ -47,9 +47,10 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     """The kept and peak figures, measured and estimated; the run's DeepSpeed config is written in `scratch`."""
     from deepspeed.accelerator import get_accelerator
 
+    from megamamba.model.layer_types.costs import RankShape
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
     from megamamba.pipelines.loop.agreement import to_device
-    from megamamba.pipelines.memory.activations import ActivationShape, kept_bytes
+    from megamamba.pipelines.memory.activations import kept_bytes
     from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
     ds, model = ("tiny-cpu", "tiny-mamba2") if dry else (f"mamba2-{size}", f"mamba2-{size}")
@@ -99,18 +100,8 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     accelerator.synchronize()
     peak = accelerator.max_memory_allocated()
     last = plan.model.n_layer + 2
-    kept = kept_bytes(
-        ActivationShape(
-            plan.model,
-            layout.micro_batch_size,
-            args.seq_length,
-            autocast=shape.autocast,
-            checkpoint_interval=checkpoint_interval,
-        ),
-        0,
-        last + 1,
-        last,
-    )
+    rank = RankShape(plan.model, layout.micro_batch_size, args.seq_length, act=2 if shape.autocast else 4)
+    kept = kept_bytes(rank, 0, last + 1, last, checkpoint_interval)
     shutdown_distributed()
     return {
         "size": "tiny" if dry else size,

@@ -17,12 +17,9 @@ from torch import nn
 
 from megamamba.config import MambaConfig
 from megamamba.model.block import Block
-from megamamba.model.layer_types.attention import AttentionBlock
-from megamamba.model.layer_types.embedding import Embedding, ParallelEmbedding, _EmbeddingOnTheStream
-from megamamba.model.layer_types.final_norm import FinalLayerNorm, FinalRMSNorm
-from megamamba.model.layer_types.head import Head, ParallelHead
-from megamamba.model.layer_types.mamba import MambaBlock
-from megamamba.model.layer_types.mlp import MLPBlock
+from megamamba.model.layer_types import BlockType, layer_type
+from megamamba.model.layer_types.embedding import ParallelEmbedding, _EmbeddingOnTheStream
+from megamamba.model.layer_types.head import ParallelHead
 from megamamba.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, local_shard, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.from_full import sharded
@@ -31,7 +28,6 @@ EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_he
 EMBEDDING_INIT_STD = 0.02
 
 
-BLOCK_CLASSES = {"mamba": MambaBlock, "attention": AttentionBlock, "mlp": MLPBlock}  # by `MambaConfig.block_kinds`
 _PREFIX = {"embedding": "backbone.embedding.", "final_norm": NORM_F + ".", "head": "lm_head."}  # blocks: numbered
 
 
@@ -54,13 +50,19 @@ def layer_count(config: MambaConfig) -> int:
 
 def layer_class(config: MambaConfig, index: int, tp: Optional[TensorParallel] = None) -> type:
     """The class of layer `index` (its TP form under `tp`)."""
-    parallel = split(tp) is not None
-    return {
-        "embedding": ParallelEmbedding if parallel else Embedding,
-        **BLOCK_CLASSES,
-        "final_norm": FinalRMSNorm if config.rms_norm else FinalLayerNorm,
-        "head": ParallelHead if parallel else Head,
-    }[_kind(config, index)]
+    return layer_type(_kind(config, index)).layer_class(config, split(tp))
+
+
+def conv_width(config: MambaConfig) -> int:
+    """The widest causal conv of the layers (`LayerType.conv_width`), whose width - 1 tokens a context-parallel
+    slice hands the next."""
+    return max(layer_type(kind).conv_width(config) for kind in set(layer_kinds(config)))
+
+
+def check_layout(config: MambaConfig, tp_size: int) -> None:
+    """Refuse (LayoutError) a config whose layers cannot be split across `tp_size` ranks."""
+    for kind in dict.fromkeys(layer_kinds(config)):
+        layer_type(kind).check_layout(config, tp_size)
 
 
 def layer_prefix(config: MambaConfig, index: int) -> str:
@@ -71,7 +73,7 @@ def layer_prefix(config: MambaConfig, index: int) -> str:
         raise KeyError(str(e)) from None
     if kind == "head" and config.tie_embeddings:
         raise KeyError(f"layer {index}: the tied head of a {config.n_layer}-layer model holds the embedding's weight")
-    return f"backbone.layers.{index - 1}." if kind in BLOCK_CLASSES else _PREFIX[kind]
+    return f"backbone.layers.{index - 1}." if isinstance(layer_type(kind), BlockType) else _PREFIX[kind]
 
 
 def layer_of(name: str, config: MambaConfig) -> int:

@@ -13,11 +13,11 @@ from torch import nn
 from megamamba.config import MambaConfig
 from megamamba.model.chunked_cross_entropy import chunked_cross_entropy
 from megamamba.model.layer_types.head import tie
-from megamamba.model.layers import build_layer, draw_seed, layer_count
+from megamamba.model.layers import build_layer, check_layout, draw_seed, layer_count
 from megamamba.model.stream import pack
 from megamamba.parallel import TensorParallel, split, vocab_parallel_cross_entropy
 from megamamba.parallel.context.context_parallel import ContextParallel, mean_over_context
-from megamamba.parallel.tensor.model_layout import check_model_layout, check_sequence_length
+from megamamba.parallel.tensor.model_layout import check_sequence_length
 
 
 def lm_loss(
@@ -75,7 +75,7 @@ class MambaLM(nn.Module):
         self.tp = split(tp)
         self.cp = split(cp)
         if self.tp is not None:
-            check_model_layout(config, self.tp.size)
+            check_layout(config, self.tp.size)
         self.config = config
         seed = draw_seed(device)
         embedding, *blocks, norm_f, head = [

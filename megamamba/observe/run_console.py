@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 
 from megamamba.config import MambaConfig
 from megamamba.data.training_data import BUILTIN_NAME, TrainingData
+from megamamba.model.layer_types import LAYER_TYPES, layer_type
 from megamamba.model.layers import layer_class, layer_kinds
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
@@ -20,10 +21,9 @@ def count_parameters(config: MambaConfig) -> int:
     per_kind = {
         kind: sum(p.numel() for p in layer_class(config, kinds.index(kind))(config, device="meta").parameters())
         for kind in set(kinds)
+        if not layer_type(kind).tied(config)  # a tied head holds the embedding's weight
     }
-    if config.tie_embeddings:
-        per_kind["head"] = 0  # the embedding's weight
-    return sum(per_kind[kind] for kind in kinds)
+    return sum(per_kind.get(kind, 0) for kind in kinds)
 
 
 def _count(n: float) -> str:
@@ -153,8 +153,7 @@ def _layers(model: MambaConfig) -> str:
     """'4 layers'; a hybrid's with its kinds counted: '5 layers (2 Mamba2, 1 attention, 2 MLP)', and
     '(..., an MLP in each)' for mamba_ssm's d_intermediate."""
     kinds = model.block_kinds
-    names = {"mamba": model.layer, "attention": "attention", "mlp": "MLP"}
-    counts = [f"{kinds.count(kind)} {name}" for kind, name in names.items() if kind in kinds]
+    counts = [f"{kinds.count(kind)} {t.label(model)}" for kind, t in LAYER_TYPES.items() if kind in kinds]
     inside = ", an MLP in each" if model.mlp_inside_blocks else ""
     return f"{model.n_layer} layers" + (f" ({', '.join(counts)}{inside})" if len(counts) > 1 or inside else "")
 

@@ -25,8 +25,8 @@ from typing import Optional
 
 from megamamba.config import MambaConfig
 from megamamba.errors import LayoutError
+from megamamba.model.layers import check_layout, conv_width
 from megamamba.parallel.context.context_parallel import check_context_layout
-from megamamba.parallel.tensor.model_layout import check_model_layout
 from megamamba.pipelines.stages.partition import check_pattern_stages
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -123,7 +123,7 @@ def check_run(
         raise LayoutError(
             f"n_layer={model.n_layer} is smaller than pipeline parallel size {layout.pp}: every stage needs a block"
         )
-    check_model_layout(model, layout.tp)
+    check_layout(model, layout.tp)
     check_pattern_stages(model, layout.pp)
     if sequence_parallel and layout.tp == 1:
         raise LayoutError("--sequence-parallel needs --tensor-parallel-size > 1 (it splits the sequence over TP ranks)")
@@ -133,7 +133,7 @@ def check_run(
             "which sequence parallelism requires"
         )
     try:
-        check_context_layout(seq_length, layout.cp, model.conv_width, layout.tp, sequence_parallel)
+        check_context_layout(seq_length, layout.cp, conv_width(model), layout.tp, sequence_parallel)
     except LayoutError as e:
         raise LayoutError(f"--seq-length {seq_length}: {e}") from None
     if clip_grad is not None and "gradient_clipping" in ds_config:

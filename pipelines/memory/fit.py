@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megamamba.errors import LayoutError
-from megamamba.parallel.tensor.model_layout import check_model_layout
+from megamamba.model.layers import check_layout
 from megamamba.pipelines.loop.agreement import agree
 from megamamba.pipelines.memory.plan import GiB, MemoryPlan, RunShape, gib, plan_lines, plan_memory
 from megamamba.pipelines.stages.partition import check_pattern_stages
@@ -44,7 +44,7 @@ def _regrid(shape: RunShape, tp: int, pp: int) -> Optional[tuple]:
     batch; None if the model or the global batch cannot be split so."""
     layout, model = shape.layout, shape.model
     try:
-        check_model_layout(model, tp)
+        check_layout(model, tp)
         check_pattern_stages(model, pp)  # a pattern's | marks fix the stage count
     except LayoutError:
         return None

@@ -33,11 +33,13 @@ import torch
 from deepspeed.runtime import utils as ds_utils
 
 from megamamba.config import MambaConfig
+from megamamba.model.layer_types import layer_type
+from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.layers import layer_class, layer_kinds
 from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
 from megamamba.pipelines.config.layout import Layout, zero_stage
-from megamamba.pipelines.memory.activations import ActivationShape, stage_activation_bytes
+from megamamba.pipelines.memory.activations import stage_activation_bytes
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, imbalance, own_bounds, stage_costs
 from megamamba.pipelines.stages.pipeline_module import layer_specs
 
@@ -152,9 +154,7 @@ def _layer_parameters(config_json: str, tp_size: int, sequence_parallel: bool) -
     kinds = layer_kinds(model)
     with torch.device("meta"):  # one layer of each kind built
         counts = {kind: _groups(layer_class(model, kinds.index(kind), tp)(model, tp=tp)) for kind in set(kinds)}
-    if model.tie_embeddings:
-        counts["head"] = counts["embedding"]
-    return tuple(counts[kind] for kind in kinds)
+    return tuple(counts["embedding"] if layer_type(kind).tied(model) else counts[kind] for kind in kinds)
 
 
 def stage_bounds(
@@ -226,20 +226,20 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
         groups = [sum(counts[i][g] for i in held) for g in (0, 1)]
         parameters, gradients, optimizer = _stage_state(groups, shape)
         activations = stage_activation_bytes(
-            ActivationShape(
+            RankShape(
                 model=model,
                 micro_batch_size=layout.micro_batch_size,
-                seq_length=shape.seq_length,
+                seq_length=shape.seq_length * layout.cp,
                 tp=layout.tp,
-                sequence_parallel=shape.sequence_parallel,
-                autocast=shape.autocast,
-                checkpoint_interval=shape.checkpoint_interval,
-                in_flight=in_flight(layout, stage),
                 cp=layout.cp,
+                sequence_parallel=shape.sequence_parallel,
+                act=2 if shape.autocast else 4,
             ),
             first_layer=start,
             stop_layer=stop,
             last_layer=last_layer,
+            checkpoint_interval=shape.checkpoint_interval,
+            in_flight=in_flight(layout, stage),
         )
         stages.append(StageMemory(stage, parameters, gradients, optimizer, _buffers(sum(groups), shape), activations))
     return MemoryPlan(shape, tuple(stages), tuple(int(b) for b in bounds))

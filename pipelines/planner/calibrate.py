@@ -3,7 +3,7 @@ efficiency and backward ratio at a model's shapes, each layer kind's fit, and th
 
 Kernels run through the model's own ops (`megamamba.kernels`: Triton on CUDA, the PyTorch reference on
 the CPU) on one layer's inputs at the batch asked and 4 times it; a kind's forward is fitted as a fixed cost
-per call plus its roofline time (pipelines/planner/layer_costs.py's FLOPs and bytes) over its efficiency, so
+per call plus its roofline time (the FLOPs and bytes the planner counts for it) over its efficiency, so
 the planner scales only the part that grows with the work. Then the model's own layers (and the loss) run
 forward and backward at both sizes, and each kind's time is fitted as a fixed cost (Python, autograd, the
 small ops no kernel counts) plus a multiple of what its kernels predict; whole steps then give the
@@ -26,11 +26,12 @@ import torch.nn.functional as F
 
 from megamamba import kernels
 from megamamba.config import MambaConfig
-from megamamba.model.causal_attention import causal_attention
+from megamamba.model.layer_types import costs, layer_type
+from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.layers import build_layer, layer_kinds
 from megamamba.model.lm import lm_loss
 from megamamba.pipelines.planner.calibrate_engine import one_rank_costs, two_rank_costs
-from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
+from megamamba.pipelines.planner.layer_costs import loss_work
 from megamamba.pipelines.planner.profile import Kernel, LayerFit, Link, Profile
 from megamamba.pipelines.planner.step_time import kernel_seconds_of
 from megamamba.pipelines.planner.timing import on_ranks, seconds
@@ -69,89 +70,38 @@ def launch_time(device: torch.device) -> float:
 
 
 def _kernel_inputs(model: MambaConfig, batch: int, seqlen: int, device, dtype) -> dict:
-    """kind -> (op, inputs) at one layer's shapes, for the kinds this model has."""
+    """kind -> (op, inputs, the kernel the planner counts for it) at one layer's shapes: the kinds every model
+    has, and those of its block types (`LayerType.kernel_benchmarks`)."""
 
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=dtype) * 0.5
 
-    d, t = model.d_model, batch * seqlen
+    d, t, act = model.d_model, batch * seqlen, 2 if dtype == torch.bfloat16 else 4
     ops = {
-        "norm": (lambda x, w: kernels.rmsnorm_gated(x, w, eps=1e-5), [rand(batch, seqlen, d), rand(d)]),
-        "matmul": (F.linear, [rand(batch, seqlen, d), rand(4 * d, d)]),
-        "elementwise": (lambda y, g: y * F.silu(g), [rand(t, 4 * d), rand(t, 4 * d)]),
+        "norm": (
+            lambda x, w: kernels.rmsnorm_gated(x, w, eps=1e-5),
+            [rand(batch, seqlen, d), rand(d)],
+            costs.Kernel("norm", 0, 2 * act * t * d),
+        ),
+        "matmul": (
+            F.linear,
+            [rand(batch, seqlen, d), rand(4 * d, d)],
+            costs.Kernel("matmul", 2 * t * d * 4 * d, act * (4 * d * d + t * 5 * d)),
+        ),
+        "elementwise": (
+            lambda y, g: y * F.silu(g),
+            [rand(t, 4 * d), rand(t, 4 * d)],
+            costs.Kernel("elementwise", 0, 3 * act * t * 4 * d),
+        ),
     }
-    kinds = set(model.block_kinds)
-    if "mamba" in kinds and model.layer == "Mamba2":  # with the float32 product context parallelism adds
-        ops["matmul_fp32"] = (
-            torch.matmul,
-            [
-                torch.randn(t, model.mixer_options.d_state, device=device),
-                torch.randn(model.mixer_options.d_state, model.d_inner, device=device),
-            ],
-        )
-        mixer = model.mixer_options
-        h, p, g, n = model.nheads, mixer.headdim, mixer.ngroups, mixer.d_state
-        conv = model.d_inner + 2 * g * n
-        ops["conv"] = (
-            lambda x, w, b: kernels.causal_conv1d(x, w, b, activation="silu"),
-            [rand(batch, conv, seqlen), rand(conv, mixer.d_conv), rand(conv)],
-        )
-        ops["ssd"] = (
-            lambda x, dt, a, bb, c: kernels.ssd_chunk_scan(
-                x, dt, -torch.exp(a), bb, c, mixer.chunk_size, dt_softplus=True
-            ),
-            [
-                rand(batch, seqlen, h, p),
-                rand(batch, seqlen, h),
-                rand(h),
-                rand(batch, seqlen, g, n),
-                rand(batch, seqlen, g, n),
-            ],
-        )
-    if "mamba" in kinds and model.layer == "Mamba1":
-        di, n = model.d_inner, model.mixer_options.d_state
-        ops["scan"] = (
-            lambda u, delta, a, bb, c: kernels.selective_scan(u, delta, -torch.exp(a), bb, c, delta_softplus=True),
-            [
-                rand(batch, di, seqlen),
-                rand(batch, di, seqlen),
-                rand(di, n),
-                rand(batch, 1, n, seqlen),
-                rand(batch, 1, n, seqlen),
-            ],
-        )
-    if "attention" in kinds:
-        attention = model.attention_options
-        hd = model.head_dim_of(attention)
-        ops["attention"] = (
-            lambda q, k, v: causal_attention(q, k, v, attention.softmax_scale),
-            [
-                rand(batch, seqlen, attention.num_heads, hd),
-                rand(batch, seqlen, attention.kv_heads, hd),
-                rand(batch, seqlen, attention.kv_heads, hd),
-            ],
-        )
+    for kind in dict.fromkeys(model.block_kinds):
+        ops.update(layer_type(kind).kernel_benchmarks(model, batch, seqlen, device, dtype))
     return ops
 
 
-def _roofline(kind: str, model: MambaConfig, batch: int, seqlen: int, act: int, matmul: float, copy: float) -> float:
-    """The roofline seconds of the kernel of `kind` the planner counts for one layer at these shapes."""
-    shape = RankShape(model, batch, seqlen, act=act)
-    if kind == "matmul":
-        t, d = batch * seqlen, model.d_model
-        flops, nbytes = 2 * t * d * 4 * d, act * (4 * d * d + t * 5 * d)
-    elif kind == "matmul_fp32":
-        t, n, di = batch * seqlen, model.mixer_options.d_state, model.d_inner
-        flops, nbytes = 2 * t * n * di, 4 * (t * n + n * di + t * di)
-    elif kind == "elementwise":
-        flops, nbytes = 0, 3 * act * batch * seqlen * 4 * model.d_model
-    elif kind == "norm":
-        flops, nbytes = 0, 2 * act * batch * seqlen * model.d_model
-    else:
-        block = "attention" if kind == "attention" else "mamba"
-        found = [k for k in layer_work(shape, block).kernels if k.kind == kind]
-        flops, nbytes = found[0].flops, found[0].bytes
-    return max(flops / matmul, nbytes / copy)
+def _roofline(kernel: costs.Kernel, matmul: float, copy: float) -> float:
+    """The roofline seconds of a kernel the planner counts."""
+    return max(kernel.flops / matmul, kernel.bytes / copy)
 
 
 def _layer_inputs(model: MambaConfig, kind: str, batch: int, seqlen: int, device: torch.device) -> tuple:
@@ -165,8 +115,7 @@ def _layer_inputs(model: MambaConfig, kind: str, batch: int, seqlen: int, device
             [],
         )
     layer = build_layer(model, layer_kinds(model).index(kind), seed=0, device=device)
-    stream = [ids] if kind == "embedding" else [torch.randn(batch, seqlen, model.d_model, device=device)]
-    return layer, stream, list(layer.parameters())
+    return layer, [layer_type(kind).example_input(model, batch, seqlen, device)], list(layer.parameters())
 
 
 def fit_line(small: tuple, large: tuple) -> tuple:
@@ -189,7 +138,7 @@ def layer_fits(model: MambaConfig, batch: int, seqlen: int, device: torch.device
             fn, inputs, parameters = _layer_inputs(model, kind, b, seqlen, device)
             shape = RankShape(model, b, seqlen, act=2 if cuda else 4)
             predicted = kernel_seconds_of(
-                loss_work(shape) if kind == "loss" else layer_work(shape, kind), kernel_profile
+                loss_work(shape) if kind == "loss" else layer_type(kind).work(shape), kernel_profile
             )
             points.append((predicted, _forward_backward(fn, inputs, device, parameters, autocast=cuda)))
         (pf1, pb1), (mf1, mb1) = points[0]
@@ -214,16 +163,14 @@ def calibrate(
     this machine has one GPU) and where they come from, `links_from`, measured separately; the TP and CP
     collectives' cost per call when the machine can run `two_ranks`."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    act = 2 if dtype == torch.bfloat16 else 4
     matmul, copy, launch = matmul_rate(device, dtype), copy_bandwidth(device), launch_time(device)
     measured = {}
     larger = _kernel_inputs(model, SIZES * batch, seqlen, device, dtype)
-    for kind, (op, inputs) in _kernel_inputs(model, batch, seqlen, device, dtype).items():
+    for kind, (op, inputs, counted) in _kernel_inputs(model, batch, seqlen, device, dtype).items():
         forward, backward = _forward_backward(op, inputs, device)
         large = seconds(functools.partial(op, *larger[kind][1]), device)
         efficiency, fixed = fit_kernel(
-            (_roofline(kind, model, batch, seqlen, act, matmul, copy), forward),
-            (_roofline(kind, model, SIZES * batch, seqlen, act, matmul, copy), large),
+            (_roofline(counted, matmul, copy), forward), (_roofline(larger[kind][2], matmul, copy), large)
         )
         measured[kind] = Kernel(efficiency, backward / forward, fixed)
     memory = (

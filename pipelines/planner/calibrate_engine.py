@@ -20,9 +20,11 @@ import os
 import torch
 
 from megamamba.config import MambaConfig
+from megamamba.model.layer_types import layer_type
+from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.layers import layer_kinds
 from megamamba.pipelines.config.layout import Layout, engine_config
-from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
+from megamamba.pipelines.planner.layer_costs import loss_work
 from megamamba.pipelines.planner.profile import EngineCost, Profile
 from megamamba.pipelines.planner.step_time import Grid, layer_time, optimizer_seconds
 from megamamba.pipelines.planner.timing import on_ranks, seconds
@@ -84,7 +86,7 @@ def _per_micro_batch(samples: dict, tp: int, cp: int, zero: int) -> float:
 def _micro_batch_work(model: MambaConfig, batch: int, seqlen: int, tp: int, cp: int) -> list:
     """(kind, LayerWork) of every layer of the list and the loss, for one micro-batch at TP `tp`, CP `cp`."""
     shape = RankShape(model, batch, seqlen, tp, cp, tp > 1, act=2 if torch.cuda.is_available() else 4)
-    return [(kind, layer_work(shape, kind)) for kind in layer_kinds(model)] + [("loss", loss_work(shape))]
+    return [(kind, layer_type(kind).work(shape)) for kind in layer_kinds(model)] + [("loss", loss_work(shape))]
 
 
 def predicted_micro_batch(

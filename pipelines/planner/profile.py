@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from megamamba.errors import MegamambaError
+from megamamba.model.layer_types import LAYER_TYPES
 
 KERNELS = ("matmul", "matmul_fp32", "ssd", "scan", "conv", "norm", "attention", "elementwise")
-LAYERS = ("embedding", "mamba", "attention", "mlp", "final_norm", "head", "loss")  # the loss: after the head
 TIERS = ("intra_node", "inter_node")
 
 
@@ -120,8 +120,9 @@ def load_profile(path: str) -> Profile:
         kernels[kind] = Kernel(_number(values, "efficiency", where), _number(values, "backward_ratio", where), fixed)
     layers = {}
     for kind, values in data.get("layers", {}).items():
-        if kind not in LAYERS:
-            raise ProfileError(f"profile {path}: layers.{kind} is not a layer kind; known: {LAYERS}")
+        known = [*LAYER_TYPES, "loss"]  # the loss: after the head
+        if kind not in known:
+            raise ProfileError(f"profile {path}: layers.{kind} is not a layer kind; known: {known}")
         where = f"{path} layers.{kind}"
         layers[kind] = LayerFit(
             *(

@@ -12,13 +12,14 @@ from typing import Optional
 from megamamba.config import MambaConfig
 from megamamba.errors import LayoutError, MegamambaError
 from megamamba.model.flops import training_flops_per_token
-from megamamba.model.layers import layer_kinds
+from megamamba.model.layer_types import layer_type
+from megamamba.model.layer_types.costs import RankShape
+from megamamba.model.layers import check_layout, conv_width, layer_kinds
 from megamamba.parallel.context.context_parallel import check_context_layout
-from megamamba.parallel.tensor.model_layout import check_model_layout
 from megamamba.pipelines.config.layout import Layout, engine_config
 from megamamba.pipelines.memory.fit import RESERVED
 from megamamba.pipelines.memory.plan import RunShape, StageMemory, plan_memory
-from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
+from megamamba.pipelines.planner.layer_costs import loss_work
 from megamamba.pipelines.planner.profile import Profile
 from megamamba.pipelines.planner.step_time import (
     Grid,
@@ -106,8 +107,8 @@ def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str
     if tp > request.gpus_per_node:
         return f"tp {tp} would span nodes of {request.gpus_per_node} GPUs: use tp {request.gpus_per_node} or less"
     try:
-        check_model_layout(model, tp)
-        check_context_layout(request.seq_length, cp, model.conv_width, tp, tp > 1)
+        check_layout(model, tp)
+        check_context_layout(request.seq_length, cp, conv_width(model), tp, tp > 1)
         check_pattern_stages(model, pp)
     except LayoutError as e:
         return str(e)
@@ -148,9 +149,14 @@ def _step_time(
         2 if request.autocast else 4,
     )
     kinds = layer_kinds(request.model)
-    tied_head = request.model.tie_embeddings and grid.pp > 1  # DeepSpeed's tied forward_fn is not checkpointed
-    per_kind = {
-        kind: layer_time(kind, layer_work(rank, kind), grid, profile, recompute and not (kind == "head" and tied_head))
+    per_kind = {  # DeepSpeed's tied forward_fn is not checkpointed
+        kind: layer_time(
+            kind,
+            layer_type(kind).work(rank),
+            grid,
+            profile,
+            recompute and not (layer_type(kind).tied(request.model) and grid.pp > 1),
+        )
         for kind in set(kinds)
     }
     loss = layer_time("loss", loss_work(rank), grid, profile, recompute=False)  # on the last stage, after its layers

@@ -15,7 +15,8 @@ all-reduce between the first and last stage, and the optimizer's pass over this 
 
 from dataclasses import dataclass
 
-from megamamba.pipelines.planner.layer_costs import Collective, LayerWork, RankShape, boundary_bytes
+from megamamba.model.layer_types.costs import Collective, LayerWork, RankShape
+from megamamba.pipelines.planner.layer_costs import boundary_bytes
 from megamamba.pipelines.planner.profile import Link, Profile
 
 OPTIMIZER_BYTES_PER_PARAMETER = 4 * (4 + 3)  # AdamW reads parameter, gradient, two moments; writes three

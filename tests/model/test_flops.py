@@ -10,16 +10,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamamba import MambaConfig, MambaLM
-from megamamba.model.flops import (
-    attention_core_flops,
-    attention_projection_flops,
-    forward_flops_per_token,
-    layer_flops,
-    mamba1_layer_flops,
-    mamba2_layer_flops,
-    mlp_flops,
-    training_flops_per_token,
-)
+from megamamba.model.flops import forward_flops_per_token, layer_flops, training_flops_per_token
+from megamamba.model.layer_types.attention import attention_core_flops, attention_projection_flops
+from megamamba.model.layer_types.mamba import mamba1_layer_flops, mamba2_layer_flops
+from megamamba.model.layer_types.mlp import mlp_flops
 from train_entry import ROOT
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from megamamba.model.layers import BLOCK_CLASSES
+from megamamba.model.layer_types import layer_type
 from megamamba.parallel import TensorParallel, comm_counter
 from model_cases import lm_config, lm_inputs
 from model_checks import assert_equal_to_single_process, tensor_parallel_errors
@@ -112,7 +112,7 @@ def block_comm(tp_base, name, sp):
     fields, kind = BLOCK_CASES[name]
     tp = TensorParallel(tp_base.group, tp_base.size, tp_base.rank, sequence_parallel=sp)
     torch.manual_seed(SEED)
-    block = BLOCK_CLASSES[kind](config(fields), tp=tp)
+    block = layer_type(kind).layer_class(config(fields), tp)(config(fields), tp=tp)
     gen = torch.Generator().manual_seed(SEED + 3)
     local_len = SEQLEN // tp.size if sp else SEQLEN
     stream, up = (torch.randn(BATCH, local_len, D_MODEL, generator=gen) for _ in range(2))

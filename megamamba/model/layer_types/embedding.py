@@ -1,10 +1,14 @@
-"""Layer 0 of the list: the token embedding, whose output is the residual stream."""
+"""Layer 0 of the list: the token embedding, whose output is the residual stream, and what the framework
+knows of it (`EmbeddingType`)."""
 
 from typing import Optional
 
+import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
+from megamamba.model.layer_types.base import LayerType
+from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, onto_stream
 from megamamba.model.stream import pack, to_stream, unpack
 from megamamba.parallel import TensorParallel, VocabParallelEmbedding
 from megamamba.parallel.context.context_parallel import ContextParallel
@@ -40,3 +44,29 @@ class ParallelEmbedding(_EmbeddingOnTheStream, VocabParallelEmbedding):
     def __init__(self, config: MambaConfig, tp: TensorParallel, cp: Optional[ContextParallel] = None):
         super().__init__(config.padded_vocab_size, config.d_model, tp)
         self.residual_in_fp32 = config.residual_in_fp32
+
+
+class EmbeddingType(LayerType):
+    """The embedding: a lookup, no FLOPs; under TP each rank looks up its rows and the float32 partial sums are
+    reduced onto the stream. It keeps nothing for the backward (its output is the next layer's input)."""
+
+    kind = "embedding"
+
+    def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
+        return Embedding if tp is None else ParallelEmbedding
+
+    def flops_per_token(self, config: MambaConfig, seq_length: int) -> int:
+        return 0
+
+    def kept_bytes(self, shape: RankShape) -> int:
+        return 0
+
+    def work(self, shape: RankShape) -> LayerWork:
+        t, d = shape.tokens, shape.model.d_model
+        return LayerWork((Kernel("elementwise", 0, t * d * 2 * STREAM),), onto_stream(shape, t * d * STREAM))
+
+    def example_input(self, config: MambaConfig, batch: int, seq_length: int, device) -> torch.Tensor:
+        return torch.randint(0, config.vocab_size, (batch, seq_length), device=device)
+
+
+EMBEDDING_TYPE = EmbeddingType()

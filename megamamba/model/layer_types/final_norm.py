@@ -1,4 +1,5 @@
-"""Layer n_layer + 1 of the list: the final norm (mamba_ssm's norm_f), from the stream to the head's input."""
+"""Layer n_layer + 1 of the list: the final norm (mamba_ssm's norm_f), from the stream to the head's input, and
+what the framework knows of it (`FinalNormType`)."""
 
 from typing import Optional
 
@@ -6,6 +7,8 @@ import torch
 
 from megamamba.config import MambaConfig
 from megamamba.model.block import NORM_EPS
+from megamamba.model.layer_types.base import LayerType
+from megamamba.model.layer_types.costs import STREAM, LayerWork, RankShape, norm, norm_weights
 from megamamba.model.norm import LayerNorm, RMSNorm
 from megamamba.model.stream import unpack
 from megamamba.parallel import TensorParallel
@@ -46,3 +49,24 @@ class FinalLayerNorm(_FinalNorm, LayerNorm):
         dtype=None,
     ):
         super().__init__(config.d_model, eps=NORM_EPS, device=device, dtype=dtype, tp=tp)
+
+
+class FinalNormType(LayerType):
+    """The final norm: no FLOPs counted; it keeps its input stream."""
+
+    kind = "final_norm"
+
+    def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
+        return FinalRMSNorm if config.rms_norm else FinalLayerNorm
+
+    def flops_per_token(self, config: MambaConfig, seq_length: int) -> int:
+        return 0
+
+    def kept_bytes(self, shape: RankShape) -> int:
+        return STREAM * shape.stream_width * shape.tokens
+
+    def work(self, shape: RankShape) -> LayerWork:
+        return LayerWork((norm(shape),), norm_weights(shape))
+
+
+FINAL_NORM_TYPE = FinalNormType()

@@ -1,5 +1,5 @@
 """The last layer of the list: the head, hidden states to logits over the padded vocabulary (with
-tie_embeddings, the embedding's weight)."""
+tie_embeddings, the embedding's weight), and what the framework knows of it (`HeadType`)."""
 
 from typing import Optional
 
@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamamba.config import MambaConfig
+from megamamba.model.layer_types.base import LayerType
+from megamamba.model.layer_types.costs import LayerWork, RankShape, matmul, stream_in
 from megamamba.parallel import TensorParallel, VocabParallelHead, parallel_linear
 from megamamba.parallel.context.context_parallel import ContextParallel
 
@@ -49,3 +51,32 @@ def tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 def tie(head: nn.Module, embedding: nn.Module) -> None:
     """Make `head` read `embedding`'s weight (tie_embeddings), as `tied_head` does."""
     head.weight = embedding.weight
+
+
+class HeadType(LayerType):
+    """The head: one matmul over the padded vocabulary (this rank's rows under TP, its input gathered under
+    sequence parallelism); it keeps its input. `tied` when it reads the embedding's weight."""
+
+    kind = "head"
+
+    def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
+        return Head if tp is None else ParallelHead
+
+    def tied(self, config: MambaConfig) -> bool:
+        return config.tie_embeddings
+
+    def flops_per_token(self, config: MambaConfig, seq_length: int) -> int:
+        return 2 * config.d_model * config.padded_vocab_size
+
+    def kept_bytes(self, shape: RankShape) -> int:
+        return shape.act * shape.model.d_model * shape.tokens
+
+    def weight_elements(self, shape: RankShape) -> int:
+        return shape.local_vocab * shape.model.d_model
+
+    def work(self, shape: RankShape) -> LayerWork:
+        logits = matmul(shape, shape.model.d_model, shape.local_vocab)
+        return LayerWork((logits,), stream_in(shape, logits))
+
+
+HEAD_TYPE = HeadType()

@@ -1,4 +1,5 @@
-"""Which tensor/sequence-parallel layouts a model config allows, checked before any work.
+"""Which tensor/sequence-parallel layouts each mixer allows, checked before any work (a whole model's:
+`megamamba.model.layers.check_layout`).
 
 Each refusal names the rule and the numbers. The rules:
 
@@ -15,19 +16,8 @@ Each refusal names the rule and the numbers. The rules:
 
 from __future__ import annotations
 
-from megamamba.config import AttentionOptions, Mamba1Options, MambaConfig, MixerOptions
+from megamamba.config import AttentionOptions, Mamba1Options, MixerOptions
 from megamamba.errors import LayoutError
-
-
-def check_model_layout(config: MambaConfig, tp_size: int) -> None:
-    """Refuse a config whose layers cannot be split across `tp_size` ranks."""
-    kinds = set(config.block_kinds)
-    if "mamba" in kinds:
-        check_mixer_layout(config.d_model, config.mixer_options, tp_size)
-    if "attention" in kinds:
-        check_attention_layout(config.attention_options, tp_size)
-    if "mlp" in kinds or config.mlp_inside_blocks:
-        check_mlp_layout(config.mlp_width, tp_size)
 
 
 def check_attention_layout(options: AttentionOptions, tp_size: int) -> None:

@@ -12,8 +12,9 @@ import torch
 
 from distributed import run_ranks
 from megamamba.config import MambaConfig
+from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.lm import MambaLM
-from megamamba.pipelines.memory.activations import ActivationShape, kept_bytes, stage_activation_bytes
+from megamamba.pipelines.memory.activations import kept_bytes, stage_activation_bytes
 from megamamba.pipelines.stages.plain import PlainLM
 from saved_tensors import autograd_saved_bytes
 from train_entry import ROOT
@@ -25,64 +26,61 @@ def _model(name: str) -> MambaConfig:
     return MambaConfig.from_json(str(ROOT / "launch/models" / f"{name}.json"))
 
 
-def _whole_model(shape: ActivationShape) -> int:
-    """The estimate for a one-stage run: layers [0, n_layer + 3)."""
+def _whole_model(name: str, checkpoint_interval: int = 0, in_flight: int = 1, **changes) -> int:
+    """The estimate for a one-stage run of model `name` (layers [0, n_layer + 3)), micro batch 4 x seq 2048
+    under bf16 autocast unless `changes` say otherwise."""
+    shape = RankShape(**{**dict(model=_model(name), micro_batch_size=4, seq_length=2048, act=2), **changes})
     last = shape.model.n_layer + 2
-    return stage_activation_bytes(shape, 0, last + 1, last)
-
-
-def _shape(name: str, **changes) -> ActivationShape:
-    settings = dict(model=_model(name), micro_batch_size=4, seq_length=2048, autocast=True)
-    return ActivationShape(**{**settings, **changes})
+    return stage_activation_bytes(shape, 0, last + 1, last, checkpoint_interval, in_flight)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_more_tokens_keep_more(name):
-    base = _whole_model(_shape(name))
-    assert _whole_model(_shape(name, micro_batch_size=8)) > base
-    assert _whole_model(_shape(name, seq_length=4096)) > base
+    base = _whole_model(name)
+    assert _whole_model(name, micro_batch_size=8) > base
+    assert _whole_model(name, seq_length=4096) > base
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_twice_the_tokens_keep_more_but_at_most_twice_as_much(name):
     """Activations are linear in the tokens, plus fixed parts (weight copies, the loss's chunk)."""
-    one, two = _whole_model(_shape(name, micro_batch_size=4)), _whole_model(_shape(name, micro_batch_size=8))
+    one, two = _whole_model(name, micro_batch_size=4), _whole_model(name, micro_batch_size=8)
     assert one < two <= 2 * one
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_recomputation_keeps_less(name):
-    none = _whole_model(_shape(name))
+    none = _whole_model(name)
     for interval in (1, 2, 4):
-        assert _whole_model(_shape(name, checkpoint_interval=interval)) < none, interval
+        assert _whole_model(name, checkpoint_interval=interval) < none, interval
 
 
 @pytest.mark.parametrize("name", MODELS + ["mamba2-7b"])
 def test_tensor_parallelism_keeps_less_per_rank(name):
     """Also Mamba-2 with ngroups < TP, whose norm across the ranks keeps no float32 intermediates."""
-    assert _whole_model(_shape(name, tp=2)) < _whole_model(_shape(name))
+    assert _whole_model(name, tp=2) < _whole_model(name)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_sequence_parallelism_keeps_less_per_rank_than_tensor_parallelism_alone(name):
-    assert _whole_model(_shape(name, tp=2, sequence_parallel=True)) < _whole_model(_shape(name, tp=2))
+    assert _whole_model(name, tp=2, sequence_parallel=True) < _whole_model(name, tp=2)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_each_micro_batch_in_flight_adds_the_same(name):
-    one, two, three = (_whole_model(_shape(name, in_flight=k)) for k in (1, 2, 3))
+    one, two, three = (_whole_model(name, in_flight=k) for k in (1, 2, 3))
     assert one < two < three and three - two == two - one
 
 
 def test_a_context_parallel_rank_keeps_its_slice_and_the_gathered_keys_and_values():
     """Half the sequence on each of 2 ranks: less than the whole, more than half (attention's k and v are whole)."""
-    whole, half = _whole_model(_shape("nemotron-h-8b")), _whole_model(_shape("nemotron-h-8b", seq_length=1024, cp=2))
+    whole, half = _whole_model("nemotron-h-8b"), _whole_model("nemotron-h-8b", cp=2)
     assert whole / 2 < half < whole, (whole, half)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_bf16_autocast_keeps_less_than_float32(name):
-    assert _whole_model(_shape(name)) < _whole_model(_shape(name, autocast=False))
+    assert _whole_model(name) < _whole_model(name, act=4)
 
 
 def _kept_by_autograd(model: PlainLM, input_ids: torch.Tensor, autocast: bool) -> int:
@@ -152,7 +150,7 @@ def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(m
     input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQLEN))
     measured = _kept_by_autograd(PlainLM(MambaLM(config)), input_ids, autocast)
     last = config.n_layer + 2
-    estimated = kept_bytes(ActivationShape(config, BATCH, SEQLEN, autocast=autocast), 0, last + 1, last)
+    estimated = kept_bytes(RankShape(config, BATCH, SEQLEN, act=2 if autocast else 4), 0, last + 1, last)
     print(f"{mixer} {'bf16 autocast' if autocast else 'float32'}: kept {measured} bytes, estimated {estimated}")
     assert abs(estimated - measured) <= 0.01 * measured, (measured, estimated)
 
@@ -172,7 +170,7 @@ def _kept_at_tp2(mixer: str, sequence_parallel: bool) -> list:
         (
             _kept_by_autograd(model, input_ids, autocast),
             kept_bytes(
-                ActivationShape(config, BATCH, SEQLEN, tp=2, sequence_parallel=sequence_parallel, autocast=autocast),
+                RankShape(config, BATCH, SEQLEN, tp=2, sequence_parallel=sequence_parallel, act=2 if autocast else 4),
                 0,
                 last + 1,
                 last,

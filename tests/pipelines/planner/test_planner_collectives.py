@@ -12,11 +12,13 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megamamba import MambaConfig, MambaLM
+from megamamba.model.layer_types import layer_type
+from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.layers import layer_kinds
 from megamamba.model.lm import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
-from megamamba.pipelines.planner.layer_costs import RankShape, layer_work, loss_work
+from megamamba.pipelines.planner.layer_costs import loss_work
 
 BATCH, SEQLEN, SEED = 2, 32, 11
 MAMBA2 = {"layer": "Mamba2", "d_state": 8, "headdim": 16, "chunk_size": 16}
@@ -75,7 +77,7 @@ def ranks():
 def predicted(name, tp, cp, sequence_parallel):
     shape = RankShape(CONFIGS[name], BATCH, SEQLEN, tp, cp, sequence_parallel, act=2)
     out = {False: collections.Counter(), True: collections.Counter()}
-    works = [layer_work(shape, kind) for kind in layer_kinds(CONFIGS[name])] + [loss_work(shape)]
+    works = [layer_type(kind).work(shape) for kind in layer_kinds(CONFIGS[name])] + [loss_work(shape)]
     for work in works:
         for c in work.collectives:
             out[c.backward][(c.kind, int(c.nbytes))] += 1

@@ -11,8 +11,10 @@ import pytest
 
 from megamamba import MambaConfig
 from megamamba.model.flops import layer_flops
+from megamamba.model.layer_types import layer_type
+from megamamba.model.layer_types.attention import causal_pairs
+from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.layers import layer_kinds
-from megamamba.pipelines.planner.layer_costs import RankShape, causal_pairs, layer_work
 from megamamba.pipelines.planner.profile import EngineCost, Kernel, LayerFit, Link, ProfileError, load_profile
 from megamamba.pipelines.planner.search import Request, search
 from megamamba.pipelines.planner.step_time import (
@@ -45,7 +47,7 @@ def test_a_layers_kernel_flops_are_the_training_logs_flops(config):
     shape = RankShape(config, micro_batch_size=2, seq_length=seq)
     tokens = 2 * seq
     for kind, per_token in zip(layer_kinds(config), layer_flops(config, seq)):
-        counted = sum(k.flops for k in layer_work(shape, kind).kernels)
+        counted = sum(k.flops for k in layer_type(kind).work(shape).kernels)
         if kind == "attention":  # exactly s(s+1)/2 pairs, not s/2 keys a token: the last s/2 pairs apart
             per_token += 2 * 2 * 6 * 16 // 2
         assert counted == pytest.approx(per_token * tokens, rel=1e-12), kind
@@ -127,7 +129,7 @@ def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_t
         H100, links={"intra_node": Link(1e-6, bandwidth), "inter_node": Link(1e-6, 1e9)}, overlap=overlap
     )
     shape = RankShape(MAMBA1, micro_batch_size=2, seq_length=4096, tp=2, sequence_parallel=True)
-    work = layer_work(shape, "head")
+    work = layer_type("head").work(shape)
     projection = work.kernels[0]
     matmul = kernel_seconds(projection.kind, projection.flops, projection.bytes, profile)
     comm = collective_seconds("all_gather", shape.tokens * 96 * 2, 2, profile.links["intra_node"])
@@ -139,9 +141,9 @@ def test_an_input_projections_collectives_cost_what_outlasts_the_matmul_beside_t
 
 def test_context_parallel_mamba2_adds_its_float32_state_product_recomputed_in_the_backward():
     shape = RankShape(HYBRID, micro_batch_size=2, seq_length=256, cp=2)
-    extra = [k for k in layer_work(shape, "mamba").kernels if k.kind == "matmul_fp32"]
+    extra = [k for k in layer_type("mamba").work(shape).kernels if k.kind == "matmul_fp32"]
     assert [(k.flops, k.checkpointed) for k in extra] == [(2 * shape.tokens * HYBRID.d_inner * 16, True)]
-    assert not [k for k in layer_work(RankShape(HYBRID, 2, 256), "mamba").kernels if k.kind == "matmul_fp32"]
+    assert not [k for k in layer_type("mamba").work(RankShape(HYBRID, 2, 256)).kernels if k.kind == "matmul_fp32"]
 
 
 def test_a_written_profile_reads_back_equal(tmp_path):
@@ -174,7 +176,7 @@ def test_the_shipped_cpu_profile_is_a_measured_one_and_loads():
 def test_a_layer_fit_turns_its_kernels_time_into_the_layers_measured_time(recompute):
     """forward = fixed + scale x the kernels' forward (twice under recomputation), backward likewise."""
     fitted = dataclasses.replace(H100, layers={"mamba": LayerFit(1e-3, 2.0, 3e-3, 0.5)})
-    work = layer_work(RankShape(HYBRID, 2, 256), "mamba")
+    work = layer_type("mamba").work(RankShape(HYBRID, 2, 256))
     forward, backward = kernel_seconds_of(work, fitted)
     one = Grid(1, 1, 1, 1, 1)
     time = layer_time("mamba", work, one, fitted, recompute)
@@ -194,7 +196,7 @@ def test_the_engine_costs_its_share_per_micro_batch_and_once_per_step():
 
 def test_the_layers_run_at_the_models_scale_and_at_the_shared_nodes_only_beside_other_ranks():
     scaled = dataclasses.replace(H100, model_scale=1.25, shared_node_scale=1.5)
-    work = layer_work(RankShape(HYBRID, 2, 256), "mlp")
+    work = layer_type("mlp").work(RankShape(HYBRID, 2, 256))
     alone, beside = (
         layer_time("mlp", work, grid, scaled, False).compute for grid in (Grid(1, 1, 1, 1, 8), Grid(2, 1, 1, 1, 8))
     )
