@@ -123,16 +123,18 @@ def set_scheduler_lrs(scheduler, lrs: list) -> None:
     scheduler._last_lr = lrs
 
 
-class _PipelineModuleWithStages(PipelineModule):
+def _partition_at_bounds(self, method):
     """`PipelineModule._partition_layers(method)`, which its __init__ calls with `partition_method` to set `parts`
     (each stage's first layer and the end) and this rank's layers (`_set_bounds`), given the bounds as the method."""
-
-    def _partition_layers(self, method):
-        self.parts = list(method)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+    self.parts = list(method)
+    stage = self._topo.get_coord(self.global_rank).pipe
+    self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-def pipeline_module_with_stages(bounds: list, **settings) -> PipelineModule:
-    """A PipelineModule (`settings`: its other arguments) whose stage s runs layers [bounds[s], bounds[s + 1])."""
-    return _PipelineModuleWithStages(partition_method=bounds, **settings)
+def pipeline_module_with_stages(module_class: type, bounds: list, **settings) -> PipelineModule:
+    """A `module_class` (a PipelineModule; `settings`: its other arguments) whose stage s runs layers
+    [bounds[s], bounds[s + 1])."""
+    with_stages = type(
+        f"{module_class.__name__}WithStages", (module_class,), {"_partition_layers": _partition_at_bounds}
+    )
+    return with_stages(partition_method=bounds, **settings)

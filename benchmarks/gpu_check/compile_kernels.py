@@ -164,7 +164,7 @@ def model_steps():
                     ids = torch.randint(0, 512, (2, 600), generator=torch.Generator().manual_seed(0))
                     seq_idx = (torch.arange(600) >= 250).int().expand(2, 600).contiguous() if docs else None
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                        loss = model.loss(ids[:, :-1], ids[:, 1:], seq_idx=None if seq_idx is None else seq_idx[:, :-1])
+                        loss = model(ids[:, :-1], ids[:, 1:], seq_idx=None if seq_idx is None else seq_idx[:, :-1])
                     loss.backward()
 
                 steps.append((f"{layer} step{' bf16' if autocast else ''}{' docs' if docs else ''}", step))

@@ -13,7 +13,7 @@ from torch import nn
 from megamamba.config import MambaConfig
 from megamamba.model.mlp import MLP
 from megamamba.model.norm import LayerNorm, RMSNorm
-from megamamba.model.stream import pack, to_stream, unpack
+from megamamba.model.stream import Stream, to_stream
 from megamamba.parallel import TensorParallel
 
 NORM_EPS = 1e-5  # mamba_ssm's norm_epsilon
@@ -64,13 +64,12 @@ class Block(nn.Module):
         normed, stream = self._norm(self.norm2, stream)
         return self.mlp(normed) + stream
 
-    def forward(self, x, inference_state=None):
-        """stream [, seq_idx] -> the next stream [, seq_idx]; with `inference_state` (a prefill) the
-        mixer's state after the last position is written into it."""
-        stream, seq_idx = unpack(x)
-        normed, stream = self._norm(self.norm, stream)
-        stream = self.mixer(normed, seq_idx=seq_idx, inference_state=inference_state) + stream
-        return pack(self._mlp(stream), seq_idx)
+    def forward(self, x: Stream, inference_state=None) -> Stream:
+        """The stream -> the next stream; with `inference_state` (a prefill) the mixer's state after the last
+        position is written into it."""
+        normed, stream = self._norm(self.norm, x.hidden)
+        stream = self.mixer(normed, seq_idx=x.seq_idx, inference_state=inference_state) + stream
+        return x.carrying(self._mlp(stream))
 
     def allocate_inference_cache(self, batch_size: int, dtype=None):
         """The mixer's zeroed recurrent state (None for an MLP layer)."""

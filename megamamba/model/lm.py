@@ -1,43 +1,26 @@
-"""The Mamba language model on one device: the layer list of `megamamba.model.layers`, run in order.
+"""The Mamba language model: the layer list of `megamamba.model.layers`, run in order. It is what trains: its
+forward with labels is the training loss DeepSpeed's engine takes (a pipeline stage runs a slice of the same
+layers).
 
 State-dict keys and initialisation are mamba_ssm's `MambaLMHeadModel`; each layer draws from its
 own seeded stream, so a pipeline stage draws only its own. The same class runs tensor- and
 context-parallel (`tp=`, `cp=`). Design: docs/code.md.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.model.chunked_cross_entropy import chunked_cross_entropy
 from megamamba.model.layer_types.head import tie
 from megamamba.model.layers import build_layer, check_layout, draw_seed, layer_count
-from megamamba.model.stream import pack
-from megamamba.parallel import TensorParallel, split, vocab_parallel_cross_entropy
-from megamamba.parallel.context.context_parallel import ContextParallel, mean_over_context
+from megamamba.model.loss import training_loss
+from megamamba.model.stream import Stream
+from megamamba.parallel import TensorParallel, split
+from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.model_layout import check_sequence_length
-
-
-def lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    vocab_size: int,
-    tp: Optional[TensorParallel] = None,
-    cp: Optional[ContextParallel] = None,
-) -> torch.Tensor:
-    """Mean cross-entropy over the tokens whose label is not -100, on the real vocabulary (padded
-    columns excluded). Under TP `logits` is this rank's vocab block and the full logits are never
-    gathered (`vocab_parallel_cross_entropy`); every rank gets the loss. On one device the float32
-    logits are never materialized whole (`chunked_cross_entropy`). Under CP `logits` and `labels`
-    are this rank's slice and the mean is over the whole sequences (`mean_over_context`)."""
-    if split(tp) is None:
-        loss = chunked_cross_entropy(logits, labels, vocab_size)
-    else:
-        loss = vocab_parallel_cross_entropy(logits, labels, tp, vocab_size=vocab_size)
-    cp = split(cp)
-    return loss if cp is None else mean_over_context(loss, labels, cp)
 
 
 class MambaBackbone(nn.Module):
@@ -60,6 +43,8 @@ class MambaLM(nn.Module):
 
     With `tp` (size > 1) the model is split across its tensor-parallel group (docs/code.md).
     With `cp` (size > 1) each rank of the context-parallel group runs a slice of every sequence.
+    With `checkpoint_interval` k > 0, training recomputes each run of k consecutive layers of the list in the
+    backward (non-reentrant activation checkpointing, as DeepSpeed's pipeline does within a stage).
     """
 
     def __init__(
@@ -69,9 +54,13 @@ class MambaLM(nn.Module):
         dtype=None,
         tp: Optional[TensorParallel] = None,
         cp: Optional[ContextParallel] = None,
+        checkpoint_interval: int = 0,
     ):
         super().__init__()
         config.validate()
+        if checkpoint_interval < 0:
+            raise ValueError(f"checkpoint interval {checkpoint_interval}: must be >= 0")
+        self.checkpoint_interval = checkpoint_interval
         self.tp = split(tp)
         self.cp = split(cp)
         if self.tp is not None:
@@ -87,22 +76,28 @@ class MambaLM(nn.Module):
             tie(self.lm_head, self.backbone.embedding)
 
     def forward(
-        self, input_ids: torch.Tensor, seq_idx: Optional[torch.Tensor] = None, inference_cache: Optional[list] = None
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        seq_idx: Optional[torch.Tensor] = None,
+        inference_cache: Optional[list] = None,
     ) -> torch.Tensor:
-        """input_ids (batch, seqlen) -> logits (batch, seqlen, padded_vocab_size).
+        """input_ids (batch, seqlen) -> logits (batch, seqlen, padded_vocab_size); with `labels` (batch, seqlen;
+        -100 = ignored) the training loss instead (`megamamba.model.loss.training_loss`: the mean cross-entropy
+        over the real vocabulary, under TP on the vocab-parallel logits, never gathered).
 
         seq_idx (batch, seqlen) int32 document ids: the state of every layer resets where the id
         changes, so packed documents do not see each other. inference_cache (from
         allocate_inference_cache): filled with the states after the last position, so `step`
         continues the sequence (prefill); not combined with seq_idx.
 
-        Under CP: input_ids and seq_idx are this rank's slice (batch, seqlen / C), the ids of a document
-        the same on every rank; the logits are the slice's. No inference_cache.
+        Under CP: input_ids, labels and seq_idx are this rank's slice (batch, seqlen / C), the ids of a
+        document the same on every rank; the logits are the slice's. No inference_cache.
 
         Under TP: input_ids and seq_idx whole and the same on every rank; the logits are LOCAL,
         this rank's vocab block (batch, seqlen, rows) of the TP-padded vocab, rank r holding
-        columns [r * rows, (r + 1) * rows). Use `loss`, or `lm_loss` / `vocab_parallel_cross_entropy`
-        on them; `gather_from_tp_region(logits, tp)[..., :padded_vocab_size]` gives the full ones.
+        columns [r * rows, (r + 1) * rows); `gather_from_tp_region(logits, tp)[..., :padded_vocab_size]`
+        gives the full ones.
         """
         if seq_idx is not None and seq_idx.shape != input_ids.shape:
             raise ValueError(
@@ -116,18 +111,17 @@ class MambaLM(nn.Module):
             check_sequence_length(input_ids.shape[1], self.tp.size, self.tp.sequence_parallel)
             if inference_cache is not None:
                 self._check_recurrent_form()
-        embedding, *blocks, norm_f, head = layer_list(self)
-        x = embedding(pack(input_ids, seq_idx))
-        for i, block in enumerate(blocks):
-            x = block(x, inference_state=None if inference_cache is None else inference_cache[i])
-        return head(norm_f(x))
-
-    def loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        """Mean cross-entropy of `labels` (batch, seqlen; -100 = ignored) under the logits of `input_ids`,
-        over the real vocabulary; under TP computed on the vocab-parallel logits, never gathered."""
-        return lm_loss(self(input_ids, seq_idx=seq_idx), labels, self.config.vocab_size, self.tp, self.cp)
+        layers = layer_list(self)
+        states = [None] * len(layers) if inference_cache is None else [None, *inference_cache, None, None]
+        k = self.checkpoint_interval if self.training and inference_cache is None else 0
+        x: Any = Stream.of(input_ids, seq_idx)  # the head's logits after the last layer
+        for start in range(0, len(layers), k or len(layers)):
+            run = range(start, min(start + (k or len(layers)), len(layers)))
+            if k:
+                x = torch.utils.checkpoint.checkpoint(_run_layers, layers, run, x, states, use_reentrant=False)
+            else:
+                x = _run_layers(layers, run, x, states)
+        return x if labels is None else training_loss(x, labels, self.config.vocab_size, self.tp, self.cp)
 
     def _check_recurrent_form(self) -> None:
         if self.tp is not None and self.tp.sequence_parallel:
@@ -146,7 +140,14 @@ class MambaLM(nn.Module):
         advances in place."""
         self._check_recurrent_form()
         embedding, *blocks, norm_f, head = layer_list(self)
-        x = embedding(input_ids)
+        x = embedding(Stream(input_ids)).hidden
         for block, state in zip(blocks, inference_cache):
             x = block.step(x, state)
-        return head(norm_f(x))
+        return head(norm_f(Stream(x)))
+
+
+def _run_layers(layers: list, run: range, x: Stream, states: list):
+    """Layers `run` of the list on `x`; a block with an inference state (a prefill) fills it."""
+    for i in run:
+        x = layers[i](x) if states[i] is None else layers[i](x, inference_state=states[i])
+    return x

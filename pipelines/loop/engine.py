@@ -1,7 +1,8 @@
 """The DeepSpeed engine for a layout, behind one train-step / eval-step interface.
 
 pp > 1: DeepSpeed's PipelineEngine over `build_pipeline_module` (ZeRO 0 or 1).
-pp = 1: the plain DeepSpeedEngine over `PlainLM` (any ZeRO stage), with our `mpu` under TP.
+pp = 1: the plain DeepSpeedEngine over `MambaLM` itself, whose forward with labels is the training loss
+(any ZeRO stage), with our `mpu` under TP.
 Process groups come from `megamamba.parallel.groups.ParallelGroups`, laid out by the same
 DeepSpeed topology the pipeline engine builds its grid from, so both agree on every rank.
 
@@ -29,7 +30,7 @@ document boundaries; the pipeline engine receives it as the first stage's input 
 Context parallelism (layout.cp = C > 1): the trainer's micro-batches are its slice (`window`) of
 the sequences of its data-parallel replica's micro-batches (`dp_rank` counts replicas, not CP
 ranks), read alone by the data path; the loss is the whole sequences' mean, its gradient scaled
-for DeepSpeed's average over dp x C ranks (`pipelines.stages.loss.LMLoss`).
+for DeepSpeed's average over dp x C ranks (`megamamba.model.loss.training_loss`).
 """
 
 from dataclasses import dataclass
@@ -53,7 +54,6 @@ from megamamba.pipelines.loop.agreement import agree, to_device
 from megamamba.pipelines.memory.host import reuse_freed_tensors, unmap_freed_tensors
 from megamamba.pipelines.stages.names import load_mamba_state_dict, to_mamba
 from megamamba.pipelines.stages.pipeline_module import build_pipeline_module
-from megamamba.pipelines.stages.plain import PlainLM
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
 
@@ -188,7 +188,7 @@ class PlainTrainer(_Trainer):
         checkpoint_interval: int,
     ):
         torch.manual_seed(seed)
-        module = PlainLM(MambaLM(config, tp=tp, cp=cp), checkpoint_interval)
+        module = MambaLM(config, tp=tp, cp=cp, checkpoint_interval=checkpoint_interval)
         module = module.to(get_accelerator().current_device_name())
         optimizer = _optimizer(module, settings)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(

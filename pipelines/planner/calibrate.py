@@ -29,7 +29,8 @@ from megamamba.config import MambaConfig
 from megamamba.model.layer_types import costs, layer_type
 from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.layers import build_layer, layer_kinds
-from megamamba.model.lm import lm_loss
+from megamamba.model.loss import lm_loss
+from megamamba.model.stream import Stream
 from megamamba.pipelines.planner.calibrate_engine import one_rank_costs, two_rank_costs
 from megamamba.pipelines.planner.layer_costs import loss_work
 from megamamba.pipelines.planner.profile import Kernel, LayerFit, Link, Profile
@@ -115,7 +116,12 @@ def _layer_inputs(model: MambaConfig, kind: str, batch: int, seqlen: int, device
             [],
         )
     layer = build_layer(model, layer_kinds(model).index(kind), seed=0, device=device)
-    return layer, [layer_type(kind).example_input(model, batch, seqlen, device)], list(layer.parameters())
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
+        out = layer(Stream(hidden))
+        return out.hidden if isinstance(out, Stream) else out
+
+    return run, [layer_type(kind).example_input(model, batch, seqlen, device)], list(layer.parameters())
 
 
 def fit_line(small: tuple, large: tuple) -> tuple:

@@ -53,7 +53,7 @@ def train_step(model, optimizer, scheduler, step: int) -> float:
     )
     noise = torch.randint(0, 2**31, (1,)).item()  # draws from the global generator: its state matters
     labels = ids[:, 1:].masked_fill((ids[:, 1:] + noise) % 7 == 0, -100)
-    loss = model.loss(ids[:, :-1], labels)
+    loss = model(ids[:, :-1], labels)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()

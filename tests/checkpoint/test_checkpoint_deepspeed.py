@@ -32,11 +32,10 @@ def engine(seed: int, dp: int):
 
     from megamamba import MambaLM
     from megamamba.optim import param_groups
-    from megamamba.pipelines.stages.plain import PlainLM
     from megamamba.schedule.lr_schedule import LRSchedule
 
     torch.manual_seed(seed)
-    module = PlainLM(MambaLM(tiny("Mamba2")))
+    module = MambaLM(tiny("Mamba2"))
     optimizer = torch.optim.AdamW(param_groups(module, 0.1), lr=1e-2)
     config = {
         "train_batch_size": GLOBAL_BATCH,

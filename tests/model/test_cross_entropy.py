@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megamamba.model import chunked_cross_entropy as cross_entropy
-from megamamba.model.lm import lm_loss
+from megamamba.model.loss import lm_loss
 from megamamba.testing.numerics import relative_error
 
 

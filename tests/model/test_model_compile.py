@@ -8,6 +8,7 @@ import torch
 
 from megamamba import MambaConfig
 from megamamba.model.layers import build_layer
+from megamamba.model.stream import Stream
 from megamamba.testing.numerics import relative_error
 
 SEED = 37
@@ -45,7 +46,7 @@ def block_and_stream(kind):
 
 def graph_breaks(kind):
     block, stream, seq_idx = block_and_stream(kind)
-    return torch._dynamo.explain(block)((stream, seq_idx)).graph_break_count
+    return torch._dynamo.explain(block)(Stream(stream, seq_idx)).graph_break_count
 
 
 def outputs_and_gradients(block, run, stream, seq_idx):
@@ -53,7 +54,7 @@ def outputs_and_gradients(block, run, stream, seq_idx):
     gradient."""
     block.zero_grad()
     x = stream.clone().requires_grad_()
-    out, _ = run((x, seq_idx))
+    out = run(Stream(x, seq_idx)).hidden
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(SEED + 1))
     (out * g).sum().backward()
     return {"out": out.detach(), "stream": x.grad, **{n: p.grad.clone() for n, p in block.named_parameters()}}

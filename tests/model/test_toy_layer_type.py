@@ -18,6 +18,7 @@ from megamamba.model.flops import training_flops_per_token
 from megamamba.model.layer_types import BlockType, register
 from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, matmul, norm
 from megamamba.model.layers import build_layer, layer_kinds
+from megamamba.model.stream import Stream
 from megamamba.pipelines.memory.activations import kept_bytes
 from megamamba.pipelines.planner.profile import load_profile
 from megamamba.pipelines.planner.search import Request, search
@@ -145,7 +146,7 @@ def test_the_memory_plan_estimates_what_autograd_keeps_in_a_registered_toy_layer
     index = layer_kinds(config).index("gated_scale")
     block = build_layer(config, index, seed=0)
     stream = torch.randn(2, SEQ, config.d_model, requires_grad=True)
-    measured = autograd_saved_bytes(block, lambda: block(stream))
+    measured = autograd_saved_bytes(block, lambda: block(Stream(stream)))
     shape = RankShape(config, 2, SEQ, act=4)
     output = STREAM * config.d_model * shape.tokens
     estimated = kept_bytes(shape, index, index + 1, len(layer_kinds(config)) - 1)

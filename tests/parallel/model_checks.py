@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from megamamba import MambaLM
-from megamamba.model.lm import lm_loss
+from megamamba.model.loss import lm_loss
 from megamamba.parallel import (
     TensorParallel,
     full_key,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from megamamba import MambaLM
 from megamamba.model.layer_types.attention import AttentionBlock
+from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from megamamba.testing.numerics import relative_error
@@ -136,8 +137,7 @@ def attention_block_comm(cp, seqlen, documents):
             torch.arange(seqlen, dtype=torch.int32).div(5, rounding_mode="floor").expand(BATCH, -1), cp
         )
     with comm_counter.capture() as fwd:
-        out = block(stream if seq_idx is None else (stream, seq_idx))
-    out = out if seq_idx is None else out[0]
+        out = block(Stream(stream, seq_idx)).hidden
     with comm_counter.capture() as bwd:
         (out * up).sum().backward()
     return [(r.kind, r.nbytes) for r in fwd], [(r.kind, r.nbytes) for r in bwd]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from megamamba import MambaLM
 from megamamba.model.layer_types.mamba import MambaBlock
+from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from model_cases import lm_config, lm_inputs
@@ -89,7 +90,7 @@ def block_comm(cp, ssm, seqlen):
     documents_of_5 = torch.arange(seqlen, dtype=torch.int32).div(5, rounding_mode="floor").expand(BATCH, -1)
     seq_idx = sequence_slice(documents_of_5, cp)
     with comm_counter.capture() as fwd:
-        out, _ = block((hidden + residual, seq_idx))  # the stream of the pair (hidden, residual)
+        out = block(Stream(hidden + residual, seq_idx)).hidden  # the stream of the pair (hidden, residual)
     with comm_counter.capture() as bwd:
         (out * up_h).sum().backward()
     return [(r.kind, r.nbytes) for r in fwd], [(r.kind, r.nbytes) for r in bwd]
@@ -109,7 +110,7 @@ def saved_bytes(name, cp):
     model = MambaLM(cfg, cp=cp)
     gen = torch.Generator().manual_seed(SEED + 4)
     ids = sequence_slice(torch.randint(0, cfg.vocab_size, (1, MEMORY_SEQLEN), generator=gen), cp)
-    return autograd_saved_bytes(model, lambda: model.loss(ids, ids, seq_idx=None))
+    return autograd_saved_bytes(model, lambda: model(ids, ids))
 
 
 def prefill_refusal(cp, ssm):

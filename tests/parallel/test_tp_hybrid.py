@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megamamba.model.layer_types import layer_type
+from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, comm_counter
 from model_cases import lm_config, lm_inputs
 from model_checks import assert_equal_to_single_process, tensor_parallel_errors
@@ -118,7 +119,7 @@ def block_comm(tp_base, name, sp):
     stream, up = (torch.randn(BATCH, local_len, D_MODEL, generator=gen) for _ in range(2))
     stream.requires_grad_()
     with comm_counter.capture() as fwd:
-        out = block(stream)
+        out = block(Stream(stream)).hidden
     with comm_counter.capture() as bwd:
         (out * up).sum().backward()
     return [(r.kind, r.nbytes) for r in fwd], [(r.kind, r.nbytes) for r in bwd]

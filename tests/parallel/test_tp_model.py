@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megamamba.model.layer_types.mamba import MambaBlock
+from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, comm_counter
 from model_cases import lm_config, lm_inputs
 from model_checks import assert_equal_to_single_process, tensor_parallel_errors
@@ -87,7 +88,7 @@ def block_comm(tp_base, name, sp, autocast=False):
     hidden, residual, up_h = (torch.randn(BATCH, local_len, D_MODEL, generator=gen) for _ in range(3))
     hidden.requires_grad_()
     with comm_counter.capture() as fwd, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        out = block(hidden + residual)  # the stream of the pair (hidden, residual)
+        out = block(Stream(hidden + residual)).hidden  # the stream of the pair (hidden, residual)
     with comm_counter.capture() as bwd:
         (out * up_h).sum().backward()
     return [(r.kind, r.nbytes) for r in fwd], [(r.kind, r.nbytes) for r in bwd]

@@ -59,7 +59,7 @@ class LayerType:
         raise NotImplementedError
 
     def example_input(self, config: MambaConfig, batch: int, seq_length: int, device) -> torch.Tensor:
-        """An input to time it on: the stream."""
+        """An input to time it on: its `Stream`'s hidden tensor."""
         return torch.randn(batch, seq_length, config.d_model, device=device)
 
     def kernel_benchmarks(self, config: MambaConfig, batch: int, seq_length: int, device, dtype) -> dict:

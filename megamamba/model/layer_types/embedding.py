@@ -9,17 +9,16 @@ from torch import nn
 from megamamba.config import MambaConfig
 from megamamba.model.layer_types.base import LayerType
 from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, onto_stream
-from megamamba.model.stream import pack, to_stream, unpack
+from megamamba.model.stream import to_stream
 from megamamba.parallel import TensorParallel, VocabParallelEmbedding
 from megamamba.parallel.context.context_parallel import ContextParallel
 
 
 class _EmbeddingOnTheStream:
-    """Mixed into an embedding: token ids [, seq_idx] -> the stream [, seq_idx]."""
+    """Mixed into an embedding: the token ids -> the stream."""
 
-    def forward(self, x):
-        ids, seq_idx = unpack(x)
-        return pack(to_stream(super().forward(ids), self.residual_in_fp32), seq_idx)
+    def forward(self, x):  # Stream -> Stream
+        return x.carrying(to_stream(super().forward(x.hidden), self.residual_in_fp32))
 
 
 class Embedding(_EmbeddingOnTheStream, nn.Embedding):

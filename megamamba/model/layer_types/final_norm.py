@@ -3,24 +3,21 @@ what the framework knows of it (`FinalNormType`)."""
 
 from typing import Optional
 
-import torch
-
 from megamamba.config import MambaConfig
 from megamamba.model.block import NORM_EPS
 from megamamba.model.layer_types.base import LayerType
 from megamamba.model.layer_types.costs import STREAM, LayerWork, RankShape, norm, norm_weights
 from megamamba.model.norm import LayerNorm, RMSNorm
-from megamamba.model.stream import unpack
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context.context_parallel import ContextParallel
 
 
 class _FinalNorm:
-    """Mixed into a norm: the final norm (mamba_ssm's norm_f), the stream [, seq_idx] -> the hidden
-    states the head reads, normalised in the norm's dtype."""
+    """Mixed into a norm: the final norm (mamba_ssm's norm_f), the stream -> the hidden states the head reads,
+    normalised in the norm's dtype."""
 
-    def forward(self, x) -> torch.Tensor:
-        return super().forward(unpack(x)[0].to(dtype=self.weight.dtype))
+    def forward(self, x):  # Stream -> Stream
+        return x.carrying(super().forward(x.hidden.to(dtype=self.weight.dtype)))
 
 
 class FinalRMSNorm(_FinalNorm, RMSNorm):

@@ -10,6 +10,7 @@ from torch import nn
 from megamamba.config import MambaConfig
 from megamamba.model.layer_types.base import LayerType
 from megamamba.model.layer_types.costs import LayerWork, RankShape, matmul, stream_in
+from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, VocabParallelHead, parallel_linear
 from megamamba.parallel.context.context_parallel import ContextParallel
 
@@ -35,6 +36,9 @@ class Head(nn.Linear):
     ):
         super().__init__(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
 
+    def forward(self, x):  # the stream -> logits
+        return head_logits(x.hidden, self.weight)
+
 
 class ParallelHead(VocabParallelHead):
     """Head with the vocabulary rows split across TP: this rank's block of the logits."""
@@ -42,10 +46,15 @@ class ParallelHead(VocabParallelHead):
     def __init__(self, config: MambaConfig, tp: TensorParallel, cp: Optional[ContextParallel] = None):
         super().__init__(config.d_model, config.padded_vocab_size, tp)
 
+    def forward(self, x):  # the stream -> logits
+        return head_logits(x.hidden, self.weight, self.tp)
 
-def tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The head with tie_embeddings: the embedding layer's weight read as the head's."""
-    return head_logits(hidden, embedding.weight, embedding.tp)
+
+def tied_head(embedding: nn.Module, x: Stream) -> torch.Tensor:
+    """The head with tie_embeddings, as a pipeline's last stage runs it: the embedding layer's weight read as
+    the head's. DeepSpeed calls a run of layers without parameters (this one alone) with the Stream's fields
+    as a plain tuple: its first is the hidden states."""
+    return head_logits(x[0], embedding.weight, embedding.tp)
 
 
 def tie(head: nn.Module, embedding: nn.Module) -> None:

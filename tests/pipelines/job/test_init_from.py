@@ -20,7 +20,8 @@ from megamamba.checkpoint import CheckpointError, save_training_checkpoint
 from megamamba.checkpoint.convert import export_hf, import_weights
 from megamamba.checkpoint.model_folder import FolderWeights, load_model_folder
 from megamamba.config import MambaConfig
-from megamamba.model.lm import MambaLM, lm_loss
+from megamamba.model.lm import MambaLM
+from megamamba.model.loss import lm_loss
 from megamamba.optim import param_groups
 from megamamba.pipelines.job import init_from
 from train_entry import load_train_script

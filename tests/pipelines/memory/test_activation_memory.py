@@ -15,7 +15,6 @@ from megamamba.config import MambaConfig
 from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.lm import MambaLM
 from megamamba.pipelines.memory.activations import kept_bytes, stage_activation_bytes
-from megamamba.pipelines.stages.plain import PlainLM
 from saved_tensors import autograd_saved_bytes
 from train_entry import ROOT
 
@@ -83,7 +82,7 @@ def test_bf16_autocast_keeps_less_than_float32(name):
     assert _whole_model(name) < _whole_model(name, act=4)
 
 
-def _kept_by_autograd(model: PlainLM, input_ids: torch.Tensor, autocast: bool) -> int:
+def _kept_by_autograd(model: MambaLM, input_ids: torch.Tensor, autocast: bool) -> int:
     """Bytes of the distinct storages autograd keeps for the loss's backward, parameters excluded."""
 
     def forward():
@@ -148,7 +147,7 @@ def test_what_a_micro_batch_keeps_is_what_autograd_keeps_on_the_triton_kernels(m
     config = _tiny(mixer)
     torch.manual_seed(0)
     input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQLEN))
-    measured = _kept_by_autograd(PlainLM(MambaLM(config)), input_ids, autocast)
+    measured = _kept_by_autograd(MambaLM(config), input_ids, autocast)
     last = config.n_layer + 2
     estimated = kept_bytes(RankShape(config, BATCH, SEQLEN, act=2 if autocast else 4), 0, last + 1, last)
     print(f"{mixer} {'bf16 autocast' if autocast else 'float32'}: kept {measured} bytes, estimated {estimated}")
@@ -163,7 +162,7 @@ def _kept_at_tp2(mixer: str, sequence_parallel: bool) -> list:
     config = _tiny(mixer)
     tp = ParallelGroups(2, 1, 1).tensor_parallel(sequence_parallel)
     torch.manual_seed(0)
-    model = PlainLM(MambaLM(config, tp=tp))
+    model = MambaLM(config, tp=tp)
     input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQLEN))
     last = config.n_layer + 2
     return [

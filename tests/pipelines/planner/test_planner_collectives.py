@@ -15,7 +15,7 @@ from megamamba import MambaConfig, MambaLM
 from megamamba.model.layer_types import layer_type
 from megamamba.model.layer_types.costs import RankShape
 from megamamba.model.layers import layer_kinds
-from megamamba.model.lm import lm_loss
+from megamamba.model.loss import lm_loss
 from megamamba.parallel import TensorParallel, comm_counter
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_slice
 from megamamba.pipelines.planner.layer_costs import loss_work

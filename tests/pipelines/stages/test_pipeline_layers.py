@@ -1,4 +1,5 @@
-"""The pipeline's layer list and the plain-engine module compute the single-device model's loss and gradients.
+"""The pipeline's layer list, and the model's own forward with recomputation, compute the single-device model's
+loss and gradients.
 
 Here the layer specs are built and chained in one process, named as DeepSpeed names them
 (`<index>.<name>`, `tied_modules.embed.*`); the multi-rank tests run the real PipelineModule.
@@ -15,10 +16,10 @@ from torch import nn
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.model.lm import layer_list
-from megamamba.pipelines.stages.loss import LMLoss
+from megamamba.model.loss import training_loss
+from megamamba.model.stream import Stream
 from megamamba.pipelines.stages.names import load_mamba_state_dict, mamba_state_dict, to_mamba
 from megamamba.pipelines.stages.pipeline_module import layer_specs
-from megamamba.pipelines.stages.plain import PlainLM
 from megamamba.testing.numerics import relative_error
 
 CONFIGS = ["launch/models/tiny-mamba1.json", "launch/models/tiny-mamba2.json"]
@@ -43,7 +44,8 @@ class ChainedSpecs(nn.Module):
                 self.add_module(str(idx), module)
                 self.funcs.append(module)
 
-    def forward(self, x):
+    def forward(self, ids, seq_idx=None):
+        x = Stream(ids, seq_idx)
         for f in self.funcs:
             x = f(x)
         return x
@@ -96,7 +98,7 @@ def test_chained_pipeline_layers_match_the_single_device_model(path, tied):
     ref_loss, ref_grads = _reference(model, config, ids, labels)
     chain = ChainedSpecs(config)
     load_mamba_state_dict(chain, model.state_dict(), config)
-    loss = LMLoss(config.vocab_size)(chain(ids), labels)
+    loss = training_loss(chain(ids), labels, config.vocab_size)
     loss.backward()
     assert torch.isfinite(loss)
     assert relative_error(loss.detach(), ref_loss) <= 1e-6, f"seed {SEED}"
@@ -131,18 +133,17 @@ def test_loading_a_state_dict_that_lacks_a_parameter_names_it():
         pytest.param(CONFIGS[0], 1, marks=pytest.mark.slow),
     ],
 )
-def test_plain_module_matches_the_model_with_and_without_activation_checkpointing(path, interval):
+def test_the_models_training_loss_matches_with_and_without_activation_checkpointing(path, interval):
     config, model, ids, labels = _setup(path)
     ref_loss, ref_grads = _reference(model, config, ids, labels)
     ref_grads = {n: g.clone() for n, g in ref_grads.items()}
     model.zero_grad()
-    plain = PlainLM(model, checkpoint_interval=interval)
-    loss = plain(ids, labels)
+    model.checkpoint_interval = interval
+    loss = model(ids, labels)
     loss.backward()
     assert torch.isfinite(loss)
     assert relative_error(loss.detach(), ref_loss) <= 1e-6, f"seed {SEED}"
-    assert [n for n, _ in plain.named_parameters()] == list(ref_grads)
-    for name, p in plain.named_parameters():
+    for name, p in model.named_parameters():
         assert relative_error(p.grad, ref_grads[name]) <= 1e-5, (name, interval, f"seed {SEED}")
 
 
@@ -154,7 +155,7 @@ def _packed_seq_idx(seqlen, seed):
 
 
 @pytest.mark.parametrize("path", [CONFIGS[1], pytest.param(CONFIGS[0], marks=pytest.mark.slow)])
-def test_seq_idx_reaches_every_block_of_the_chained_layers_and_the_plain_module(path):
+def test_seq_idx_reaches_every_block_of_the_chained_layers_and_of_the_recomputed_model(path):
     config, model, ids, labels = _setup(path)
     seq_idx = _packed_seq_idx(ids.shape[1], SEED)
     ref_logits = model(ids, seq_idx=seq_idx).detach()
@@ -163,11 +164,12 @@ def test_seq_idx_reaches_every_block_of_the_chained_layers_and_the_plain_module(
     ref_loss, ref_grads = _reference_packed(model, config, ids, labels, seq_idx)
     chain = ChainedSpecs(config)
     load_mamba_state_dict(chain, model.state_dict(), config)
-    logits = chain((ids, seq_idx.long())).detach()  # int64, as it may travel between stages
+    logits = chain(ids, seq_idx.long()).detach()  # int64, as it may travel between stages
     assert torch.isfinite(logits).all()
     assert relative_error(logits, ref_logits) <= 1e-6, f"seed {SEED}"
     model.zero_grad()
-    loss = PlainLM(model, checkpoint_interval=2)(ids, labels, seq_idx)
+    model.checkpoint_interval = 2
+    loss = model(ids, labels, seq_idx)
     loss.backward()
     assert relative_error(loss.detach(), ref_loss) <= 1e-6, f"seed {SEED}"
     for name, p in model.named_parameters():
