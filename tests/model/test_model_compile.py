@@ -1,15 +1,17 @@
 """torch.compile sees whole blocks: a Mamba-1, a Mamba-2 and an attention block with its MLP trace with no
 graph break (the kernels are custom ops), and the compiled block's outputs and every gradient equal eager
 ones, with packed documents. On the reference kernels here; on Triton (the CPU: its interpreter) and with
-inductor in the slow tier."""
+inductor in the slow tier, where five training steps of a whole compiled model also follow the eager loss
+curve."""
 
 import pytest
 import torch
 
-from megamamba import MambaConfig
+from megamamba import MambaConfig, MambaLM
 from megamamba.model.layers import build_layer
 from megamamba.model.stream import Stream
 from megamamba.testing.numerics import relative_error
+from train_entry import ROOT
 
 SEED = 37
 ATTENTION = {"num_heads": 3, "num_heads_kv": 1, "rotary_emb_dim": 4, "causal": True}
@@ -93,3 +95,31 @@ def test_on_triton_a_block_traces_without_breaks_and_compiled_equals_eager(kind,
     monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
     assert graph_breaks(kind) == 0
     check_compiled_equals_eager(kind, "aot_eager")
+
+
+def _training_curve(config: MambaConfig, compiled: bool) -> torch.Tensor:
+    """Five AdamW steps of the model's own training loss on seeded batches (4 x 32 tokens)."""
+    torch._dynamo.reset()
+    torch.manual_seed(SEED)
+    model = MambaLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = torch.compile(model, backend="inductor") if compiled else model
+    batches = torch.Generator().manual_seed(SEED + 2)
+    losses = []
+    for _ in range(5):
+        ids = torch.randint(0, config.vocab_size, (4, 33), generator=batches)
+        loss = run(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses).double()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-mamba1", "tiny-mamba2", "tiny-hybrid"])
+def test_five_training_steps_compiled_by_inductor_follow_the_eager_loss_curve(name):
+    config = MambaConfig.from_json(str(ROOT / "launch/models" / f"{name}.json"))
+    eager, compiled = _training_curve(config, compiled=False), _training_curve(config, compiled=True)
+    err = relative_error(compiled, eager)
+    assert err <= 1e-5, f"{name} seed {SEED}: loss curve rel err {err:.2e} ({compiled.tolist()} vs {eager.tolist()})"
