@@ -2,7 +2,7 @@
 
 `install(nan_steps=..., kill_save=(step, at))` in a rank, before launch/train.py runs:
 - nan_steps: global rank 0's first trainable parameter gets a NaN gradient in those (0-based) global
-  steps (patched: `NonFiniteGuard.__init__`, which gets the run's engine);
+  steps (patched: `NonFiniteGuard.__init__`, which gets the run's trainer);
 - kill_save: every rank SIGKILLs itself at its own at-th file primitive (write, directory fsync,
   rename, delete of megamamba.checkpoint.files) of the save after `step` steps (patched:
   `checkpointing.save`): ranks write their pieces and RNG file, rank 0 also the staging directory,
@@ -39,11 +39,11 @@ def _nan_gradients(steps: set) -> None:
 
     original = NonFiniteGuard.__init__
 
-    def init(self, engine, *args, **kwargs):
-        original(self, engine, *args, **kwargs)
+    def init(self, trainer, *args, **kwargs):
+        original(self, trainer, *args, **kwargs)
         if dist.get_rank() == 0:
-            first = next(p for p in engine.module.parameters() if p.requires_grad)
-            first.register_hook(lambda g: torch.full_like(g, math.nan) if engine.global_steps in steps else g)
+            first = next(p for _, _, p in trainer.named_parameters() if p.requires_grad)
+            first.register_hook(lambda g: torch.full_like(g, math.nan) if trainer.engine.global_steps in steps else g)
 
     NonFiniteGuard.__init__ = init
 

@@ -49,7 +49,6 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
 
     from megamamba.model.layer_types.costs import RankShape
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
-    from megamamba.pipelines.loop.agreement import to_device
     from megamamba.pipelines.memory.activations import kept_bytes
     from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
@@ -89,14 +88,14 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     accelerator = get_accelerator()
     trainer.train_step(plan.data.train.micro_batches(0, 0, 1, layout.micro_batch_size))
     accelerator.synchronize()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in trainer.module.parameters() if p.grad is not None)
+    grads = sum(p.grad.numel() * p.grad.element_size() for _, _, p in trainer.named_parameters() if p.grad is not None)
     inputs, labels, seq_idx = plan.data.train.micro_batches(1, 0, 1, layout.micro_batch_size)[0]
     before = accelerator.memory_allocated()
     accelerator.reset_peak_memory_stats()
-    loss = trainer.engine(to_device(inputs), to_device(labels), None if seq_idx is None else to_device(seq_idx))
+    loss = trainer.loss(inputs, labels, seq_idx)
     accelerator.synchronize()
     after_forward = accelerator.memory_allocated()
-    trainer.engine.backward(loss)
+    trainer.backward(loss)
     accelerator.synchronize()
     peak = accelerator.max_memory_allocated()
     last = plan.model.n_layer + 2

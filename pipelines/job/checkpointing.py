@@ -40,12 +40,8 @@ from megamamba.checkpoint import (
     check_optimizer_groups,
     check_save_dir,
     finish,
-    load_scheduler_state,
-    optimizer_groups,
     resolve_load,
-    restore_optimizer_state,
     restore_rng,
-    scheduler_state,
     whole,
     write_rng,
     write_shard,
@@ -54,17 +50,13 @@ from megamamba.checkpoint.lock import SaveDirLock, describe
 from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags
 from megamamba.checkpoint.tensor_pieces import Cut, Piece
 from megamamba.config import MambaConfig
-from megamamba.parallel import full_key
 from megamamba.pipelines.deepspeed_internals import (
     fragment_range,
     fragment_values,
     is_zero_optimizer,
     link_zero_moments,
-    set_global_steps,
-    set_scheduler_lrs,
     zero_flat_masters,
     zero_fragment,
-    zero_param_groups,
 )
 from megamamba.pipelines.stages.names import EMBEDDING
 
@@ -75,7 +67,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _zero(trainer):
     """DeepSpeed's ZeRO-1/2 optimizer of the trainer, None when the engine steps torch's AdamW itself."""
-    optimizer = trainer.engine.optimizer
+    optimizer = trainer.engine_optimizer()
     if isinstance(optimizer, torch.optim.AdamW):
         return None
     if is_zero_optimizer(optimizer):
@@ -104,8 +96,7 @@ def _cut(param, tp) -> tuple:
 def _stage_parameters(trainer) -> list:
     """(mamba_ssm name, parameter) of this rank's stage that its checkpoint holds (a tied embedding on a later
     stage is the first stage's)."""
-    named = [(trainer.mamba_name(full_key(n, p)), p) for n, p in trainer.module.named_parameters()]
-    return [(name, p) for name, p in named if trainer.groups.pipe_rank == 0 or name != EMBEDDING]
+    return [(name, p) for _, name, p in trainer.named_parameters() if trainer.pipe_rank == 0 or name != EMBEDDING]
 
 
 def shard_state(trainer) -> tuple:
@@ -118,8 +109,8 @@ def shard_state(trainer) -> tuple:
     data rank, TP rank 0) adds the 0-d states (`step`) and the optimizer groups. No communication.
     """
     zero = _zero(trainer)
-    first_data = trainer.dp_rank == 0 and trainer.groups.context_rank == 0
-    tp_first = trainer.groups.tensor_rank == 0
+    first_data = trainer.dp_rank == 0 and trainer.context_rank == 0
+    tp_first = trainer.tensor_rank == 0
     held = [
         (name, p, *_cut(p, trainer.tp))
         for name, p in _stage_parameters(trainer)
@@ -133,15 +124,10 @@ def shard_state(trainer) -> tuple:
             else {f"{name}/step": torch.tensor(step, dtype=torch.float32) for name, _ in _stage_parameters(trainer)}
         )
     else:
-        params, optimizer, scalars = _adamw_pieces(trainer.engine.optimizer, held) if first_data else ([], [], {})
+        params, optimizer, scalars = _adamw_pieces(trainer.engine_optimizer(), held) if first_data else ([], [], {})
     if not (first_data and tp_first):
         return params, optimizer, []
-    if zero is None:
-        groups = optimizer_groups(trainer.engine.optimizer, trainer.module)
-    else:
-        groups = optimizer_groups(zero.optimizer, trainer.module, members=zero_param_groups(zero))
-    rename = trainer.mamba_name
-    return params, optimizer + whole(scalars), [{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
+    return params, optimizer + whole(scalars), trainer.optimizer_groups()
 
 
 def _zero_pieces(zero, held: list) -> tuple:
@@ -218,7 +204,6 @@ def save(
     save_dir: str,
     step: int,
     *,
-    scheduler,
     extra: dict,
     tokenizer=None,
     keep_last: Optional[int] = None,
@@ -250,7 +235,7 @@ def save(
                     step,
                     config,
                     records,
-                    scheduler=scheduler_state(scheduler),
+                    scheduler=trainer.scheduler_state(),
                     extra=extra,
                     tokenizer=tokenizer if hasattr(tokenizer, "save") else None,
                     keep_last=keep_last,
@@ -321,11 +306,11 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
     scheduler at its step 0). load_rng False (--no-load-rng): the RNG states stay as they are. The
     step count continues either way.
     """
-    rename = trainer.mamba_name
-    cuts = {n: (rename(full_key(n, p)), _cut(p, trainer.tp)[1]) for n, p in trainer.module.named_parameters()}
+    parameters = trainer.named_parameters()
+    cuts = {n: (name, _cut(p, trainer.tp)[1]) for n, name, p in parameters}
     values = checkpoint.model_cuts(cuts)
     with torch.no_grad():
-        for n, p in trainer.module.named_parameters():
+        for n, _, p in parameters:
             if values[n].shape != p.shape:
                 raise CheckpointError(
                     f"{checkpoint.path}: {cuts[n][0]} gives shape {tuple(values[n].shape)} for "
@@ -339,32 +324,18 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
         saved_groups = [{**g, "params": [m for m in g["params"] if m in mine]} for g in checkpoint.optimizer_groups]
     zero = _zero(trainer)
     if zero is not None:
-        _load_zero(trainer, zero, values, optimizer, saved_groups, rename)
+        _load_zero(trainer, zero, values, optimizer, saved_groups)
     elif load_optim:
-        module_names = {rename(full_key(n, p)): full_key(n, p) for n, p in trainer.module.named_parameters()}
-        saved_groups = [{**g, "params": [module_names[m] for m in g["params"]]} for g in saved_groups]
-        restore_optimizer_state(trainer.engine.optimizer, trainer.module, optimizer, saved_groups)
+        trainer.restore_optimizer_state(optimizer, saved_groups)
     if load_optim:
-        _restore_scheduler(trainer.lr_scheduler, checkpoint.scheduler, checkpoint.step)
+        trainer.restore_scheduler(checkpoint.scheduler, checkpoint.step)
     if load_rng:
         restore_rng(checkpoint.rng_state(dist.get_rank(), dist.get_world_size()))
-    set_global_steps(trainer.engine, checkpoint.step)
+    trainer.set_global_step(checkpoint.step)
     return checkpoint.step
 
 
-def _restore_scheduler(scheduler, state: Optional[dict], step: int) -> None:
-    """The saved scheduler position (epoch) under the run's schedule: base LRs stay the run's peak, so the
-    group LRs are the run's schedule at the saved epoch (the saved ones, unless the plan was overridden).
-    A checkpoint without scheduler state (saved by the single-process API without one): epoch `step`."""
-    load_scheduler_state(scheduler, state, step)
-    scheduler.base_lrs = [group["initial_lr"] for group in scheduler.optimizer.param_groups]
-    lrs = [base * rule(scheduler.last_epoch) for rule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    set_scheduler_lrs(scheduler, lrs)
-
-
-def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Optional[list], rename) -> None:
+def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Optional[list]) -> None:
     """ZeRO: fresh flat Adam state at the saved step, linked, then each parameter's fp32 master and moments set
     from this rank's cuts (`masters`, `optimizer`: by module parameter name).
 
@@ -373,14 +344,13 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     if saved_groups is not None:
-        run_groups = optimizer_groups(zero.optimizer, trainer.module, members=zero_param_groups(zero))
-        check_optimizer_groups(saved_groups, [{**g, "params": [rename(n) for n in g["params"]]} for g in run_groups])
+        check_optimizer_groups(saved_groups, trainer.optimizer_groups())
     steps = {t.item() for state in optimizer.values() for key, t in state.items() if key == "step"}
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")
     if steps:
         missing = sorted(
-            n for n, _ in trainer.module.named_parameters() if any(m not in optimizer.get(n, {}) for m in MOMENTS)
+            n for n, _, _ in trainer.named_parameters() if any(m not in optimizer.get(n, {}) for m in MOMENTS)
         )
         if missing:
             raise CheckpointError(f"checkpoint optimizer state has no Adam moments for {missing[:5]}")
@@ -393,7 +363,7 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
             }
         link_zero_moments(zero)
     with torch.no_grad():
-        for name, p in trainer.module.named_parameters():
+        for name, _, p in trainer.named_parameters():
             safe_set_full_fp32_param(p, masters[name].float())
             for moment in MOMENTS if steps else ():
                 safe_set_full_optimizer_state(p, optimizer[name][moment], moment)

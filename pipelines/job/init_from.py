@@ -136,10 +136,9 @@ def load_weights(trainer, source: InitSource) -> None:
     time and keeping only this rank's slice of it; collective."""
     # a TP parameter may come in parts under one full name (`in_proj.weight` and `in_proj.weight_replicated`)
     by_name: dict = {}
-    for n, p in trainer.module.named_parameters():
-        key = full_key(n, p)
-        by_name.setdefault(trainer.mamba_name(key), []).append((key, p))
-    zero_stage = trainer.engine.zero_optimization_stage()
+    for n, name, p in trainer.named_parameters():
+        by_name.setdefault(name, []).append((full_key(n, p), p))
+    zero_stage = trainer.zero_stage()
     error = None
     try:
         for name, full in source.weights.each(sorted(by_name)):
@@ -155,7 +154,7 @@ def load_weights(trainer, source: InitSource) -> None:
     if first:
         raise CheckpointError(first)
     if zero_stage == 3:
-        _copy_zero3_masters(trainer.engine.optimizer, source.flag)
+        _copy_zero3_masters(trainer.engine_optimizer(), source.flag)
 
 
 def _slice(trainer, full: torch.Tensor, param, name: str, key: str, flag: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine for a layout, behind one train-step / eval-step interface.
+"""The trainer of a layout: DeepSpeed's engine behind the operations a job needs (`Trainer`).
 
 pp > 1: DeepSpeed's PipelineEngine over `build_pipeline_module` (ZeRO 0 or 1).
 pp = 1: the plain DeepSpeedEngine over `MambaLM` itself, whose forward with labels is the training loss
@@ -33,25 +33,36 @@ ranks), read alone by the data path; the loss is the whole sequences' mean, its 
 for DeepSpeed's average over dp x C ranks (`megamamba.model.loss.training_loss`).
 """
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from megamamba.checkpoint import optimizer_groups, restore_optimizer_state, scheduler_state
 from megamamba.config import MambaConfig
 from megamamba.model.layers import draw_seed, initial_layer, layer_of
 from megamamba.model.lm import MambaLM
 from megamamba.optim import param_groups
-from megamamba.parallel import TensorParallel
+from megamamba.parallel import TensorParallel, full_key
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_window
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines.config.layout import Layout
+from megamamba.pipelines.deepspeed_internals import (
+    full_numel,
+    is_zero_optimizer,
+    set_global_steps,
+    set_scheduler_lrs,
+    skipped_steps,
+    zero_param_groups,
+)
 from megamamba.pipelines.loop import clipping
 from megamamba.pipelines.loop.agreement import agree, to_device
 from megamamba.pipelines.memory.host import reuse_freed_tensors, unmap_freed_tensors
+from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
 from megamamba.pipelines.stages.names import load_mamba_state_dict, to_mamba
 from megamamba.pipelines.stages.pipeline_module import build_pipeline_module
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
@@ -100,8 +111,39 @@ def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.op
     )
 
 
-class _Trainer:
-    """What both trainers share: the LR schedule they step and the evaluation loss they agree on."""
+class Trainer(ABC):
+    """The operations a job asks of its trainer, over DeepSpeed's engine, its optimizer and the LR scheduler.
+
+    Each engine's subclass builds these objects and sets the ranks; code outside this module uses the
+    methods, never the objects.
+    """
+
+    engine: deepspeed.DeepSpeedEngine
+    optimizer: Any  # the engine's: the client's fused AdamW, or DeepSpeed's ZeRO optimizer over it
+    lr_scheduler: torch.optim.lr_scheduler.LambdaLR
+    module: torch.nn.Module
+    tp: Optional[TensorParallel]
+    cp: Optional[ContextParallel]
+
+    @abstractmethod
+    def train_step(self, micro_batches: list) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; the loss as a device tensor."""
+
+    @abstractmethod
+    def mamba_name(self, name: str) -> str:
+        """The mamba_ssm name of a parameter's full name (`megamamba.parallel.full_key`)."""
+
+    @abstractmethod
+    def _eval_loss(self, micro_batches: list) -> torch.Tensor:
+        """This rank's share of a global batch's validation loss (device)."""
+
+    def _set_place(self, groups: ParallelGroups, tp: Optional[TensorParallel], cp: Optional[ContextParallel]) -> None:
+        """This rank's place on each axis of the grid, and its TP and CP groups (None at size 1)."""
+        self.dp_rank, self.context_rank = groups.data_rank, groups.context_rank
+        self.tensor_rank, self.pipe_rank = groups.tensor_rank, groups.pipe_rank
+        self.tp, self.cp = tp, cp
+
+    # The step and its outcome.
 
     def finish_step(self, applied: bool) -> None:
         """Advance the LR schedule after an optimizer step the ranks agree was applied."""
@@ -116,8 +158,94 @@ class _Trainer:
         """The sequence positions [lo, hi) this rank's micro-batches hold: its slice under CP, else all (None)."""
         return None if self.cp is None else sequence_window(seq_length, self.cp)
 
+    def learning_rate(self) -> float:
+        """The learning rate of the next optimizer step (a skipped step does not advance it)."""
+        return float(self.lr_scheduler.get_last_lr()[0])
 
-class PipelineTrainer(_Trainer):
+    def grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the last step (None before the first)."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def skipped_steps(self) -> int:
+        """The steps DeepSpeed's ZeRO optimizer skipped for a non-finite gradient norm, so far."""
+        return skipped_steps(self.engine)
+
+    def optimizer_without_zero(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer the engine steps itself, without ZeRO (which skips non-finite steps on its own)."""
+        if isinstance(self.optimizer, torch.optim.Optimizer) and not self.engine.zero_optimization():
+            return self.optimizer
+        return None
+
+    # What the run records.
+
+    def stage_parameter_count(self) -> int:
+        """Elements of this rank's parameters, full sizes (a ZeRO-3 partition counts as its whole parameter)."""
+        return sum(full_numel(p) for p in self.module.parameters())
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (`pipelines.memory.optimizer_state`)."""
+        return optimizer_state_bytes(self.optimizer, self.module)
+
+    def scheduler_epoch(self) -> int:
+        """The LR scheduler's position: the optimizer steps it has counted."""
+        return self.lr_scheduler.last_epoch
+
+    # What checkpoints and --init-from read and set.
+
+    def named_parameters(self) -> list:
+        """(module name, mamba_ssm name, parameter) of every parameter of this rank's stage (a tied one once)."""
+        return [(n, self.mamba_name(full_key(n, p)), p) for n, p in self.module.named_parameters()]
+
+    def engine_optimizer(self):
+        """The optimizer the engine steps: torch's AdamW, DeepSpeed's ZeRO optimizer over it, or another wrapper."""
+        return self.optimizer
+
+    def zero_stage(self) -> int:
+        """DeepSpeed's ZeRO stage (0: none)."""
+        return self.engine.zero_optimization_stage()
+
+    def optimizer_groups(self) -> list:
+        """Each optimizer group's hyperparameters (JSON), "params" its members' mamba_ssm names."""
+        zero = self.optimizer if is_zero_optimizer(self.optimizer) else None
+        if zero is None:
+            groups = optimizer_groups(self.optimizer, self.module)
+        else:
+            groups = optimizer_groups(zero.optimizer, self.module, members=zero_param_groups(zero))
+        return [{**g, "params": [self.mamba_name(n) for n in g["params"]]} for g in groups]
+
+    def restore_optimizer_state(self, state: dict, saved_groups: list) -> None:
+        """torch AdamW's state, `state[module name] = {key: tensor}`, from a checkpoint whose groups
+        (`saved_groups`, mamba_ssm names) must hold the same parameters (`megamamba.checkpoint`)."""
+        module_names = {mamba: full_key(n, p) for n, mamba, p in self.named_parameters()}
+        groups = [{**g, "params": [module_names[m] for m in g["params"]]} for g in saved_groups]
+        restore_optimizer_state(self.optimizer, self.module, state, groups)
+
+    def scheduler_state(self) -> dict:
+        """The LR scheduler's state as JSON."""
+        return scheduler_state(self.lr_scheduler)
+
+    def restore_scheduler(self, state: Optional[dict], step: int) -> None:
+        """The saved scheduler position (epoch) under the run's schedule: base LRs stay the run's peak, so the
+        group LRs are the run's schedule at the saved epoch (the saved ones, unless the plan was overridden).
+        A checkpoint without scheduler state (saved by the single-process API without one): epoch `step`."""
+        scheduler = self.lr_scheduler
+        if state is None:
+            scheduler.last_epoch = step
+        else:
+            scheduler.load_state_dict(dict(state))
+        scheduler.base_lrs = [group["initial_lr"] for group in scheduler.optimizer.param_groups]
+        lrs = [base * rule(scheduler.last_epoch) for rule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        set_scheduler_lrs(scheduler, lrs)
+
+    def set_global_step(self, step: int) -> None:
+        """The engine's optimizer-step counter, set when resuming."""
+        set_global_steps(self.engine, step)
+
+
+class PipelineTrainer(Trainer):
     """Layouts with pp > 1."""
 
     def __init__(
@@ -142,9 +270,8 @@ class PipelineTrainer(_Trainer):
             model=module, optimizer=optimizer, config=engine_config
         )
         self.lr_scheduler = settings.schedule.scheduler(optimizer)
-        self.dp_rank = groups.data_rank
         self.module, self.config = module, config
-        self.groups, self.tp, self.cp = groups, tp, cp
+        self._set_place(groups, tp, cp)
         if not self.engine.zero_optimization():
             clipping.install(
                 self.engine, self.engine.grid.get_slice_parallel_rank(), self.engine.grid.get_model_parallel_group()
@@ -173,7 +300,7 @@ def _pipeline_batches(micro_batches: list):
     )
 
 
-class PlainTrainer(_Trainer):
+class PlainTrainer(Trainer):
     """Layouts with pp = 1."""
 
     def __init__(
@@ -195,9 +322,8 @@ class PlainTrainer(_Trainer):
             model=module, optimizer=optimizer, mpu=groups.mpu() if tp is not None else None, config=engine_config
         )
         self.lr_scheduler = settings.schedule.scheduler(optimizer)
-        self.groups, self.tp, self.cp = groups, tp, cp
-        self.dp_rank = groups.data_rank
         self.module = module
+        self._set_place(groups, tp, cp)
         if not self.engine.zero_optimization():
             clipping.install(self.engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
 
@@ -205,16 +331,21 @@ class PlainTrainer(_Trainer):
         """The mamba_ssm name of a parameter's full name: the plain module's names are mamba_ssm's."""
         return name
 
-    def _forward(self, inputs, labels, seq_idx) -> torch.Tensor:
+    def loss(self, inputs, labels, seq_idx) -> torch.Tensor:
+        """The forward pass of one micro-batch: its loss, the graph kept for `backward`."""
         return self.engine(to_device(inputs), to_device(labels), None if seq_idx is None else to_device(seq_idx))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward pass of a micro-batch's `loss` (gradients accumulate until the engine's step)."""
+        self.engine.backward(loss)
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; their mean loss (device; averaged over data
         parallel ranks by the caller's agreement)."""
         losses = []
         for batch in micro_batches:
-            loss = self._forward(*batch)
-            self.engine.backward(loss)
+            loss = self.loss(*batch)
+            self.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
@@ -222,7 +353,7 @@ class PlainTrainer(_Trainer):
     @torch.no_grad()
     def _eval_loss(self, micro_batches: list) -> torch.Tensor:
         self.engine.eval()
-        losses = [self._forward(*batch).float() for batch in micro_batches]
+        losses = [self.loss(*batch).float() for batch in micro_batches]
         self.engine.train()
         return torch.stack(losses).mean()
 

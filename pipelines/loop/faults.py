@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megamamba.errors import MegamambaError
-from megamamba.pipelines.deepspeed_internals import set_found_inf, skipped_steps, wrap_optimizer_step
+from megamamba.pipelines.deepspeed_internals import set_found_inf, wrap_optimizer_step
 from megamamba.pipelines.loop.agreement import agree
 
 log = logging.getLogger(__name__)
@@ -124,14 +124,15 @@ class LossSpikes:
 class NonFiniteGuard:
     """Skips non-finite steps, flags loss spikes (see module docstring) and counts both in a row."""
 
-    def __init__(self, engine, max_in_a_row: int, spike_factor: Optional[float] = None):
+    def __init__(self, trainer, max_in_a_row: int, spike_factor: Optional[float] = None):
         check_max_skipped_steps(max_in_a_row)
-        self.engine, self.max_in_a_row, self.in_a_row = engine, max_in_a_row, 0
+        self.trainer, self.max_in_a_row, self.in_a_row = trainer, max_in_a_row, 0
         self.spikes = LossSpikes(spike_factor)
-        self._skipped_before = skipped_steps(engine)
+        self._skipped_before = trainer.skipped_steps()
         self._found_inf = None
-        if isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization():
-            self._wrap_step(engine.optimizer)
+        optimizer = trainer.optimizer_without_zero()
+        if optimizer is not None:
+            self._wrap_step(optimizer)
 
     def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not optimizer.defaults.get("fused"):
@@ -156,8 +157,8 @@ class NonFiniteGuard:
         if self._found_inf is not None:
             found_inf, self._found_inf = self._found_inf, None
             return found_inf
-        skipped = skipped_steps(self.engine) > self._skipped_before
-        self._skipped_before = skipped_steps(self.engine)
+        skipped = self.trainer.skipped_steps() > self._skipped_before
+        self._skipped_before = self.trainer.skipped_steps()
         return skipped
 
     def after_step(self, step: int, outcome: StepOutcome) -> bool:

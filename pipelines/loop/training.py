@@ -20,12 +20,11 @@ from megamamba.observe.metrics import MetricsLogger
 from megamamba.observe.monitor_config import Monitors
 from megamamba.observe.run_console import StepClock, optimizer_state_lines
 from megamamba.pipelines.config.layout import Layout
-from megamamba.pipelines.deepspeed_internals import full_numel
 from megamamba.pipelines.job import checkpointing
 from megamamba.pipelines.job.resume import records
 from megamamba.pipelines.loop.agreement import agree
+from megamamba.pipelines.loop.engine import Trainer
 from megamamba.pipelines.loop.faults import NonFiniteGuard, NonFiniteSteps, StopRequest, Watchdog, agree_step
-from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class LoopSettings(NamedTuple):
 
 
 class StartedRun(NamedTuple):
-    trainer: object  # `build_trainer`'s, its weights loaded
+    trainer: Trainer  # `build_trainer`'s, its weights loaded
     resume: Optional[object]  # the checkpoint resumed from, or None
     run_start: object  # where the run starts (`fresh` / `resumed_run`)
     stream: Optional[dict]  # the data stream each checkpoint records (None without --save or a resume)
@@ -89,7 +88,7 @@ class TrainingLoop:
         self.trainer, self.run_start, self.stream, self.rank = run.trainer, run.run_start, run.stream, dist.get_rank()
         self.first_step, self.train_iters = run.run_start.step, run.run_start.train_iters
         self.stop = StopRequest()
-        self.guard = NonFiniteGuard(self.trainer.engine, settings.max_skipped_steps, settings.loss_spike_factor)
+        self.guard = NonFiniteGuard(self.trainer, settings.max_skipped_steps, settings.loss_spike_factor)
         self.watchdog = Watchdog(settings.step_timeout)
         self.newest = run.resume.path if run.resume else None  # the newest checkpoint of this run
         self.last_good = None  # the newest checkpoint before the first skipped step: retention keeps it
@@ -98,12 +97,12 @@ class TrainingLoop:
         )
         self.tokens_per_step = layout.global_batch_size * settings.seq_length
         self.flops_per_step = training_flops_per_token(model, settings.seq_length) * self.tokens_per_step
-        self.stage_params = sum(full_numel(p) for p in self.trainer.module.parameters())
+        self.stage_params = self.trainer.stage_parameter_count()
         self.window = self.trainer.window(settings.seq_length)  # under CP, this rank's slice of each sequence
         self.summary = {
             "records": [],
             "stage_parameters": self.stage_params,
-            "parameter_dtypes": sorted({str(p.dtype) for p in self.trainer.module.parameters()}),
+            "parameter_dtypes": sorted({str(p.dtype) for _, _, p in self.trainer.named_parameters()}),
         }
         self.steps_timed, self.seconds = 0, 0.0
         self.clock = StepClock(job_start, time.perf_counter(), self.train_iters)
@@ -131,7 +130,7 @@ class TrainingLoop:
         self.steps_timed += 1
         elapsed = self.clock.step_done(step)
         if step == 0:  # torch's AdamW allocates its moments in the first step
-            self.summary["optimizer_state_bytes"] = optimizer_state_bytes(self.trainer.optimizer, self.trainer.module)
+            self.summary["optimizer_state_bytes"] = self.trainer.optimizer_state_bytes()
             every_rank = per_rank_values([self.stage_params, self.summary["optimizer_state_bytes"]])
             if self.rank == 0:
                 console_log.show("\n".join(optimizer_state_lines(self.layout, every_rank)))
@@ -159,13 +158,12 @@ class TrainingLoop:
         """One metrics record, timed over the steps since the last one."""
         seconds_per_step = self.seconds / self.steps_timed
         self.steps_timed, self.seconds = 0, 0.0
-        grad_norm = self.trainer.engine.get_global_grad_norm()
         tflops = self.flops_per_step / seconds_per_step / self.layout.world_size / 1e12
         record = {
             "step": step,
             "loss": outcome.loss,
             "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "grad_norm": self.trainer.grad_norm(),
             "tokens_per_s": self.tokens_per_step / seconds_per_step,
             "tflops_per_device": tflops,
             "mem_peak_gb": peak_memory_gb(),
@@ -194,7 +192,7 @@ class TrainingLoop:
         extra = {
             "args": settings.flags,
             "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
-            **records(self.run_start, self.stream, self.first_sample(step + 1), self.trainer.lr_scheduler.last_epoch),
+            **records(self.run_start, self.stream, self.first_sample(step + 1), self.trainer.scheduler_epoch()),
         }
         with self.watchdog.paused():
             saved = checkpointing.save(
@@ -202,7 +200,6 @@ class TrainingLoop:
                 self.model,
                 settings.save,
                 step + 1,
-                scheduler=self.trainer.lr_scheduler,
                 extra=extra,
                 tokenizer=self.data.tokenizer,
                 keep_last=settings.keep_last,
@@ -228,7 +225,7 @@ class TrainingLoop:
     def run(self) -> dict:
         """Every step from the first to the last, or to a SIGTERM; this rank's summary."""
         for step in range(self.first_step, self.train_iters):
-            lr = self.trainer.lr_scheduler.get_last_lr()[0]  # this step's (a skipped step does not advance it)
+            lr = self.trainer.learning_rate()  # this step's (a skipped step does not advance it)
             outcome, elapsed = self.step(step)
             evaluating = self.evaluation_due(step)
             val_loss = self.evaluate() if evaluating else None

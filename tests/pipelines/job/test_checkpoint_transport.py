@@ -87,7 +87,7 @@ def _measured_rank(argv, extensions_dir):
 
     def placement(trainer, *_):
         zero = checkpointing._zero(trainer)
-        seen["placement"] = _placement(zero.optimizer if zero is not None else trainer.engine.optimizer)
+        seen["placement"] = _placement(zero.optimizer if zero is not None else trainer.engine_optimizer())
 
     checkpointing.save = measured(checkpointing.save)
     checkpointing.open_for_run = measured(checkpointing.open_for_run)

@@ -69,9 +69,8 @@ def _saving_rank(argv, extensions_dir, out):
         seen["own"] = 12 * sum(flat.numel() for flat in zero.single_partition_of_fp32_groups)
         state = _assembled_state(trainer)
         seen["stage"] = 12 * sum(t.numel() for k, t in state.items() if "/" not in k and k != "step")
-        groups = trainer.groups
-        if trainer.dp_rank == 0 and groups.tensor_rank == 0:
-            save_file(state, os.path.join(out, f"assembled-stage{groups.pipe_rank}.safetensors"))
+        if trainer.dp_rank == 0 and trainer.tensor_rank == 0:
+            save_file(state, os.path.join(out, f"assembled-stage{trainer.pipe_rank}.safetensors"))
         seen["path"] = path
         return path
 
@@ -103,11 +102,10 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
     )
     checkpoint = checkpointing.open_for_run(checkpoint_path, None, plan.model)
     checkpointing.load(trainer, checkpoint, plan.model)
-    rename = trainer.mamba_name
     state = {}
-    for name, p in trainer.module.named_parameters():
-        state[rename(name)] = safe_get_full_fp32_param(p).clone()
-        state |= {f"{rename(name)}/{key}": safe_get_full_optimizer_state(p, key).clone() for key in MOMENTS}
+    for _, name, p in trainer.named_parameters():
+        state[name] = safe_get_full_fp32_param(p).clone()
+        state |= {f"{name}/{key}": safe_get_full_optimizer_state(p, key).clone() for key in MOMENTS}
     (step,) = {s["step"].item() for s in checkpointing._zero(trainer).optimizer.state.values()}
     shutdown_distributed()
     return state | {"step": torch.tensor(step)}
