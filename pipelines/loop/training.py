@@ -99,11 +99,7 @@ class TrainingLoop:
         self.flops_per_step = training_flops_per_token(model, settings.seq_length) * self.tokens_per_step
         self.stage_params = self.trainer.stage_parameter_count()
         self.window = self.trainer.window(settings.seq_length)  # under CP, this rank's slice of each sequence
-        self.summary = {
-            "records": [],
-            "stage_parameters": self.stage_params,
-            "parameter_dtypes": sorted({str(p.dtype) for _, _, p in self.trainer.named_parameters()}),
-        }
+        self.summary = {"records": [], "stage_parameters": self.stage_params}
         self.steps_timed, self.seconds = 0, 0.0
         self.clock = StepClock(job_start, time.perf_counter(), self.train_iters)
 

@@ -8,7 +8,7 @@ import torch
 from deepspeed.runtime.lr_schedules import WarmupDecayLR
 
 from distributed import run_ranks
-from train_entry import ROOT, run_train
+from train_entry import ROOT, load_train_script, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +45,20 @@ FLAGS = [
 ]
 
 
+def _run_recording_dtypes(argv, extensions_dir):
+    """`run_train`'s rank, its summary with the dtypes of the trainer's parameters ("parameter_dtypes")."""
+    script, dtypes = load_train_script(), set()
+    build = script.build_trainer
+
+    def build_trainer(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        dtypes.update(str(p.dtype) for _, _, p in trainer.named_parameters())
+        return trainer
+
+    script.build_trainer = build_trainer
+    return {**run_train(argv, extensions_dir), "parameter_dtypes": sorted(dtypes)}
+
+
 def _run(tmp_path, name, flags=()):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(DS_CONFIG))
@@ -64,7 +78,7 @@ def _run(tmp_path, name, flags=()):
         *flags,
     ]
     return run_ranks(
-        run_train, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"]), init_process_group=False, timeout=400
+        _run_recording_dtypes, 1, args=(argv, os.environ["TORCH_EXTENSIONS_DIR"]), init_process_group=False, timeout=400
     )[0]
 
 

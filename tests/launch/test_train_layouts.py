@@ -8,7 +8,9 @@ Mamba-2 is the ZeRO-2/3 test below).
 """
 
 import pytest
+import torch
 
+from megamamba.checkpoint import open_checkpoint
 from train_runs import losses, relative_curve_error
 
 pytestmark = pytest.mark.slow
@@ -87,10 +89,20 @@ def test_zero_2_and_3_at_pipeline_size_1_train_the_same_curve(
 def test_bf16_autocast_follows_the_float32_curve_with_float32_parameters(train_runs):
     longer = ["--train-iters", "30", "--lr", "3e-3", "--lr-warmup-iters", "3", "--eval-interval", "0"]
     (fp32,) = train_runs.spawned(1, "mamba2", longer)
+    save = train_runs.root / "bf16-save"
     (bf16,) = train_runs.spawned(
-        1, "mamba2", longer, ds_config=train_runs.ds_config(torch_autocast={"enabled": True, "dtype": "bfloat16"})
+        1,
+        "mamba2",
+        [*longer, "--save", str(save)],
+        ds_config=train_runs.ds_config(
+            torch_autocast={"enabled": True, "dtype": "bfloat16"}, zero_optimization={"stage": 0}
+        ),
     )
-    assert bf16["parameter_dtypes"] == ["torch.float32"]  # A_log, D, dt_bias and the masters stay float32
+    # Without ZeRO a checkpoint holds the parameters themselves and AdamW's state: A_log, D, dt_bias, every
+    # weight and its moments stay float32.
+    checkpoint = open_checkpoint("auto", str(save))
+    tensors = {**checkpoint.model_tensors(), **checkpoint.optimizer_tensors()}
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
     curve, ref = losses(bf16["records"]), losses(fp32["records"])
     assert ref[-1] < ref[0] - 0.5, ref  # a real stretch of training, not the flat start
     error = relative_curve_error(curve, ref)
