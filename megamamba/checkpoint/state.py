@@ -223,13 +223,13 @@ def load_scheduler_state(scheduler, state: Optional[dict], step: int) -> None:
     """Restore a scheduler and set each group's lr to its restored last lr (used by the next step).
 
     A checkpoint saved without scheduler state (scheduler=None) puts the schedule where `step`
-    optimizer steps would have taken it.
+    optimizer steps would have taken it: one `step()` from epoch step - 1.
     """
     if state is None:
-        scheduler.last_epoch = step
-        with warnings.catch_warnings():  # get_lr() outside step() warns; here it is the point
+        scheduler.last_epoch = step - 1
+        with warnings.catch_warnings():  # a step() before the optimizer's warns; here it is the point
             warnings.simplefilter("ignore", UserWarning)
-            scheduler._last_lr = scheduler.get_lr()
+            scheduler.step()
     else:
         scheduler.load_state_dict(dict(state))
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
