@@ -110,6 +110,15 @@ def _parser() -> argparse.ArgumentParser:
         "parameters | type:<regex>; a hybrid_layer_pattern's | marks set them whatever the method",
     )
     p.add_argument(
+        "--torch-compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the model with torch.compile through DeepSpeed's engine.compile: inductor (the default), "
+        "or another torch.compile backend such as aot_eager",
+    )
+    p.add_argument(
         "--checkpoint-activations-interval",
         type=int,
         default=0,
@@ -575,6 +584,7 @@ def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
             args.checkpoint_activations_interval,
             args.sequence_parallel,
             seq_length=args.seq_length,
+            compile_backend=args.torch_compile,
         )
         if args.save or load:
             checkpointing.check_trainer(trainer)

@@ -369,9 +369,12 @@ def build_trainer(
     sequence_parallel: bool = False,
     *,
     seq_length: int,
+    compile_backend: Optional[str] = None,
 ):
     """The trainer of this rank (torch.distributed initialised, world size = layout.world_size) for sequences of
-    `seq_length` tokens (the pipeline's "cost" partition weighs the layers at that length)."""
+    `seq_length` tokens (the pipeline's "cost" partition weighs the layers at that length); its model compiled by
+    torch.compile with `compile_backend` when one is given (DeepSpeed's `engine.compile`: the whole model at
+    pipeline size 1, each layer of a pipeline stage)."""
     unmap_freed_tensors()
     groups = ParallelGroups(layout.tp, layout.pp, layout.dp, layout.cp)
     tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
@@ -383,4 +386,6 @@ def build_trainer(
     else:
         trainer = PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)
     reuse_freed_tensors()
+    if compile_backend is not None:
+        trainer.engine.compile(backend=compile_backend)
     return trainer

@@ -19,11 +19,11 @@ TOLERANCE = 1e-4
 
 LAYOUTS = [
     # (dp, tp, pp), mixer, ZeRO stage, extra flags  (the reference runs ZeRO-1)
-    ((2, 1, 1), "mamba1", 0, []),
+    ((2, 1, 1), "mamba1", 0, ["--torch-compile", "aot_eager"]),
     ((1, 2, 1), "mamba1", 1, []),
     ((1, 2, 1), "mamba2", 1, ["--sequence-parallel"]),
     ((1, 1, 2), "mamba1", 0, ["--checkpoint-activations-interval", "2", "--partition-method", "uniform"]),
-    ((1, 1, 2), "mamba2", 1, ["--partition-method", "parameters"]),
+    ((1, 1, 2), "mamba2", 1, ["--partition-method", "parameters", "--torch-compile"]),
     ((2, 1, 2), "mamba1", 1, []),
     ((2, 1, 2), "mamba2", 1, ["--checkpoint-activations-interval", "1"]),
 ]
