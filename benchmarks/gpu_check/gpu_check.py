@@ -23,7 +23,8 @@ planner_profile  `launch/plan.py --calibrate` at mamba2-130m's shapes: this GPU'
 A section past its timeout is stopped (SIGTERM, then SIGKILL) and the next one runs; a section
 that no longer fits the budget is skipped with a record saying so. Each child's output streams to
 <out>/<section>.log. --dry-run: the CPU, our PyTorch reference for the kernels and for mamba_ssm,
-tiny shapes and models, gloo: every section's code path and records, no GPU.
+tiny shapes and models, gloo: every section's code path and records, no GPU; a section of a size
+runs once (every size is the tiny model there), the others are recorded as skipped.
 """
 
 import argparse
@@ -123,10 +124,15 @@ def main(argv=None) -> int:
     results.write(
         "start", dry_run=args.dry_run, budget_s=args.budget, triton_cache_dir=cache, triton_cache_entries=len(shipped)
     )
-    failed = 0
+    failed, ran = 0, set()
     for name, cap in SECTIONS:
         if args.only and name not in args.only:
             continue
+        kind = name.split(":")[0]
+        if args.dry_run and kind in ran:
+            results.write("section", name=name, rc=None, skipped="dry run: every size is the tiny model, run once")
+            continue
+        ran.add(kind)
         left = args.budget - (time.time() - start)
         timeout = min(cap * (DRY_SCALE if args.dry_run else 1), left)
         if timeout < MIN_SECONDS:

@@ -46,7 +46,9 @@ def test_dry_run_writes_every_sections_records(tmp_path):
         "memory_plan:1.3b",
         "planner_profile",
     ]
-    assert all(r["rc"] == 0 and not r["timed_out"] for r in sections.values()), sections
+    repeated = ["throughput:370m", "throughput:1.3b", "memory_plan:1.3b"]  # every size is the tiny model
+    assert all(sections[name]["skipped"].startswith("dry run") for name in repeated), sections
+    assert all(r["rc"] == 0 and not r["timed_out"] for name, r in sections.items() if name not in repeated), sections
     imports = kinds[("imports", "import")]
     assert len(imports) == 9 and all(r["ok"] and r["file"].startswith(str(work / "site")) for r in imports), imports
     assert [r["run"] for r in kinds[("nccl_smoke", "smoke_run")]] == ["first", "resumed"]
@@ -68,11 +70,10 @@ def test_dry_run_writes_every_sections_records(tmp_path):
     assert [r["impl"].split(":")[0] for r in timings] == ["ours", "mamba_ssm"] * 3 + ["ours", "ours"]
     assert all(0 < r["fwd_roof"] and 0 < r["bwd_roof"] and r["fwd_bytes"] > 0 for r in timings)
     assert kinds[("timings", "ceilings")][0]["copy_gbps"] > 0
-    for size in SIZES:
-        engines = [r["engine"] for r in kinds[(f"throughput:{size}", "throughput")]]
-        assert len(engines) == 2 and engines[0].startswith("ours") and engines[1].startswith("mamba_ssm"), engines
-        assert all("error" not in r for r in kinds[(f"throughput:{size}", "throughput")])
-        assert kinds[(f"throughput:{size}", "throughput")][0]["planned_total_gb"] > 0
+    engines = [r["engine"] for r in kinds[("throughput:130m", "throughput")]]
+    assert len(engines) == 2 and engines[0].startswith("ours") and engines[1].startswith("mamba_ssm"), engines
+    assert all("error" not in r for r in kinds[("throughput:130m", "throughput")])
+    assert kinds[("throughput:130m", "throughput")][0]["planned_total_gb"] > 0
     memory_plan = kinds[("memory_plan:130m", "memory_plan")]
     assert [(r["size"], r["seq"]) for r in memory_plan] == [("tiny", 64)]
     for key in ("kept_measured", "kept_estimated", "peak_measured", "peak_estimated", "kept_error", "peak_error"):
