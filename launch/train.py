@@ -33,7 +33,14 @@ from megamamba.observe.run_console import count_parameters, startup_summary
 from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
 from megamamba.pipelines.config.ds_translate import OptimizerFlags, optimizer_settings
-from megamamba.pipelines.config.layout import Layout, LayoutError, check_run, engine_config, resolve_layout
+from megamamba.pipelines.config.layout import (
+    Layout,
+    LayoutError,
+    LayoutFlags,
+    check_run,
+    engine_config,
+    resolve_layout,
+)
 from megamamba.pipelines.job import checkpointing, init_from
 from megamamba.pipelines.job.resume import ResumeFlags, fresh, resume_line, resumed_run, run_stream
 from megamamba.pipelines.loop.agreement import agree
@@ -323,21 +330,18 @@ def _read_deepspeed_config(path: str) -> dict:
     return config
 
 
-def _with_batch_flags(ds_config: dict, args) -> dict:
-    """The JSON's batch keys with --micro-batch-size / --global-batch-size applied; a disagreement is refused."""
-    config = dict(ds_config)
-    for flag, key, value in (
-        ("--micro-batch-size", "train_micro_batch_size_per_gpu", args.micro_batch_size),
-        ("--global-batch-size", "train_batch_size", args.global_batch_size),
-    ):
-        if value is None:
-            continue
-        if config.get(key) is not None and config[key] != value:
-            raise LayoutError(f"{flag} {value} disagrees with the DeepSpeed config's {key}={config[key]}; keep one")
-        config[key] = value
-    if getattr(args, "zero_stage", None) is not None:  # chosen by --auto-parallel
-        config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": args.zero_stage}
-    return config
+def layout_flags(args: argparse.Namespace) -> LayoutFlags:
+    return LayoutFlags(
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        args.context_parallel_size,
+        args.sequence_parallel,
+        args.micro_batch_size,
+        args.global_batch_size,
+        None,
+        args.checkpoint_activations_interval,
+        args.partition_method,
+    )
 
 
 def _model_config(path: str, pattern: Optional[str]) -> MambaConfig:
@@ -396,20 +400,21 @@ class RunPlan(NamedTuple):
     optimizer: OptimizerSettings
     deepspeed_line: Optional[str]  # what the JSON's optimizer/scheduler/bf16 blocks became; None without them
     ds_config: dict  # the DeepSpeed config with the batch flags applied (a resume re-plans the LR from it)
+    flags: LayoutFlags
 
 
-def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
-    """Every check that needs no process group; raises LayoutError with one message."""
-    ds_config = _with_batch_flags(_read_deepspeed_config(args.deepspeed_config), args)
+def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFlags] = None) -> RunPlan:
+    """Every check that needs no process group, for the layout `flags` (default: the flags'); raises LayoutError
+    with one message."""
+    flags = flags or layout_flags(args)
+    ds_config = flags.with_batch(_read_deepspeed_config(args.deepspeed_config))
     model = _model_config(args.model_config, args.hybrid_layer_pattern)
-    layout = resolve_layout(
-        world_size, args.tensor_parallel_size, args.pipeline_parallel_size, ds_config, args.context_parallel_size
-    )
-    check_run(layout, ds_config, model, args.seq_length, args.sequence_parallel, args.clip_grad)
-    if args.checkpoint_activations_interval < 0:
-        raise LayoutError(f"--checkpoint-activations-interval {args.checkpoint_activations_interval}: must be >= 0")
+    layout = resolve_layout(world_size, flags.tp, flags.pp, ds_config, flags.cp)
+    check_run(layout, ds_config, model, args.seq_length, flags.sequence_parallel, args.clip_grad)
+    if flags.checkpoint_interval < 0:
+        raise LayoutError(f"--checkpoint-activations-interval {flags.checkpoint_interval}: must be >= 0")
     try:
-        check_partition_method(args.partition_method)
+        check_partition_method(flags.partition_method)
         train_iters = _train_iters(args, layout.global_batch_size)
     except ValueError as e:
         raise LayoutError(str(e)) from None
@@ -450,13 +455,14 @@ def prepare(args: argparse.Namespace, world_size: int) -> RunPlan:
         train_iters,
         layout,
         model,
-        engine_config(without_monitors, layout, args.clip_grad, args.sequence_parallel),
+        engine_config(without_monitors, layout, args.clip_grad, flags.sequence_parallel),
         settings.optimizer.schedule,
         monitors,
         data,
         settings.optimizer,
         None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}",
         ds_config,
+        flags,
     )
 
 
@@ -469,9 +475,11 @@ PLANNED = {
 }
 
 
-def auto_parallel(args: argparse.Namespace, argv, world_size: int) -> list:
-    """--auto-parallel: the planner's choice for this job written into `args`; the lines saying what it chose."""
-    ds_config = _with_batch_flags(_read_deepspeed_config(args.deepspeed_config), args)
+def auto_parallel(args: argparse.Namespace, argv, world_size: int) -> tuple[LayoutFlags, list]:
+    """--auto-parallel: the flags' layout with the planner's choice for this job, and the lines saying what it
+    chose; what the user set stays."""
+    flags = layout_flags(args)
+    ds_config = flags.with_batch(_read_deepspeed_config(args.deepspeed_config))
     model = _model_config(args.model_config, args.hybrid_layer_pattern)
     given = {PLANNED[dest]: getattr(args, dest) for dest in given_flags(argv) & set(PLANNED)}
     if "recompute" in given:
@@ -487,12 +495,17 @@ def auto_parallel(args: argparse.Namespace, argv, world_size: int) -> list:
     profile = load_profile(args.plan_profile or default_profile(profiles, device))
     choice = choose(model, ds_config, given, world_size, local_ranks, memory, args.seq_length, profile)
     best = choice.best
-    args.tensor_parallel_size, args.pipeline_parallel_size, args.context_parallel_size = best.tp, best.pp, best.cp
-    args.sequence_parallel = args.sequence_parallel or best.sequence_parallel
-    args.micro_batch_size, args.zero_stage = best.micro_batch_size, best.zero_stage
-    if best.recompute and "recompute" not in given:
-        args.checkpoint_activations_interval = 1
-    return choice_lines(choice)
+    chosen = dataclasses.replace(
+        flags,
+        tp=best.tp,
+        pp=best.pp,
+        cp=best.cp,
+        sequence_parallel=flags.sequence_parallel or best.sequence_parallel,
+        micro_batch_size=best.micro_batch_size,
+        zero_stage=best.zero_stage,
+        checkpoint_interval=1 if best.recompute and "recompute" not in given else flags.checkpoint_interval,
+    )
+    return chosen, choice_lines(choice)
 
 
 def fail(error, status: int = 2):
@@ -514,8 +527,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        chosen = auto_parallel(args, argv, world_size) if args.auto_parallel else []
-        plan = prepare(args, world_size)
+        flags, chosen = auto_parallel(args, argv, world_size) if args.auto_parallel else (layout_flags(args), [])
+        plan = prepare(args, world_size, flags)
     except (LayoutError, PlanError, ProfileError) as e:
         fail(e)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -535,9 +548,9 @@ def main(argv=None) -> dict:
                     layout,
                     plan.engine_config,
                     args.seq_length // layout.cp,
-                    args.partition_method,
-                    args.checkpoint_activations_interval,
-                    args.sequence_parallel,
+                    flags.partition_method,
+                    flags.checkpoint_interval,
+                    flags.sequence_parallel,
                 )
             ),
             args.no_memory_check,
@@ -580,9 +593,9 @@ def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
             plan.engine_config,
             settings,
             args.seed,
-            args.partition_method,
-            args.checkpoint_activations_interval,
-            args.sequence_parallel,
+            plan.flags.partition_method,
+            plan.flags.checkpoint_interval,
+            plan.flags.sequence_parallel,
             seq_length=args.seq_length,
             compile_backend=args.torch_compile,
         )
@@ -631,7 +644,7 @@ def announce(args: argparse.Namespace, plan: RunPlan, run: StartedRun, loop: Tra
         log.info(init_from.startup_line(run.source))
 
 
-def loop_settings(args: argparse.Namespace) -> LoopSettings:
+def loop_settings(args: argparse.Namespace, plan: RunPlan) -> LoopSettings:
     return LoopSettings(
         args.seq_length,
         args.log_interval,
@@ -645,14 +658,14 @@ def loop_settings(args: argparse.Namespace) -> LoopSettings:
         args.max_skipped_steps,
         args.loss_spike_factor,
         args.step_timeout,
-        vars(args),
+        {**vars(args), "layout_flags": dataclasses.asdict(plan.flags)},
     )
 
 
 def run_training(args: argparse.Namespace, plan: RunPlan, job_start: float) -> dict:
     """The trainer built, the start-up announced, every step run; this rank's summary."""
     run = start_run(args, plan)
-    loop = TrainingLoop(loop_settings(args), plan.model, plan.layout, plan.data, plan.monitors, run, job_start)
+    loop = TrainingLoop(loop_settings(args, plan), plan.model, plan.layout, plan.data, plan.monitors, run, job_start)
     announce(args, plan, run, loop)
     try:
         summary = loop.run()

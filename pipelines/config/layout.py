@@ -49,6 +49,40 @@ class Layout:
         return self.micro_batch_size * self.grad_accum * self.dp
 
 
+@dataclass(frozen=True)
+class LayoutFlags:
+    """How a run is laid out as its flags say, or as --auto-parallel chose: the parallel sizes, sequence
+    parallelism, the batch flags (None: the DeepSpeed JSON's), the ZeRO stage (None: the JSON's), the
+    recomputation interval and the pipeline's partition method."""
+
+    tp: int
+    pp: int
+    cp: int
+    sequence_parallel: bool
+    micro_batch_size: Optional[int]
+    global_batch_size: Optional[int]
+    zero_stage: Optional[int]
+    checkpoint_interval: int
+    partition_method: str
+
+    def with_batch(self, ds_config: dict) -> dict:
+        """The JSON's batch keys and ZeRO stage with these flags applied; a flag disagreeing with the JSON is
+        refused (LayoutError)."""
+        config = dict(ds_config)
+        for flag, key, value in (
+            ("--micro-batch-size", "train_micro_batch_size_per_gpu", self.micro_batch_size),
+            ("--global-batch-size", "train_batch_size", self.global_batch_size),
+        ):
+            if value is None:
+                continue
+            if config.get(key) is not None and config[key] != value:
+                raise LayoutError(f"{flag} {value} disagrees with the DeepSpeed config's {key}={config[key]}; keep one")
+            config[key] = value
+        if self.zero_stage is not None:
+            config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": self.zero_stage}
+        return config
+
+
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LayoutError(f"{name}={value!r}: must be a positive integer")
