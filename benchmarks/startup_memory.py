@@ -107,6 +107,7 @@ def rank_startup(model_config: str, tp: int, pp: int) -> tuple:
     from deepspeed.utils import logger
 
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
+    from megamamba.pipelines.loop.engine import build_trainer
 
     logger.setLevel(logging.WARNING)
     script = load_train_script()
@@ -131,7 +132,7 @@ def rank_startup(model_config: str, tp: int, pp: int) -> tuple:
     plan = script.prepare(args, int(os.environ["WORLD_SIZE"]))
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's op build and the pipeline's partition
         init_distributed()
-        script.build_trainer(
+        build_trainer(
             plan.layout,
             plan.model,
             plan.engine_config,

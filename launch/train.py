@@ -11,54 +11,38 @@ checkpoints and resume: docs/training.md.
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
 import time
 import warnings
-from typing import NamedTuple, Optional, Union
+from typing import NoReturn
 
-import hjson
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.checkpoint import CheckpointError
-from megamamba.config import ConfigError, MambaConfig
-from megamamba.data.training_data import TrainingData, training_data
 from megamamba.observe import console_log
-from megamamba.observe.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
-from megamamba.observe.run_console import count_parameters, startup_summary
-from megamamba.parallel.groups import init_distributed, shutdown_distributed, topology
+from megamamba.parallel.groups import init_distributed, topology
 from megamamba.parallel.placement import PlacementError, check_placement
-from megamamba.pipelines.config.ds_translate import OptimizerFlags, optimizer_settings
 from megamamba.pipelines.config.layout import (
-    Layout,
     LayoutError,
     LayoutFlags,
-    check_run,
-    engine_config,
-    resolve_layout,
 )
-from megamamba.pipelines.job import checkpointing, init_from
-from megamamba.pipelines.job.resume import ResumeFlags, fresh, resume_line, resumed_run, run_stream
-from megamamba.pipelines.loop.agreement import agree
-from megamamba.pipelines.loop.engine import OptimizerSettings, build_trainer
+from megamamba.pipelines.config.run_plan import layout_flags, model_config, prepare, read_deepspeed_config
+from megamamba.pipelines.job import checkpointing
+from megamamba.pipelines.job.run import run_training
 from megamamba.pipelines.loop.faults import (
     NonFiniteSteps,
-    check_loss_spike_factor,
-    check_max_skipped_steps,
-    check_step_timeout,
 )
-from megamamba.pipelines.loop.training import LoopSettings, StartedRun, TrainingLoop
 from megamamba.pipelines.memory.fit import MemoryPlanError, check_at_start
 from megamamba.pipelines.memory.plan import RunShape, plan_memory
 from megamamba.pipelines.planner.for_run import choice_lines, choose, default_profile
 from megamamba.pipelines.planner.profile import ProfileError, load_profile
 from megamamba.pipelines.planner.search import PlanError
-from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_partition_method
-from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION
+from megamamba.schedule.lr_schedule import DECAY_STYLES
 
 log = logging.getLogger("megamamba.launch.train")  # shown as `train.py: ...` (megamamba.observe.console_log)
 
@@ -289,183 +273,6 @@ def given_flags(argv=None) -> set:
     return {dest for dest, value in vars(_parser().parse_args(argv, namespace=marked)).items() if value is not _UNSET}
 
 
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise LayoutError(f"{what} {path!r}: {e}") from None
-
-
-# Blocks of the DeepSpeed config that are read as objects (here, in pipelines.config.layout or by DeepSpeed).
-OBJECT_BLOCKS = (
-    "zero_optimization",
-    "bf16",
-    "fp16",
-    "torch_autocast",
-    "pipeline",
-    "tensorboard",
-    "timers",
-    "optimizer",
-    "scheduler",
-    "activation_checkpointing",
-)
-
-
-def _read_deepspeed_config(path: str) -> dict:
-    """The DeepSpeed config as DeepSpeed reads it: hjson (JSON plus comments, unquoted keys, ...)."""
-    try:
-        with open(path) as f:
-            config = hjson.load(f, object_pairs_hook=dict)
-    except (OSError, hjson.HjsonDecodeError) as e:
-        raise LayoutError(f"--deepspeed_config {path!r}: {e}") from None
-    if not isinstance(config, dict):
-        raise LayoutError(f"--deepspeed_config {path!r}: holds {type(config).__name__}, not an object of settings")
-    for key in OBJECT_BLOCKS:
-        if key in config and not isinstance(config[key], dict):
-            raise LayoutError(
-                f'--deepspeed_config {path!r}: "{key}" is {json.dumps(config[key])}; it must be an '
-                f'object (e.g. {{"stage": 1}} for zero_optimization), or leave the key out'
-            )
-    return config
-
-
-def layout_flags(args: argparse.Namespace) -> LayoutFlags:
-    return LayoutFlags(
-        args.tensor_parallel_size,
-        args.pipeline_parallel_size,
-        args.context_parallel_size,
-        args.sequence_parallel,
-        args.micro_batch_size,
-        args.global_batch_size,
-        None,
-        args.checkpoint_activations_interval,
-        args.partition_method,
-    )
-
-
-def _model_config(path: str, pattern: Optional[str]) -> MambaConfig:
-    """The --model-config file, with --hybrid-layer-pattern as its hybrid_layer_pattern (a file giving
-    another pattern is refused, as a flag and the JSON disagreeing are)."""
-    fields = _read_json(path, "--model-config")
-    where = f"--model-config {path!r}"
-    if pattern is not None:
-        if fields.get("hybrid_layer_pattern", pattern) not in ("", pattern):
-            raise LayoutError(
-                f"--hybrid-layer-pattern {pattern!r} disagrees with {where}'s hybrid_layer_pattern="
-                f"{fields['hybrid_layer_pattern']!r}; keep one"
-            )
-        fields = {**fields, "hybrid_layer_pattern": pattern}
-        where = f"--hybrid-layer-pattern {pattern!r} with {where}"
-    try:
-        return MambaConfig.from_dict(fields)
-    except ConfigError as e:
-        raise LayoutError(f"{where}: {e}") from None
-
-
-def optimizer_flags(args: argparse.Namespace) -> OptimizerFlags:
-    return OptimizerFlags(**{name: getattr(args, name) for name in OptimizerFlags._fields})
-
-
-def resume_flags(args: argparse.Namespace) -> ResumeFlags:
-    return ResumeFlags(
-        args.train_samples,
-        args.override_data_check,
-        args.override_opt_param_scheduler,
-        args.no_load_optim,
-        args.no_load_rng,
-        optimizer_flags(args),
-    )
-
-
-def _train_iters(args, global_batch_size: int) -> int:
-    """--train-iters, or --train-samples / global batch size (Megatron's sample-based length); exactly one."""
-    if (args.train_iters is None) == (args.train_samples is None):
-        raise LayoutError("give exactly one of --train-iters and --train-samples")
-    if args.train_iters is not None:
-        return args.train_iters
-    if args.train_samples < global_batch_size:
-        raise LayoutError(f"--train-samples {args.train_samples} is less than one global batch ({global_batch_size})")
-    return args.train_samples // global_batch_size
-
-
-class RunPlan(NamedTuple):
-    train_iters: int
-    layout: Layout
-    model: MambaConfig
-    engine_config: dict
-    schedule: Union[LRSchedule, DeepSpeedSchedule]
-    monitors: Monitors
-    data: TrainingData
-    optimizer: OptimizerSettings
-    deepspeed_line: Optional[str]  # what the JSON's optimizer/scheduler/bf16 blocks became; None without them
-    ds_config: dict  # the DeepSpeed config with the batch flags applied (a resume re-plans the LR from it)
-    flags: LayoutFlags
-
-
-def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFlags] = None) -> RunPlan:
-    """Every check that needs no process group, for the layout `flags` (default: the flags'); raises LayoutError
-    with one message."""
-    flags = flags or layout_flags(args)
-    ds_config = flags.with_batch(_read_deepspeed_config(args.deepspeed_config))
-    model = _model_config(args.model_config, args.hybrid_layer_pattern)
-    layout = resolve_layout(world_size, flags.tp, flags.pp, ds_config, flags.cp)
-    check_run(layout, ds_config, model, args.seq_length, flags.sequence_parallel, args.clip_grad)
-    if flags.checkpoint_interval < 0:
-        raise LayoutError(f"--checkpoint-activations-interval {flags.checkpoint_interval}: must be >= 0")
-    try:
-        check_partition_method(flags.partition_method)
-        train_iters = _train_iters(args, layout.global_batch_size)
-    except ValueError as e:
-        raise LayoutError(str(e)) from None
-    settings = optimizer_settings(ds_config, optimizer_flags(args), train_iters)
-    try:
-        data = training_data(
-            model,
-            args.tokenizer,
-            args.data,
-            args.valid_data,
-            args.seq_length,
-            layout.global_batch_size,
-            args.seed,
-            not args.no_reset_at_documents,
-            needs_validation=args.eval_interval > 0,
-            allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
-            split=args.split,
-        )
-    except (OSError, ValueError) as e:
-        raise LayoutError(str(e)) from None
-    try:
-        init_from.check_flags(args.init_from, args.finetune, args.load)
-    except ValueError as e:
-        raise LayoutError(str(e)) from None
-    try:
-        checkpointing.check_flags(args.save, args.load, args.save_interval, args.keep_last)
-    except CheckpointError as e:
-        raise LayoutError(str(e)) from None
-    try:
-        check_max_skipped_steps(args.max_skipped_steps)
-        check_loss_spike_factor(args.loss_spike_factor)
-        check_step_timeout(args.step_timeout)
-        monitors = monitors_from_config(ds_config, args.log_dir)
-    except ValueError as e:
-        raise LayoutError(str(e)) from None
-    without_monitors = {k: v for k, v in ds_config.items() if k not in MONITOR_BLOCKS}  # our logger writes them
-    return RunPlan(
-        train_iters,
-        layout,
-        model,
-        engine_config(without_monitors, layout, args.clip_grad, flags.sequence_parallel),
-        settings.optimizer.schedule,
-        monitors,
-        data,
-        settings.optimizer,
-        None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}",
-        ds_config,
-        flags,
-    )
-
-
 PLANNED = {
     "tensor_parallel_size": "tp",
     "pipeline_parallel_size": "pp",
@@ -479,8 +286,8 @@ def auto_parallel(args: argparse.Namespace, argv, world_size: int) -> tuple[Layo
     """--auto-parallel: the flags' layout with the planner's choice for this job, and the lines saying what it
     chose; what the user set stays."""
     flags = layout_flags(args)
-    ds_config = flags.with_batch(_read_deepspeed_config(args.deepspeed_config))
-    model = _model_config(args.model_config, args.hybrid_layer_pattern)
+    ds_config = flags.with_batch(read_deepspeed_config(args.deepspeed_config))
+    model = model_config(args.model_config, args.hybrid_layer_pattern)
     given = {PLANNED[dest]: getattr(args, dest) for dest in given_flags(argv) & set(PLANNED)}
     if "recompute" in given:
         given["recompute"] = given["recompute"] > 0
@@ -508,7 +315,7 @@ def auto_parallel(args: argparse.Namespace, argv, world_size: int) -> tuple[Layo
     return chosen, choice_lines(choice)
 
 
-def fail(error, status: int = 2):
+def fail(error, status: int = 2) -> NoReturn:
     """One line on stderr, this rank's process group torn down, then exit with `status`.
 
     Without the teardown a rank can abort at exit (SIGABRT, "terminate called without an active
@@ -566,113 +373,13 @@ def main(argv=None) -> dict:
             log.warning(note)
     try:
         return run_training(args, plan, job_start)
+    except CheckpointError as e:
+        fail(e)
+    except NonFiniteSteps as e:
+        fail(e, status=1)
     finally:
         if lock is not None:
             lock.release()
-
-
-def start_run(args: argparse.Namespace, plan: RunPlan) -> StartedRun:
-    """The trainer built and its weights set: resumed from --load, initialised from --init-from, or fresh."""
-    load, initial = init_from.sources(args.init_from, args.finetune, args.load)
-    try:
-        resume = checkpointing.open_for_run(load, args.save, plan.model)
-        stream = run_stream(plan.data, args.tokenizer) if args.save or resume else None
-        global_batch = plan.layout.global_batch_size
-        run_start = (
-            fresh(plan.train_iters, plan.schedule, global_batch)
-            if not resume
-            else resumed_run(
-                resume, resume_flags(args), stream, global_batch, plan.train_iters, plan.schedule, plan.ds_config
-            )
-        )
-        settings = dataclasses.replace(plan.optimizer, schedule=run_start.schedule)
-        source = init_from.open_source(*initial, plan.model) if initial and not resume else None
-        trainer = build_trainer(
-            plan.layout,
-            plan.model,
-            plan.engine_config,
-            settings,
-            args.seed,
-            plan.flags.partition_method,
-            plan.flags.checkpoint_interval,
-            plan.flags.sequence_parallel,
-            seq_length=args.seq_length,
-            compile_backend=args.torch_compile,
-        )
-        if args.save or load:
-            checkpointing.check_trainer(trainer)
-        if resume:
-            checkpointing.load(trainer, resume, plan.model, not args.no_load_optim, not args.no_load_rng)
-        if source:
-            init_from.load_weights(trainer, source)
-    except CheckpointError as e:
-        fail(e)
-    return StartedRun(trainer, resume, run_start, stream, initial, source)
-
-
-def announce(args: argparse.Namespace, plan: RunPlan, run: StartedRun, loop: TrainingLoop) -> None:
-    """The start-up summary, and what the weights came from (collective: every rank counts its stage)."""
-    low, high = agree([-loop.stage_params, loop.stage_params], op="max")
-    if loop.rank != 0:
-        return
-    console_log.show(
-        "\n".join(
-            startup_summary(
-                model=plan.model,
-                layout=plan.layout,
-                seq_length=args.seq_length,
-                train_iters=loop.train_iters,
-                schedule=run.run_start.lr_plan,
-                engine_config=plan.engine_config,
-                data=plan.data,
-                total_params=count_parameters(plan.model),
-                stage_params=(int(-low), int(high)),
-                save=args.save,
-                load=args.load,
-                save_interval=args.save_interval,
-                keep_last=args.keep_last,
-            )
-        )
-    )
-    if run.resume:
-        if run.run_start.warning:
-            log.warning(run.run_start.warning)
-        log.info(resume_line(run.resume.path, run.run_start))
-        if run.initial:
-            log.info(f"{run.initial[0]} not used: --load found {run.resume.path} to resume")
-    if run.source:
-        log.info(init_from.startup_line(run.source))
-
-
-def loop_settings(args: argparse.Namespace, plan: RunPlan) -> LoopSettings:
-    return LoopSettings(
-        args.seq_length,
-        args.log_interval,
-        args.eval_interval,
-        args.eval_iters,
-        args.save,
-        args.save_interval,
-        args.keep_last,
-        args.peak_tflops,
-        args.metrics_jsonl,
-        args.max_skipped_steps,
-        args.loss_spike_factor,
-        args.step_timeout,
-        {**vars(args), "layout_flags": dataclasses.asdict(plan.flags)},
-    )
-
-
-def run_training(args: argparse.Namespace, plan: RunPlan, job_start: float) -> dict:
-    """The trainer built, the start-up announced, every step run; this rank's summary."""
-    run = start_run(args, plan)
-    loop = TrainingLoop(loop_settings(args, plan), plan.model, plan.layout, plan.data, plan.monitors, run, job_start)
-    announce(args, plan, run, loop)
-    try:
-        summary = loop.run()
-    except NonFiniteSteps as e:
-        fail(e, status=1)
-    shutdown_distributed()
-    return summary
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
 
     from megamamba.model.layer_types.costs import RankShape
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
+    from megamamba.pipelines.loop.engine import build_trainer
     from megamamba.pipelines.memory.activations import kept_bytes
     from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
@@ -71,7 +72,7 @@ def measure(size: str, checkpoint_interval: int, dry: bool, scratch: str) -> dic
     plan = script.prepare(args, 1)
     layout = plan.layout
     init_distributed()
-    trainer = script.build_trainer(
+    trainer = build_trainer(
         layout,
         plan.model,
         plan.engine_config,

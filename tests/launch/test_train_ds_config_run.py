@@ -8,7 +8,7 @@ import torch
 from deepspeed.runtime.lr_schedules import WarmupDecayLR
 
 from distributed import run_ranks
-from train_entry import ROOT, load_train_script, run_train
+from train_entry import ROOT, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -47,15 +47,17 @@ FLAGS = [
 
 def _run_recording_dtypes(argv, extensions_dir):
     """`run_train`'s rank, its summary with the dtypes of the trainer's parameters ("parameter_dtypes")."""
-    script, dtypes = load_train_script(), set()
-    build = script.build_trainer
+    from megamamba.pipelines.job import run
+
+    dtypes: set = set()
+    build = run.build_trainer
 
     def build_trainer(*args, **kwargs):
         trainer = build(*args, **kwargs)
         dtypes.update(str(p.dtype) for _, _, p in trainer.named_parameters())
         return trainer
 
-    script.build_trainer = build_trainer
+    run.build_trainer = build_trainer
     return {**run_train(argv, extensions_dir), "parameter_dtypes": sorted(dtypes)}
 
 

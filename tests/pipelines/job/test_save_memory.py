@@ -35,6 +35,8 @@ def _memory_kib(field: str) -> int:
 
 def _assembled_state(trainer) -> dict:
     """The stage's full fp32 masters, moments and step under mamba_ssm names (collective over TP and DP)."""
+    from types import SimpleNamespace
+
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from megamamba.parallel import full_tensors
@@ -43,11 +45,11 @@ def _assembled_state(trainer) -> dict:
     rename = trainer.mamba_name
     zero = checkpointing._zero(trainer)
     (step,) = {s["step"].item() for s in zero.optimizer.state.values()}
-    state = {rename(n): t for n, t in full_tensors(trainer.module, trainer.tp, select=safe_get_full_fp32_param).items()}
+    # full_tensors reads only a module's named_parameters: the stage's, from the trainer
+    stage = SimpleNamespace(named_parameters=lambda: [(n, p) for n, _, p in trainer.named_parameters()])
+    state = {rename(n): t for n, t in full_tensors(stage, trainer.tp, select=safe_get_full_fp32_param).items()}
     for key in MOMENTS:
-        gathered = full_tensors(
-            trainer.module, trainer.tp, select=lambda p, key=key: safe_get_full_optimizer_state(p, key)
-        )
+        gathered = full_tensors(stage, trainer.tp, select=lambda p, key=key: safe_get_full_optimizer_state(p, key))
         state |= {f"{rename(n)}/{key}": t for n, t in gathered.items()}
     return {k: t.detach().clone().contiguous() for k, t in state.items()} | {"step": torch.tensor(step)}
 
@@ -85,12 +87,13 @@ def _loading_rank(argv, extensions_dir, checkpoint_path):
 
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
     from megamamba.pipelines.job import checkpointing
+    from megamamba.pipelines.loop.engine import build_trainer
 
     script = load_train_script()
     args = script.parse_args(argv)
     plan = script.prepare(args, 1)
     init_distributed()
-    trainer = script.build_trainer(
+    trainer = build_trainer(
         plan.layout,
         plan.model,
         plan.engine_config,

@@ -33,11 +33,13 @@ def _count_syncs_per_step(argv, extensions_dir):
         return synchronize(*args, **kwargs)
 
     accelerator.synchronize = counting_synchronize
-    build = script.build_trainer
+    from megamamba.pipelines.job import run
+
+    build = run.build_trainer
 
     def counting_build_trainer(*args, **kwargs):
         trainer = build(*args, **kwargs)
-        comm_dtypes.update(str(getattr(p, "comm_dtype", None)) for p in trainer.module.parameters())
+        comm_dtypes.update(str(getattr(p, "comm_dtype", None)) for _, _, p in trainer.named_parameters())
         step = trainer.train_step
 
         def train_step(batches):
@@ -47,7 +49,7 @@ def _count_syncs_per_step(argv, extensions_dir):
         trainer.train_step = train_step
         return trainer
 
-    script.build_trainer = counting_build_trainer
+    run.build_trainer = counting_build_trainer
     script.main(argv)
     steady = list(zip(starts[1:-1], starts[2:]))
     return {

@@ -36,8 +36,11 @@ def _measure(argv, extensions_dir):
     """(measured, planned) (parameters, gradients, optimizer state) bytes of this rank after step 0."""
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
     script = load_train_script()
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
     from megamamba.parallel.groups import init_distributed, shutdown_distributed
-    from megamamba.pipelines.memory.optimizer_state import optimizer_state_bytes
+    from megamamba.pipelines.loop.engine import build_trainer
 
     args = script.parse_args(argv)
     plan = script.prepare(args, int(os.environ["WORLD_SIZE"]))
@@ -52,7 +55,7 @@ def _measure(argv, extensions_dir):
         args.sequence_parallel,
     )
     init_distributed()
-    trainer = script.build_trainer(
+    trainer = build_trainer(
         layout,
         plan.model,
         plan.engine_config,
@@ -63,32 +66,24 @@ def _measure(argv, extensions_dir):
         args.sequence_parallel,
         seq_length=args.seq_length,
     )
-    params = list(trainer.module.parameters())
-    grads = []
-    reduce = trainer.engine.allreduce_gradients
+    params = [p for _, _, p in trainer.named_parameters()]
+    grads, buckets = [], [0]
+    # The trainer keeps its engine and optimizer private: this rank (its own process) patches their classes.
+    reduce, reduce_bucket = DeepSpeedEngine.allreduce_gradients, DeepSpeedZeroOptimizer.reduce_ipg_grads
 
-    def measured_reduce(*a, **kw):
+    def measured_reduce(engine, *a, **kw):
         grads.append(_storage_bytes(p.grad for p in params if p.grad is not None))
-        return reduce(*a, **kw)
+        return reduce(engine, *a, **kw)
 
-    trainer.engine.allreduce_gradients = measured_reduce
-    buckets = [0]
-    if hasattr(trainer.optimizer, "reduce_ipg_grads"):  # ZeRO 1/2: the bucket is alive while it is reduced
-        reduce_bucket = trainer.optimizer.reduce_ipg_grads
+    def measured_bucket(zero, *a, **kw):  # ZeRO 1/2: the bucket is alive while it is reduced
+        buckets.append(sum(_storage_bytes(b.buffer) for b in zero.ipg_buckets.values()))
+        return reduce_bucket(zero, *a, **kw)
 
-        def measured_bucket(*a, **kw):
-            buckets.append(sum(_storage_bytes(b.buffer) for b in trainer.optimizer.ipg_buckets.values()))
-            return reduce_bucket(*a, **kw)
-
-        trainer.optimizer.reduce_ipg_grads = measured_bucket
+    DeepSpeedEngine.allreduce_gradients = measured_reduce
+    DeepSpeedZeroOptimizer.reduce_ipg_grads = measured_bucket
     trainer.train_step(plan.data.train.micro_batches(0, trainer.dp_rank, layout.dp, layout.micro_batch_size))
-    measured = (
-        _storage_bytes(params),
-        max(grads, default=0),
-        optimizer_state_bytes(trainer.optimizer, trainer.module),
-        max(buckets),
-    )
-    stage = plan_memory(shape).stages[getattr(trainer.engine, "stage_id", 0)]
+    measured = (_storage_bytes(params), max(grads, default=0), trainer.optimizer_state_bytes(), max(buckets))
+    stage = plan_memory(shape).stages[trainer.pipe_rank]
     shutdown_distributed()
     return measured, (stage.parameters, stage.gradients, stage.optimizer, stage.buffers)
 
