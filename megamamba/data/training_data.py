@@ -4,6 +4,7 @@ Runs before any process group exists; each refusal is one message naming the off
 and reservations go to `TrainingData.warnings`. The flags: docs/data.md and docs/flags.md.
 """
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -100,3 +101,34 @@ def training_data(
     if valid is not None:
         valid = PackedGlobalBatches(*valid, seq_length, global_batch_size, seed + 1, reset_at_documents)
     return TrainingData(tokenizer, train, valid, [n for n in notes if n])
+
+
+def add_data_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's data and tokenizer flags (docs/flags.md)."""
+    p = parser.add_argument_group("data and tokenizer")
+    p.add_argument(
+        "--data",
+        "--data-path",
+        nargs="*",
+        default=[],
+        help="preprocessed dataset prefix, or pairs 'weight prefix' to blend (default: the built-in "
+        "corpus tokenized in memory)",
+    )
+    p.add_argument("--valid-data", nargs="*", default=[], help="validation dataset prefix or blend (with --data)")
+    p.add_argument(
+        "--split",
+        default=None,
+        help="Megatron's: train,validation,test proportions carved from every --data dataset by document "
+        "ranges, e.g. 969,30,1 (instead of --valid-data; the test part is unused)",
+    )
+    p.add_argument(
+        "--tokenizer", default="bytes", help="bytes | a SentencePiece .model | a tokenizer.json | a folder holding one"
+    )
+    p.add_argument(
+        "--allow-tokenizer-mismatch",
+        action="store_true",
+        help="train on --data made with another tokenizer than --tokenizer (refused otherwise)",
+    )
+    p.add_argument(
+        "--no-reset-at-documents", action="store_true", help="let the state run across packed documents (no seq_idx)"
+    )

@@ -14,12 +14,13 @@ torch's fused AdamW, and step our own schedule. Each setting has one value:
 Weight decay applies to our decayed parameter group (matrices), as with the flags.
 """
 
+import argparse
 import math
 from typing import NamedTuple, Optional
 
 from megamamba.pipelines.config.layout import LayoutError
 from megamamba.pipelines.loop.engine import OptimizerSettings
-from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
+from megamamba.schedule.lr_schedule import DECAY_STYLES, DeepSpeedSchedule, LRSchedule
 
 DEFAULTS = {
     "lr": 3e-4,
@@ -271,3 +272,30 @@ def optimizer_settings(ds_config: dict, flags: OptimizerFlags, train_iters: int)
         parts.append("bf16 -> torch_autocast bf16 (float32 parameters, the SSM's A_log, D, dt_bias included)")
     line = "DeepSpeed config: " + "; ".join(parts) if parts else None
     return Settings(OptimizerSettings(schedule, weight_decay, betas, eps), line)
+
+
+def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's learning-rate and optimizer flags, read as `OptimizerFlags` (docs/flags.md)."""
+    p = parser.add_argument_group("learning rate and optimizer")
+    # None: not given; pipelines.config.ds_translate resolves the JSON's value, the flag's, or the default (in brackets)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate [3e-4]")
+    p.add_argument("--min-lr", type=float, default=None, help="[3e-5]")
+    p.add_argument("--lr-warmup-iters", type=int, default=None, help="[0]")
+    p.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="warm-up as a fraction of the decay iters (instead of --lr-warmup-iters)",
+    )
+    p.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="steps until the LR reaches --min-lr (default: the train iters)",
+    )
+    p.add_argument("--lr-decay-style", default=None, choices=DECAY_STYLES, help="[cosine]")
+    p.add_argument("--weight-decay", type=float, default=None, help="[0.1]")
+    p.add_argument("--adam-beta1", type=float, default=None, help="[0.9]")
+    p.add_argument("--adam-beta2", type=float, default=None, help="[0.95]")
+    p.add_argument("--adam-eps", type=float, default=None, help="[1e-8]")
+    p.add_argument("--clip-grad", type=float, default=None, help="max global gradient norm (default 1.0)")

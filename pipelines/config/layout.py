@@ -19,6 +19,7 @@ Rules that settle how our flags and the JSON interact (docs/training.md):
     instead. "fp16" is refused (it needs loss scaling).
 """
 
+import argparse
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -27,7 +28,7 @@ from megamamba.config import MambaConfig
 from megamamba.errors import LayoutError
 from megamamba.model.layers import check_layout, conv_width
 from megamamba.parallel.context.context_parallel import check_context_layout
-from megamamba.pipelines.stages.partition import check_pattern_stages
+from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_pattern_stages
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 DEFAULT_CLIP_GRAD = 1.0
@@ -223,3 +224,50 @@ def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], s
     if sequence_parallel:
         config["pipeline"] = {**config.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     return config
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's layout flags, read as `LayoutFlags` (docs/flags.md)."""
+    p = parser.add_argument_group("layout and batch")
+    p.add_argument("--tensor-parallel-size", "--tp", "--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "--pp", "--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--context-parallel-size",
+        "--cp",
+        type=int,
+        default=1,
+        help="split every sequence into this many consecutive slices, one per rank (state passing)",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="train_micro_batch_size_per_gpu (a JSON giving another value is refused)",
+    )
+    p.add_argument(
+        "--global-batch-size", type=int, default=None, help="train_batch_size (a JSON giving another value is refused)"
+    )
+    p.add_argument(
+        "--sequence-parallel", action="store_true", help="split activations along the sequence over TP ranks"
+    )
+    p.add_argument(
+        "--partition-method",
+        default=DEFAULT_PARTITION,
+        help="pipeline stages: cost (balanced forward FLOPs at --seq-length) | DeepSpeed's uniform | "
+        "parameters | type:<regex>; a hybrid_layer_pattern's | marks set them whatever the method",
+    )
+    p.add_argument(
+        "--torch-compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the model with torch.compile through DeepSpeed's engine.compile: inductor (the default), "
+        "or another torch.compile backend such as aot_eager",
+    )
+    p.add_argument(
+        "--checkpoint-activations-interval",
+        type=int,
+        default=0,
+        help="recompute runs of this many consecutive layers in the backward (0: off)",
+    )

@@ -198,3 +198,32 @@ def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFla
         ds_config,
         flags,
     )
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's flags of the run itself: DeepSpeed's config, the model, its length and seed (docs/flags.md)."""
+    p = parser.add_argument_group("run")
+    p.add_argument(
+        "--deepspeed", action="store_true", help="accepted as DeepSpeed scripts take it; DeepSpeed is always on"
+    )
+    p.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        required=True,
+        help="DeepSpeed config (JSON, or hjson as DeepSpeed reads it)",
+    )
+    p.add_argument("--model-config", required=True, help="mamba_ssm-style config.json of the model")
+    p.add_argument(
+        "--hybrid-layer-pattern",
+        "--hybrid-override-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="Megatron's layer pattern, one symbol a layer: M Mamba, * attention, - MLP, | a pipeline-stage "
+        "boundary; sets the model config's hybrid_layer_pattern (its layer count must equal n_layer)",
+    )
+    p.add_argument("--train-iters", type=int, default=None, help="optimizer steps (or --train-samples)")
+    p.add_argument(
+        "--train-samples", type=int, default=None, help="samples to train on: train iters = samples / global batch size"
+    )
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--seed", type=int, default=1234)

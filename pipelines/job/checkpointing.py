@@ -22,6 +22,7 @@ step. Optimizers handled: torch AdamW as the engine's optimizer (no ZeRO) and De
 optimizer over it; anything else is refused before training.
 """
 
+import argparse
 import logging
 import os
 from functools import partial
@@ -387,3 +388,52 @@ def check_flags(save: Optional[str], load: Optional[str], save_interval: int, ke
 def save_due(steps_done: int, train_iters: int, save_interval: int, stopping: bool) -> bool:
     """Whether to checkpoint after `steps_done` steps: at the interval, at the end, when stopping."""
     return stopping or steps_done == train_iters or bool(save_interval and steps_done % save_interval == 0)
+
+
+def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's checkpoint, resume and --init-from flags (docs/flags.md)."""
+    p = parser.add_argument_group("checkpoints")
+    p.add_argument("--save", default=None, help="checkpoint directory (created and checked writable at start-up)")
+    p.add_argument(
+        "--load",
+        default=None,
+        help="resume from: auto (the newest complete checkpoint under --save; none yet: start afresh), "
+        "a save directory (its latest) or a checkpoint directory",
+    )
+    p.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="with --load: the weights and the step count only; fresh optimizer state and LR schedule",
+    )
+    p.add_argument("--no-load-rng", action="store_true", help="with --load: do not restore the RNG states")
+    p.add_argument(
+        "--override-data-check",
+        action="store_true",
+        help="resume even though the data, tokenizer, --seq-length, --seed or document resets differ from "
+        "the checkpoint's (refused otherwise): the sample stream continues at its count with the new "
+        "settings",
+    )
+    p.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="resume even though the LR plan differs from the checkpoint's (refused otherwise): follow "
+        "the flags' plan from the checkpoint's step",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of DIR (a checkpoint or save directory, a model folder, a mamba_ssm "
+        "or transformers Mamba/Mamba2 folder; checksums verified when it has a manifest) at step 0 "
+        "with a fresh optimizer, LR schedule and RNG; its config must equal --model-config. A "
+        "checkpoint that --load finds wins: --init-from DIR --save D --load auto resumes on requeue",
+    )
+    p.add_argument(
+        "--finetune",
+        action="store_true",
+        help="Megatron's: only the weights of --load, at step 0 with a fresh optimizer, LR schedule and "
+        "RNG (the same as --init-from, which a requeue-safe job uses with --load auto)",
+    )
+    p.add_argument("--save-interval", type=int, default=0, help="checkpoint every this many steps (0: at the end)")
+    p.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep (default: all)")

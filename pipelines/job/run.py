@@ -1,5 +1,5 @@
-"""A run from its plan: the trainer built and its weights set (resumed, initialised from a folder, or fresh),
-the start-up announced, and the training loop run.
+"""A run from its plan: the start-up checks that need the process group, the trainer built and its weights set
+(resumed, initialised from a folder, or fresh), the start-up announced, and the training loop run.
 """
 
 import argparse
@@ -8,15 +8,37 @@ import logging
 
 from megamamba.observe import console_log
 from megamamba.observe.run_console import count_parameters, startup_summary
-from megamamba.parallel.groups import shutdown_distributed
+from megamamba.parallel.groups import shutdown_distributed, topology
+from megamamba.parallel.placement import check_placement
 from megamamba.pipelines.config.run_plan import RunPlan, optimizer_flags
 from megamamba.pipelines.job import checkpointing, init_from
 from megamamba.pipelines.job.resume import ResumeFlags, fresh, resume_line, resumed_run, run_stream
 from megamamba.pipelines.loop.agreement import agree
 from megamamba.pipelines.loop.engine import build_trainer
 from megamamba.pipelines.loop.training import LoopSettings, StartedRun, TrainingLoop
+from megamamba.pipelines.memory.fit import check_at_start
+from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
 log = logging.getLogger("megamamba.launch.train")  # shown as `train.py: ...`
+
+
+def check_start(args: argparse.Namespace, plan: RunPlan) -> tuple:
+    """The checks a run makes once its process group is up (collective): the ranks' placement on the nodes,
+    the start-up memory plan against the devices, the save directory's lock. (The memory plan's lines, the lock
+    or None); PlacementError, MemoryPlanError or CheckpointError say what stops the run."""
+    layout, flags = plan.layout, plan.flags
+    check_placement(topology(layout.tp, layout.pp, layout.dp, layout.cp))
+    shape = RunShape.of_run(
+        plan.model,
+        layout,
+        plan.engine_config,
+        args.seq_length // layout.cp,
+        flags.partition_method,
+        flags.checkpoint_interval,
+        flags.sequence_parallel,
+    )
+    memory_lines = check_at_start(plan_memory(shape), args.no_memory_check)
+    return memory_lines, checkpointing.lock_save_dir(args.save) if args.save else None
 
 
 def resume_flags(args: argparse.Namespace) -> ResumeFlags:

@@ -28,6 +28,7 @@ after the first step (first-time op builds happen before) and paused around save
 counts toward the step it follows).
 """
 
+import argparse
 import contextlib
 import logging
 import math
@@ -219,3 +220,27 @@ class Watchdog:
                     "probably died; exiting"
                 )
                 os._exit(1)
+
+
+def add_fault_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's flags for skipped steps and stalls (docs/flags.md)."""
+    p = parser.add_argument_group("faults")
+    p.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=5,
+        help="abort after this many steps in a row skipped for non-finite loss or gradients (or spikes)",
+    )
+    p.add_argument(
+        "--loss-spike-factor",
+        type=float,
+        default=None,
+        help="a loss above this many times the running median of recent losses counts as a skipped "
+        "step: no checkpoint, counted toward --max-skipped-steps (its update is applied)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=600,
+        help="exit when no step finishes for this many seconds after the first (0: off)",
+    )

@@ -4,6 +4,7 @@
 (too many skipped steps in a row) ends the run with the checkpoint to restart from.
 """
 
+import argparse
 import logging
 import os
 import time
@@ -234,3 +235,14 @@ class TrainingLoop:
             self.watchdog.beat()
         self.logger.close()
         return self.summary
+
+
+def add_loop_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's logging and evaluation flags, read into `LoopSettings` (docs/flags.md)."""
+    p = parser.add_argument_group("logging and evaluation")
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--eval-interval", type=int, default=0, help="validation every this many steps (0: never)")
+    p.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
+    p.add_argument("--log-dir", default=None, help="TensorBoard directory")
+    p.add_argument("--metrics-jsonl", default=None, help="append one JSON object per logged step")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak TFLOP/s, for MFU")

@@ -14,6 +14,7 @@ shard over), the largest smaller micro batch that keeps the global batch, recomp
 layer, a tenth of ZeRO's default reduce bucket.
 """
 
+import argparse
 from dataclasses import replace
 from typing import Optional
 
@@ -138,3 +139,13 @@ def check_at_start(plan: MemoryPlan, skip: bool) -> list:
         raise MemoryPlanError(reason)
     verdict = "fits" if reason is None else "DOES NOT FIT, starting anyway (--no-memory-check)"
     return plan_lines(plan) + [f"  device: {gib(device_bytes)} GiB less {gib(RESERVED)} reserved: {verdict}"]
+
+
+def add_memory_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's flag for the start-up memory check (docs/flags.md)."""
+    p = parser.add_argument_group("memory")
+    p.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="start even when the start-up memory plan says a rank does not fit its GPU",
+    )

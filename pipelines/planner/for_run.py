@@ -3,12 +3,18 @@ device memory. What the user set (flags, the DeepSpeed JSON's micro batch and Ze
 planner fills in the rest. Every rank computes the same choice from the same inputs, without a collective.
 """
 
+import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+from deepspeed.accelerator import get_accelerator
+
 from megamamba.config import MambaConfig
-from megamamba.pipelines.planner.profile import Profile
+from megamamba.pipelines.config.run_plan import layout_flags, model_config, read_deepspeed_config
+from megamamba.pipelines.planner.profile import Profile, load_profile
 from megamamba.pipelines.planner.search import Plan, PlanError, Request, search
 
 PUBLISHED = {"H200": "h200.json", "H100": "h100-80gb.json", "A100": "a100-80gb.json"}  # by device name
@@ -96,3 +102,63 @@ def choice_lines(choice: AutoChoice) -> list:
     if choice.runner_up is not None:
         lines.append(f"  runner-up: {describe(choice.runner_up)}")
     return lines
+
+
+PLANNED = {  # flag dests the planner can fill in, by its names
+    "tensor_parallel_size": "tp",
+    "pipeline_parallel_size": "pp",
+    "context_parallel_size": "cp",
+    "checkpoint_activations_interval": "recompute",
+    "micro_batch_size": "micro_batch_size",
+}
+
+
+def auto_parallel(args: argparse.Namespace, given_dests: set, world_size: int, profiles: str) -> tuple:
+    """--auto-parallel: the flags' layout (`LayoutFlags`) with the planner's choice for this job, and the lines
+    saying what it chose; what the user set (`given_dests`, the flags given explicitly) stays; `profiles`: the
+    folder of published profiles."""
+    flags = layout_flags(args)
+    ds_config = flags.with_batch(read_deepspeed_config(args.deepspeed_config))
+    model = model_config(args.model_config, args.hybrid_layer_pattern)
+    given = {PLANNED[dest]: getattr(args, dest) for dest in given_dests & set(PLANNED)}
+    if "recompute" in given:
+        given["recompute"] = given["recompute"] > 0
+    accelerator = get_accelerator()
+    local_ranks = int(os.environ.get("LOCAL_SIZE", world_size))
+    if accelerator.device_name() == "cpu":  # the host's memory, shared by the node's ranks
+        device, memory = None, accelerator.total_memory() // local_ranks
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device, memory = torch.cuda.get_device_name(local_rank), accelerator.total_memory(local_rank)
+    profile = load_profile(args.plan_profile or default_profile(profiles, device))
+    choice = choose(model, ds_config, given, world_size, local_ranks, memory, args.seq_length, profile)
+    best = choice.best
+    chosen = dataclasses.replace(
+        flags,
+        tp=best.tp,
+        pp=best.pp,
+        cp=best.cp,
+        sequence_parallel=flags.sequence_parallel or best.sequence_parallel,
+        micro_batch_size=best.micro_batch_size,
+        zero_stage=best.zero_stage,
+        checkpoint_interval=1 if best.recompute and "recompute" not in given else flags.checkpoint_interval,
+    )
+    return chosen, choice_lines(choice)
+
+
+def add_planner_flags(parser: argparse.ArgumentParser) -> None:
+    """launch/train.py's --auto-parallel and its profile (docs/flags.md)."""
+    p = parser.add_argument_group("auto-parallel")
+    p.add_argument(
+        "--auto-parallel",
+        action="store_true",
+        help="choose tp, pp, cp, the ZeRO stage, the micro batch and recomputation with the planner "
+        "(launch/plan.py) for this world size and device memory; what you set stays fixed",
+    )
+    p.add_argument(
+        "--plan-profile",
+        default=None,
+        metavar="PROFILE",
+        help="hardware profile for --auto-parallel (default: launch/profiles/ by GPU name; "
+        "launch/profiles/cpu.json on the CPU)",
+    )
