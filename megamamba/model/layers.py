@@ -85,7 +85,7 @@ def layer_of(name: str, config: MambaConfig) -> int:
     if m is not None and int(m.group(1)) < config.n_layer:
         return int(m.group(1)) + 1
     for kind, prefix in _PREFIX.items():
-        if name == prefix + "weight" or (kind == "final_norm" and name.startswith(prefix)):
+        if name == prefix + "weight" or (kind == "final_norm" and name == prefix + "bias"):
             return kinds.index(kind)
     raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
 

@@ -35,7 +35,7 @@ from deepspeed.runtime import utils as ds_utils
 from megamamba.config import MambaConfig
 from megamamba.model.layer_types import layer_type
 from megamamba.model.layer_types.costs import RankShape
-from megamamba.model.layers import layer_class, layer_kinds
+from megamamba.model.layers import EMBEDDING, layer_class, layer_kinds, layer_of
 from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
 from megamamba.pipelines.config.layout import Layout, zero_stage
@@ -154,7 +154,8 @@ def _layer_parameters(config_json: str, tp_size: int, sequence_parallel: bool) -
     kinds = layer_kinds(model)
     with torch.device("meta"):  # one layer of each kind built
         counts = {kind: _groups(layer_class(model, kinds.index(kind), tp)(model, tp=tp)) for kind in set(kinds)}
-    return tuple(counts["embedding"] if layer_type(kind).tied(model) else counts[kind] for kind in kinds)
+    embedding = kinds[layer_of(EMBEDDING, model)]  # whose weight a tied head reads
+    return tuple(counts[embedding] if layer_type(kind).tied(model) else counts[kind] for kind in kinds)
 
 
 def stage_bounds(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.model.layers import EMBEDDING, HEAD, layer_kinds, layer_of, layer_prefix
+from megamamba.model.layers import EMBEDDING, HEAD, layer_of, layer_prefix
 from megamamba.parallel import TensorParallel, full_key, full_tensors, local_shard
 
 TIED_KEY = "embed"
@@ -29,16 +29,12 @@ def to_mamba(name: str, config: MambaConfig) -> str:
     if name == f"tied_modules.{TIED_KEY}.weight":
         return EMBEDDING
     m = re.fullmatch(r"(\d+)\.(.+)", name)
-    if m is None:
-        raise KeyError(f"{name!r} is not a pipeline layer parameter name")
-    index, rest = int(m.group(1)), m.group(2)
-    kinds = layer_kinds(config)
-    kind = kinds[index] if index < len(kinds) else None
-    own = {"embedding": ("weight",), "final_norm": ("weight", "bias"), "head": ("weight",)}  # blocks: any
-    tied_embedding = kind == "embedding" and config.tie_embeddings  # named tied_modules.embed.weight
-    if kind is not None and rest in own.get(kind, (rest,)) and not tied_embedding:
+    if m is not None:
+        index, rest = int(m.group(1)), m.group(2)
         try:
-            return layer_prefix(config, index) + rest
+            mamba = layer_prefix(config, index) + rest
+            if layer_of(mamba, config) == index and to_pipe(mamba, config) == name:
+                return mamba
         except KeyError:
             pass
     raise KeyError(
@@ -49,7 +45,7 @@ def to_mamba(name: str, config: MambaConfig) -> str:
 def to_pipe(name: str, config: MambaConfig) -> str:
     """mamba_ssm name -> pipeline-module parameter name (lm_head.weight is the tied embedding when tied)."""
     index = layer_of(name, config)
-    if layer_kinds(config)[index] == "embedding" and config.tie_embeddings:
+    if config.tie_embeddings and name in (EMBEDDING, HEAD):
         return f"tied_modules.{TIED_KEY}.weight"
     return f"{index}.{name[len(layer_prefix(config, index)) :]}"
 
