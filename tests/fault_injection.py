@@ -43,7 +43,7 @@ def _nan_gradients(steps: set) -> None:
         original(self, trainer, *args, **kwargs)
         if dist.get_rank() == 0:
             first = next(p for _, _, p in trainer.named_parameters() if p.requires_grad)
-            first.register_hook(lambda g: torch.full_like(g, math.nan) if trainer.engine.global_steps in steps else g)
+            first.register_hook(lambda g: torch.full_like(g, math.nan) if trainer.global_step() in steps else g)
 
     NonFiniteGuard.__init__ = init
 

@@ -100,7 +100,7 @@ class InitialState:
         return True
 
 
-def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
+def _adamw(module: torch.nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
     """Fused AdamW: one kernel per step, and it skips a non-finite step on the device (`found_inf`)."""
     return torch.optim.AdamW(
         param_groups(module, settings.weight_decay),
@@ -114,14 +114,14 @@ def _optimizer(module: torch.nn.Module, settings: OptimizerSettings) -> torch.op
 class Trainer(ABC):
     """The operations a job asks of its trainer, over DeepSpeed's engine, its optimizer and the LR scheduler.
 
-    Each engine's subclass builds these objects and sets the ranks; code outside this module uses the
-    methods, never the objects.
+    Each engine's subclass builds these (private) objects and sets the ranks; code outside this module uses
+    the methods, never the objects.
     """
 
-    engine: deepspeed.DeepSpeedEngine
-    optimizer: Any  # the engine's: the client's fused AdamW, or DeepSpeed's ZeRO optimizer over it
-    lr_scheduler: torch.optim.lr_scheduler.LambdaLR
-    module: torch.nn.Module
+    _engine: deepspeed.DeepSpeedEngine
+    _optimizer: Any  # the engine's: the client's fused AdamW, or DeepSpeed's ZeRO optimizer over it
+    _lr_scheduler: torch.optim.lr_scheduler.LambdaLR
+    _module: torch.nn.Module
     tp: Optional[TensorParallel]
     cp: Optional[ContextParallel]
 
@@ -148,7 +148,7 @@ class Trainer(ABC):
     def finish_step(self, applied: bool) -> None:
         """Advance the LR schedule after an optimizer step the ranks agree was applied."""
         if applied:
-            self.lr_scheduler.step()
+            self._lr_scheduler.step()
 
     def eval_loss(self, micro_batches: list) -> float:
         """The validation loss of one global batch (collective; one host synchronization)."""
@@ -160,58 +160,58 @@ class Trainer(ABC):
 
     def learning_rate(self) -> float:
         """The learning rate of the next optimizer step (a skipped step does not advance it)."""
-        return float(self.lr_scheduler.get_last_lr()[0])
+        return float(self._lr_scheduler.get_last_lr()[0])
 
     def grad_norm(self) -> Optional[float]:
         """The global gradient norm of the last step (None before the first)."""
-        norm = self.engine.get_global_grad_norm()
+        norm = self._engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
     def skipped_steps(self) -> int:
         """The steps DeepSpeed's ZeRO optimizer skipped for a non-finite gradient norm, so far."""
-        return skipped_steps(self.engine)
+        return skipped_steps(self._engine)
 
     def optimizer_without_zero(self) -> Optional[torch.optim.Optimizer]:
         """The torch optimizer the engine steps itself, without ZeRO (which skips non-finite steps on its own)."""
-        if isinstance(self.optimizer, torch.optim.Optimizer) and not self.engine.zero_optimization():
-            return self.optimizer
+        if isinstance(self._optimizer, torch.optim.Optimizer) and not self._engine.zero_optimization():
+            return self._optimizer
         return None
 
     # What the run records.
 
     def stage_parameter_count(self) -> int:
         """Elements of this rank's parameters, full sizes (a ZeRO-3 partition counts as its whole parameter)."""
-        return sum(full_numel(p) for p in self.module.parameters())
+        return sum(full_numel(p) for p in self._module.parameters())
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (`pipelines.memory.optimizer_state`)."""
-        return optimizer_state_bytes(self.optimizer, self.module)
+        return optimizer_state_bytes(self._optimizer, self._module)
 
     def scheduler_epoch(self) -> int:
         """The LR scheduler's position: the optimizer steps it has counted."""
-        return self.lr_scheduler.last_epoch
+        return self._lr_scheduler.last_epoch
 
     # What checkpoints and --init-from read and set.
 
     def named_parameters(self) -> list:
         """(module name, mamba_ssm name, parameter) of every parameter of this rank's stage (a tied one once)."""
-        return [(n, self.mamba_name(full_key(n, p)), p) for n, p in self.module.named_parameters()]
+        return [(n, self.mamba_name(full_key(n, p)), p) for n, p in self._module.named_parameters()]
 
     def engine_optimizer(self):
         """The optimizer the engine steps: torch's AdamW, DeepSpeed's ZeRO optimizer over it, or another wrapper."""
-        return self.optimizer
+        return self._optimizer
 
     def zero_stage(self) -> int:
         """DeepSpeed's ZeRO stage (0: none)."""
-        return self.engine.zero_optimization_stage()
+        return self._engine.zero_optimization_stage()
 
     def optimizer_groups(self) -> list:
         """Each optimizer group's hyperparameters (JSON), "params" its members' mamba_ssm names."""
-        zero = self.optimizer if is_zero_optimizer(self.optimizer) else None
+        zero = self._optimizer if is_zero_optimizer(self._optimizer) else None
         if zero is None:
-            groups = optimizer_groups(self.optimizer, self.module)
+            groups = optimizer_groups(self._optimizer, self._module)
         else:
-            groups = optimizer_groups(zero.optimizer, self.module, members=zero_param_groups(zero))
+            groups = optimizer_groups(zero.optimizer, self._module, members=zero_param_groups(zero))
         return [{**g, "params": [self.mamba_name(n) for n in g["params"]]} for g in groups]
 
     def restore_optimizer_state(self, state: dict, saved_groups: list) -> None:
@@ -219,17 +219,17 @@ class Trainer(ABC):
         (`saved_groups`, mamba_ssm names) must hold the same parameters (`megamamba.checkpoint`)."""
         module_names = {mamba: full_key(n, p) for n, mamba, p in self.named_parameters()}
         groups = [{**g, "params": [module_names[m] for m in g["params"]]} for g in saved_groups]
-        restore_optimizer_state(self.optimizer, self.module, state, groups)
+        restore_optimizer_state(self._optimizer, self._module, state, groups)
 
     def scheduler_state(self) -> dict:
         """The LR scheduler's state as JSON."""
-        return scheduler_state(self.lr_scheduler)
+        return scheduler_state(self._lr_scheduler)
 
     def restore_scheduler(self, state: Optional[dict], step: int) -> None:
         """The saved scheduler position (epoch) under the run's schedule: base LRs stay the run's peak, so the
         group LRs are the run's schedule at the saved epoch (the saved ones, unless the plan was overridden).
         A checkpoint without scheduler state (saved by the single-process API without one): epoch `step`."""
-        scheduler = self.lr_scheduler
+        scheduler = self._lr_scheduler
         if state is None:
             scheduler.last_epoch = step
         else:
@@ -240,9 +240,19 @@ class Trainer(ABC):
             group["lr"] = lr
         set_scheduler_lrs(scheduler, lrs)
 
+    def global_step(self) -> int:
+        """The engine's optimizer-step counter: the steps taken so far, applied or skipped (`set_global_step`)."""
+        return self._engine.global_steps
+
     def set_global_step(self, step: int) -> None:
         """The engine's optimizer-step counter, set when resuming."""
-        set_global_steps(self.engine, step)
+        set_global_steps(self._engine, step)
+
+    # The model.
+
+    def compile(self, backend: str) -> None:
+        """Compile the model with torch.compile's `backend` (DeepSpeed's `engine.compile`)."""
+        self._engine.compile(backend=backend)
 
 
 class PipelineTrainer(Trainer):
@@ -265,16 +275,16 @@ class PipelineTrainer(Trainer):
             config, groups.topology, partition_method, checkpoint_interval, tp, cp, seq_length=seq_length
         )
         load_mamba_state_dict(module, InitialState(config, seed), config, tp)
-        optimizer = _optimizer(module, settings)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+        optimizer = _adamw(module, settings)
+        self._engine, self._optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=engine_config
         )
-        self.lr_scheduler = settings.schedule.scheduler(optimizer)
-        self.module, self.config = module, config
+        self._lr_scheduler = settings.schedule.scheduler(optimizer)
+        self._module, self.config = module, config
         self._set_place(groups, tp, cp)
-        if not self.engine.zero_optimization():
+        if not self._engine.zero_optimization():
             clipping.install(
-                self.engine, self.engine.grid.get_slice_parallel_rank(), self.engine.grid.get_model_parallel_group()
+                self._engine, self._engine.grid.get_slice_parallel_rank(), self._engine.grid.get_model_parallel_group()
             )
 
     def mamba_name(self, name: str) -> str:
@@ -283,10 +293,10 @@ class PipelineTrainer(Trainer):
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; the global batch's mean loss (device, every rank)."""
-        return self.engine.train_batch(_pipeline_batches(micro_batches))
+        return self._engine.train_batch(_pipeline_batches(micro_batches))
 
     def _eval_loss(self, micro_batches: list) -> torch.Tensor:
-        return self.engine.eval_batch(_pipeline_batches(micro_batches), num_micro_batches=len(micro_batches))
+        return self._engine.eval_batch(_pipeline_batches(micro_batches), num_micro_batches=len(micro_batches))
 
 
 def _pipeline_batches(micro_batches: list):
@@ -317,15 +327,15 @@ class PlainTrainer(Trainer):
         torch.manual_seed(seed)
         module = MambaLM(config, tp=tp, cp=cp, checkpoint_interval=checkpoint_interval)
         module = module.to(get_accelerator().current_device_name())
-        optimizer = _optimizer(module, settings)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+        optimizer = _adamw(module, settings)
+        self._engine, self._optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups.mpu() if tp is not None else None, config=engine_config
         )
-        self.lr_scheduler = settings.schedule.scheduler(optimizer)
-        self.module = module
+        self._lr_scheduler = settings.schedule.scheduler(optimizer)
+        self._module = module
         self._set_place(groups, tp, cp)
-        if not self.engine.zero_optimization():
-            clipping.install(self.engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
+        if not self._engine.zero_optimization():
+            clipping.install(self._engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
 
     def mamba_name(self, name: str) -> str:
         """The mamba_ssm name of a parameter's full name: the plain module's names are mamba_ssm's."""
@@ -333,11 +343,11 @@ class PlainTrainer(Trainer):
 
     def loss(self, inputs, labels, seq_idx) -> torch.Tensor:
         """The forward pass of one micro-batch: its loss, the graph kept for `backward`."""
-        return self.engine(to_device(inputs), to_device(labels), None if seq_idx is None else to_device(seq_idx))
+        return self._engine(to_device(inputs), to_device(labels), None if seq_idx is None else to_device(seq_idx))
 
     def backward(self, loss: torch.Tensor) -> None:
         """The backward pass of a micro-batch's `loss` (gradients accumulate until the engine's step)."""
-        self.engine.backward(loss)
+        self._engine.backward(loss)
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; their mean loss (device; averaged over data
@@ -346,15 +356,15 @@ class PlainTrainer(Trainer):
         for batch in micro_batches:
             loss = self.loss(*batch)
             self.backward(loss)
-            self.engine.step()
+            self._engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
 
     @torch.no_grad()
     def _eval_loss(self, micro_batches: list) -> torch.Tensor:
-        self.engine.eval()
+        self._engine.eval()
         losses = [self.loss(*batch).float() for batch in micro_batches]
-        self.engine.train()
+        self._engine.train()
         return torch.stack(losses).mean()
 
 
@@ -387,5 +397,5 @@ def build_trainer(
         trainer = PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)
     reuse_freed_tensors()
     if compile_backend is not None:
-        trainer.engine.compile(backend=compile_backend)
+        trainer.compile(compile_backend)
     return trainer
