@@ -77,7 +77,7 @@ def _kernel_inputs(model: MambaConfig, batch: int, seqlen: int, device, dtype) -
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=dtype) * 0.5
 
-    d, t, act = model.d_model, batch * seqlen, 2 if dtype == torch.bfloat16 else 4
+    d, t, act = model.d_model, batch * seqlen, costs.activation_bytes(dtype)
     ops = {
         "norm": (
             lambda x, w: kernels.rmsnorm_gated(x, w, eps=1e-5),

@@ -14,6 +14,7 @@ from megamamba.model.layer_types.costs import (
     Kernel,
     LayerWork,
     RankShape,
+    activation_bytes,
     matmul,
     norm,
     pair,
@@ -139,8 +140,8 @@ class AttentionType(BlockType):
     def kernel_benchmarks(self, config: MambaConfig, batch: int, seq_length: int, device, dtype) -> dict:
         attention = config.attention_options
         hd = config.head_dim_of(attention)
-        shape = RankShape(config, batch, seq_length, act=2 if dtype == torch.bfloat16 else 4)
-        counted = next(k for k in self.mixer_work(shape).kernels if k.kind == "attention")
+        shape = RankShape(config, batch, seq_length, act=activation_bytes(dtype))
+        counted = self.mixer_work(shape).kernel("attention")
         inputs = [
             torch.randn(batch, seq_length, heads, hd, device=device, dtype=dtype) * 0.5
             for heads in (attention.num_heads, attention.kv_heads, attention.kv_heads)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from megamamba.config import MambaConfig
 
 STREAM = 4  # the residual stream between layers is float32
@@ -80,6 +82,15 @@ class LayerWork:
 
     def __add__(self, other: "LayerWork") -> "LayerWork":
         return LayerWork(self.kernels + other.kernels, self.collectives + other.collectives)
+
+    def kernel(self, kind: str) -> Kernel:
+        """The first kernel of `kind` (a profile kernel kind)."""
+        return next(k for k in self.kernels if k.kind == kind)
+
+
+def activation_bytes(dtype: torch.dtype) -> int:
+    """Bytes of an activation element computed in `dtype`: 2 for bf16, 4 for float32."""
+    return 2 if dtype == torch.bfloat16 else 4
 
 
 def pair(forward: str, backward: str, nbytes: float, group: str) -> tuple:

@@ -2,7 +2,7 @@
 the framework knows of it (`MambaType`)."""
 
 import math
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from megamamba.model.layer_types.costs import (
     Kernel,
     LayerWork,
     RankShape,
+    activation_bytes,
     matmul,
     norm,
     norm_weights,
@@ -206,6 +207,38 @@ def _mamba1_work(shape: RankShape) -> LayerWork:
     return LayerWork(kernels, collectives + _state_passing(shape, 2 * model.d_inner * n // tp, di))
 
 
+def _mamba1_weight_elements(shape: RankShape) -> int:
+    model, d = shape.model, shape.model.d_model
+    d_inner, r, n = model.d_inner // shape.tp, model.dt_rank, model.mixer_options.d_state
+    return d * 2 * d_inner + d_inner * (r + 2 * n) + r * d_inner + d_inner * d
+
+
+def _mamba2_weight_elements(shape: RankShape) -> int:
+    d_inner, nheads, bc, _ = _mamba2_widths(shape)
+    return shape.model.d_model * (2 * d_inner + 2 * bc + nheads) + d_inner * shape.model.d_model
+
+
+class MixerCosts(NamedTuple):
+    """One Mamba mixer's costs: forward FLOPs per token (config, seq_length), and for a rank's shape the bytes
+    kept for the backward, the Linear weights multiplied, the kernels and collectives."""
+
+    flops: Callable[[MambaConfig, int], int]
+    kept_bytes: Callable[[RankShape], int]
+    weight_elements: Callable[[RankShape], int]
+    work: Callable[[RankShape], LayerWork]
+
+
+MAMBA1_COSTS = MixerCosts(
+    lambda config, seq_length: mamba1_layer_flops(config), _mamba1_kept_bytes, _mamba1_weight_elements, _mamba1_work
+)
+MAMBA2_COSTS = MixerCosts(mamba2_layer_flops, _mamba2_kept_bytes, _mamba2_weight_elements, _mamba2_work)
+
+
+def _costs(config: MambaConfig) -> MixerCosts:
+    """The costs of the mixer config.ssm_cfg["layer"] names."""
+    return MAMBA1_COSTS if isinstance(config.mixer_options, Mamba1Options) else MAMBA2_COSTS
+
+
 class MambaType(BlockType):
     """The Mamba block (Mamba-1 or Mamba-2, as ssm_cfg.layer says), on the Triton kernels' activations
     (each scan, conv and norm keeps its inputs and recomputes the rest)."""
@@ -223,29 +256,16 @@ class MambaType(BlockType):
         return config.mixer_options.d_conv
 
     def mixer_flops(self, config: MambaConfig, seq_length: int) -> int:
-        if isinstance(config.mixer_options, Mamba1Options):
-            return mamba1_layer_flops(config)
-        return mamba2_layer_flops(config, seq_length)
+        return _costs(config).flops(config, seq_length)
 
     def mixer_kept_bytes(self, shape: RankShape) -> int:
-        if isinstance(shape.model.mixer_options, Mamba1Options):
-            return _mamba1_kept_bytes(shape)
-        return _mamba2_kept_bytes(shape)
+        return _costs(shape.model).kept_bytes(shape)
 
     def mixer_weight_elements(self, shape: RankShape) -> int:
-        model, d = shape.model, shape.model.d_model
-        opts = model.mixer_options
-        if isinstance(opts, Mamba1Options):
-            d_inner = model.d_inner // shape.tp
-            r, n = model.dt_rank, opts.d_state
-            return d * 2 * d_inner + d_inner * (r + 2 * n) + r * d_inner + d_inner * d
-        d_inner, nheads, bc, _ = _mamba2_widths(shape)
-        return d * (2 * d_inner + 2 * bc + nheads) + d_inner * d
+        return _costs(shape.model).weight_elements(shape)
 
     def mixer_work(self, shape: RankShape) -> LayerWork:
-        if isinstance(shape.model.mixer_options, Mamba1Options):
-            return _mamba1_work(shape)
-        return _mamba2_work(shape)
+        return _costs(shape.model).work(shape)
 
     def kernel_benchmarks(self, config: MambaConfig, batch: int, seq_length: int, device, dtype) -> dict:
         """Mamba-2: the conv, the SSD scan, and the float32 product context parallelism adds; Mamba-1: the scan."""
@@ -254,17 +274,14 @@ class MambaType(BlockType):
             return torch.randn(*shape, device=device, dtype=dtype) * 0.5
 
         o, t = config.mixer_options, batch * seq_length
-        work = self.mixer_work(RankShape(config, batch, seq_length, act=2 if dtype == torch.bfloat16 else 4))
-        counted: dict = {}
-        for k in work.kernels:
-            counted.setdefault(k.kind, k)
+        work = self.mixer_work(RankShape(config, batch, seq_length, act=activation_bytes(dtype)))
         if isinstance(o, Mamba1Options):
             di, n = config.d_inner, o.d_state
             scan = (
                 lambda u, delta, a, bb, c: kernels.selective_scan(u, delta, -torch.exp(a), bb, c, delta_softplus=True),
                 [rand(batch, di, seq_length), rand(batch, di, seq_length), rand(di, n), rand(batch, 1, n, seq_length)]
                 + [rand(batch, 1, n, seq_length)],
-                counted["scan"],
+                work.kernel("scan"),
             )
             return {"scan": scan}
         h, p, g, n = config.nheads, o.headdim, o.ngroups, o.d_state
@@ -279,7 +296,7 @@ class MambaType(BlockType):
             "conv": (
                 lambda x, w, b: kernels.causal_conv1d(x, w, b, activation="silu"),
                 [rand(batch, conv, seq_length), rand(conv, o.d_conv), rand(conv)],
-                counted["conv"],
+                work.kernel("conv"),
             ),
             "ssd": (
                 lambda x, dt, a, bb, c: kernels.ssd_chunk_scan(
@@ -287,7 +304,7 @@ class MambaType(BlockType):
                 ),
                 [rand(batch, seq_length, h, p), rand(batch, seq_length, h), rand(h)]
                 + [rand(batch, seq_length, g, n), rand(batch, seq_length, g, n)],
-                counted["ssd"],
+                work.kernel("ssd"),
             ),
         }
 
