@@ -138,3 +138,9 @@ def pipeline_module_with_stages(module_class: type, bounds: list, **settings) ->
         f"{module_class.__name__}WithStages", (module_class,), {"_partition_layers": _partition_at_bounds}
     )
     return with_stages(partition_method=bounds, **settings)
+
+
+def stage_layers(module: PipelineModule) -> list:
+    """`PipelineModule.forward_funcs`: this stage's layers in order, each a callable on what the one before returns
+    (a tied layer's `forward_fn` bound to the tied module)."""
+    return module.forward_funcs

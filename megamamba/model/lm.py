@@ -7,7 +7,7 @@ own seeded stream, so a pipeline stage draws only its own. The same class runs t
 context-parallel (`tp=`, `cp=`). Design: docs/code.md.
 """
 
-from typing import Any, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -111,16 +111,9 @@ class MambaLM(nn.Module):
             check_sequence_length(input_ids.shape[1], self.tp.size, self.tp.sequence_parallel)
             if inference_cache is not None:
                 self._check_recurrent_form()
-        layers = layer_list(self)
-        states = [None] * len(layers) if inference_cache is None else [None, *inference_cache, None, None]
+        states = None if inference_cache is None else [None, *inference_cache, None, None]
         k = self.checkpoint_interval if self.training and inference_cache is None else 0
-        x: Any = Stream.of(input_ids, seq_idx)  # the head's logits after the last layer
-        for start in range(0, len(layers), k or len(layers)):
-            run = range(start, min(start + (k or len(layers)), len(layers)))
-            if k:
-                x = torch.utils.checkpoint.checkpoint(_run_layers, layers, run, x, states, use_reentrant=False)
-            else:
-                x = _run_layers(layers, run, x, states)
+        x = run_layers(layer_list(self), Stream.of(input_ids, seq_idx), k, states)
         return x if labels is None else training_loss(x, labels, self.config.vocab_size, self.tp, self.cp)
 
     def _check_recurrent_form(self) -> None:
@@ -146,7 +139,24 @@ class MambaLM(nn.Module):
         return head(norm_f(Stream(x)))
 
 
-def _run_layers(layers: list, run: range, x: Stream, states: list):
+def run_layers(layers: Sequence[Callable], x: Stream, checkpoint_interval: int = 0, states: Optional[list] = None):
+    """The model's loop: `layers` (the whole list, or a pipeline stage's slice of it) in order on `x`; the head's
+    logits when the slice ends with it, else the last layer's Stream. With `checkpoint_interval` k > 0, each run of
+    k consecutive layers is recomputed in the backward (torch's non-reentrant checkpoint, which also takes a run
+    that starts at the token ids, where no input needs a gradient). `states` (a prefill): one inference state per
+    layer, or None; a block with one fills it."""
+    states = states or [None] * len(layers)
+    k = checkpoint_interval or len(layers)
+    for start in range(0, len(layers), k):
+        run = range(start, min(start + k, len(layers)))
+        if checkpoint_interval:
+            x = torch.utils.checkpoint.checkpoint(_run_layers, layers, run, x, states, use_reentrant=False)
+        else:
+            x = _run_layers(layers, run, x, states)
+    return x
+
+
+def _run_layers(layers: Sequence[Callable], run: range, x: Stream, states: list):
     """Layers `run` of the list on `x`; a block with an inference state (a prefill) fills it."""
     for i in run:
         x = layers[i](x) if states[i] is None else layers[i](x, inference_state=states[i])

@@ -176,6 +176,12 @@ def check_run(
             f"gradient clipping set twice: --clip-grad {clip_grad} and the DeepSpeed config's "
             f"gradient_clipping={ds_config['gradient_clipping']}; keep one"
         )
+    interval = ds_config.get("pipeline", {}).get("activation_checkpoint_interval")
+    if interval is not None:
+        raise LayoutError(
+            f'"pipeline": {{"activation_checkpoint_interval": {json.dumps(interval)}}}: recomputation is ours, the '
+            f"same at every pipeline size; use --checkpoint-activations-interval {interval} and remove the key"
+        )
     if ds_config.get("fp16", {}).get("enabled", False):
         raise LayoutError(
             '"fp16": {"enabled": true}: float16 needs loss scaling, which we do not run; use "bf16": '

@@ -149,16 +149,7 @@ def _step_time(
         2 if request.autocast else 4,
     )
     kinds = layer_kinds(request.model)
-    per_kind = {  # DeepSpeed's tied forward_fn is not checkpointed
-        kind: layer_time(
-            kind,
-            layer_type(kind).work(rank),
-            grid,
-            profile,
-            recompute and not (layer_type(kind).tied(request.model) and grid.pp > 1),
-        )
-        for kind in set(kinds)
-    }
+    per_kind = {kind: layer_time(kind, layer_type(kind).work(rank), grid, profile, recompute) for kind in set(kinds)}
     loss = layer_time("loss", loss_work(rank), grid, profile, recompute=False)  # on the last stage, after its layers
     stages = [
         stage_time(

@@ -4,57 +4,57 @@ With tie_embeddings the embedding and the head are one tied layer spec ("embed")
 the last stage each hold the weight and DeepSpeed all-reduces its gradient between them. The
 loss (`megamamba.model.loss.training_loss`) runs on the last stage.
 
-The layers pass the model's `Stream`; only between stages (and from the data) does DeepSpeed hand it
-over, as the tuple (hidden, seq_idx), or the tensor alone without documents (`StreamPipeline`).
+A stage runs the model's own loop over its layers (`StreamPipeline`). The layers pass the model's `Stream`; only
+between stages (and from the data) does DeepSpeed hand it over, as the tuple (hidden, seq_idx), or the tensor
+alone without documents.
 
 Layers are built without their default initialisation (`pipelines.stages.uninitialised`): the caller
 copies the stage's weights in, the initial ones or a checkpoint's.
 
 The stages: `pipelines.stages.partition` (by cost or a pattern's | marks; else DeepSpeed's methods).
 
-Activation checkpointing every k layers: DeepSpeed cuts each stage's layer list into runs of k
-and recomputes each run in the backward, with `checkpoint_stream`.
+Activation checkpointing every k layers: the loop cuts each stage's layers into runs of k and recomputes each
+run in the backward (DeepSpeed's own interval stays 0).
 """
 
 import functools
 from typing import Optional
 
-import torch.utils.checkpoint
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MambaConfig
 from megamamba.model.layer_types.head import tied_head
 from megamamba.model.layers import layer_class, layer_count
+from megamamba.model.lm import run_layers
 from megamamba.model.loss import training_loss
 from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
-from megamamba.pipelines.deepspeed_internals import pipeline_module_with_stages
+from megamamba.pipelines.deepspeed_internals import pipeline_module_with_stages, stage_layers
 from megamamba.pipelines.stages.names import TIED_KEY
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_partition_method, own_bounds
 from megamamba.pipelines.stages.uninitialised import UninitialisedLayerSpec, UninitialisedTiedLayerSpec
 
 
 class StreamPipeline(PipelineModule):
-    """DeepSpeed's PipelineModule over layers that pass the model's `Stream`: a stage takes what DeepSpeed hands
-    it (the data's (token ids, seq_idx), or the previous stage's (hidden, seq_idx); a tensor alone without
-    documents) as a Stream, and gives DeepSpeed its last layer's Stream as that tuple (the head's logits as
-    they are)."""
+    """DeepSpeed's PipelineModule whose stage runs the model's own loop (`megamamba.model.lm.run_layers`) over its
+    slice of the layer list, recomputing runs of `checkpoint_interval` layers in training as `MambaLM` does. A
+    stage takes what DeepSpeed hands it (the data's (token ids, seq_idx), or the previous stage's (hidden,
+    seq_idx); a tensor alone without documents) as a Stream, and gives DeepSpeed its last layer's Stream as that
+    tuple (the head's logits as they are)."""
+
+    def __init__(self, *, checkpoint_interval: int, **settings):
+        super().__init__(**settings)
+        self.checkpoint_interval = checkpoint_interval
 
     def forward(self, forward_input):
         hidden, seq_idx = forward_input if isinstance(forward_input, tuple) else (forward_input, None)
-        out = super().forward(Stream.of(hidden, seq_idx))
+        k = self.checkpoint_interval if self.training else 0
+        out = run_layers(stage_layers(self), Stream.of(hidden, seq_idx), k)
         if not isinstance(out, Stream):
             return out
         return out.hidden if out.seq_idx is None else (out.hidden, out.seq_idx)
-
-
-def checkpoint_stream(run, hidden, seq_idx):
-    """DeepSpeed's activation checkpoint of a run of layers, which it calls with the Stream's fields as arguments:
-    torch's non-reentrant checkpoint of the run on the Stream (it also accepts runs that start at the token ids,
-    where no input needs a gradient)."""
-    return torch.utils.checkpoint.checkpoint(lambda h, s: run(Stream(h, s)), hidden, seq_idx, use_reentrant=False)
 
 
 def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> list:
@@ -89,8 +89,7 @@ def build_pipeline_module(
         layers=layer_specs(config, tp, cp),
         topology=topology,
         loss_fn=functools.partial(training_loss, vocab_size=config.vocab_size, tp=tp, cp=cp),
-        activation_checkpoint_interval=checkpoint_interval,
-        activation_checkpoint_func=checkpoint_stream,
+        checkpoint_interval=checkpoint_interval,
     )
     bounds = own_bounds(config, topology.get_dim("pipe"), partition_method, seq_length)
     if bounds is None:

@@ -183,3 +183,15 @@ def test_the_pipeline_module_takes_its_stages_from_partition_layers():
         assert field in source and source.index(field) < source.index("self._partition_layers("), moved(
             f"PipelineModule.{field[5:-3]} set before _partition_layers"
         )
+
+
+def test_the_pipeline_module_keeps_its_stages_callables_in_forward_funcs():
+    """`stage_layers` reads `forward_funcs`: the built layers in order, a tied layer's forward_fn bound to the
+    tied module, and nothing else (the forward runs exactly these)."""
+    for code in (
+        "self.forward_funcs.append(layer)",
+        "self.forward_funcs.append(partial(layer.forward_fn, self.tied_modules[layer.key]))",
+        "self.forward_funcs.append(module)",
+    ):
+        assert_source_has(PipelineModule._build, code, f"PipelineModule._build: {code}")
+    assert_source_has(PipelineModule.forward, "self.forward_funcs[start:end]", "PipelineModule.forward's layers")

@@ -52,9 +52,8 @@ class ParallelHead(VocabParallelHead):
 
 def tied_head(embedding: nn.Module, x: Stream) -> torch.Tensor:
     """The head with tie_embeddings, as a pipeline's last stage runs it: the embedding layer's weight read as
-    the head's. DeepSpeed calls a run of layers without parameters (this one alone) with the Stream's fields
-    as a plain tuple: its first is the hidden states."""
-    return head_logits(x[0], embedding.weight, embedding.tp)
+    the head's."""
+    return head_logits(x.hidden, embedding.weight, embedding.tp)
 
 
 def tie(head: nn.Module, embedding: nn.Module) -> None:

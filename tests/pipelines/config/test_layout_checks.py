@@ -128,6 +128,15 @@ def _layout(dp=1, tp=1, pp=1):
         ),
         (_layout(), {"fp16": {"enabled": True}}, TINY, 64, False, None, "float16 needs loss scaling"),
         (
+            _layout(pp=2),
+            {"pipeline": {"activation_checkpoint_interval": 1}},
+            TINY,
+            64,
+            False,
+            None,
+            "use --checkpoint-activations-interval 1",
+        ),
+        (
             _layout(),
             {"torch_autocast": {"enabled": True, "dtype": "float16"}},
             TINY,
