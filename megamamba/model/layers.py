@@ -9,7 +9,6 @@ and, through `layer_prefix`, its mamba_ssm names.
 
 import contextlib
 import math
-import re
 from typing import Optional
 
 import torch
@@ -17,23 +16,21 @@ from torch import nn
 
 from megamamba.config import MambaConfig
 from megamamba.model.block import Block
-from megamamba.model.layer_types import BlockType, layer_type
-from megamamba.model.layer_types.embedding import ParallelEmbedding, _EmbeddingOnTheStream
-from megamamba.model.layer_types.head import ParallelHead
+from megamamba.model.layer_types import layer_type
+from megamamba.model.layer_types.embedding import EMBEDDING_TYPE, ParallelEmbedding, _EmbeddingOnTheStream
+from megamamba.model.layer_types.final_norm import FINAL_NORM_TYPE
+from megamamba.model.layer_types.head import HEAD_TYPE, ParallelHead
 from megamamba.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, local_shard, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.from_full import sharded
 
-EMBEDDING, NORM_F, HEAD = "backbone.embedding.weight", "backbone.norm_f", "lm_head.weight"  # mamba_ssm's keys
+EMBEDDING, HEAD = "backbone.embedding.weight", "lm_head.weight"  # mamba_ssm's keys
 EMBEDDING_INIT_STD = 0.02
-
-
-_PREFIX = {"embedding": "backbone.embedding.", "final_norm": NORM_F + ".", "head": "lm_head."}  # blocks: numbered
 
 
 def layer_kinds(config: MambaConfig) -> list:
     """The layer numbering: what each index of the list is (a block by its kind: "mamba", "attention", "mlp")."""
-    return ["embedding", *config.block_kinds, "final_norm", "head"]
+    return [EMBEDDING_TYPE.kind, *config.block_kinds, FINAL_NORM_TYPE.kind, HEAD_TYPE.kind]
 
 
 def _kind(config: MambaConfig, index: int) -> str:
@@ -68,25 +65,22 @@ def check_layout(config: MambaConfig, tp_size: int) -> None:
 def layer_prefix(config: MambaConfig, index: int) -> str:
     """The mamba_ssm name prefix of layer `index`'s parameters (a tied head has none of its own)."""
     try:
-        kind = _kind(config, index)
+        kind = layer_type(_kind(config, index))
     except ValueError as e:
         raise KeyError(str(e)) from None
-    if kind == "head" and config.tie_embeddings:
+    if kind.tied(config):
         raise KeyError(f"layer {index}: the tied head of a {config.n_layer}-layer model holds the embedding's weight")
-    return f"backbone.layers.{index - 1}." if isinstance(layer_type(kind), BlockType) else _PREFIX[kind]
+    return kind.state_prefix(index)
 
 
 def layer_of(name: str, config: MambaConfig) -> int:
     """The layer holding the mamba_ssm-named parameter `name` (a tied lm_head.weight is the embedding's)."""
-    kinds = layer_kinds(config)
     if name == HEAD and config.tie_embeddings:
-        return kinds.index("embedding")
-    m = re.fullmatch(r"backbone\.layers\.(\d+)\..+", name)
-    if m is not None and int(m.group(1)) < config.n_layer:
-        return int(m.group(1)) + 1
-    for kind, prefix in _PREFIX.items():
-        if name == prefix + "weight" or (kind == "final_norm" and name == prefix + "bias"):
-            return kinds.index(kind)
+        return 0  # the embedding's weight
+    for index, kind in enumerate(layer_kinds(config)):
+        prefix = layer_type(kind).state_prefix(index)
+        if name.startswith(prefix) and layer_type(kind).holds(name[len(prefix) :]):
+            return index
     raise KeyError(f"{name!r} is not a parameter of a mamba_ssm {config.n_layer}-layer model")
 
 
@@ -182,6 +176,6 @@ def initial_layer(config: MambaConfig, index: int, seed: int) -> dict:
     `seed` holds them."""
     prefix = layer_prefix(config, index)
     state = {prefix + k: v for k, v in build_layer(config, index, seed).state_dict().items()}
-    if _kind(config, index) == "embedding" and config.tie_embeddings:
+    if index == 0 and config.tie_embeddings:  # the embedding's weight is the tied head's too
         state[HEAD] = state[EMBEDDING]
     return state

@@ -26,6 +26,14 @@ class LayerType:
         """The module class of a layer of this kind, built as `cls(config, tp=, cp=)` (its TP form under `tp`)."""
         raise NotImplementedError
 
+    def state_prefix(self, index: int) -> str:
+        """The mamba_ssm name prefix of the parameters of layer `index` of the list, one of this kind."""
+        raise NotImplementedError
+
+    def holds(self, key: str) -> bool:
+        """Whether `key` (a name after the prefix) can be one of its parameters."""
+        return key == "weight"
+
     def tied(self, config: MambaConfig) -> bool:
         """Whether it reads another layer's weight (the head under tie_embeddings)."""
         return False
@@ -76,6 +84,12 @@ class BlockType(LayerType):
 
     def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
         return self.block_class
+
+    def state_prefix(self, index: int) -> str:
+        return f"backbone.layers.{index - 1}."  # block i is layer i + 1
+
+    def holds(self, key: str) -> bool:
+        return bool(key)  # any parameter of the block
 
     def check_mixer_layout(self, config: MambaConfig, tp_size: int) -> None:
         """Refuse (LayoutError) a mixer of this kind that cannot be split across `tp_size` ranks."""

@@ -51,6 +51,9 @@ class EmbeddingType(LayerType):
 
     kind = "embedding"
 
+    def state_prefix(self, index: int) -> str:
+        return "backbone.embedding."
+
     def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
         return Embedding if tp is None else ParallelEmbedding
 

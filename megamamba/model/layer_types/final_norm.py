@@ -53,6 +53,12 @@ class FinalNormType(LayerType):
 
     kind = "final_norm"
 
+    def state_prefix(self, index: int) -> str:
+        return "backbone.norm_f."
+
+    def holds(self, key: str) -> bool:
+        return key in ("weight", "bias")  # a LayerNorm's bias
+
     def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
         return FinalRMSNorm if config.rms_norm else FinalLayerNorm
 

@@ -67,6 +67,9 @@ class HeadType(LayerType):
 
     kind = "head"
 
+    def state_prefix(self, index: int) -> str:
+        return "lm_head."
+
     def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
         return Head if tp is None else ParallelHead
 
