@@ -16,7 +16,11 @@ from megamamba.errors import MegamambaError
 
 MIXER_LAYERS = ("Mamba1", "Mamba2")
 MLP_ACTIVATIONS = ("gated_silu", "squared_relu")  # mamba_ssm's GatedMLP; Nemotron-H's relu(x)^2
-PATTERN_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp"}  # Megatron's; "|" ends a pipeline stage
+# hybrid_layer_pattern's letters (Megatron's; "|" ends a pipeline stage), each the kind of block that registers
+# it (`megamamba.model.layer_types.register`). mamba_ssm's fields place the first three: attn_layer_idx's
+# attention among Mamba blocks, and d_intermediate the width of the MLP blocks.
+MAMBA_LETTER, ATTENTION_LETTER, MLP_LETTER = "M", "*", "-"
+PATTERN_SYMBOLS: dict[str, str] = {}
 GATED_MLP_MULTIPLE = 128  # mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this
 
 
@@ -175,12 +179,18 @@ class MambaConfig:
         return options.head_dim_for(self.d_model)
 
     @property
-    def block_kinds(self) -> list:
-        """What each of the n_layer blocks is: "mamba", "attention" or "mlp"."""
+    def layer_pattern(self) -> str:
+        """One letter per block: hybrid_layer_pattern without its | marks, or mamba_ssm's attn_layer_idx written
+        as attention letters among Mamba ones."""
         if self.hybrid_layer_pattern:
-            return [PATTERN_SYMBOLS[s] for s in self.hybrid_layer_pattern if s != "|"]
+            return self.hybrid_layer_pattern.replace("|", "")
         attention = set(self.attn_layer_idx)
-        return ["attention" if i in attention else "mamba" for i in range(self.n_layer)]
+        return "".join(ATTENTION_LETTER if i in attention else MAMBA_LETTER for i in range(self.n_layer))
+
+    @property
+    def block_kinds(self) -> list:
+        """What each of the n_layer blocks is: the kind its letter names ("mamba", "attention", "mlp", ...)."""
+        return [PATTERN_SYMBOLS[s] for s in self.layer_pattern]
 
     @property
     def pattern_stages(self) -> list:
@@ -285,7 +295,7 @@ class MambaConfig:
             )
         if len(set(self.attn_layer_idx)) != len(self.attn_layer_idx):
             raise ConfigError(f"attn_layer_idx={self.attn_layer_idx!r}: names a layer twice")
-        if "attention" in self.block_kinds:
+        if ATTENTION_LETTER in self.layer_pattern:
             self._validate_attention()
         elif self.attn_cfg:
             raise ConfigError(
@@ -299,9 +309,10 @@ class MambaConfig:
         if "E" in unknown:
             raise ConfigError(f"hybrid_layer_pattern={pattern!r}: E (mixture-of-experts) layers are not implemented")
         if unknown:
+            known = ", ".join(f"{s} ({kind})" for s, kind in PATTERN_SYMBOLS.items())
             raise ConfigError(
-                f"hybrid_layer_pattern={pattern!r}: unknown symbol(s) {unknown}; use M (Mamba), "
-                "* (attention), - (MLP) and | (a pipeline-stage boundary)"
+                f"hybrid_layer_pattern={pattern!r}: unknown symbol(s) {unknown}; use {known} "
+                "and | (a pipeline-stage boundary)"
             )
         if any(n == 0 for n in self.pattern_stages):
             raise ConfigError(f"hybrid_layer_pattern={pattern!r}: a pipeline stage between | marks holds no layer")
@@ -316,12 +327,12 @@ class MambaConfig:
                 f"attn_layer_idx={self.attn_layer_idx!r} with hybrid_layer_pattern={pattern!r}: the "
                 "pattern places the attention layers (*); use one of the two"
             )
-        if "mlp" in self.block_kinds and self.d_intermediate == 0:
+        if MLP_LETTER in self.layer_pattern and self.d_intermediate == 0:
             raise ConfigError(
                 f"hybrid_layer_pattern={pattern!r} has MLP layers (-) but d_intermediate=0: "
                 "set d_intermediate to their hidden width"
             )
-        if "mlp" not in self.block_kinds and self.d_intermediate:
+        if MLP_LETTER not in self.layer_pattern and self.d_intermediate:
             raise ConfigError(
                 f"d_intermediate={self.d_intermediate} with hybrid_layer_pattern={pattern!r}, which has "
                 "no MLP layers (-): with a pattern it is their width, no block holds an MLP inside; add "

@@ -40,7 +40,7 @@ from megamamba.checkpoint.safetensors_stream import (
 )
 from megamamba.checkpoint.store import resolve_model_folder
 from megamamba.checkpoint.transformers_formats import assemble, export_config, file_names, file_parts, import_config
-from megamamba.config import ConfigError, MambaConfig
+from megamamba.config import ATTENTION_LETTER, MLP_LETTER, ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.model.layer_types.head import tie
 from megamamba.model.layers import EMBEDDING, HEAD
@@ -176,15 +176,15 @@ def mamba_ssm_config(config: MambaConfig) -> dict:
     ConvertError naming what mamba_ssm's MambaLMHeadModel cannot build."""
     fields = config.to_dict()
     if config.hybrid_layer_pattern:
-        kinds = config.block_kinds
-        if "mlp" in kinds:
+        letters = config.layer_pattern
+        if MLP_LETTER in letters:
             raise ConvertError(
                 f"hybrid_layer_pattern={config.hybrid_layer_pattern!r}: mamba_ssm has no MLP layers "
                 "(-) of their own (its MLP, d_intermediate, sits inside every block); export to "
                 "transformers' NemotronH instead (--to hf)"
             )
         del fields["hybrid_layer_pattern"]
-        fields.update(attn_layer_idx=[i for i, kind in enumerate(kinds) if kind == "attention"], d_intermediate=0)
+        fields.update(attn_layer_idx=[i for i, s in enumerate(letters) if s == ATTENTION_LETTER], d_intermediate=0)
     if config.mlp_inside_blocks and config.mlp_activation != "gated_silu":
         raise ConvertError(
             f"mlp_activation={config.mlp_activation!r}: mamba_ssm's MLP (d_intermediate) is gated SiLU only"

@@ -14,13 +14,14 @@ from typing import Optional
 import torch
 
 from megamamba.checkpoint.hf import HF_EMBEDDING, HFFormatError, Part, integer_expand
-from megamamba.config import Mamba2Options, MambaConfig
+from megamamba.config import ATTENTION_LETTER, MAMBA_LETTER, MLP_LETTER, Mamba2Options, MambaConfig
 from megamamba.model.block import NORM_EPS
 from megamamba.model.layers import EMBEDDING, HEAD
 
 MODEL_TYPE, ARCHITECTURE = "nemotron_h", "NemotronHForCausalLM"
-BLOCK_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
-SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+HF_MAMBA, HF_ATTENTION, HF_MLP = "linear_attention", "full_attention", "mlp"  # its layers_block_type
+BLOCK_TYPES = {MAMBA_LETTER: HF_MAMBA, ATTENTION_LETTER: HF_ATTENTION, MLP_LETTER: HF_MLP}  # ours by pattern letter
+SYMBOLS = {hf_type: letter for letter, hf_type in BLOCK_TYPES.items()}
 # transformers' defaults (configuration_nemotron_h.py) for the fields read here.
 DEFAULTS = {
     "vocab_size": 131072,
@@ -60,10 +61,10 @@ LEGACY_NAMES = {
     "mamba_conv_bias": "use_conv_bias",
     "mamba_chunk_size": "chunk_size",
 }
-LEGACY_SYMBOLS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers remaps these too
+LEGACY_SYMBOLS = {**BLOCK_TYPES, "E": "moe"}  # hybrid_override_pattern, the same letters as ours
+LEGACY_TYPES = {"mamba": HF_MAMBA, "attention": HF_ATTENTION}  # its older type names; transformers remaps them too
 _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(in_proj|out_proj|fc1|fc2)\.weight")
-_RENAMED = {("attention", "out_proj"): "o_proj", ("mlp", "fc1"): "up_proj", ("mlp", "fc2"): "down_proj"}
+_RENAMED = {(ATTENTION_LETTER, "out_proj"): "o_proj", (MLP_LETTER, "fc1"): "up_proj", (MLP_LETTER, "fc2"): "down_proj"}
 
 
 def _mamba_fields(config: MambaConfig) -> dict:
@@ -136,23 +137,23 @@ def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Opt
             "every block, as mamba_ssm): NemotronH has one mixer per layer; express the MLPs as "
             "their own layers (- in hybrid_layer_pattern)"
         )
-    kinds = config.block_kinds
+    letters = config.layer_pattern
     fields = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "vocab_size": config.padded_vocab_size,
         "hidden_size": config.d_model,
-        "layers_block_type": [BLOCK_TYPES[k] for k in kinds],
+        "layers_block_type": [BLOCK_TYPES[letter] for letter in letters],
         "layer_norm_epsilon": NORM_EPS,
         "residual_in_fp32": config.residual_in_fp32,
         "tie_word_embeddings": config.tie_embeddings,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    if "mamba" in kinds:
+    if MAMBA_LETTER in letters:
         fields.update(_mamba_fields(config))
-    if "attention" in kinds:
+    if ATTENTION_LETTER in letters:
         fields.update(_attention_fields(config))
-    if "mlp" in kinds:
+    if MLP_LETTER in letters:
         if config.mlp_activation != "squared_relu":
             raise HFFormatError(
                 f"mlp_activation={config.mlp_activation!r}: NemotronH's MLP is squared ReLU, "
@@ -179,7 +180,7 @@ def _check_supported(f: dict, types: list) -> None:
         raise HFFormatError(f"layer_norm_epsilon={f['layer_norm_epsilon']!r}: our norms use mamba_ssm's {NORM_EPS}")
     if f["mamba_hidden_act"] != "silu":
         raise HFFormatError(f"mamba_hidden_act={f['mamba_hidden_act']!r}: the Mamba mixers use silu only")
-    if "mlp" in types and (f["mlp_hidden_act"] != "relu2" or f["mlp_bias"]):
+    if HF_MLP in types and (f["mlp_hidden_act"] != "relu2" or f["mlp_bias"]):
         raise HFFormatError(
             f"mlp_hidden_act={f['mlp_hidden_act']!r}, mlp_bias={f['mlp_bias']}: our MLP layers "
             "are relu2 (squared ReLU) without biases"
@@ -237,9 +238,9 @@ def config_from_nemotron_h(hf: dict) -> MambaConfig:
         "pad_vocab_size_multiple": 8 if rows % 8 == 0 else 1,
         "tie_embeddings": f["tie_word_embeddings"],
     }
-    if "linear_attention" in types:
+    if HF_MAMBA in types:
         fields["ssm_cfg"] = _ssm_cfg(f, f["hidden_size"])
-    if "full_attention" in types:
+    if HF_ATTENTION in types:
         fields["attn_cfg"] = {
             "num_heads": f["num_attention_heads"],
             "num_heads_kv": f["num_key_value_heads"],
@@ -248,7 +249,7 @@ def config_from_nemotron_h(hf: dict) -> MambaConfig:
             "out_proj_bias": False,
             "causal": True,
         }
-    if "mlp" in types:
+    if HF_MLP in types:
         fields.update(d_intermediate=f["intermediate_size"], mlp_activation="squared_relu")
     return MambaConfig(**fields)
 
@@ -261,9 +262,9 @@ def nemotron_h_parts(config: MambaConfig, name: str) -> list:
     if match is None:
         return [Part(name, None)]
     layer, proj = int(match.group(1)), match.group(2)
-    kind = config.block_kinds[layer]
+    letter = config.layer_pattern[layer]
     prefix = f"backbone.layers.{layer}.mixer."
-    if kind == "attention" and proj == "in_proj":
+    if letter == ATTENTION_LETTER and proj == "in_proj":
         o = config.attention_options
         head_dim = config.head_dim_of(o)
         return [
@@ -271,7 +272,7 @@ def nemotron_h_parts(config: MambaConfig, name: str) -> list:
             Part(prefix + "k_proj.weight", o.kv_heads * head_dim),
             Part(prefix + "v_proj.weight", o.kv_heads * head_dim),
         ]
-    return [Part(prefix + _RENAMED.get((kind, proj), proj) + ".weight", None)]
+    return [Part(prefix + _RENAMED.get((letter, proj), proj) + ".weight", None)]
 
 
 def written_names(names: list) -> list:

@@ -12,8 +12,7 @@ from megamamba.model.layer_types.head import HEAD_TYPE
 from megamamba.model.layer_types.mamba import MAMBA_TYPE
 from megamamba.model.layer_types.mlp import MLP_TYPE
 
-BUILT_IN = (EMBEDDING_TYPE, MAMBA_TYPE, ATTENTION_TYPE, MLP_TYPE, FINAL_NORM_TYPE, HEAD_TYPE)
-LAYER_TYPES: dict[str, LayerType] = {t.kind: t for t in BUILT_IN}
+LAYER_TYPES: dict[str, LayerType] = {t.kind: t for t in (EMBEDDING_TYPE, FINAL_NORM_TYPE, HEAD_TYPE)}
 
 
 def layer_type(kind: str) -> LayerType:
@@ -36,3 +35,7 @@ def register(block: BlockType) -> None:
         )
     PATTERN_SYMBOLS[block.symbol] = block.kind
     LAYER_TYPES[block.kind] = block
+
+
+for _block in (MAMBA_TYPE, ATTENTION_TYPE, MLP_TYPE):
+    register(_block)

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from megamamba.config import MambaConfig
+from megamamba.config import ATTENTION_LETTER, MambaConfig
 from megamamba.model.attention import Attention
 from megamamba.model.block import Block
 from megamamba.model.causal_attention import causal_attention
@@ -85,7 +85,7 @@ class AttentionType(BlockType):
     the keys and values gathered from every rank instead of the local k. Per position: each rotation's
     float32 cos and sin."""
 
-    kind, symbol, block_class = "attention", "*", AttentionBlock
+    kind, symbol, block_class = "attention", ATTENTION_LETTER, AttentionBlock
     inner_mlp = MLP_TYPE
 
     def check_mixer_layout(self, config: MambaConfig, tp_size: int) -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from megamamba import kernels
-from megamamba.config import Mamba1Options, Mamba2Options, MambaConfig
+from megamamba.config import MAMBA_LETTER, Mamba1Options, Mamba2Options, MambaConfig
 from megamamba.kernels.flops import conv_flops, selective_scan_flops, ssd_flops
 from megamamba.model.block import Block
 from megamamba.model.layer_types.base import BlockType
@@ -243,7 +243,7 @@ class MambaType(BlockType):
     """The Mamba block (Mamba-1 or Mamba-2, as ssm_cfg.layer says), on the Triton kernels' activations
     (each scan, conv and norm keeps its inputs and recomputes the rest)."""
 
-    kind, symbol, block_class = "mamba", "M", MambaBlock
+    kind, symbol, block_class = "mamba", MAMBA_LETTER, MambaBlock
     inner_mlp = MLP_TYPE
 
     def label(self, config: MambaConfig) -> str:

@@ -3,7 +3,7 @@ and what the framework knows of it (`MLPType`)."""
 
 from typing import Optional
 
-from megamamba.config import MambaConfig
+from megamamba.config import MLP_LETTER, MambaConfig
 from megamamba.model.block import Block
 from megamamba.model.layer_types.base import BlockType
 from megamamba.model.layer_types.costs import Kernel, LayerWork, RankShape, matmul, norm, tp_reductions
@@ -49,7 +49,7 @@ class MLPType(BlockType):
     Kept for the backward per token: the normed input, fc1's output, the SiLU's output and the product
     (gated), or ReLU's output and its square."""
 
-    kind, symbol, block_class = "mlp", "-", MLPBlock
+    kind, symbol, block_class = "mlp", MLP_LETTER, MLPBlock
 
     def label(self, config: MambaConfig) -> str:
         return "MLP"
