@@ -19,7 +19,7 @@ from megamamba.pipelines.loop.training import LoopSettings, StartedRun, Training
 from megamamba.pipelines.memory.fit import check_at_start
 from megamamba.pipelines.memory.plan import RunShape, plan_memory
 
-log = logging.getLogger("megamamba.launch.train")  # shown as `train.py: ...`
+log = logging.getLogger(__name__)
 
 
 def check_start(args: argparse.Namespace, plan: RunPlan) -> tuple:
