@@ -16,16 +16,16 @@ from torch import nn
 
 from megamamba.config import MambaConfig
 from megamamba.model.block import Block
+from megamamba.model.initialisation import EMBEDDING_INIT_STD, redraw, zero_biases
 from megamamba.model.layer_types import layer_type
 from megamamba.model.layer_types.embedding import EMBEDDING_TYPE, ParallelEmbedding, _EmbeddingOnTheStream
 from megamamba.model.layer_types.final_norm import FINAL_NORM_TYPE
 from megamamba.model.layer_types.head import HEAD_TYPE, ParallelHead
-from megamamba.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, local_shard, split
+from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.from_full import sharded
 
 EMBEDDING, HEAD = "backbone.embedding.weight", "lm_head.weight"  # mamba_ssm's keys
-EMBEDDING_INIT_STD = 0.02
 
 
 def layer_kinds(config: MambaConfig) -> list:
@@ -107,24 +107,6 @@ def layer_stream(seed: int, index: int, device):
         yield
 
 
-def _redraw(param: nn.Parameter, full_shape: tuple, draw, tp: Optional[TensorParallel]) -> None:
-    """Re-initialise `param` with `draw`, applied under TP to the full tensor, then sliced."""
-    if tp is None:
-        draw(param)
-        return
-    full = draw(torch.empty(full_shape, device=param.device, dtype=param.dtype))
-    param.copy_(local_shard(full, param.tp_shard, tp.size, tp.rank))
-
-
-@torch.no_grad()
-def _zero_biases(module: nn.Module) -> None:
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
-            for bias in (m.bias, getattr(m, "bias_replicated", None)):
-                if bias is not None and not getattr(bias, "_no_reinit", False):
-                    nn.init.zeros_(bias)
-
-
 def _construct(
     config: MambaConfig, index: int, device, dtype, tp: Optional[TensorParallel], cp: Optional[ContextParallel]
 ) -> nn.Module:
@@ -153,16 +135,16 @@ def build_layer(
     with layer_stream(seed, index, device):
         module = _construct(config, index, device, dtype, tp, cp)
         if isinstance(module, _EmbeddingOnTheStream):
-            _redraw(
+            redraw(
                 module.weight,
                 (config.padded_vocab_size, config.d_model),
                 lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD),
                 tp,
             )
         elif isinstance(module, Block):
-            _zero_biases(module)
+            zero_biases(module)
             for projection in module.output_projections():  # MambaLMHeadModel's last pass: / sqrt(n_layer)
-                _redraw(
+                redraw(
                     projection.weight,
                     (projection.out_features, projection.in_features),
                     lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)),
