@@ -22,6 +22,7 @@ def redraw(param: nn.Parameter, full_shape: tuple, draw, tp: Optional[TensorPara
 
 @torch.no_grad()
 def zero_biases(module: nn.Module) -> None:
+    """Every Linear bias of `module` zeroed, except those marked `_no_reinit` (Mamba-1's dt_proj.bias)."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
             for bias in (m.bias, getattr(m, "bias_replicated", None)):

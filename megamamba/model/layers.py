@@ -8,19 +8,16 @@ and, through `layer_prefix`, its mamba_ssm names.
 """
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
-from megamamba.model.block import Block
-from megamamba.model.initialisation import EMBEDDING_INIT_STD, redraw, zero_biases
 from megamamba.model.layer_types import layer_type
-from megamamba.model.layer_types.embedding import EMBEDDING_TYPE, ParallelEmbedding, _EmbeddingOnTheStream
+from megamamba.model.layer_types.embedding import EMBEDDING_TYPE
 from megamamba.model.layer_types.final_norm import FINAL_NORM_TYPE
-from megamamba.model.layer_types.head import HEAD_TYPE, ParallelHead
+from megamamba.model.layer_types.head import HEAD_TYPE
 from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.from_full import sharded
@@ -110,11 +107,12 @@ def layer_stream(seed: int, index: int, device):
 def _construct(
     config: MambaConfig, index: int, device, dtype, tp: Optional[TensorParallel], cp: Optional[ContextParallel]
 ) -> nn.Module:
-    """Layer `index` with its constructor's draws; under TP the embedding and head draw their full tensors
-    as one device would, then keep this rank's rows."""
-    cls = layer_class(config, index, tp)
-    if cls in (ParallelEmbedding, ParallelHead):
-        full = layer_class(config, index)(config, device=device, dtype=dtype)
+    """Layer `index` with its constructor's draws; under TP a kind `drawn_whole` draws its full tensors as one
+    device would, then keeps this rank's rows."""
+    kind = layer_type(_kind(config, index))
+    cls = kind.layer_class(config, tp)
+    if tp is not None and kind.drawn_whole:
+        full = kind.layer_class(config, None)(config, device=device, dtype=dtype)
         return sharded(full, lambda: cls(config, tp), tp)
     return cls(config, tp=tp, cp=cp, device=device, dtype=dtype)
 
@@ -134,22 +132,7 @@ def build_layer(
     tp = split(tp)
     with layer_stream(seed, index, device):
         module = _construct(config, index, device, dtype, tp, cp)
-        if isinstance(module, _EmbeddingOnTheStream):
-            redraw(
-                module.weight,
-                (config.padded_vocab_size, config.d_model),
-                lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD),
-                tp,
-            )
-        elif isinstance(module, Block):
-            zero_biases(module)
-            for projection in module.output_projections():  # MambaLMHeadModel's last pass: / sqrt(n_layer)
-                redraw(
-                    projection.weight,
-                    (projection.out_features, projection.in_features),
-                    lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)),
-                    tp,
-                )
+        layer_type(_kind(config, index)).initialise(module, config, tp)
     return module
 
 

@@ -1,16 +1,20 @@
 """What the framework knows of a kind of layer, stated once, in the kind's own module.
 
 The FLOPs count and MFU (`megamamba.model.flops`), the memory plan's activation estimate, the planner's
-kernels and collectives, the layout checks and the run's console all read a layer's kind through its
-`LayerType` and never branch on its name. A new kind subclasses `LayerType` (a block: `BlockType`) and
-is registered with `megamamba.model.layer_types.register`.
+kernels and collectives, the layout checks, initialisation, the checkpoint's mamba_ssm names and the run's
+console all read a layer's kind through its `LayerType` and never branch on its name. A new kind subclasses
+`LayerType` (a block: `BlockType`) and is registered with `megamamba.model.layer_types.register`.
 """
 
-from typing import Optional
+import math
+from typing import Optional, cast
 
 import torch
+from torch import nn
 
 from megamamba.config import MambaConfig
+from megamamba.model.block import Block
+from megamamba.model.initialisation import redraw, zero_biases
 from megamamba.model.layer_types.costs import STREAM, LayerWork, RankShape
 from megamamba.parallel import TensorParallel
 
@@ -21,10 +25,14 @@ class LayerType:
 
     kind = ""
     symbol = ""
+    drawn_whole = False  # under TP its constructor draws the full tensors, as one device would, then keeps its rows
 
     def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
         """The module class of a layer of this kind, built as `cls(config, tp=, cp=)` (its TP form under `tp`)."""
         raise NotImplementedError
+
+    def initialise(self, layer: nn.Module, config: MambaConfig, tp: Optional[TensorParallel]) -> None:
+        """mamba_ssm's `_init_weights` for a layer of this kind, after its constructor's draws (default: none)."""
 
     def state_prefix(self, index: int) -> str:
         """The mamba_ssm name prefix of the parameters of layer `index` of the list, one of this kind."""
@@ -84,6 +92,18 @@ class BlockType(LayerType):
 
     def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
         return self.block_class
+
+    def initialise(self, layer: nn.Module, config: MambaConfig, tp: Optional[TensorParallel]) -> None:
+        """Linear biases zeroed, and the projections back onto the stream redrawn scaled by 1 / sqrt(n_layer)
+        (MambaLMHeadModel's last pass)."""
+        zero_biases(layer)
+        for projection in cast(Block, layer).output_projections():
+            redraw(
+                projection.weight,
+                (projection.out_features, projection.in_features),
+                lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)).div_(math.sqrt(config.n_layer)),
+                tp,
+            )
 
     def state_prefix(self, index: int) -> str:
         return f"backbone.layers.{index - 1}."  # block i is layer i + 1

@@ -1,12 +1,13 @@
 """Layer 0 of the list: the token embedding, whose output is the residual stream, and what the framework
 knows of it (`EmbeddingType`)."""
 
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import nn
 
 from megamamba.config import MambaConfig
+from megamamba.model.initialisation import EMBEDDING_INIT_STD, redraw
 from megamamba.model.layer_types.base import LayerType
 from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, onto_stream
 from megamamba.model.stream import to_stream
@@ -50,6 +51,12 @@ class EmbeddingType(LayerType):
     reduced onto the stream. It keeps nothing for the backward (its output is the next layer's input)."""
 
     kind = "embedding"
+    drawn_whole = True
+
+    def initialise(self, layer: nn.Module, config: MambaConfig, tp: Optional[TensorParallel]) -> None:
+        """Drawn from N(0, 0.02^2)."""
+        shape = (config.padded_vocab_size, config.d_model)
+        redraw(cast(nn.Parameter, layer.weight), shape, lambda w: nn.init.normal_(w, std=EMBEDDING_INIT_STD), tp)
 
     def state_prefix(self, index: int) -> str:
         return "backbone.embedding."

@@ -66,6 +66,7 @@ class HeadType(LayerType):
     sequence parallelism); it keeps its input. `tied` when it reads the embedding's weight."""
 
     kind = "head"
+    drawn_whole = True
 
     def state_prefix(self, index: int) -> str:
         return "lm_head."
