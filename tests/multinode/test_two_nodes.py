@@ -89,7 +89,10 @@ def test_a_world_size_that_does_not_fit_tp_times_pp_is_refused_before_training_o
     codes, outputs = run_nodes(tmp_path, [2, 1], TRAIN_PY, train_args(tmp_path), timeout=120)
     assert codes == [2, 2], codes
     message = "train.py: error: world size 3 is not a multiple of tensor x pipeline parallel size 2 x 2 = 4"
-    assert [out.count(message) for out in outputs] == [2, 1], outputs[0][-2000:] + outputs[1][-2000:]
+    # Each node shows the refusal; the launcher ends a node's other ranks as soon as one exits non-zero
+    # (DeepSpeed 0.19.8 launch.py, sigkill_handler), so node 0's second rank may not get to print it.
+    counts = [out.count(message) for out in outputs]
+    assert 1 <= counts[0] <= 2 and counts[1] == 1, (counts, outputs[0][-2000:] + outputs[1][-2000:])
     assert not any("| loss " in out for out in outputs)
 
 
