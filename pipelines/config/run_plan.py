@@ -14,6 +14,7 @@ from megamamba.config import ConfigError, MambaConfig
 from megamamba.data.training_data import TrainingData, training_data
 from megamamba.observe import console_log
 from megamamba.observe.monitor_config import MONITOR_BLOCKS, Monitors, monitors_from_config
+from megamamba.pipelines.config.ds_keys import check_deepspeed_keys
 from megamamba.pipelines.config.ds_translate import OptimizerFlags, optimizer_settings
 from megamamba.pipelines.config.layout import (
     Layout,
@@ -58,7 +59,8 @@ OBJECT_BLOCKS = (
 
 
 def read_deepspeed_config(path: str) -> dict:
-    """The DeepSpeed config as DeepSpeed reads it: hjson (JSON plus comments, unquoted keys, ...)."""
+    """The DeepSpeed config as DeepSpeed reads it: hjson (JSON plus comments, unquoted keys, ...), every key one
+    DeepSpeed reads and every value of a type it takes (`ds_keys`)."""
     try:
         with open(path) as f:
             config = hjson.load(f, object_pairs_hook=dict)
@@ -72,6 +74,7 @@ def read_deepspeed_config(path: str) -> dict:
                 f'--deepspeed_config {path!r}: "{key}" is {json.dumps(config[key])}; it must be an '
                 f'object (e.g. {{"stage": 1}} for zero_optimization), or leave the key out'
             )
+    check_deepspeed_keys(config, f"--deepspeed_config {path!r}")
     return config
 
 
