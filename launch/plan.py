@@ -13,6 +13,7 @@ the machine it runs on (its GPU, or the CPU) at the model's shapes.
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -41,7 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=1, help="with --calibrate: sequences per kernel call")
     p.add_argument("--gpus", type=int, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: min(gpus, 8))")
-    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 141GiB (default: the profile's)")
+    p.add_argument(
+        "--gpu-memory",
+        type=memory_bytes,
+        help="memory per GPU: 80 (GiB), 141GiB or 80GB (default: the profile's)",
+    )
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
     p.add_argument(
@@ -89,13 +94,23 @@ def calibrate_profile(args, model: MambaConfig) -> None:
     )
 
 
+MEMORY_UNITS = {"gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6}
+
+
 def memory_bytes(text: str) -> int:
-    """'80GB' (10^9), '80GiB' (2^30) or a byte count."""
-    units = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20, "MB": 10**6}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
+    """--gpu-memory: '80GiB' (2^30), '80GB' (10^9), MiB, MB, or a bare number of GiB ('80')."""
+    number, unit = text.strip(), "gib"
+    for name in MEMORY_UNITS:
+        if number.lower().endswith(name):
+            number, unit = number[: -len(name)].strip(), name
+            break
+    try:
+        size = float(number) * MEMORY_UNITS[unit]
+    except ValueError:
+        size = math.nan
+    if not size > 0 or math.isinf(size):
+        raise argparse.ArgumentTypeError(f"{text!r}: give the memory per GPU as e.g. 80 (GiB), 80GiB or 80GB")
+    return int(size)
 
 
 def main(argv=None) -> int:
@@ -112,7 +127,7 @@ def main(argv=None) -> int:
             args.gpus_per_node or min(args.gpus, 8),
             args.seq_length,
             args.global_batch_size,
-            memory_bytes(args.gpu_memory) if args.gpu_memory else profile.device_memory_bytes,
+            args.gpu_memory or profile.device_memory_bytes,
         )
         result = search(request, profile)
     except (MegamambaError, ConfigError, OSError, ValueError) as e:

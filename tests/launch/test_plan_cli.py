@@ -1,9 +1,12 @@
 """launch/plan.py as a user runs it: --json prints one JSON object and nothing else; a wrong input is one
 line on stderr and exit status 2."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+
+import pytest
 
 from train_entry import ROOT
 
@@ -32,3 +35,27 @@ def test_more_gpus_per_node_than_gpus_is_one_line_and_status_2():
     assert run.returncode == 2 and run.stdout == ""
     (line,) = [line for line in run.stderr.splitlines() if line.startswith("plan.py: error:")]
     assert "--gpus-per-node 8 is more than --gpus 4" in line
+
+
+def _plan_script():
+    spec = importlib.util.spec_from_file_location("megamamba_plan_script", PLAN_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("given, gib", [("80", "80.0"), ("141GiB", "141.0"), ("80GB", "74.5"), ("40960 MiB", "40.0")])
+def test_gpu_memory_takes_units_and_a_bare_number_is_gib(capsys, given, gib):
+    flags = ["--model-config", MODEL, "--seq-length", "2048", "--gpus", "8", "--global-batch-size", "64"]
+    _plan_script().main([*flags, "--top", "1", "--gpu-memory", given])
+    assert f"(8 per node, {gib} GiB each)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", ["abc", "0", "-3", "inf"])
+def test_a_gpu_memory_that_is_no_size_is_refused_naming_the_flag(capsys, given):
+    with pytest.raises(SystemExit) as exit_info:
+        _plan_script().main(["--model-config", MODEL, "--seq-length", "2048", "--gpu-memory", given])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()[-1:]
+    rule = "give the memory per GPU as e.g. 80 (GiB), 80GiB or 80GB"
+    assert line.endswith(f"error: argument --gpu-memory: {given!r}: {rule}"), line  # after the program's name
