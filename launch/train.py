@@ -24,7 +24,7 @@ from deepspeed.accelerator import get_accelerator
 from megamamba.checkpoint import CheckpointError
 from megamamba.data.training_data import add_data_flags
 from megamamba.observe import console_log
-from megamamba.parallel.groups import init_distributed
+from megamamba.parallel.groups import RendezvousError, init_distributed
 from megamamba.parallel.placement import PlacementError
 from megamamba.pipelines.config.ds_translate import add_optimizer_flags
 from megamamba.pipelines.config.layout import LayoutError, add_layout_flags
@@ -111,7 +111,10 @@ def main(argv=None) -> dict:
         for line in chosen:
             log.info(line)
 
-    init_distributed()
+    try:
+        init_distributed()
+    except RendezvousError as e:
+        fail(e)
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
         memory_lines, lock = check_start(args, plan)

@@ -13,19 +13,34 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from megamamba.errors import MegamambaError
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 
+class RendezvousError(MegamambaError, RuntimeError):
+    """The ranks cannot meet: the launcher's master port is taken."""
+
+
 def init_distributed(**kwargs) -> None:
-    """`deepspeed.init_distributed(**kwargs)`, then release DeepSpeed's CPU shared-memory buffer name.
+    """`deepspeed.init_distributed(**kwargs)`, then release DeepSpeed's CPU shared-memory buffer name;
+    RendezvousError when rank 0 cannot listen on the master port because another process holds it.
 
     On CPU, DeepSpeed 0.19 gives every rank a ~66 MB all-reduce buffer in /dev/shm (RAM) and
     never unlinks it, so each run would leave world_size of them behind until the machine runs
     out of memory. Once every rank has mapped every buffer (DeepSpeed's initialisation waits for
     that; the barrier makes sure all ranks are past it) the names can go: the mappings stay valid.
     """
-    deepspeed.init_distributed(**kwargs)
+    try:
+        deepspeed.init_distributed(**kwargs)
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+        raise RendezvousError(
+            f"master port {port} on {os.environ.get('MASTER_ADDR')} is in use by another process (another run?): "
+            f"give the launcher a free one, e.g. deepspeed --master_port {port + 1} ..."
+        ) from None
     dist.barrier()
     name = "/dev/shm/deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
         os.getuid(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), dist.get_rank()

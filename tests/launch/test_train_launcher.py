@@ -4,6 +4,7 @@ What only the launcher shows: its environment and argument passing (--local_rank
 status of the job, the console on one rank, files written where the flags say.
 """
 
+import socket
 import subprocess
 import sys
 
@@ -133,3 +134,26 @@ def test_the_script_exits_2_with_the_message_on_stderr(tmp_path):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
     assert errors == ["train.py: error: world size 4 is not a multiple of tensor x pipeline parallel size 3 x 1 = 3"]
+
+
+def test_a_master_port_in_use_is_one_line_naming_it_and_exit_2(tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        proc = subprocess.run(
+            [DEEPSPEED, "--num_gpus", "1", "--master_port", str(port), str(TRAIN_PY)]
+            + ["--deepspeed_config", str(ROOT / "launch/configs/tiny-cpu.json")]
+            + ["--model-config", str(ROOT / "launch/models/tiny-mamba1.json"), "--train-iters", "2"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert errors == [
+        f"train.py: error: master port {port} on 127.0.0.1 is in use by another process (another run?): "
+        f"give the launcher a free one, e.g. deepspeed --master_port {port + 1} ..."
+    ], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
