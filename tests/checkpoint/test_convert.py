@@ -199,3 +199,12 @@ def test_transformers_logits_of_the_export_equal_ours(tmp_path, case, monkeypatc
     err, our_err = relative_error(theirs, ref), relative_error(ours, ref)
     print(f"{case}: transformers vs float64 {err:.2e}, ours (float32) vs float64 {our_err:.2e}")
     assert err <= 1e-4, (case, err)
+
+
+def test_export_of_a_tag_the_save_directory_lacks_names_the_tags_it_holds(tmp_path):
+    _, ckpt = checkpoint_of(tmp_path, "mamba2_untied_dt_limit")
+    refused(
+        ["export", "--checkpoint", ckpt, "--tag", "step_000999", "--output", tmp_path / "hf"],
+        rf"--tag step_000999: {ckpt} has no checkpoint step_000999 \(it holds step_000005\); name one of its tags",
+    )
+    assert not (tmp_path / "hf").exists()
