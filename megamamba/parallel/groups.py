@@ -7,15 +7,21 @@ lives inside DeepSpeed's data axis: docs/context-parallel.md; group creation: do
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import deepspeed
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megamamba.errors import MegamambaError
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.tensor_parallel import TensorParallel
+
+log = logging.getLogger(__name__)
+SLOW_START_S = 10.0  # after this long in init_distributed, rank 0 of each node says what it waits for
 
 
 class RendezvousError(MegamambaError, RuntimeError):
@@ -30,7 +36,14 @@ def init_distributed(**kwargs) -> None:
     never unlinks it, so each run would leave world_size of them behind until the machine runs
     out of memory. Once every rank has mapped every buffer (DeepSpeed's initialisation waits for
     that; the barrier makes sure all ranks are past it) the names can go: the mappings stay valid.
+
+    A start that takes longer than SLOW_START_S is said on each node's first rank: on the CPU, DeepSpeed
+    builds its communication op on a machine's first run (about 2 minutes), silently.
     """
+    notice = threading.Timer(SLOW_START_S, log.info, [_slow_start_notice()])
+    notice.daemon = True
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        notice.start()
     try:
         deepspeed.init_distributed(**kwargs)
     except dist.DistNetworkError as e:
@@ -41,12 +54,21 @@ def init_distributed(**kwargs) -> None:
             f"master port {port} on {os.environ.get('MASTER_ADDR')} is in use by another process (another run?): "
             f"give the launcher a free one, e.g. deepspeed --master_port {port + 1} ..."
         ) from None
+    finally:
+        notice.cancel()
     dist.barrier()
     name = "/dev/shm/deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
         os.getuid(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), dist.get_rank()
     )
     if os.path.exists(name):
         os.unlink(name)
+
+
+def _slow_start_notice() -> str:
+    waiting = f"still starting the process group after {SLOW_START_S:.0f} s"
+    if get_accelerator().device_name() == "cpu":
+        return f"{waiting}: DeepSpeed builds its CPU communication op on a machine's first run (about 2 minutes, once)"
+    return f"{waiting}: waiting for every rank of every node to start"
 
 
 def shutdown_distributed() -> None:
