@@ -21,7 +21,9 @@ for arg in "$@"; do
   esac
 done
 PYTHON=${PYTHON:-python3}
+step() { echo "setup.sh: $*"; }  # each step says what it installs: the whole set-up takes minutes
 if [ ! -x .venv/bin/python ]; then
+  step "creating the virtual environment .venv"
   if [ "${MEGAMAMBA_SYSTEM_SITE:-0}" = 1 ]; then
     "$PYTHON" -m venv --system-site-packages .venv
   else
@@ -40,20 +42,30 @@ else
   upgrade=(--upgrade)
   cp constraints.txt "$pins"
 fi
+step "installing pip, setuptools and wheel"
 python -m pip install -q "${upgrade[@]}" -c "$pins" pip setuptools wheel
-python -c "import torch" 2>/dev/null || python -m pip install -q -c "$pins" "torch==2.13.0"
+if ! python -c "import torch" 2>/dev/null; then
+  step "installing torch 2.13.0 (the CPU build)"
+  python -m pip install -q -c "$pins" "torch==2.13.0"
+fi
 if [ "$latest" = 1 ]; then  # the torch build installed stays; everything else moves to its newest release
   python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$pins"
 fi
+step "installing ninja and DeepSpeed 0.19 (built from its source release)"
 python -m pip install -q "${upgrade[@]}" -c "$pins" ninja
 python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation "deepspeed>=0.19,<0.20"
+step "installing megamamba (editable) and its test tools: pytest, transformers, ruff, mypy"
 python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation -e ".[dev]"
 # Triton 3.6, our H200 benchmark machine's, beside the venv's own: the kernels are compiled with it for
 # sm_90 on this machine (tests/kernels/test_triton_compile.py); only its compiler is used.
-[ -d .venv/triton-3.6/triton ] || python -m pip install -q --no-deps --target .venv/triton-3.6 "triton==3.6.0"
+if [ ! -d .venv/triton-3.6/triton ]; then
+  step "installing Triton 3.6 beside the venv's own, for the sm_90 compile test"
+  python -m pip install -q --no-deps --target .venv/triton-3.6 "triton==3.6.0"
+fi
 # mamba_ssm 2.3.2.post1's Python files from its source release (its CUDA extension is never built): the kernel
 # tests and benchmarks run its Triton kernels and PyTorch references beside ours on the same inputs.
 if [ ! -d .venv/mamba_ssm-src/mamba_ssm ]; then
+  step "fetching mamba_ssm 2.3.2.post1's Python sources (reference for the kernel tests)"
   tmp=$(mktemp -d)
   MAMBA_SKIP_CUDA_BUILD=TRUE python -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
     "mamba_ssm==2.3.2.post1" -d "$tmp"
