@@ -4,6 +4,7 @@
         --output-prefix data/corpus --workers 4 --valid-fraction 0.02
 
 The files depend only on the input, the tokenizer and the options, never on the worker count.
+Existing output files are refused, left as they are, unless --overwrite is given.
 Usage: docs/data.md; the held-out rule: its "The data code".
 """
 
@@ -15,8 +16,9 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from megamamba.data.dataset_meta import token_range_record, write_meta
+from megamamba.data.dataset_meta import meta_path, token_range_record, write_meta
 from megamamba.data.documents import input_files, iter_documents, total_bytes
+from megamamba.data.existing_outputs import OutputExistsError, refuse_existing
 from megamamba.data.indexed import DatasetError, IndexedDatasetWriter, token_dtype
 from megamamba.data.progress import Progress
 from megamamba.tokenizer import load_tokenizer
@@ -101,6 +103,16 @@ def _write(
     return kept, skipped
 
 
+def dataset_prefixes(output_prefix: str, valid_fraction: float) -> list[str]:
+    """The prefixes of the datasets written for `output_prefix`: train first, then validation when split."""
+    return [output_prefix + "_train", output_prefix + "_valid"] if valid_fraction > 0 else [output_prefix]
+
+
+def dataset_files(prefix: str) -> list[str]:
+    """The files preprocessing writes for the dataset `prefix`."""
+    return [prefix + ".bin", prefix + ".idx", meta_path(prefix)]
+
+
 def preprocess(
     inputs: list[str],
     tokenizer_spec: str,
@@ -120,7 +132,7 @@ def preprocess(
     tokenizer = load_tokenizer(tokenizer_spec)
     dtype = token_dtype(tokenizer.vocab_size)
     split = valid_fraction > 0
-    prefixes = [output_prefix + "_train", output_prefix + "_valid"] if split else [output_prefix]
+    prefixes = dataset_prefixes(output_prefix, valid_fraction)
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
     try:
         kept, skipped = _write(
@@ -150,6 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json-key", default="text", help="the text's key in JSONL records")
     p.add_argument("--tokenizer", required=True, help='"bytes", a SentencePiece .model, a tokenizer.json or a folder')
     p.add_argument("--output-prefix", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace the output files if they exist (else: refused)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument(
         "--valid-fraction",
@@ -168,6 +181,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
+        if not args.overwrite:
+            outputs = dataset_prefixes(args.output_prefix, args.valid_fraction)
+            refuse_existing("--output-prefix", args.output_prefix, [f for p in outputs for f in dataset_files(p)])
         prefixes = preprocess(
             args.input,
             args.tokenizer,
@@ -177,7 +193,7 @@ def main(argv=None) -> None:
             args.valid_fraction,
             replace_invalid_utf8=args.replace_invalid_utf8,
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, OutputExistsError) as e:
         print(f"preprocess: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     for prefix in prefixes:

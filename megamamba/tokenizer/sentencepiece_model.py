@@ -63,6 +63,11 @@ def _lines(documents: Iterable[str]) -> Iterable[str]:
                 yield line
 
 
+def model_path(output_prefix: str) -> str:
+    """The file `train_sentencepiece` writes for `output_prefix`."""
+    return output_prefix + ".model"
+
+
 def train_sentencepiece(
     documents: Iterable[str],
     output_prefix: str,
@@ -124,7 +129,7 @@ def train_sentencepiece(
         raise TokenizerError(f"SentencePiece training failed: {e}") from None
     if failures:
         raise failures[0]
-    path = output_prefix + ".model"
+    path = model_path(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f:
         f.write(_on_score_grid(model.getvalue()) if model_type == "unigram" else model.getvalue())

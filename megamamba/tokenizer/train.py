@@ -3,13 +3,15 @@
     python -m megamamba.tokenizer.train --input corpus.jsonl --vocab-size 4096 --output-prefix data/spm
 
 writes data/spm.model (load it with `--tokenizer data/spm.model`). Same input and options, same file.
+An existing data/spm.model is refused, left as it is, unless --overwrite is given.
 """
 
 import argparse
 import sys
 
 from megamamba.data.documents import input_files, iter_documents
-from megamamba.tokenizer.sentencepiece_model import MODEL_TYPES, TRAIN_THREADS, train_sentencepiece
+from megamamba.data.existing_outputs import OutputExistsError, refuse_existing
+from megamamba.tokenizer.sentencepiece_model import MODEL_TYPES, TRAIN_THREADS, model_path, train_sentencepiece
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -19,6 +21,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--model-type", default="bpe", choices=MODEL_TYPES)
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.model")
+    p.add_argument("--overwrite", action="store_true", help="replace <prefix>.model if it exists (else: refused)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads", type=int, default=TRAIN_THREADS, help="part of the result: keep it to reproduce a model"
@@ -35,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
+        if not args.overwrite:
+            refuse_existing("--output-prefix", args.output_prefix, [model_path(args.output_prefix)])
         docs = (text for text, _ in iter_documents(input_files(args.input), args.json_key, args.replace_invalid_utf8))
         path = train_sentencepiece(
             docs,
@@ -45,7 +50,7 @@ def main(argv=None) -> None:
             threads=args.threads,
             max_sentences=args.max_sentences,
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, OutputExistsError) as e:
         print(f"tokenizer.train: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(f"wrote {path}", file=sys.stderr)
