@@ -6,7 +6,8 @@
 
 transformers' format is Mamba / Mamba2 for Mamba-only models and NemotronH for hybrids.
 
-Nothing is unpickled and nothing overwritten; refusals are one line, exit status 2.
+Nothing is unpickled and nothing overwritten unless --overwrite is given (then the old folder is replaced
+only once the new one is complete); refusals are one line, exit status 2.
 Usage and formats: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 
@@ -24,6 +25,7 @@ from megamamba.checkpoint.files import (
     fsync_file,
     read_json,
     read_tensors,
+    remove_tree,
     rename,
     sync_dir,
     write_json,
@@ -116,10 +118,18 @@ def _tokenizer_files(directory: str) -> list:
     return [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
 
 
+def _occupied(output: str) -> bool:
+    """Whether `output` exists and is not an empty directory (which a conversion would replace)."""
+    return os.path.exists(output) and (not os.path.isdir(output) or bool(os.listdir(output)))
+
+
 def _staging(output: str) -> str:
     """A fresh directory beside `output`, which must not exist or be empty."""
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise ConvertError(f"--output {output}: exists and is not an empty directory; choose a new one")
+    if _occupied(output):
+        raise ConvertError(
+            f"--output {output}: exists and is not an empty directory; choose another --output or pass --overwrite "
+            "to replace it"
+        )
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     staging = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(output))}-{os.getpid()}")
@@ -290,6 +300,9 @@ def import_weights(source_format: str, directory: str, output: str) -> str:
     return output
 
 
+OVERWRITE_HELP = "replace an existing --output model folder (one holding config.json); without it: refused"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -311,6 +324,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="(--to hf) largest weights file, e.g. 5GB (10**9 bytes), 4GiB or a byte count; above it the "
         "weights are sharded with an index, as transformers shards",
     )
+    e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     e.add_argument(
         "--no-tokenizer",
         dest="tokenizer",
@@ -321,18 +335,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     i.add_argument("--from", dest="source_format", required=True, choices=["hf", "mamba_ssm"])
     i.add_argument("--input", required=True)
     i.add_argument("--output", required=True)
+    i.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     return p.parse_args(argv)
+
+
+def _convert(args: argparse.Namespace, output: str) -> str:
+    if args.command == "export" and args.target == "mamba_ssm":
+        return export_mamba_ssm(args.checkpoint, output, args.tag, args.tokenizer)
+    if args.command == "export":
+        return export_hf(args.checkpoint, output, args.tag, args.max_shard_size, args.tokenizer)
+    return import_weights(args.source_format, args.input, output)
+
+
+def _replacing(args: argparse.Namespace) -> str:
+    """Convert into a fresh folder beside --output, then swap it in: the old folder stays whole until then."""
+    output = args.output
+    if not os.path.isfile(os.path.join(output, CONFIG_FILE)):
+        raise ConvertError(
+            f"--output {output}: has no {CONFIG_FILE}, and --overwrite replaces only a model folder; choose "
+            f"another --output, or remove {output} yourself"
+        )
+    parent, name = os.path.split(os.path.abspath(output))
+    new, old = (os.path.join(parent, f".{kind}-{name}-{os.getpid()}") for kind in ("new", "old"))
+    _convert(args, new)
+    rename(output, old)
+    rename(new, output)
+    remove_tree(old)
+    return output
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        if args.command == "export" and args.target == "mamba_ssm":
-            out = export_mamba_ssm(args.checkpoint, args.output, args.tag, args.tokenizer)
-        elif args.command == "export":
-            out = export_hf(args.checkpoint, args.output, args.tag, args.max_shard_size, args.tokenizer)
-        else:
-            out = import_weights(args.source_format, args.input, args.output)
+        out = _replacing(args) if args.overwrite and _occupied(args.output) else _convert(args, args.output)
     except (ConvertError, CheckpointError, HFFormatError, SafetensorError, TokenizerError) as e:
         print(f"convert {args.command}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -168,7 +168,7 @@ def test_output_that_exists_is_never_overwritten(tmp_path):
     before = snapshot(str(tmp_path))
     refused(
         ["export", "--checkpoint", ckpt, "--output", tmp_path / "hf"],
-        r"--output .*hf: exists and is not an empty directory; choose a new one",
+        r"--output .*hf: exists and is not an empty directory; choose another --output or pass --overwrite to replace",
     )
     assert snapshot(str(tmp_path)) == before
 
