@@ -10,18 +10,22 @@
 #
 #   bash scripts/quickstart.sh [OUTPUT_DIR]      (default runs/quickstart; QUICKSTART_STEPS=200)
 #
-# QUICKSTART_PATTERN="M*M-" trains a hybrid instead: launch/models/quickstart-hybrid.json's layers as
-# Megatron's --hybrid-layer-pattern places them (M Mamba-2, * attention, - MLP; 4 symbols).
+# QUICKSTART_PATTERN="M*M-" trains a hybrid instead (default OUTPUT_DIR runs/quickstart-hybrid):
+# launch/models/quickstart-hybrid.json's layers as Megatron's --hybrid-layer-pattern places them
+# (M Mamba-2, * attention, - MLP; 4 symbols).
 #
-# Re-running replaces the outputs in OUTPUT_DIR (data/, tensorboard/, checkpoints/, metrics.jsonl).
+# It writes data/, tensorboard/, checkpoints/ and metrics.jsonl in OUTPUT_DIR and never replaces them:
+# an OUTPUT_DIR holding any of them is refused, and so is one another quick start is writing (the
+# script holds a lock on OUTPUT_DIR, taken before anything in it is touched, until it ends).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-runs/quickstart}
 STEPS=${QUICKSTART_STEPS:-200}
 EVAL_INTERVAL=$(( STEPS >= 4 ? STEPS / 4 : 1 ))  # four validations over the run
 MODEL=(--model-config launch/models/quickstart-mamba2.json)
+OUT=${1:-runs/quickstart}
 if [ -n "${QUICKSTART_PATTERN:-}" ]; then
   MODEL=(--model-config launch/models/quickstart-hybrid.json --hybrid-layer-pattern "$QUICKSTART_PATTERN")
+  OUT=${1:-runs/quickstart-hybrid}
 fi
 PY=.venv/bin/python
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
@@ -36,8 +40,24 @@ if [ ! -x .venv/bin/deepspeed ]; then
 fi
 say() { printf '\n== %s (%ds)\n' "$1" "$SECONDS"; }
 
-rm -rf "$OUT/data" "$OUT/tensorboard" "$OUT/checkpoints" "$OUT/metrics.jsonl"
-mkdir -p "$OUT/data"
+# The lock is a flock on OUT itself, held through file descriptor 9 by this script and the processes it
+# starts; the kernel drops it when the last of them ends.
+mkdir -p "$OUT"
+exec 9<"$OUT"
+if ! flock --nonblock 9; then
+  echo "quickstart: $OUT is in use by another quick start; wait for it to end or give another OUTPUT_DIR" >&2
+  exit 2
+fi
+EARLIER=""
+for name in data tensorboard checkpoints metrics.jsonl; do
+  if [ -e "$OUT/$name" ]; then EARLIER+=" $name"; fi
+done
+if [ -n "$EARLIER" ]; then
+  echo "quickstart: $OUT holds an earlier quick start's outputs (${EARLIER# }); give another OUTPUT_DIR," \
+    "or remove them to run here again" >&2
+  exit 2
+fi
+mkdir "$OUT/data"
 
 say "1/5 the built-in corpus -> $OUT/data/corpus.jsonl"
 $PY -m megamamba.data.corpus_dump --output "$OUT/data/corpus.jsonl"
