@@ -6,7 +6,8 @@
 The flags (each group defined beside what it configures) and the DeepSpeed JSON become one run plan
 (`prepare`: every check that needs no process group; a failure prints one line and exits with status 2);
 once the process group is up `check_start` checks the ranks' placement and memory, then `run_training`
-builds the trainer, sets its weights and runs the steps (pipelines/job/run.py). Flags: docs/flags.md;
+builds the trainer, sets its weights and runs the steps (pipelines/job/run.py). Ctrl-C finishes the
+step, saves and exits 130; a second one stops at once (pipelines/loop/faults.py). Flags: docs/flags.md;
 engines, data, metrics, checkpoints and resume: docs/training.md.
 """
 
@@ -31,7 +32,7 @@ from megamamba.pipelines.config.layout import LayoutError, add_layout_flags
 from megamamba.pipelines.config.run_plan import add_run_flags, layout_flags, prepare
 from megamamba.pipelines.job.checkpointing import add_checkpoint_flags
 from megamamba.pipelines.job.run import check_start, run_training
-from megamamba.pipelines.loop.faults import NonFiniteSteps, add_fault_flags
+from megamamba.pipelines.loop.faults import SIGINT_STATUS, NonFiniteSteps, add_fault_flags
 from megamamba.pipelines.loop.training import add_loop_flags
 from megamamba.pipelines.memory.fit import MemoryPlanError, add_memory_flags
 from megamamba.pipelines.planner.for_run import add_planner_flags, auto_parallel
@@ -92,8 +93,25 @@ def fail(error, status: int = 2) -> NoReturn:
     sys.exit(status)
 
 
+def end_interrupted(interrupt: KeyboardInterrupt) -> NoReturn:
+    """Ctrl-C: its one line on global rank 0 (what was saved), this rank's process group torn down, exit 130."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.info(str(interrupt) or "interrupted outside the training steps: stopped at once, no checkpoint written")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(SIGINT_STATUS)
+
+
 def main(argv=None) -> dict:
-    """Train; returns this rank's summary: logged records, optimizer-state bytes, stage parameter count."""
+    """Train; returns this rank's summary: logged records, optimizer-state bytes, stage parameter count.
+    Ctrl-C anywhere: one line, exit 130, never a traceback."""
+    try:
+        return train(argv)
+    except KeyboardInterrupt as e:
+        end_interrupted(e)
+
+
+def train(argv=None) -> dict:
     job_start = time.perf_counter()
     console_log.configure()
     args = parse_args(argv)

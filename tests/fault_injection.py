@@ -1,12 +1,15 @@
-"""Faults the resume and fault tests inject into a training run's ranks, by patching two product functions.
+"""Faults the resume and fault tests inject into a training run's ranks, by patching product functions.
 
-`install(nan_steps=..., kill_save=(step, at))` in a rank, before launch/train.py runs:
+`install(nan_steps=..., kill_save=(step, at), interrupt=(step, at))` in a rank, before launch/train.py runs:
 - nan_steps: global rank 0's first trainable parameter gets a NaN gradient in those (0-based) global
   steps (patched: `NonFiniteGuard.__init__`, which gets the run's trainer);
 - kill_save: every rank SIGKILLs itself at its own at-th file primitive (write, directory fsync,
   rename, delete of megamamba.checkpoint.files) of the save after `step` steps (patched:
   `checkpointing.save`): ranks write their pieces and RNG file, rank 0 also the staging directory,
-  indexes, manifest and commit.
+  indexes, manifest and commit;
+- interrupt: (step, at) every rank sends itself SIGINT (as Ctrl-C does) when global step `step` starts
+  (patched: `TrainingLoop.step`), and again at its at-th file primitive of the save that follows
+  (at None: only once).
 
 `python tests/fault_injection.py FAULTS_JSON ARGV...` installs FAULTS_JSON's keywords and runs
 launch/train.py ARGV as `python launch/train.py ARGV` would.
@@ -24,11 +27,13 @@ TRAIN_PY = Path(__file__).resolve().parents[1] / "launch" / "train.py"
 PRIMITIVES = ("write_file", "write_tensors", "write_bytes", "sync_dir", "rename", "remove_tree")
 
 
-def install(nan_steps=(), kill_save=None) -> None:
+def install(nan_steps=(), kill_save=None, interrupt=None) -> None:
     if nan_steps:
         _nan_gradients(set(nan_steps))
     if kill_save:
         _kill_during_save(*kill_save)
+    if interrupt:
+        _interrupt(*interrupt)
 
 
 def _nan_gradients(steps: set) -> None:
@@ -48,7 +53,8 @@ def _nan_gradients(steps: set) -> None:
     NonFiniteGuard.__init__ = init
 
 
-def _kill_during_save(step: int, at: int) -> None:
+def _signal_during_save(step: int, at: int, signum: int) -> None:
+    """`signum` to this process at its at-th file primitive of the save after `step` steps."""
     from megamamba.checkpoint import files
     from megamamba.pipelines.job import checkpointing
 
@@ -58,7 +64,7 @@ def _kill_during_save(step: int, at: int) -> None:
         def counted(*args, **kwargs):
             calls.append(1)
             if len(calls) == at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signum)
             return primitive(*args, **kwargs)
 
         return counted
@@ -70,6 +76,25 @@ def _kill_during_save(step: int, at: int) -> None:
         return original(trainer, config, save_dir, steps_done, **kwargs)
 
     checkpointing.save = save
+
+
+def _kill_during_save(step: int, at: int) -> None:
+    _signal_during_save(step, at, signal.SIGKILL)
+
+
+def _interrupt(step: int, at=None) -> None:
+    from megamamba.pipelines.loop.training import TrainingLoop
+
+    original = TrainingLoop.step
+
+    def first_interrupt(self, global_step):
+        if global_step == step:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, global_step)
+
+    TrainingLoop.step = first_interrupt
+    if at is not None:
+        _signal_during_save(step + 1, at, signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ optimizer over it; anything else is refused before training.
 import argparse
 import logging
 import os
+import shutil
 from functools import partial
 from typing import Optional
 
@@ -215,9 +216,24 @@ def save(
     protect: the tag of a checkpoint that `keep_last` retention must keep (the last good one).
 
     CheckpointError on every rank, with the same message, when any rank failed to write its part.
+    Ctrl-C (KeyboardInterrupt) abandons the save: rank 0 removes its staging directory (what it can), and
+    `latest` still names the previous checkpoint.
     """
+    staging = None
+    try:
+        staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if dist.get_rank() == 0 else None)
+        return _save_staged(trainer, config, save_dir, staging, step, extra, tokenizer, keep_last, protect)
+    except KeyboardInterrupt:
+        if staging is not None and dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already when the save had committed
+        raise
+
+
+def _save_staged(
+    trainer, config, save_dir: str, staging: str, step: int, extra: dict, tokenizer, keep_last, protect
+) -> Optional[str]:
+    """`save` once global rank 0 has made the staging directory `staging`."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if rank == 0 else None)
     mine = _outcome(partial(_write_part, trainer, staging, rank))
     parts = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)

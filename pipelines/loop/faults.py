@@ -1,12 +1,15 @@
-"""What a training run does when something goes wrong: SIGTERM, non-finite steps, a stalled rank.
+"""What a training run does when something goes wrong: SIGTERM, Ctrl-C, non-finite steps, a stalled rank.
 
 Every step ends with one agreement (`agree_step`, the step's only host synchronization): the
 global batch's mean loss, whether the optimizer step was applied, and whether any rank received
-SIGTERM, all in one all-reduce on the device.
+SIGTERM or SIGINT, all in one all-reduce on the device.
 
-SIGTERM (what a scheduler, or the deepspeed launcher forwarding one, sends before a kill):
-`StopRequest` only sets a flag; the step agreement carries it, so all ranks stop after the same
-step, write a checkpoint and exit 0.
+SIGTERM (what a scheduler, or the deepspeed launcher forwarding one, sends before a kill) and a
+first SIGINT (Ctrl-C, which the terminal sends to every rank): `StopRequest` only sets a flag; the
+step agreement carries it, so all ranks stop after the same step and write a checkpoint. SIGTERM
+then exits 0; SIGINT ends with `Interrupted` (exit status 130, as a shell reports a Ctrl-C'd
+command). A second SIGINT raises `Interrupted` at once, wherever the rank is: a save in progress
+is abandoned (`latest` still names the previous checkpoint).
 
 Non-finite steps: a step whose gradients hold a NaN/inf is not applied (no parameter or Adam
 update, the LR schedule does not advance; the batch is consumed). DeepSpeed's ZeRO-1/2 optimizer
@@ -68,33 +71,52 @@ def check_step_timeout(timeout: float) -> None:
         raise ValueError(f"--step-timeout {timeout}: must be >= 0 (0: off)")
 
 
+SIGINT_STATUS = 130  # 128 + SIGINT: the exit status of a run ended by Ctrl-C
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C ended the run; its message (when it has one) says what was saved. launch/train.py prints it
+    on global rank 0 and exits SIGINT_STATUS."""
+
+
 class StopRequest:
-    """SIGTERM -> a flag, agreed at the end of the step (`agree_step`)."""
+    """SIGTERM or a first SIGINT -> a flag, agreed at the end of the step (`agree_step`); a second SIGINT
+    raises `Interrupted` (no message) wherever the rank is. `release()` puts the previous handlers back."""
 
     def __init__(self):
-        self.received = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self.terminated = self.interrupted = False
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
-        self.received = True
+        if signum == signal.SIGTERM:
+            self.terminated = True
+        elif self.interrupted:
+            raise Interrupted()
+        else:
+            self.interrupted = True
+
+    def release(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 class StepOutcome(NamedTuple):
     loss: float  # mean over the global batch
     applied: bool  # the optimizer updated the parameters (the LR schedule advances)
-    stop: bool  # some rank received SIGTERM
+    stop: bool  # some rank received SIGTERM or SIGINT
+    interrupted: bool  # some rank received SIGINT
 
 
-def agree_step(loss: torch.Tensor, nonfinite: Union[bool, torch.Tensor], stop: bool) -> StepOutcome:
+def agree_step(loss: torch.Tensor, nonfinite: Union[bool, torch.Tensor], stop: StopRequest) -> StepOutcome:
     """What every rank needs to know after a step, in one all-reduce and one host synchronization.
 
     `loss`: this rank's share of the global batch's mean loss (a device tensor), the same on every
     rank of a data-parallel replica; `nonfinite`: `NonFiniteGuard.nonfinite()`; `stop`: this rank's
-    SIGTERM flag. Collective.
+    signals. Collective.
     """
     world = dist.get_world_size()
-    loss_sum, nonfinite_sum, stops = agree([loss / world, nonfinite, stop])
-    return StepOutcome(loss_sum, nonfinite_sum == 0, stops > 0)
+    loss_sum, nonfinite_sum, terms, interrupts = agree([loss / world, nonfinite, stop.terminated, stop.interrupted])
+    return StepOutcome(loss_sum, nonfinite_sum == 0, terms + interrupts > 0, interrupts > 0)
 
 
 class NonFiniteSteps(MegamambaError, RuntimeError):

@@ -1,7 +1,8 @@
 """A run's steps after start-up: each one trained, evaluated and logged when due, then saved when due.
 
 `launch/train.py` builds the trainer and hands it here with the run's settings; NonFiniteSteps
-(too many skipped steps in a row) ends the run with the checkpoint to restart from.
+(too many skipped steps in a row) ends the run with the checkpoint to restart from, and Interrupted
+(Ctrl-C, pipelines/loop/faults.py) with what was saved.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.checkpoint import tag_for
+from megamamba.checkpoint.store import read_latest
 from megamamba.config import MambaConfig
 from megamamba.model.flops import training_flops_per_token
 from megamamba.observe import console_log
@@ -25,7 +27,14 @@ from megamamba.pipelines.job import checkpointing
 from megamamba.pipelines.job.resume import records
 from megamamba.pipelines.loop.agreement import agree
 from megamamba.pipelines.loop.engine import Trainer
-from megamamba.pipelines.loop.faults import NonFiniteGuard, NonFiniteSteps, StopRequest, Watchdog, agree_step
+from megamamba.pipelines.loop.faults import (
+    Interrupted,
+    NonFiniteGuard,
+    NonFiniteSteps,
+    StopRequest,
+    Watchdog,
+    agree_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +129,7 @@ class TrainingLoop:
         outcome = agree_step(
             self.trainer.train_step(self.micro_batches(self.data.train, self.first_sample(step))),
             self.guard.nonfinite(),
-            self.stop.received,
+            self.stop,
         )
         self.trainer.finish_step(outcome.applied)
         self.seconds += time.perf_counter() - step_start
@@ -191,17 +200,22 @@ class TrainingLoop:
             "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
             **records(self.run_start, self.stream, self.first_sample(step + 1), self.trainer.scheduler_epoch()),
         }
-        with self.watchdog.paused():
-            saved = checkpointing.save(
-                self.trainer,
-                self.model,
-                settings.save,
-                step + 1,
-                extra=extra,
-                tokenizer=self.data.tokenizer,
-                keep_last=settings.keep_last,
-                protect=self.last_good and os.path.basename(self.last_good),
-            )
+        try:
+            with self.watchdog.paused():
+                saved = checkpointing.save(
+                    self.trainer,
+                    self.model,
+                    settings.save,
+                    step + 1,
+                    extra=extra,
+                    tokenizer=self.data.tokenizer,
+                    keep_last=settings.keep_last,
+                    protect=self.last_good and os.path.basename(self.last_good),
+                )
+        except Interrupted:
+            raise Interrupted(
+                f"interrupted again: the save at step {step + 1} was abandoned; {self.newest_saved()}"
+            ) from None
         self.newest = os.path.join(settings.save, tag_for(step + 1))
         if self.rank == 0:
             log.info(
@@ -219,21 +233,54 @@ class TrainingLoop:
             )
             log.info(f"SIGTERM: stopped after step {step} ({step + 1} steps done){where}")
 
+    def newest_saved(self) -> str:
+        """Where a run stopped at once can be resumed from (read on disk: a save may have committed)."""
+        save = self.settings.save
+        if not save:
+            return "nothing saved (no --save)"
+        latest = read_latest(save)
+        if latest is None:
+            return f"no checkpoint in {save} yet"
+        return f"{os.path.join(save, latest)} is the newest checkpoint; resume with --load {save}"
+
+    def interrupted(self, step: int) -> Interrupted:
+        """Ctrl-C after `step`, the checkpoint (if any) written: what was saved."""
+        done, save = step + 1, self.settings.save
+        if not save:
+            return Interrupted(f"interrupted at step {done}; nothing saved: the run has no --save")
+        if self.guard.in_a_row:
+            return Interrupted(
+                f"interrupted at step {done}; no checkpoint written while steps are being skipped "
+                f"({self.guard.in_a_row} in a row); {self.newest_saved()}"
+            )
+        return Interrupted(f"interrupted at step {done}, saved to {self.newest}; resume with --load {save}")
+
     def run(self) -> dict:
-        """Every step from the first to the last, or to a SIGTERM; this rank's summary."""
-        for step in range(self.first_step, self.train_iters):
-            lr = self.trainer.learning_rate()  # this step's (a skipped step does not advance it)
-            outcome, elapsed = self.step(step)
-            evaluating = self.evaluation_due(step)
-            val_loss = self.evaluate() if evaluating else None
-            if step % self.settings.log_interval == 0 or step == self.train_iters - 1 or evaluating:
-                self.log(step, lr, outcome, val_loss, elapsed)
-            self.maybe_save(step, outcome.stop)
-            if outcome.stop:
-                self.report_stop(step)
-                break
-            self.watchdog.beat()
-        self.logger.close()
+        """Every step from the first to the last, or to a SIGTERM; this rank's summary. Interrupted on
+        Ctrl-C: after the step and its checkpoint, or at once on a second one."""
+        step = self.first_step
+        try:
+            for step in range(self.first_step, self.train_iters):
+                lr = self.trainer.learning_rate()  # this step's (a skipped step does not advance it)
+                outcome, elapsed = self.step(step)
+                evaluating = self.evaluation_due(step)
+                val_loss = self.evaluate() if evaluating else None
+                if step % self.settings.log_interval == 0 or step == self.train_iters - 1 or evaluating:
+                    self.log(step, lr, outcome, val_loss, elapsed)
+                self.maybe_save(step, outcome.stop)
+                if outcome.interrupted:
+                    raise self.interrupted(step)
+                if outcome.stop:
+                    self.report_stop(step)
+                    break
+                self.watchdog.beat()
+        except Interrupted as e:
+            if e.args:
+                raise
+            raise Interrupted(f"interrupted again during step {step}: stopped at once; {self.newest_saved()}") from None
+        finally:
+            self.stop.release()
+            self.logger.close()
         return self.summary
 
 
