@@ -1,6 +1,7 @@
 """Small corpora and datasets for the data tests (helpers importable as `data_fixtures`)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -17,6 +18,16 @@ def write_dataset(prefix: str, documents, dtype=np.uint16) -> str:
         writer.add_document(np.asarray(doc, dtype=dtype))
     writer.finalize()
     return prefix
+
+
+def corrupt_in_place(path: str, token: int, value: int, dtype=np.uint16) -> None:
+    """Overwrite one token of a .bin, keeping the file's size and modification time."""
+    stat = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(token * np.dtype(dtype).itemsize)
+        f.write(np.array([value], dtype).tobytes())
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (os.path.getsize(path), os.stat(path).st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
 
 
 def labelled_documents(count: int, seed: int, first_label: int = 1, min_len: int = 1, max_len: int = 30):

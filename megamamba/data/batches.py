@@ -21,7 +21,8 @@ Batch = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 def open_blend(data: Sequence[str], vocab_size: Optional[int] = None) -> tuple[list[IndexedDataset], list]:
     """`--data` values ("prefix" or "w1 prefix1 w2 prefix2 ...") -> (datasets, normalised weights).
 
-    With vocab_size, every dataset is checked to hold only ids below it.
+    With vocab_size, every dataset's content is checked against its recorded checksum and to hold only
+    ids below it (each dataset's `warning` says where that check has a reservation).
     """
     blend = parse_blend(data)
     return [IndexedDataset(prefix, vocab_size) for _, prefix in blend], [w for w, _ in blend]

@@ -1,7 +1,7 @@
 """What a dataset was made with and what it holds, recorded beside its `.idx` and checked before training.
 
-`<prefix>.meta.json` names the tokenizer (token ids mean nothing without it) and the .bin's id
-range; written under a temporary name and renamed. The record: docs/data.md ("The data code").
+`<prefix>.meta.json` names the tokenizer (token ids mean nothing without it), the .bin's id range
+and its checksum; written under a temporary name and renamed. The record: docs/data.md ("The data code").
 """
 
 import json
@@ -13,7 +13,6 @@ from megamamba.data.errors import DatasetError
 
 META_SUFFIX = ".meta.json"
 FORMAT, VERSION = "megamamba-dataset", 1
-_TOKEN_KEYS = ("bin_bytes", "bin_mtime_ns", "min_id", "max_id")
 
 
 def meta_path(prefix: str) -> str:
@@ -24,14 +23,10 @@ def tokenizer_record(tokenizer, spec: str) -> dict:
     return {"name": spec, "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size}
 
 
-def token_range_record(bin_stat: os.stat_result, low: int, high: int) -> dict:
-    """The "tokens" part: ids in [low, high], for the .bin whose os.stat is `bin_stat`."""
-    return {
-        "bin_bytes": bin_stat.st_size,
-        "bin_mtime_ns": bin_stat.st_mtime_ns,
-        "min_id": int(low),
-        "max_id": int(high),
-    }
+def token_range_record(low: float, high: float, checksum: str) -> dict:
+    """The "tokens" part: ids in [low, high] (stored as integers), for the .bin whose checksum (checksum.py) is
+    `checksum`."""
+    return {"checksum": checksum, "min_id": int(low), "max_id": int(high)}
 
 
 def _write(prefix: str, record: dict) -> None:
@@ -74,15 +69,16 @@ def record_token_range(prefix: str, tokens: dict) -> None:
     _write(prefix, {**record, "tokens": tokens})
 
 
-def recorded_token_range(prefix: str, bin_stat: os.stat_result) -> Optional[tuple[int, int]]:
-    """(min id, max id) recorded for the .bin as `bin_stat` describes it; None when absent or for another .bin."""
+def recorded_tokens(prefix: str) -> Optional[dict]:
+    """The "tokens" part (ids "min_id" to "max_id" in the .bin whose checksum is "checksum"); None when the record
+    has none, or one written before checksums were recorded."""
     record = _read(prefix)
     tokens = record.get("tokens") if record else None
-    if not isinstance(tokens, dict) or not all(isinstance(tokens.get(k), int) for k in _TOKEN_KEYS):
+    if not isinstance(tokens, dict) or not isinstance(tokens.get("checksum"), str):
         return None
-    if (tokens["bin_bytes"], tokens["bin_mtime_ns"]) != (bin_stat.st_size, bin_stat.st_mtime_ns):
+    if not all(isinstance(tokens.get(k), int) for k in ("min_id", "max_id")):
         return None
-    return tokens["min_id"], tokens["max_id"]
+    return tokens
 
 
 def read_tokenizer_record(prefix: str) -> Optional[dict]:

@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from megamamba.data.checksum import Checksum
 from megamamba.data.errors import DatasetError
 from megamamba.data.vocab_check import check_vocab
 
@@ -45,7 +46,7 @@ class IndexedDatasetWriter:
     run never leaves a pair that looks complete. `finalize()` is `close()` (both files complete
     under their temporary names) then `commit()` (renamed into place); between the two, a record
     of the finished .bin can be written beside it first (preprocess.py). `low` and `high` are the
-    smallest and largest id added (inf and -inf before any).
+    smallest and largest id added (inf and -inf before any), `checksum` the .bin's so far (checksum.py).
     """
 
     def __init__(self, prefix: str, dtype: np.dtype):
@@ -57,6 +58,7 @@ class IndexedDatasetWriter:
         self._bin = open(prefix + ".bin.tmp", "wb")
         self.lengths = array("q")
         self.low, self.high = math.inf, -math.inf
+        self.checksum = Checksum()
 
     def abort(self) -> None:
         """Close and remove the temporary files; nothing under the final names is touched."""
@@ -71,7 +73,9 @@ class IndexedDatasetWriter:
             raise ValueError(f"document tokens are {tokens.dtype}, the dataset stores {self.dtype}")
         if tokens.size > np.iinfo(np.int32).max:
             raise ValueError(f"a document of {tokens.size} tokens: the index stores lengths as int32")
-        self._bin.write(tokens.tobytes(order="C"))
+        data = tokens.tobytes(order="C")
+        self._bin.write(data)
+        self.checksum.update(data)
         self.lengths.append(tokens.size)
         if tokens.size:
             self.low, self.high = min(self.low, int(tokens.min())), max(self.high, int(tokens.max()))
@@ -80,8 +84,8 @@ class IndexedDatasetWriter:
         self.close()
         self.commit()
 
-    def close(self) -> os.stat_result:
-        """Finish both files under their temporary names; returns the .bin's os.stat (the rename keeps it)."""
+    def close(self) -> None:
+        """Finish both files under their temporary names."""
         self._bin.close()
         count = len(self.lengths)
         lengths = np.array(self.lengths, dtype=np.int32)
@@ -93,7 +97,6 @@ class IndexedDatasetWriter:
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(documents.tobytes())
-        return os.stat(self.prefix + ".bin.tmp")
 
     def commit(self) -> None:
         os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
@@ -104,8 +107,9 @@ class IndexedDataset:
     """A read-only, memory-mapped dataset of documents.
 
     `tokens` is the whole .bin as one array; document d is tokens[offsets[d]:offsets[d+1]].
-    With `vocab_size`, every token is checked to lie in [0, vocab_size): from the dataset's
-    record, or by one scan of the .bin that is then recorded (vocab_check.py).
+    With `vocab_size`, the .bin's content is checked against its recorded checksum and every token
+    to lie in [0, vocab_size), or the .bin is scanned once and both recorded (vocab_check.py);
+    `warning` is that check's reservation (None without one, or without `vocab_size`).
     """
 
     def __init__(self, prefix: str, vocab_size: Optional[int] = None):
@@ -127,8 +131,7 @@ class IndexedDataset:
                 f"({self.num_tokens} tokens of {self.dtype})"
             )
         self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
-        if vocab_size is not None:
-            check_vocab(self, vocab_size)
+        self.warning = check_vocab(self, vocab_size) if vocab_size is not None else None
 
     @property
     def num_documents(self) -> int:

@@ -150,8 +150,9 @@ def preprocess(
             writer.abort()
         raise
     for prefix, writer in zip(prefixes, writers):
-        bin_stat = writer.close()
-        write_meta(prefix, tokenizer, tokenizer_spec, token_range_record(bin_stat, writer.low, writer.high))
+        writer.close()
+        tokens = token_range_record(writer.low, writer.high, writer.checksum.text())
+        write_meta(prefix, tokenizer, tokenizer_spec, tokens)
         writer.commit()
     return prefixes
 

@@ -84,6 +84,7 @@ def training_data(
     if data:
         train_sets, train_weights = open_blend(data, tokenizer.vocab_size)
         valid = open_blend(valid_data, tokenizer.vocab_size) if valid_data else None
+        notes += [d.warning for d in train_sets + (valid[0] if valid else [])]
         if split is not None:
             parts = split_blend(train_sets, split)
             train_sets = parts.train

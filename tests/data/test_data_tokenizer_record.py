@@ -76,8 +76,9 @@ def test_the_same_tokenizer_from_another_place_matches(corpus, spm, tmp_path):
 def test_a_dataset_without_a_record_is_accepted_with_a_warning(tmp_path):
     prefix = write_dataset(str(tmp_path / "old"), [[5, 6, 7, 0]] * 40)
     assert not os.path.exists(prefix + META_SUFFIX)
-    (warning,) = data_for(prefix, "bytes").warnings
+    warning, checksum_warning = data_for(prefix, "bytes").warnings
     assert warning.startswith(f"{prefix}: no {META_SUFFIX} tokenizer record") and "re-run preprocess" in warning
+    assert checksum_warning.startswith(f"{prefix}.bin: no checksum recorded")
 
 
 def test_a_malformed_record_is_one_error(corpus, tmp_path):
