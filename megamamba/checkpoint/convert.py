@@ -30,6 +30,7 @@ from megamamba.checkpoint.files import (
     sync_dir,
     write_json,
 )
+from megamamba.checkpoint.finite import DamagedWeightsError, check_finite
 from megamamba.checkpoint.hf import HFFormatError, decode_special_floats
 from megamamba.checkpoint.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
 from megamamba.checkpoint.safetensors_stream import (
@@ -231,6 +232,16 @@ def export_mamba_ssm(directory: str, output: str, tag: str = None, tokenizer: bo
 
 
 def _read_weights(directory: str) -> dict:
+    """The tensors `directory` stores (`_stored_weights`), checked finite."""
+    state = _stored_weights(directory)
+    try:
+        check_finite(state, directory)
+    except DamagedWeightsError as e:
+        raise ConvertError(str(e)) from None
+    return state
+
+
+def _stored_weights(directory: str) -> dict:
     """Tensors of model.safetensors, a sharded safetensors set, or pytorch_model.bin (weights_only)."""
     single, index, torch_file = (os.path.join(directory, n) for n in (WEIGHTS_FILE, SHARD_INDEX, TORCH_WEIGHTS))
     if os.path.isfile(single):

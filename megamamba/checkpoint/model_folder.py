@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from megamamba.checkpoint.finite import check_finite
 from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
 from megamamba.checkpoint.hf import HFFormatError, Part, decode_special_floats
 from megamamba.checkpoint.transformers_formats import architecture, assemble, file_names, file_parts, import_config
@@ -67,7 +68,8 @@ def _check_keys(path: str, state: dict, model: MambaLM) -> None:
 
 
 def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] = None) -> MambaLM:
-    """The model of a folder, in eval mode, on `device`, in `dtype` (None keeps the stored dtypes)."""
+    """The model of a folder, in eval mode, on `device`, in `dtype` (None keeps the stored dtypes); its stored
+    tensors checked finite."""
     config_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(config_path):
         raise ModelFolderError(f"{config_path}: no such file (a model folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
@@ -75,6 +77,7 @@ def load_model_folder(directory: str, device=None, dtype: Optional[torch.dtype] 
     sharded = os.path.isfile(os.path.join(directory, index_file(WEIGHTS_STEM)))
     weights_path = os.path.join(directory, index_file(WEIGHTS_STEM) if sharded else WEIGHTS_FILE)
     state = read_folder_tensors(directory, WEIGHTS_STEM)
+    check_finite(state, weights_path)
     with torch.device("meta"):
         model = MambaLM(config)
     _check_keys(weights_path, state, model)
@@ -160,19 +163,23 @@ class FolderWeights:
         return {**shapes, **{n: shape for n, shape in held.items() if n not in used}}
 
     def each(self, names):
-        """(name, full tensor) for each of `names`, one at a time, on the CPU (the head is the embedding when tied):
-        a caller that keeps only its slice of each holds one full tensor at a time."""
+        """(name, full tensor) for each of `names`, one at a time, on the CPU (the head is the embedding when tied),
+        each checked finite: a caller that keeps only its slice of each holds one full tensor at a time."""
         source = {n: EMBEDDING if self.config.tie_embeddings and n == HEAD else n for n in names}
         if self._bin is not None:
             absent = sorted({p.name for s in source.values() for p in self._parts(s)} - set(self._bin))
             if absent:
                 raise ModelFolderError(f"{self._torch_file}: has no tensors {absent[:5]}")
             for n, s in source.items():
-                yield n, assemble(self._parts(s), self._bin.__getitem__)
+                yield n, self._finite(s, assemble(self._parts(s), self._bin.__getitem__))
             return
         with FolderTensors(self.directory, WEIGHTS_STEM) as tensors:
             for n, s in source.items():
-                yield n, assemble(self._parts(s), tensors.read)
+                yield n, self._finite(s, assemble(self._parts(s), tensors.read))
+
+    def _finite(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        check_finite({name: tensor}, self.directory)
+        return tensor
 
     def tensors(self, names) -> dict:
         """Full tensors by our name for `names`, on the CPU (the head is the embedding when tied)."""

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from megamamba.checkpoint.finite import check_finite
 from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError, index_file, shard_file
 from megamamba.checkpoint.model_folder import WEIGHTS_STEM
 
@@ -72,7 +73,7 @@ def parse_size(text) -> int:
 
 class TensorReader(FolderTensors):
     """The full tensors of a folder's weights (pieces put together): specs from the headers, `load(name)`
-    one at a time; use it as a context manager."""
+    one at a time, checked finite; use it as a context manager."""
 
     def __init__(self, directory: str):
         super().__init__(directory, WEIGHTS_STEM)
@@ -86,7 +87,9 @@ class TensorReader(FolderTensors):
         return TensorSpec(name, dtype, self.shape(name))
 
     def load(self, name: str) -> torch.Tensor:
-        return self.read(name)
+        tensor = self.read(name)
+        check_finite({name: tensor}, self.directory)
+        return tensor
 
 
 def plan_shards(specs: Sequence[TensorSpec], max_bytes: int) -> list:

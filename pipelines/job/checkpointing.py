@@ -60,6 +60,7 @@ from megamamba.pipelines.deepspeed_internals import (
     zero_flat_masters,
     zero_fragment,
 )
+from megamamba.pipelines.job.finite_weights import check_finite_on_every_rank
 from megamamba.pipelines.stages.names import EMBEDDING
 
 log = logging.getLogger(__name__)
@@ -326,6 +327,7 @@ def load(trainer, checkpoint: Checkpoint, config: MambaConfig, load_optim: bool 
     parameters = trainer.named_parameters()
     cuts = {n: (name, _cut(p, trainer.tp)[1]) for n, name, p in parameters}
     values = checkpoint.model_cuts(cuts)
+    check_finite_on_every_rank(values, cuts, checkpoint.path)
     with torch.no_grad():
         for n, _, p in parameters:
             if values[n].shape != p.shape:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megamamba.checkpoint import CheckpointError, config_differences, resolve_model_folder
 from megamamba.checkpoint.checkpoint import check_model_shapes
+from megamamba.checkpoint.finite import DamagedWeightsError
 from megamamba.checkpoint.manifest import verify
 from megamamba.checkpoint.model_folder import FolderWeights, ModelFolderError
 from megamamba.config import MambaConfig
@@ -133,7 +134,7 @@ def _copy_zero3_masters(optimizer, flag: str) -> None:
 
 def load_weights(trainer, source: InitSource) -> None:
     """Set every parameter of this rank (and its optimizer master) from the folder, reading one full tensor at a
-    time and keeping only this rank's slice of it; collective."""
+    time (checked finite) and keeping only this rank's slice of it; collective."""
     # a TP parameter may come in parts under one full name (`in_proj.weight` and `in_proj.weight_replicated`)
     by_name: dict = {}
     for n, name, p in trainer.named_parameters():
@@ -144,6 +145,8 @@ def load_weights(trainer, source: InitSource) -> None:
         for name, full in source.weights.each(sorted(by_name)):
             for key, param in by_name[name]:
                 _set_parameter(trainer, param, _slice(trainer, full, param, name, key, source.flag), zero_stage)
+    except DamagedWeightsError as e:
+        error = str(e)
     except ModelFolderError as e:
         error = f"{source.flag}: rank {dist.get_rank()}: {e}"
     except CheckpointError as e:
