@@ -456,6 +456,11 @@ class MambaConfig:
         """Build from a config.json dict; missing fields take mamba_ssm's defaults."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
+        if "model_type" in unknown:
+            raise ConfigError(
+                f"a transformers config (model_type {data['model_type']!r}), not ours: import its folder first, "
+                "python -m megamamba.checkpoint.convert import --from hf --input FOLDER --output OUR_FOLDER"
+            )
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown}; known: {sorted(known)}")
         return cls(**data)

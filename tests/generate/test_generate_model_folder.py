@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from megamamba import MambaConfig, MambaLM
 from megamamba.checkpoint import model_tensors, save_checkpoint
+from megamamba.checkpoint.convert import main as convert_main
 from megamamba.checkpoint.model_folder import ModelFolderError, load_model_folder, save_model_folder
 from megamamba.generate import main as generate_main
 from megamamba.tokenizer import load_tokenizer
@@ -153,4 +154,16 @@ def test_command_line_on_a_folder_that_is_neither_says_what_it_needs(tmp_path, c
         capsys,
         ["--checkpoint", str(tmp_path / "empty"), "--prompt", "x", "--device", "cpu"],
         "--checkpoint .*empty: no 'latest' file",
+    )
+
+
+def test_command_line_on_a_transformers_export_says_to_import_it_first(folder, tmp_path, capsys):
+    _, path = folder
+    convert_main(["export", "--checkpoint", path, "--output", str(tmp_path / "hf")])
+    capsys.readouterr()
+    refused(
+        capsys,
+        ["--checkpoint", str(tmp_path / "hf"), "--prompt", "x", "--device", "cpu"],
+        r"a transformers config \(model_type 'mamba2'\), not ours: import its folder first, python -m "
+        r"megamamba.checkpoint.convert import --from hf --input FOLDER --output OUR_FOLDER",
     )
