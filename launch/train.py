@@ -23,6 +23,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.checkpoint import CheckpointError
+from megamamba.data.errors import DatasetError
 from megamamba.data.training_data import add_data_flags
 from megamamba.observe import console_log
 from megamamba.parallel.groups import RendezvousError, init_distributed
@@ -148,7 +149,7 @@ def train(argv=None) -> dict:
         return run_training(args, plan, job_start)
     except CheckpointError as e:
         fail(e)
-    except NonFiniteSteps as e:
+    except (NonFiniteSteps, DatasetError) as e:  # DatasetError here: a .bin changed after start-up checked it
         fail(e, status=1)
     finally:
         if lock is not None:

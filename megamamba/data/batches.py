@@ -43,7 +43,8 @@ def fingerprint(dataset, samples: int = 1024) -> str:
 
 
 class PackedGlobalBatches:
-    """Global sample numbers -> packed batches from weighted datasets (see the module docstring)."""
+    """Global sample numbers -> packed batches from weighted datasets (see the module docstring); with
+    `vocab_size`, every id read is checked to lie in [0, vocab_size) (packing.py)."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class PackedGlobalBatches:
         global_batch_size: int,
         seed: int,
         reset_at_documents: bool = True,
+        vocab_size: Optional[int] = None,
     ):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
@@ -61,7 +63,7 @@ class PackedGlobalBatches:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
         self.datasets, self.weights, self.seed = list(datasets), [Fraction(w) for w in weights], seed
         self.schedule = BlendSchedule(weights)
-        self.packers = [DocumentPacker(d, seq_length, seed, key) for key, d in enumerate(datasets)]
+        self.packers = [DocumentPacker(d, seq_length, seed, key, vocab_size) for key, d in enumerate(datasets)]
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
         self.reset_at_documents = reset_at_documents

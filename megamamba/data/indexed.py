@@ -140,6 +140,11 @@ class IndexedDataset:
     def document(self, d: int) -> np.ndarray:
         return self.tokens[self.offsets[d] : self.offsets[d + 1]]
 
+    def locate(self, position: int) -> str:
+        """Where `tokens[position]` is, for messages: the file, the token and its document."""
+        document = int(np.searchsorted(self.offsets, position, side="right")) - 1
+        return f"{self.prefix}.bin, token {position} (document {document})"
+
     def _read_index(self, path: str) -> tuple[np.dtype, np.ndarray]:
         """(token dtype, token offset of every document and the total) from the memory-mapped index."""
         size = os.path.getsize(path)

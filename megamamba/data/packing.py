@@ -2,7 +2,10 @@
 
 Each epoch shuffles the documents and cuts their concatenation into samples of seq_length + 1
 tokens; a document's segment begins at the end-of-document token before it, so it never sees the
-document packed before it. Details: docs/data.md ("The data code").
+document packed before it. With a vocab size, every id read is checked against it (a max and a min
+per sample): a .bin changed after start-up fails here, naming the file and the token, on every rank
+that reads it, rather than in the embedding (or silently, where a TP rank embeds only some rows).
+Details: docs/data.md ("The data code").
 """
 
 from collections import OrderedDict
@@ -11,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from megamamba.data.epoch_index import epoch_arrays, index_base
+from megamamba.data.errors import DatasetError
 from megamamba.data.indexed import IndexedDataset
 
 _EPOCHS_CACHED = 2
@@ -37,13 +41,14 @@ def _permutation(n: int, seed: int, key: int, epoch: int, purpose: int) -> np.nd
 class DocumentPacker:
     """Sample number q of one dataset -> (tokens (seq_length + 1,) int64, document ids (seq_length,) int32)."""
 
-    def __init__(self, dataset: IndexedDataset, seq_length: int, seed: int, key: int):
+    def __init__(self, dataset: IndexedDataset, seq_length: int, seed: int, key: int, vocab_size: Optional[int] = None):
         if seed < 0:
             raise ValueError(f"seed {seed}: must be >= 0")
         self.dataset = dataset
         self.seq_length = seq_length
         self.seed = seed
         self.key = key
+        self.vocab_size = vocab_size
         self.samples_per_epoch = (dataset.num_tokens - 1) // seq_length
         if self.samples_per_epoch < 1:
             raise ValueError(
@@ -84,15 +89,29 @@ class DocumentPacker:
         begin, end = sample_start + lo, sample_start + hi + 1
         first = int(np.searchsorted(starts, begin, side="right")) - 1
         stop = int(np.searchsorted(starts, end, side="left"))
-        pieces = []
+        pieces, offsets = [], []  # the tokens of each document in the sample, and where they start in the .bin
         for d in range(first, stop):
             doc_start = self.dataset.offsets[order[d]]
             a, b = max(begin, starts[d]) - starts[d], min(end, starts[d + 1]) - starts[d]
             pieces.append(self.dataset.tokens[doc_start + a : doc_start + b])
+            offsets.append(int(doc_start + a))
         tokens = np.concatenate(pieces).astype(np.int64)
+        if self.vocab_size is not None and (tokens.max() >= self.vocab_size or tokens.min() < 0):
+            positions = np.concatenate([np.arange(o, o + p.size) for o, p in zip(offsets, pieces)])
+            raise self._outside_vocabulary(tokens, positions)
         ids = segment_ids(starts[first + 1 : stop + 1] - 1 - begin, hi - lo)
         # the whole sample's ids step up at each document end at positions 1..lo: its ends before the window
         ids += np.int32(
             np.searchsorted(starts, begin + 1, side="right") - np.searchsorted(starts, sample_start + 2, side="left")
         )
         return tokens, ids
+
+    def _outside_vocabulary(self, tokens: np.ndarray, positions: np.ndarray) -> DatasetError:
+        """The error naming the first of `tokens` outside [0, vocab_size) and where it is (`positions`: in the
+        dataset's tokens)."""
+        first = int(np.flatnonzero((tokens >= self.vocab_size) | (tokens < 0))[0])
+        return DatasetError(
+            f"{self.dataset.locate(int(positions[first]))}: token id {tokens[first]} is outside the vocabulary of "
+            f"{self.vocab_size} ids: the file changed after start-up checked it; restore it or re-run "
+            "python -m megamamba.data.preprocess, then resume"
+        )

@@ -63,6 +63,10 @@ class DocumentRange:
     def num_documents(self) -> int:
         return self.offsets.size - 1
 
+    def locate(self, position: int) -> str:
+        """Where `tokens[position]` is (the tokens are the whole dataset's), for messages."""
+        return self.source.locate(position)
+
 
 class SplitBlend(NamedTuple):
     train: list

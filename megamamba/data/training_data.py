@@ -40,6 +40,10 @@ class DocumentTokens:
     def num_documents(self) -> int:
         return self.offsets.size - 1
 
+    def locate(self, position: int) -> str:
+        """Where `tokens[position]` is, for messages."""
+        return f"{self.prefix}, token {position}"
+
 
 def builtin_datasets(tokenizer: Tokenizer) -> tuple[DocumentTokens, DocumentTokens]:
     """(train, validation) of the built-in corpus: each document's tokens then the end-of-document id."""
@@ -98,9 +102,12 @@ def training_data(
             "datasets that preprocess --valid-fraction writes) or a --split with a validation part "
             "(e.g. --split 969,30,1)"
         )
-    train = PackedGlobalBatches(train_sets, train_weights, seq_length, global_batch_size, seed, reset_at_documents)
+    vocab = tokenizer.vocab_size
+    train = PackedGlobalBatches(
+        train_sets, train_weights, seq_length, global_batch_size, seed, reset_at_documents, vocab
+    )
     if valid is not None:
-        valid = PackedGlobalBatches(*valid, seq_length, global_batch_size, seed + 1, reset_at_documents)
+        valid = PackedGlobalBatches(*valid, seq_length, global_batch_size, seed + 1, reset_at_documents, vocab)
     return TrainingData(tokenizer, train, valid, [n for n in notes if n])
 
 
