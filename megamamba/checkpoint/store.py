@@ -70,9 +70,14 @@ def check_save_dir(save_dir: str) -> None:
         ) from None
 
 
+def staging_dir(save_dir: str, tag: str) -> str:
+    """Where this job stages the checkpoint `tag` (`stage`)."""
+    return os.path.join(save_dir, f"{STAGING_PREFIX}{tag}-{JOB_TOKEN}")
+
+
 def stage(save_dir: str, tag: str) -> str:
     """A new, empty staging directory for the checkpoint `tag` (beside its final place)."""
-    staging = os.path.join(save_dir, f"{STAGING_PREFIX}{tag}-{JOB_TOKEN}")
+    staging = staging_dir(save_dir, tag)
     if os.path.exists(staging):
         files.remove_tree(staging)
     os.mkdir(staging)

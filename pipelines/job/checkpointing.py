@@ -49,7 +49,7 @@ from megamamba.checkpoint import (
     write_shard,
 )
 from megamamba.checkpoint.lock import SaveDirLock, describe
-from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags
+from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags, staging_dir, tag_for
 from megamamba.checkpoint.tensor_pieces import Cut, Piece
 from megamamba.config import MambaConfig
 from megamamba.pipelines.deepspeed_internals import (
@@ -220,13 +220,12 @@ def save(
     Ctrl-C (KeyboardInterrupt) abandons the save: rank 0 removes its staging directory (what it can), and
     `latest` still names the previous checkpoint.
     """
-    staging = None
     try:
         staging = _shared(_outcome(lambda: begin(save_dir, step, keep_last)) if dist.get_rank() == 0 else None)
         return _save_staged(trainer, config, save_dir, staging, step, extra, tokenizer, keep_last, protect)
     except KeyboardInterrupt:
-        if staging is not None and dist.get_rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # gone already when the save had committed
+        if dist.get_rank() == 0:  # gone already when the save had committed
+            shutil.rmtree(staging_dir(save_dir, tag_for(step)), ignore_errors=True)
         raise
 
 
