@@ -213,9 +213,9 @@ class TrainingLoop:
                     protect=self.last_good and os.path.basename(self.last_good),
                 )
         except Interrupted:
-            raise Interrupted(
-                f"interrupted again: the save at step {step + 1} was abandoned; {self.newest_saved()}"
-            ) from None
+            ending = "had finished" if read_latest(settings.save) == tag_for(step + 1) else "was abandoned"
+            where = self.newest_saved()
+            raise Interrupted(f"interrupted again: the save at step {step + 1} {ending}; {where}") from None
         self.newest = os.path.join(settings.save, tag_for(step + 1))
         if self.rank == 0:
             log.info(
