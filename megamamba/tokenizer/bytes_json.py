@@ -3,8 +3,9 @@
 Ids 0..255 are the UTF-8 bytes and 256 the end-of-document token, named "<|endoftext|>" here
 (ours has no names). A byte-level pre-tokenizer turns every byte into one printable character
 (GPT-2's alphabet) and a model without merges gives each its byte's id; decoding joins the bytes
-and replaces invalid UTF-8 with U+FFFD as Python's errors="replace" does, and the
-end-of-document token decodes to nothing, as `Bytes.decode` drops it.
+and replaces invalid UTF-8 with U+FFFD as Python's errors="replace" does. The end-of-document
+token decodes to its name, as transformers users expect of a special token (lm-eval stops
+generating at it); `skip_special_tokens=True` drops it, as `Bytes.decode` does.
 """
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -33,7 +34,7 @@ def bytes_as_tokenizers() -> Library:
     """The `tokenizers` tokenizer with Bytes' ids (see the module docstring)."""
     tok = Library(models.BPE(vocab={c: i for i, c in enumerate(byte_alphabet())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.Sequence([decoders.Replace(EOD_TOKEN, ""), decoders.ByteLevel()])
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
     eod = tok.token_to_id(EOD_TOKEN)
     if eod != Bytes.eod:

@@ -1,7 +1,9 @@
 """Hugging Face `tokenizer.json` files (the `tokenizers` library), e.g. GPT-NeoX's for Mamba checkpoints.
 
 The end-of-document token is the `eos_token` of a `tokenizer_config.json` beside the file when
-there is one, else the first of the usual end-of-text names the vocabulary holds.
+there is one, else the first of the usual end-of-text names the vocabulary holds. A transformers
+export's file puts that token first for transformers (transformers_export.py); the config beside it
+records the file's own post-processor, which is restored here, so the tokenizer is the one exported.
 """
 
 import hashlib
@@ -16,13 +18,23 @@ JSON_FILE = "tokenizer.json"
 EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
 
 
-def _configured_eos(directory: str):
+# the tokenizer_config.json key under which a transformers export records the file's own post-processor
+OWN_POST_PROCESSOR = "megamamba_post_processor"
+
+
+def _config(directory: str) -> dict:
     path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(path):
-        return None
+        return {}
     with open(path) as f:
-        eos = json.load(f).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+        return json.load(f)
+
+
+def _with_post_processor(tok: _HFTokenizer, post_processor) -> _HFTokenizer:
+    """A copy of `tok` with `post_processor` (its JSON form; None for none)."""
+    definition = json.loads(tok.to_str())
+    definition["post_processor"] = post_processor
+    return _HFTokenizer.from_str(json.dumps(definition))
 
 
 class HFTokenizer:
@@ -34,9 +46,13 @@ class HFTokenizer:
             self._tok = _HFTokenizer.from_file(path)
         except Exception as e:  # the library raises its own Exception subclass for bad files
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
+        config = _config(os.path.dirname(os.path.abspath(path)))
+        if OWN_POST_PROCESSOR in config:
+            self._tok = _with_post_processor(self._tok, config[OWN_POST_PROCESSOR])
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
-        configured = _configured_eos(os.path.dirname(os.path.abspath(path)))
+        configured = config.get("eos_token")
+        configured = configured.get("content") if isinstance(configured, dict) else configured
         names = (configured,) if configured else EOD_NAMES
         found = [n for n in names if n in vocab]
         if not found:
@@ -44,8 +60,13 @@ class HFTokenizer:
         self.eod_token = found[0]
         self.eod = vocab[self.eod_token]
         # of the parsed definition, not the file's bytes: save() rewrites the file in its own formatting
-        definition = self._tok.to_str() + "\n" + self.eod_token
-        self.identity = "sha256:" + hashlib.sha256(definition.encode()).hexdigest()
+        named = self.definition + "\n" + self.eod_token
+        self.identity = "sha256:" + hashlib.sha256(named.encode()).hexdigest()
+
+    @property
+    def definition(self) -> str:
+        """The tokenizer's `tokenizer.json` text."""
+        return self._tok.to_str()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -83,9 +83,9 @@ def _model(proto):
 
 
 def _decoder(proto):
+    """SentencePiece's decoding, but control pieces (`</s>`) keep their text (skip_special_tokens drops them)."""
     spec = proto.trainer_spec
     steps = [decoders.Replace(proto.pieces[spec.unk_id].piece, spec.unk_surface)]
-    steps += [decoders.Replace(p.piece, "") for p in proto.pieces if p.type == Piece.CONTROL]
     steps += [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if proto.normalizer_spec.add_dummy_prefix:
         steps.append(decoders.Strip(" ", 1, 0))

@@ -1,20 +1,25 @@
 """Our tokenizer as transformers loads it: tokenizer.json, tokenizer_config.json, special_tokens_map.json, checked.
 
 Writes our own files and a `tokenizer.json` that `AutoTokenizer` loads, configured to encode as
-ours does, then checks both on sample text; `TokenizerError` names the first text that differs.
-Details: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
+ours does and to put the end-of-document token first, as the BOS: training starts every document
+after it and `megamamba.generate` prepends it, so `tok(text).input_ids` is what the model was fed
+(`add_special_tokens=False` leaves it out). Special tokens decode to their text, which
+`skip_special_tokens=True` drops. The export checks both on sample text; `TokenizerError` names
+the first text that differs. Details: docs/checkpoints.md ("Converting to and from Hugging Face and mamba_ssm").
 """
 
 import json
 import os
 import random
+from typing import NamedTuple
 
 from tokenizers import Tokenizer as Library
+from tokenizers import processors
 
 from megamamba.data.corpus import python_docs
 from megamamba.tokenizer.base import BYTES_MARKER, CONFIG_FILE, Bytes, Tokenizer, TokenizerError
 from megamamba.tokenizer.bytes_json import EOD_TOKEN, bytes_as_tokenizers
-from megamamba.tokenizer.hf_json import JSON_FILE, HFTokenizer
+from megamamba.tokenizer.hf_json import JSON_FILE, OWN_POST_PROCESSOR, HFTokenizer
 from megamamba.tokenizer.load import load_tokenizer
 from megamamba.tokenizer.sentencepiece_json import read_model, sentencepiece_as_tokenizers, special_pieces
 from megamamba.tokenizer.sentencepiece_model import SentencePieceTokenizer
@@ -53,15 +58,34 @@ def _samples() -> list:
     return list(SAMPLES) + snippets
 
 
-def _library_form(tokenizer: Tokenizer) -> tuple:
-    """(the `tokenizers` tokenizer or None to keep ours, transformers' special tokens, split_special_tokens)."""
+class _Form(NamedTuple):
+    """How a tokenizer is written for transformers."""
+
+    library: Library  # tokenizer.json's contents, but for the document-start post-processor
+    special: dict  # transformers' special tokens; the end-of-document token is EOS and BOS alike
+    split_special: bool  # split_special_tokens: special tokens in text are plain text, as ours reads them
+    ours: dict  # what tokenizer_config.json carries for load_tokenizer
+
+
+def _form(tokenizer: Tokenizer) -> _Form:
     if isinstance(tokenizer, SentencePieceTokenizer):
-        return sentencepiece_as_tokenizers(tokenizer.path), special_pieces(read_model(tokenizer.path)), True
+        special = special_pieces(read_model(tokenizer.path))
+        special["bos_token"] = special["eos_token"]
+        return _Form(sentencepiece_as_tokenizers(tokenizer.path), special, True, {})
     if isinstance(tokenizer, HFTokenizer):
-        return None, {"eos_token": tokenizer.eod_token}, False
+        own = json.loads(tokenizer.definition)["post_processor"]
+        special = {"bos_token": tokenizer.eod_token, "eos_token": tokenizer.eod_token}
+        return _Form(Library.from_str(tokenizer.definition), special, False, {OWN_POST_PROCESSOR: own})
     if isinstance(tokenizer, Bytes):
-        return bytes_as_tokenizers(), {"eos_token": EOD_TOKEN}, True
+        return _Form(bytes_as_tokenizers(), {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN}, True, BYTES_MARKER)
     raise TokenizerError(f"tokenizer {tokenizer!r}: no transformers form for this kind")
+
+
+def document_start(token: str, token_id: int) -> processors.TemplateProcessing:
+    """The post-processor that puts `token` before each text, as transformers' add_bos_token builds it."""
+    return processors.TemplateProcessing(
+        single=f"{token}:0 $A:0", pair=f"{token}:0 $A:0 {token}:1 $B:1", special_tokens=[(token, token_id)]
+    )
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -70,48 +94,64 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def _check(ours: Tokenizer, written: Library) -> None:
-    for text in _samples():
-        ids = ours.encode(text)
-        theirs = written.encode(text, add_special_tokens=False).ids
-        if theirs != ids:
-            at = next((i for i, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
-            raise TokenizerError(
-                f"the tokenizer.json built from {ours!r} encodes {text!r} differently from ours "
-                f"from token {at}: {theirs[at : at + 6]} against {ids[at : at + 6]}"
-            )
-        ids = ids + [ours.eod]
-        decoded, expected = written.decode(ids, skip_special_tokens=False), ours.decode(ids)
+def _first_difference(theirs: list, ours: list) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return f"from token {at}: {theirs[at : at + 6]} against {ours[at : at + 6]}"
+
+
+def _check_encoding(ours: Tokenizer, written: Library, text: str) -> None:
+    ids = ours.encode(text)
+    theirs = written.encode(text, add_special_tokens=False).ids
+    if theirs != ids:
+        raise TokenizerError(
+            f"the tokenizer.json built from {ours!r} encodes {text!r} differently from ours "
+            f"{_first_difference(theirs, ids)}"
+        )
+    theirs = written.encode(text).ids
+    if theirs != [ours.eod] + ids:
+        raise TokenizerError(
+            f"the tokenizer.json built from {ours!r} encodes {text!r} with special tokens not as the "
+            f"end-of-document id followed by ours {_first_difference(theirs, [ours.eod] + ids)}"
+        )
+
+
+def _check_decoding(ours: Tokenizer, written: Library, text: str, eod_token: str) -> None:
+    """The text's ids and the end-of-document id decode to ours and the token's text, or ours alone when skipped."""
+    ids = ours.encode(text) + [ours.eod]
+    for skip, expected in ((False, ours.decode(ids) + eod_token), (True, ours.decode(ids))):
+        decoded = written.decode(ids, skip_special_tokens=skip)
         if decoded != expected:
             raise TokenizerError(
-                f"the tokenizer.json built from {ours!r} decodes the ids of {text!r} (and the "
-                f"end-of-document id) as {decoded!r}, ours as {expected!r}"
+                f"the tokenizer.json built from {ours!r} decodes the ids of {text!r} and the end-of-document "
+                f"id with skip_special_tokens={skip} as {decoded!r}, not {expected!r}"
             )
 
 
 def write_transformers_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
     """Write the tokenizer's files for transformers (and ours) to `directory`; TokenizerError if they differ."""
-    library, special, split_special = _library_form(tokenizer)
+    form = _form(tokenizer)
     tokenizer.save(directory)
-    if library is not None:
-        library.save(os.path.join(directory, JSON_FILE))
+    form.library.post_processor = document_start(form.special["bos_token"], tokenizer.eod)
+    form.library.save(os.path.join(directory, JSON_FILE))
     config = {
         "tokenizer_class": TOKENIZER_CLASS,
-        **special,
-        "add_bos_token": False,
+        **form.special,
+        "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "split_special_tokens": split_special,
+        "split_special_tokens": form.split_special,
+        **form.ours,
     }
-    if isinstance(tokenizer, Bytes):
-        config.update(BYTES_MARKER)  # find_tokenizer reads the folder as bytes, not as its tokenizer.json
     _write_json(os.path.join(directory, CONFIG_FILE), config)
-    _write_json(os.path.join(directory, SPECIAL_TOKENS_FILE), special)
+    _write_json(os.path.join(directory, SPECIAL_TOKENS_FILE), form.special)
     reread = load_tokenizer(directory)
     if reread.identity != tokenizer.identity:
         raise TokenizerError(
             f"{directory}: the tokenizer read back from the written files is {reread!r}, not {tokenizer!r}"
         )
     written = Library.from_file(os.path.join(directory, JSON_FILE))
-    written.encode_special_tokens = split_special  # what transformers does with the config's split_special_tokens
-    _check(tokenizer, written)
+    written.encode_special_tokens = form.split_special  # what transformers does with split_special_tokens
+    for text in _samples():
+        _check_encoding(tokenizer, written, text)
+        if not isinstance(tokenizer, HFTokenizer):  # ours decodes with a tokenizer.json of ours: the same decoder
+            _check_decoding(tokenizer, written, text, form.special["eos_token"])

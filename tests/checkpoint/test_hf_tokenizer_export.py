@@ -1,9 +1,11 @@
 """An export's tokenizer: transformers' AutoTokenizer encodes and decodes as ours, or the export is refused.
 
 Four kinds: SentencePiece BPE and unigram (trained on the built-in corpus), a tokenizer.json
-(byte-level BPE trained with the `tokenizers` library) and the byte tokenizer. Fast tests use the
-`tokenizers` library on the written tokenizer.json; the slow ones import transformers (seconds)
-and load the exported folder with `AutoTokenizer.from_pretrained`.
+(byte-level BPE trained with the `tokenizers` library) and the byte tokenizer. Encoding with special
+tokens puts the end-of-document token first, as training and generation feed the model; special
+tokens decode to their text unless skipped. Fast tests use the `tokenizers` library on the written
+tokenizer.json; the slow ones import transformers (seconds) and load the exported folder with
+`AutoTokenizer.from_pretrained`.
 """
 
 import contextlib
@@ -14,7 +16,7 @@ import random
 import pytest
 import sentencepiece as spm
 from tokenizers import Tokenizer as Library
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from checkpoint_fixtures import perturbed_model, tiny
 from megamamba.checkpoint import model_tensors, save_checkpoint
@@ -25,6 +27,7 @@ from megamamba.tokenizer.sentencepiece_json import read_model, sentencepiece_as_
 from megamamba.tokenizer.sentencepiece_model import UNIGRAM_SCORE_STEP
 
 KINDS = ("sentencepiece_bpe", "sentencepiece_unigram", "tokenizer_json", "bytes")
+BUILT = ("sentencepiece_bpe", "sentencepiece_unigram", "bytes")  # the export builds their tokenizer.json
 SNIPPET_SEED = 1
 VARIATIONS = (
     "   ",
@@ -48,6 +51,7 @@ def tokenizers_by_kind(tmp_path_factory):
     json_tok = Library(models.BPE())
     json_tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     json_tok.decoder = decoders.ByteLevel()
+    json_tok.post_processor = processors.ByteLevel(trim_offsets=True)  # GPT-NeoX's; the export records it
     json_tok.train_from_iterator(
         docs,
         trainers.BpeTrainer(
@@ -79,6 +83,10 @@ def snippets(count: int = 100) -> list:
     return out
 
 
+def read_json(path) -> dict:
+    return json.loads(path.read_text())
+
+
 def checkpoint_with(tmp_path, tokenizer, layer: str = "Mamba1") -> str:
     config = tiny(layer, vocab_size=tokenizer.vocab_size)
     save_checkpoint(str(tmp_path / "ckpt"), 3, config, model_tensors(perturbed_model(config, 0)), tokenizer=tokenizer)
@@ -99,37 +107,64 @@ def refusal(argv) -> str:
 def test_export_writes_transformers_files_and_keeps_ours(tmp_path, tokenizers_by_kind, kind):
     ours = tokenizers_by_kind[kind]
     main(["export", "--checkpoint", checkpoint_with(tmp_path, ours), "--output", str(tmp_path / "hf")])
-    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    config = read_json(tmp_path / "hf" / "tokenizer_config.json")
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert (config["add_bos_token"], config["add_eos_token"], config["clean_up_tokenization_spaces"]) == (False,) * 3
+    assert (config["add_bos_token"], config["add_eos_token"], config["clean_up_tokenization_spaces"]) == (
+        True,
+        False,
+        False,
+    )
     written = Library.from_file(str(tmp_path / "hf" / "tokenizer.json"))
-    assert written.token_to_id(config["eos_token"]) == ours.eod
-    special = json.loads((tmp_path / "hf" / "special_tokens_map.json").read_text())
-    assert special["eos_token"] == config["eos_token"]
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == ours.eod
+    assert written.token_to_id(config["eos_token"]) == ours.eod and config["bos_token"] == config["eos_token"]
+    special = read_json(tmp_path / "hf" / "special_tokens_map.json")
+    assert (special["bos_token"], special["eos_token"]) == (config["eos_token"],) * 2
+    assert read_json(tmp_path / "hf" / "config.json")["eos_token_id"] == ours.eod
     assert load_tokenizer(str(tmp_path / "hf")).identity == ours.identity
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_written_tokenizer_json_encodes_and_decodes_snippets_as_ours(tmp_path, tokenizers_by_kind, kind):
-    ours = tokenizers_by_kind[kind]
-    transformers_export.write_transformers_tokenizer(ours, str(tmp_path))
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    written = Library.from_file(str(tmp_path / "tokenizer.json"))
+def written_for_transformers(ours, directory) -> tuple:
+    """(the export's tokenizer.json read by `tokenizers` as transformers configures it, its EOS text)."""
+    transformers_export.write_transformers_tokenizer(ours, str(directory))
+    config = read_json(directory / "tokenizer_config.json")
+    written = Library.from_file(str(directory / "tokenizer.json"))
     written.encode_special_tokens = config["split_special_tokens"]
+    return written, config["eos_token"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_written_tokenizer_json_encodes_snippets_as_ours_after_the_end_of_document_token(
+    tmp_path, tokenizers_by_kind, kind
+):
+    ours = tokenizers_by_kind[kind]
+    written, _ = written_for_transformers(ours, tmp_path)
     for i, text in enumerate(snippets()):
         ids = ours.encode(text)
+        assert written.encode(text).ids == [ours.eod] + ids, (kind, i, text)
         assert written.encode(text, add_special_tokens=False).ids == ids, (kind, i, text)
         assert written.decode(ids, skip_special_tokens=False) == ours.decode(ids), (kind, i, text)
 
 
+@pytest.mark.parametrize("kind", BUILT)
+def test_built_tokenizer_json_decodes_the_end_of_document_token_to_its_text_unless_skipped(
+    tmp_path, tokenizers_by_kind, kind
+):
+    ours = tokenizers_by_kind[kind]
+    written, eos = written_for_transformers(ours, tmp_path)
+    assert written.decode([ours.eod], skip_special_tokens=False) == eos
+    for i, text in enumerate(snippets()):
+        ids = ours.encode(text)
+        assert written.decode(ids + [ours.eod], skip_special_tokens=False) == ours.decode(ids) + eos, (kind, i)
+        assert written.decode([ours.eod] + ids + [ours.eod], skip_special_tokens=True) == ours.decode(ids), (kind, i)
+
+
 def test_bytes_export_decodes_any_ids_as_ours_invalid_utf8_included(tmp_path):
-    transformers_export.write_transformers_tokenizer(Bytes(), str(tmp_path))
-    written = Library.from_file(str(tmp_path / "tokenizer.json"))
+    written, eos = written_for_transformers(Bytes(), tmp_path)
     rng = random.Random(2)
     for _ in range(500):
         ids = [rng.randrange(Bytes.vocab_size) for _ in range(rng.randint(1, 12))]
-        assert written.decode(ids, skip_special_tokens=False) == Bytes().decode(ids), (ids, "seed 2")
+        named = b"".join(eos.encode() if i == Bytes.eod else bytes([i]) for i in ids).decode("utf-8", "replace")
+        assert written.decode(ids, skip_special_tokens=False) == named, (ids, "seed 2")
+        assert written.decode(ids, skip_special_tokens=True) == Bytes().decode(ids), (ids, "seed 2")
 
 
 def test_sentencepiece_special_pieces_in_text_are_plain_text_as_in_sentencepiece(tmp_path, tokenizers_by_kind):
@@ -189,8 +224,10 @@ def test_auto_tokenizer_of_the_export_encodes_and_decodes_100_snippets_as_ours(
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     for i, text in enumerate(snippets()):
         ids = ours.encode(text)
-        assert theirs(text)["input_ids"] == ids, (kind, i, text)
+        assert theirs(text)["input_ids"] == [ours.eod] + ids, (kind, i, text)
+        assert theirs(text, add_special_tokens=False)["input_ids"] == ids, (kind, i, text)
         assert theirs.decode(ids) == ours.decode(ids), (kind, i, text)
-    assert theirs.eos_token_id == ours.eod
+    assert theirs.eos_token_id == theirs.bos_token_id == ours.eod
+    assert theirs.decode([ours.eod]) == theirs.eos_token and theirs.decode([ours.eod], skip_special_tokens=True) == ""
     model, info = transformers.Mamba2ForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not any(info.values()), info
