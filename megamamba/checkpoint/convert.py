@@ -42,7 +42,15 @@ from megamamba.checkpoint.safetensors_stream import (
     write_sharded,
 )
 from megamamba.checkpoint.store import checkpoint_tags, resolve_model_folder
-from megamamba.checkpoint.transformers_formats import assemble, export_config, file_names, file_parts, import_config
+from megamamba.checkpoint.transformers_formats import (
+    GENERATION_CONFIG_FILE,
+    assemble,
+    export_config,
+    file_names,
+    file_parts,
+    generation_config,
+    import_config,
+)
 from megamamba.config import ATTENTION_LETTER, MLP_LETTER, ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.model.layer_types.head import tie
@@ -174,6 +182,7 @@ def export_hf(
                 write_json(os.path.join(staging, CONFIG_FILE), hf)
                 if ours is not None:
                     write_transformers_tokenizer(ours, staging)
+                    write_json(os.path.join(staging, GENERATION_CONFIG_FILE), generation_config(hf, ours.vocab_size))
                 write_sharded(staging, specs, load, max_shard_size)
             except BaseException:
                 shutil.rmtree(staging)

@@ -14,6 +14,7 @@ from megamamba.checkpoint.hf import ARCHITECTURES, HF_DEFAULTS, HFFormatError, c
 from megamamba.config import MambaConfig
 
 MODEL_TYPES = (*HF_DEFAULTS, nemotron_h.MODEL_TYPE)
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def is_hybrid(config: MambaConfig) -> bool:
@@ -26,6 +27,17 @@ def export_config(config: MambaConfig, dtype: torch.dtype, eos_token_id=None) ->
     if is_hybrid(config):
         return nemotron_h.nemotron_h_config(config, dtype, eos_token_id)
     return hf_config(config, dtype, eos_token_id)
+
+
+def generation_config(hf: dict, vocab_size: int) -> dict:
+    """transformers' generation_config.json beside config.json `hf` for a tokenizer of `vocab_size` ids.
+
+    The ids generation starts and stops at, and the padding rows past the tokenizer's ids suppressed:
+    they are never trained, and `megamamba.generate` never picks them either.
+    """
+    ids = {name: hf[name] for name in ("bos_token_id", "eos_token_id")}
+    padding = list(range(vocab_size, hf["vocab_size"]))
+    return {**ids, "suppress_tokens": padding} if padding else ids
 
 
 def import_config(hf: dict) -> MambaConfig:

@@ -118,8 +118,20 @@ def test_export_writes_transformers_files_and_keeps_ours(tmp_path, tokenizers_by
     assert written.token_to_id(config["eos_token"]) == ours.eod and config["bos_token"] == config["eos_token"]
     special = read_json(tmp_path / "hf" / "special_tokens_map.json")
     assert (special["bos_token"], special["eos_token"]) == (config["eos_token"],) * 2
-    assert read_json(tmp_path / "hf" / "config.json")["eos_token_id"] == ours.eod
     assert load_tokenizer(str(tmp_path / "hf")).identity == ours.identity
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_writes_the_document_ids_to_both_configs_and_suppresses_the_padding_ids(
+    tmp_path, tokenizers_by_kind, kind
+):
+    ours = tokenizers_by_kind[kind]
+    main(["export", "--checkpoint", checkpoint_with(tmp_path, ours), "--output", str(tmp_path / "hf")])
+    model, generation = (read_json(tmp_path / "hf" / f"{n}.json") for n in ("config", "generation_config"))
+    for ids in (model, generation):
+        assert (ids["bos_token_id"], ids["eos_token_id"]) == (ours.eod, ours.eod)
+    padding = list(range(ours.vocab_size, model["vocab_size"]))  # bytes: 257 ids, 264 rows
+    assert generation.get("suppress_tokens", []) == padding and (kind != "bytes" or padding)
 
 
 def written_for_transformers(ours, directory) -> tuple:
