@@ -5,9 +5,11 @@ Staging, fsync, rename, `latest` switched atomically, pruning; `find_latest`, `r
 directory at a time (lock.py). The commit order and its one crash window: docs/checkpoints.md.
 """
 
+import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import warnings
 from typing import Optional
@@ -24,6 +26,8 @@ ASIDE_PREFIX = ".old-"
 _TAG = re.compile(r"step_(\d+)")
 # names this job's staging folders ("<pid>-<random>-<host>"; lock.py records it)
 JOB_TOKEN = f"{os.getpid()}-{secrets.token_hex(3)}-{socket.gethostname()}"
+
+log = logging.getLogger(__name__)
 
 
 class NoCheckpointError(CheckpointError):
@@ -122,7 +126,9 @@ def commit(
     protect: Optional[str] = None,
 ) -> str:
     """Finish a save staged in `staging`: manifest (`known`: files hashed by their writers), rename to
-    `<save_dir>/<tag>`, `latest`, retention (`protect`: a tag retention keeps)."""
+    `<save_dir>/<tag>`, `latest`, retention (`protect`: a tag retention keeps). A failure before `latest`
+    names the new checkpoint puts back what was there (the caller removes the staging folder); one after it
+    (removing older checkpoints) is logged, the save kept."""
     write_manifest(staging, tag, step, known)
     final = os.path.join(save_dir, tag)
     aside = None
@@ -131,12 +137,33 @@ def commit(
         if os.path.exists(aside):
             files.remove_tree(aside)
         files.rename(final, aside)
-    files.rename(staging, final)
-    set_latest(save_dir, tag)
-    if aside is not None:
-        files.remove_tree(aside)
-    prune(save_dir, keep_last, tag, protect)
+    try:
+        files.rename(staging, final)
+        set_latest(save_dir, tag)
+    except (OSError, CheckpointError):  # a full disk, say; a crash leaves it to find_latest and prune
+        _put_back(final, staging, aside)
+        raise
+    try:
+        if aside is not None:
+            files.remove_tree(aside)
+        prune(save_dir, keep_last, tag, protect)
+    except OSError as e:  # the save is committed: what is left to remove is removed after the next one
+        log.warning(f"saved {final}, but removing older checkpoints failed ({e}); the next save retries")
     return final
+
+
+def _put_back(final: str, staging: str, aside: Optional[str]) -> None:
+    """Undo the renames of a commit that failed before `latest` named it: the new checkpoint back to its
+    staging folder, the one it replaced back in place."""
+    if not os.path.exists(staging) and os.path.exists(final):
+        files.rename(final, staging)
+    if aside is not None and os.path.exists(aside):
+        files.rename(aside, final)
+
+
+def discard(save_dir: str, tag: str) -> None:
+    """Remove this job's staging folder of the checkpoint `tag` (a failed or abandoned save), as far as it can."""
+    shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
 
 
 def check_keep_last(keep_last: Optional[int]) -> None:
@@ -155,6 +182,15 @@ def _leftover(name: str) -> bool:
     return parts[4] == socket.gethostname() and not pid_alive(int(parts[2]))
 
 
+def remove_leftovers(save_dir: str) -> list:
+    """Delete the staging and aside folders of interrupted saves of this job or of dead jobs on this host;
+    their names. Live or other hosts' jobs' folders are not touched."""
+    names = sorted(n for n in os.listdir(save_dir) if n.startswith((STAGING_PREFIX, ASIDE_PREFIX)) and _leftover(n))
+    for name in names:
+        files.remove_tree(os.path.join(save_dir, name))
+    return names
+
+
 def _complete(path: str) -> bool:
     try:
         verify(path, hashes=False)
@@ -169,9 +205,7 @@ def prune(save_dir: str, keep_last: Optional[int], current: str, protect: Option
     on this host. Checkpoints after `current` (left by an abandoned run), damaged ones and live or
     other hosts' jobs' staging folders are not touched. keep_last None keeps every checkpoint."""
     check_keep_last(keep_last)
-    for name in os.listdir(save_dir):
-        if name.startswith((STAGING_PREFIX, ASIDE_PREFIX)) and _leftover(name):
-            files.remove_tree(os.path.join(save_dir, name))
+    remove_leftovers(save_dir)
     if keep_last is None:
         return
     older = [t for t in checkpoint_tags(save_dir) if step_of(t) < step_of(current)]

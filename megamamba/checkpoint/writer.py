@@ -32,7 +32,8 @@ from megamamba.checkpoint.checkpoint import (
 from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.folder_tensors import PIECES_KEY, FolderTensors, ModelFolderError, index_file, index_record
 from megamamba.checkpoint.manifest import sha256_of
-from megamamba.checkpoint.store import check_keep_last, commit, stage, tag_for
+from megamamba.checkpoint.space import checkpoint_size, save_failed
+from megamamba.checkpoint.store import check_keep_last, commit, discard, read_latest, stage, tag_for
 from megamamba.checkpoint.tensor_pieces import Piece
 from megamamba.config import MambaConfig
 
@@ -266,22 +267,28 @@ def save_checkpoint(
 
     model: full tensors by mamba_ssm name (`state.model_tensors`). optimizer / optimizer_groups:
     `state.optimizer_tensors` / `state.optimizer_groups`. rng: every rank's `rng.capture_rng()` in
-    global rank order (default: this process's). The rest as `finish`.
+    global rank order (default: this process's). The rest as `finish`. A save that fails (a full disk, say)
+    removes what it staged and leaves `latest` as it was: CheckpointError saying so and the bytes it needs.
     """
     model = check_model_tensors(model, config, "save_checkpoint")
-    staging = begin(save_dir, step, keep_last)
-    records = write_shard(staging, None, whole(model), whole(optimizer or {}), optimizer_groups or [])
-    for rank, state in enumerate(rng if rng is not None else [rng_files.capture_rng()]):
-        records.update(write_rng(staging, rank, state))
-    return finish(
-        save_dir,
-        staging,
-        step,
-        config,
-        records,
-        scheduler=scheduler,
-        extra=extra,
-        tokenizer=tokenizer,
-        keep_last=keep_last,
-        protect=protect,
-    )
+    states = rng if rng is not None else [rng_files.capture_rng()]
+    try:
+        staging = begin(save_dir, step, keep_last)
+        records = write_shard(staging, None, whole(model), whole(optimizer or {}), optimizer_groups or [])
+        for rank, state in enumerate(states):
+            records.update(write_rng(staging, rank, state))
+        return finish(
+            save_dir,
+            staging,
+            step,
+            config,
+            records,
+            scheduler=scheduler,
+            extra=extra,
+            tokenizer=tokenizer,
+            keep_last=keep_last,
+            protect=protect,
+        )
+    except (OSError, CheckpointError) as e:
+        discard(save_dir, tag_for(step))
+        raise save_failed(save_dir, step, str(e), checkpoint_size(config, len(states)), read_latest(save_dir)) from None
