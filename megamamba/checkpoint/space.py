@@ -131,6 +131,6 @@ def check_room(save_dir: str, size: CheckpointSize, world_size: int) -> None:
     )
     raise CheckpointError(
         f"--save {save_dir}: {free} bytes ({size_text(free)}) free, but a checkpoint of this model saved by "
-        f"{world_size} ranks needs {size.total} bytes: {size}, written in full before older checkpoints are "
-        f"pruned; {way_out}"
+        f"{world_size} rank{'s' if world_size > 1 else ''} needs {size.total} bytes: {size}, written in full "
+        f"before older checkpoints are pruned; {way_out}"
     )

@@ -11,7 +11,8 @@ element is stored once, writes the rest and the manifest, commits atomically, an
 returns or raises with it.
 
 Locking (collective, at start-up): `lock_save_dir` has global rank 0 take --save's lock for the
-job's life; a second job fails on every rank with the holder's name.
+job's life; a second job fails on every rank with the holder's name. Under the lock it removes dead
+jobs' staging folders and refuses a directory short of one checkpoint (megamamba.checkpoint.startup).
 
 Loading (collective): global rank 0 resolves `--load` and verifies the checksums, every rank opens
 the same checkpoint, checks the model config, reads only the stored pieces its own TP slices
@@ -49,7 +50,9 @@ from megamamba.checkpoint import (
     write_shard,
 )
 from megamamba.checkpoint.lock import SaveDirLock, describe
-from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags, staging_dir, tag_for
+from megamamba.checkpoint.space import checkpoint_size, save_failed
+from megamamba.checkpoint.startup import open_save_dir
+from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags, discard, read_latest, staging_dir, tag_for
 from megamamba.checkpoint.tensor_pieces import Cut, Piece
 from megamamba.config import MambaConfig
 from megamamba.pipelines.deepspeed_internals import (
@@ -216,7 +219,9 @@ def save(
 
     protect: the tag of a checkpoint that `keep_last` retention must keep (the last good one).
 
-    CheckpointError on every rank, with the same message, when any rank failed to write its part.
+    CheckpointError on every rank, with the same message, when any rank failed to write its part (a full
+    disk, say): rank 0 removes what was staged, `latest` stays, and the message names --save and the bytes
+    a checkpoint needs.
     Ctrl-C (KeyboardInterrupt) abandons the save: rank 0 removes its staging directory (what it can), and
     `latest` still names the previous checkpoint.
     """
@@ -227,6 +232,11 @@ def save(
         if dist.get_rank() == 0:  # gone already when the save had committed
             shutil.rmtree(staging_dir(save_dir, tag_for(step)), ignore_errors=True)
         raise
+    except CheckpointError as e:
+        if dist.get_rank() == 0:
+            discard(save_dir, tag_for(step))
+        size = checkpoint_size(config, dist.get_world_size())
+        raise save_failed(save_dir, step, str(e), size, read_latest(save_dir)) from None
 
 
 def _save_staged(
@@ -264,14 +274,17 @@ def _save_staged(
     return path if rank == 0 else None
 
 
-def lock_save_dir(save_dir: str) -> Optional[SaveDirLock]:
-    """Global rank 0 takes the save directory's lock for the job's life (collective); the lock on rank 0.
+def lock_save_dir(save_dir: str, config: MambaConfig) -> Optional[SaveDirLock]:
+    """Global rank 0 takes the save directory's lock for the job's life, removes dead jobs' staging folders
+    and checks there is room for a checkpoint of `config` (collective); the lock on rank 0.
 
-    CheckpointError on every rank, naming the holder, when another job holds it. Call before
-    anything reads or writes the directory; release it (rank 0) when the job ends.
+    CheckpointError on every rank, naming the holder, when another job holds it, or with the numbers when
+    the directory is short of room. Call before anything reads or writes the directory; release it (rank
+    0) when the job ends.
     """
     lock = SaveDirLock(save_dir, JOB_TOKEN) if dist.get_rank() == 0 else None
-    previous = _shared(_outcome(lock.acquire) if lock else None)
+    world = dist.get_world_size()
+    previous = _shared(_outcome(lambda: open_save_dir(lock, checkpoint_size(config, world), world)) if lock else None)
     if previous and dist.get_rank() == 0:
         log.info(f"note: took over the lock of {save_dir} from a job that did not release it: {describe(previous)}")
     return lock

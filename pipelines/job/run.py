@@ -38,7 +38,7 @@ def check_start(args: argparse.Namespace, plan: RunPlan) -> tuple:
         flags.sequence_parallel,
     )
     memory_lines = check_at_start(plan_memory(shape), args.no_memory_check)
-    return memory_lines, checkpointing.lock_save_dir(args.save) if args.save else None
+    return memory_lines, checkpointing.lock_save_dir(args.save, plan.model) if args.save else None
 
 
 def resume_flags(args: argparse.Namespace) -> ResumeFlags:
