@@ -22,6 +22,7 @@ from megamamba.config import MambaConfig
 
 FLOAT32 = 4
 MOMENTS = ("exp_avg", "exp_avg_sq")
+WIDEST_FLOAT = -2.2250738585072014e-308  # a float whose JSON is as long as any
 
 
 class CheckpointSize(NamedTuple):
@@ -64,8 +65,13 @@ def _piece_metadata(name: str, shape: tuple, writers: int) -> int:
 
 
 def _rng_file() -> int:
-    """Bytes of one rank's RNG file, from this process's generator states."""
-    tensors, metadata = rng_files.to_file([rng_files.capture_rng()])
+    """Bytes of one rank's RNG file: this process's generator tensors, and its Python and NumPy numbers at
+    their widest in JSON (so that every rank predicts the same size)."""
+    state = rng_files.capture_rng()
+    version, words, _ = state["python"]
+    state["python"] = [version, [2**32 - 1] * len(words), WIDEST_FLOAT]
+    state["numpy"] = {**state["numpy"], "pos": len(words), "has_gauss": 1, "cached_gaussian": WIDEST_FLOAT}
+    tensors, metadata = rng_files.to_file([state])
     data = sum(t.numel() * t.element_size() for t in tensors.values())
     header = sum(_piece_metadata(name, tuple(t.shape), 1) for name, t in tensors.items())
     return data + header + len(json.dumps(json.dumps(metadata)))

@@ -7,10 +7,12 @@ after writing part of its file; free space by patching shutil.disk_usage.
 
 import errno
 import os
+import random
 import shutil
 import subprocess
 from collections import namedtuple
 
+import numpy
 import pytest
 
 from checkpoint_fixtures import snapshot, tiny, train_step, training_run
@@ -123,6 +125,15 @@ def test_the_predicted_checkpoint_size_is_its_tensors_exactly_and_bounds_the_who
     model, optimizer, _ = trained
     assert size.weights == sum(t.numel() * 4 for t in model.values())
     assert size.optimizer == sum(t.numel() * 4 for t in optimizer.values())
+
+
+def test_every_rank_predicts_the_same_size_whatever_its_random_state():
+    before = checkpoint_size(CONFIG, 4)
+    random.seed(12345)
+    random.random()
+    numpy.random.seed(7)
+    numpy.random.standard_normal()
+    assert checkpoint_size(CONFIG, 4) == before
 
 
 def short_of(monkeypatch, free: int) -> None:
