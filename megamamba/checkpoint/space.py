@@ -4,8 +4,9 @@ A checkpoint holds every parameter of the config as float32 (the master weights)
 moments and a 0-d `step` per parameter, each rank's RNG file, and the metadata of every file: the
 safetensors headers, the pieces' records and indexes (counted as if every writer held a piece of every
 tensor, an upper bound), config.json and the manifest. Not counted: the trainer's state JSON and the
-tokenizer's files (kilobytes). A save stages the whole new checkpoint before it prunes older ones, so a
-save directory needs this much free beside the checkpoints already there.
+tokenizer's files (kilobytes; a few megabytes for a large vocabulary). A save stages the whole new
+checkpoint before it prunes older ones, so a save directory needs this much free beside the checkpoints
+already there.
 """
 
 import json
@@ -52,16 +53,18 @@ def size_text(n: int) -> str:
 
 
 def _piece_metadata(name: str, shape: tuple, writers: int) -> int:
-    """Bytes one writer's piece of the tensor `name` adds to a checkpoint's metadata: its safetensors header
-    entry, its piece record (in the header and in the index) and its index entry."""
+    """Bytes one writer's piece of the tensor `name` adds to a checkpoint's metadata, at most: its safetensors
+    header entry (padded to 8 bytes), its piece record in that header and in the index, and its index entry."""
     numel = math.prod(shape)
     key = f"{name}@{writers}.0"
     record = {"name": name, "shape": list(shape), "dim": 0, "rows": [[0, numel]], "local_shape": list(shape)}
     record["flat"] = [0, numel]
     entry = {key: {"dtype": "F32", "shape": list(shape), "data_offsets": [FLOAT32 * numel, 2 * FLOAT32 * numel]}}
-    in_header = len(json.dumps(json.dumps({key: record}))) + len(json.dumps(entry, separators=(",", ":")))
-    in_index = len(json.dumps({key: record}, indent=2)) + len(json.dumps({key: f"model-rank-{writers:05d}"}))
-    return in_header + in_index + 2 * len(".safetensors") + 16  # the index names the file, padding to 8 bytes
+    in_header = len(json.dumps(json.dumps({key: record}))) + len(json.dumps(entry, separators=(",", ":"))) + 8
+    in_index = len(json.dumps({key: record}, indent=2)) + len(
+        json.dumps({key: f"optimizer-rank-{writers:05d}.safetensors"})
+    )
+    return in_header + in_index
 
 
 def _rng_file() -> int:
@@ -85,7 +88,7 @@ def checkpoint_size(config: MambaConfig, world_size: int) -> CheckpointSize:
     """The bytes of a checkpoint of `config` saved by `world_size` ranks (see the module docstring)."""
     shapes = parameter_shapes(config)
     numel = sum(math.prod(shape) for shape in shapes.values())
-    stored = [(name, shape) for name, shape in shapes.items()]
+    stored = list(shapes.items())
     stored += [(f"{name}/{key}", shape) for name, shape in shapes.items() for key in MOMENTS]
     stored += [(f"{name}/step", ()) for name in shapes]
     metadata = world_size * sum(_piece_metadata(name, shape, world_size) for name, shape in stored)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from distributed import free_port
 from megamamba import MambaConfig, MambaLM
-from megamamba.checkpoint import files, model_tensors, save_checkpoint
+from megamamba.checkpoint import Checkpoint, files, model_tensors, save_checkpoint
 from megamamba.checkpoint.lock import LOCK_FILE
 from megamamba.checkpoint.space import checkpoint_size, directory_bytes, size_text
 from megamamba.checkpoint.store import read_latest
@@ -125,4 +125,5 @@ def test_a_full_disk_mid_save_is_one_line_and_the_previous_checkpoint_stays_late
         ],
     )
     assert sorted(os.listdir(save)) == ["latest", "step_000002"] and read_latest(str(save)) == "step_000002"
+    assert Checkpoint(str(save / "step_000002"), hashes=True).step == 2  # every file as its manifest says
     assert directory_bytes(str(save / "step_000002")) <= size <= 1.05 * directory_bytes(str(save / "step_000002"))
