@@ -22,23 +22,20 @@ from typing import NoReturn
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from megamamba.checkpoint import CheckpointError
 from megamamba.data.errors import DatasetError
 from megamamba.data.training_data import add_data_flags
+from megamamba.errors import MegamambaError
 from megamamba.observe import console_log
-from megamamba.parallel.groups import RendezvousError, init_distributed
-from megamamba.parallel.placement import PlacementError
+from megamamba.parallel.groups import init_distributed
 from megamamba.pipelines.config.ds_translate import add_optimizer_flags
-from megamamba.pipelines.config.layout import LayoutError, add_layout_flags
+from megamamba.pipelines.config.layout import add_layout_flags
 from megamamba.pipelines.config.run_plan import add_run_flags, layout_flags, prepare
 from megamamba.pipelines.job.checkpointing import add_checkpoint_flags
 from megamamba.pipelines.job.run import check_start, run_training
 from megamamba.pipelines.loop.faults import SIGINT_STATUS, NonFiniteSteps, add_fault_flags
 from megamamba.pipelines.loop.training import add_loop_flags
-from megamamba.pipelines.memory.fit import MemoryPlanError, add_memory_flags
+from megamamba.pipelines.memory.fit import add_memory_flags
 from megamamba.pipelines.planner.for_run import add_planner_flags, auto_parallel
-from megamamba.pipelines.planner.profile import ProfileError
-from megamamba.pipelines.planner.search import PlanError
 
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")  # --auto-parallel's
 log = logging.getLogger("megamamba.launch.train")  # shown as `train.py: ...` (megamamba.observe.console_log)
@@ -94,22 +91,17 @@ def fail(error, status: int = 2) -> NoReturn:
     sys.exit(status)
 
 
-def end_interrupted(interrupt: KeyboardInterrupt) -> NoReturn:
-    """Ctrl-C: its one line on global rank 0 (what was saved), this rank's process group torn down, exit 130."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        log.info(str(interrupt) or "interrupted outside the training steps: stopped at once, no checkpoint written")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(SIGINT_STATUS)
-
-
 def main(argv=None) -> dict:
     """Train; returns this rank's summary: logged records, optimizer-state bytes, stage parameter count.
-    Ctrl-C anywhere: one line, exit 130, never a traceback."""
+    Ctrl-C anywhere: one line on global rank 0 (what was saved), the process group torn down, exit 130."""
     try:
         return train(argv)
-    except KeyboardInterrupt as e:
-        end_interrupted(e)
+    except KeyboardInterrupt as interrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info(str(interrupt) or "interrupted outside the training steps: stopped at once, no checkpoint written")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(SIGINT_STATUS)
 
 
 def train(argv=None) -> dict:
@@ -117,27 +109,20 @@ def train(argv=None) -> dict:
     console_log.configure()
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
+    try:  # start-up: a refusal is one line and exit 2
         flags, chosen = (
             auto_parallel(args, given_flags(argv), world_size, PROFILES)
             if args.auto_parallel
             else (layout_flags(args), [])
         )
         plan = prepare(args, world_size, flags)
-    except (LayoutError, PlanError, ProfileError) as e:
-        fail(e)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for line in chosen:
-            log.info(line)
-
-    try:
+        if int(os.environ.get("RANK", "0")) == 0:
+            for line in chosen:
+                log.info(line)
         init_distributed()
-    except RendezvousError as e:
-        fail(e)
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    try:
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
         memory_lines, lock = check_start(args, plan)
-    except (PlacementError, MemoryPlanError, CheckpointError) as e:
+    except MegamambaError as e:
         fail(e)
     if dist.get_rank() == 0:
         console_log.show("\n".join(memory_lines))
@@ -147,10 +132,10 @@ def train(argv=None) -> dict:
             log.warning(note)
     try:
         return run_training(args, plan, job_start)
-    except CheckpointError as e:
-        fail(e)
     except (NonFiniteSteps, DatasetError) as e:  # DatasetError here: a .bin changed after start-up checked it
         fail(e, status=1)
+    except MegamambaError as e:
+        fail(e)
     finally:
         if lock is not None:
             lock.release()
