@@ -60,7 +60,7 @@ def compare(tensors, seed, mamba_ssm, names=("y",), **options):
     assert_within_theirs(found["ours"], found["theirs"], seed)
 
 
-@pytest.mark.parametrize("batch, seqlen", [(2, 75), (1, 203)])
+@pytest.mark.parametrize("batch, seqlen", [(2, 75), (1, 150)])
 def test_bf16_ssd_chunk_scan_within_mamba_ssm_error(batch, seqlen, mamba_ssm):
     seed = 60 + seqlen
     compare(inputs(seed, batch, seqlen), seed, mamba_ssm)
