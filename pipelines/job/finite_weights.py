@@ -5,7 +5,7 @@ tensor may reach only some ranks; a rank that stopped alone would leave the othe
 first collective.
 """
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,12 @@ def check_finite_on_every_rank(values: Mapping[str, torch.Tensor], cuts: Mapping
             check_finite({name: tensor}, where, {name: cut})
     except DamagedWeightsError as e:
         error = str(e)
+    raise_first_rank_error(error)
+
+
+def raise_first_rank_error(error: Optional[str]) -> None:
+    """CheckpointError on every rank (collective: one small object gather) with the message of the first rank
+    whose `error` is not None; nothing when no rank has one."""
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)

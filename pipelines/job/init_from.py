@@ -31,6 +31,7 @@ from megamamba.checkpoint.model_folder import FolderWeights, ModelFolderError
 from megamamba.config import MambaConfig
 from megamamba.parallel import full_key, local_shard
 from megamamba.pipelines.deepspeed_internals import full_shape, zero3_masters, zero3_partition
+from megamamba.pipelines.job.finite_weights import raise_first_rank_error
 
 
 class InitSource(NamedTuple):
@@ -151,11 +152,7 @@ def load_weights(trainer, source: InitSource) -> None:
         error = f"{source.flag}: rank {dist.get_rank()}: {e}"
     except CheckpointError as e:
         error = str(e)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise CheckpointError(first)
+    raise_first_rank_error(error)
     if zero_stage == 3:
         _copy_zero3_masters(trainer.engine_optimizer(), source.flag)
 
