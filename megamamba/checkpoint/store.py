@@ -19,6 +19,7 @@ from megamamba.checkpoint.files import CheckpointError
 from megamamba.checkpoint.lock import pid_alive
 from megamamba.checkpoint.manifest import MANIFEST, verify, write_manifest
 from megamamba.checkpoint.model_folder import CONFIG_FILE
+from megamamba.errors import MegamambaWarning
 
 LATEST = "latest"
 STAGING_PREFIX = ".tmp-"
@@ -34,7 +35,7 @@ class NoCheckpointError(CheckpointError):
     """No complete checkpoint exists where one was asked for."""
 
 
-class CheckpointWarning(UserWarning):
+class CheckpointWarning(MegamambaWarning):
     """A damaged checkpoint or `latest` was passed over."""
 
 
