@@ -45,7 +45,7 @@ setup(
         "numpy>=1.26",
     ],
     # The test and lint extras: from the release the suite passes with (constraints.txt) to below the
-    # next major (ruff and mypy: the next minor, whose rules and inference change).
+    # next major (ruff and mypy: the next minor, whose rules and inference change). The eval extra: below.
     extras_require={
         "dev": [
             "pytest>=9.2,<10",
@@ -55,6 +55,10 @@ setup(
             "ruff>=0.17,<0.18",
             "mypy>=2.4,<2.5",
             "pre-commit>=4.7,<5",
-        ]
+        ],
+        # `python -m megamamba.evaluate`: lm-eval with its transformers backend (accelerate, peft). Training never
+        # imports it. megamamba/lm_eval_model.py overrides methods of lm-eval's HFLM, which change between its
+        # minor releases: from the release the tests pass with to below the next minor.
+        "eval": ["lm_eval[hf]>=0.4.13,<0.5"],
     },
 )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for megamamba: a virtual environment in .venv with torch,
-# DeepSpeed, Triton and megamamba installed (editable) with its test extras.
+# DeepSpeed, Triton and megamamba installed (editable) with its test extras and lm-eval
+# (the eval extra, for `python -m megamamba.evaluate` and its tests).
 #
 # Every package is installed at the version constraints.txt pins, the versions the suite last
 # passed with, so a new upstream release does not change what CI installs. `--latest` installs
@@ -54,8 +55,8 @@ fi
 step "installing ninja and DeepSpeed 0.19 (built from its source release)"
 python -m pip install -q "${upgrade[@]}" -c "$pins" ninja
 python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation "deepspeed>=0.19,<0.20"
-step "installing megamamba (editable) and its test tools: pytest, transformers, ruff, mypy"
-python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation -e ".[dev]"
+step "installing megamamba (editable), its test tools (pytest, transformers, ruff, mypy) and lm-eval (the eval extra)"
+python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation -e ".[dev,eval]"
 # Triton 3.6, our H200 benchmark machine's, beside the venv's own: the kernels are compiled with it for
 # sm_90 on this machine (tests/kernels/test_triton_compile.py); only its compiler is used.
 if [ ! -d .venv/triton-3.6/triton ]; then
@@ -74,4 +75,4 @@ if [ ! -d .venv/mamba_ssm-src/mamba_ssm ]; then
   cp -r "$tmp/mamba_ssm-2.3.2.post1/mamba_ssm" .venv/mamba_ssm-src/
   rm -rf "$tmp"
 fi
-python -c "import torch, triton, deepspeed, transformers, megamamba; print('megamamba ready: torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)" 2>&1 | grep -v 'Setting accelerator'
+python -c "import torch, triton, deepspeed, transformers, lm_eval, megamamba; print('megamamba ready: torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__, '| lm-eval', lm_eval.__version__)" 2>&1 | grep -v 'Setting accelerator'
