@@ -286,11 +286,11 @@ def resolve_load(load: str, save_dir: Optional[str] = None, hashes: bool = True,
     return path
 
 
-def resolve_model_folder(path: str, flag: str = "--checkpoint") -> tuple:
+def resolve_model_folder(path: str, flag: str = "--checkpoint", hashes: bool = True) -> tuple:
     """(folder, verified): a checkpoint (it holds manifest.json or is named step_N) or a save directory
-    (its `latest`) gives the checkpoint, every size and sha256 verified; a folder holding config.json
-    without a manifest is a plain model folder, returned unverified."""
+    (its `latest`) gives the checkpoint, every size (and with `hashes` every sha256) verified; a folder
+    holding config.json without a manifest is a plain model folder, returned unverified."""
     plain = os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isfile(os.path.join(path, MANIFEST))
     if plain and step_of(os.path.basename(os.path.normpath(path))) is None:
         return path, False
-    return resolve_load(path, flag=flag), True
+    return resolve_load(path, hashes=hashes, flag=flag), True
