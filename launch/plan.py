@@ -79,7 +79,8 @@ def calibrate_profile(args, model: MambaConfig) -> None:
     profile.to_json(args.out)
     print(
         f"wrote {args.out}: {profile.name}, matmul {profile.matmul_flops_per_s / 1e12:.3f} TFLOP/s, copy "
-        f"{profile.copy_bytes_per_s / 1e9:.1f} GB/s, launch {profile.launch_s * 1e6:.1f} us; "
+        f"{profile.copy_bytes_per_s / 1e9:.1f} GB/s, launch {profile.launch_s * 1e6:.1f} us, AdamW at "
+        f"{profile.adamw.efficiency:.2f} of the copy rate; "
         + ", ".join(
             f"{k} {v.fixed_s * 1e6:.1f} us + {v.efficiency:.3g} of the roofline (backward x{v.backward_ratio:.2f})"
             for k, v in profile.kernels.items()

@@ -1,5 +1,6 @@
 """Measure this machine's profile: matmul rate, copy bandwidth, kernel launch time, each kernel kind's
-efficiency and backward ratio at a model's shapes, each layer kind's fit, and the collectives' alpha and beta.
+efficiency and backward ratio at a model's shapes, the optimizer's pass, each layer kind's fit, and the
+collectives' alpha and beta; each number's source written beside it (`sources`).
 
 Kernels run through the model's own ops (`megamamba.kernels`: Triton on CUDA, the PyTorch reference on
 the CPU) on one layer's inputs at the batch asked and 4 times it; a kind's forward is fitted as a fixed cost
@@ -33,7 +34,14 @@ from megamamba.model.loss import lm_loss
 from megamamba.model.stream import Stream
 from megamamba.pipelines.planner.calibrate_engine import one_rank_costs, two_rank_costs
 from megamamba.pipelines.planner.layer_costs import loss_work
-from megamamba.pipelines.planner.profile import Kernel, LayerFit, Link, Profile
+from megamamba.pipelines.planner.profile import (
+    ADAMW_BYTES_PER_PARAMETER,
+    Kernel,
+    LayerFit,
+    Link,
+    OptimizerPass,
+    Profile,
+)
 from megamamba.pipelines.planner.step_time import kernel_seconds_of
 from megamamba.pipelines.planner.timing import on_ranks, seconds
 
@@ -63,6 +71,22 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / seconds(lambda: dst.copy_(src), device)
+
+
+def optimizer_pass(device: torch.device, copy: float, parameters: int = 2**22) -> OptimizerPass:
+    """AdamW (fused on a GPU, for-each on the CPU) over `parameters` float32 parameters with gradients: its
+    ADAMW_BYTES_PER_PARAMETER (the gradient norm's read among them), as a fraction of the copy bandwidth `copy`."""
+    weight = torch.nn.Parameter(torch.zeros(parameters, device=device))
+    weight.grad = torch.randn_like(weight)
+    fused = device.type == "cuda"
+    adamw = torch.optim.AdamW([weight], lr=1e-4, fused=fused, foreach=not fused)
+    nbytes = ADAMW_BYTES_PER_PARAMETER * parameters
+
+    def step():
+        torch.linalg.vector_norm(weight.grad)
+        adamw.step()
+
+    return OptimizerPass(ADAMW_BYTES_PER_PARAMETER, min(1.0, nbytes / copy / seconds(step, device)))
 
 
 def launch_time(device: torch.device) -> float:
@@ -187,11 +211,10 @@ def calibrate(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
     when = datetime.date.today().isoformat()
     threads = torch.get_num_threads()
+    where = f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU threads)"
     profile = Profile(
         name,
-        f"measured {when} on {platform.node()}, torch {torch.__version__} ({threads} CPU "
-        f"threads), at {model.d_model}-wide layers, batch {batch} x seq {seqlen}; links: "
-        f"{links_from}",
+        f"{where}, at {model.d_model}-wide layers, batch {batch} x seq {seqlen}; links: {links_from}",
         int(memory),
         matmul,
         copy,
@@ -199,10 +222,40 @@ def calibrate(
         measured,
         links,
         overlap=device.type == "cuda",
+        peak_flops_per_s=matmul,
+        optimizer=optimizer_pass(device, copy),
     )
     profile = dataclasses.replace(profile, layers=layer_fits(model, batch, seqlen, device, profile))
     profile = one_rank_costs(model, batch, seqlen, profile)
-    return two_rank_costs(model, batch, seqlen, profile) if two_ranks else profile
+    profile = two_rank_costs(model, batch, seqlen, profile) if two_ranks else profile
+    return dataclasses.replace(profile, sources=calibrated_sources(profile, where, links_from, two_ranks))
+
+
+def calibrated_sources(profile: Profile, where: str, links_from: str, two_ranks: bool) -> dict:
+    """Where each number of a calibrated `profile` comes from, by field."""
+    sources = {
+        "device_memory_bytes": f"{where}: the device's (or the host's) total memory",
+        "matmul_flops_per_s": f"{where}: a 2048-cube matmul",
+        "copy_bytes_per_s": f"{where}: a 256 MiB copy",
+        "peak_flops_per_s": f"{where}: the measured matmul rate (no datasheet figure here); MFU is against it",
+        "launch_s": f"{where}: a one-element add and a synchronize",
+        "optimizer": f"{where}: AdamW and the gradient norm over {2**22} float32 parameters",
+        "links": links_from,
+        "model_scale": f"{where}: whole steps of one rank against the layer fits",
+        "engine": f"{where}: steps of 1 and {SIZES} micro-batches on one rank at ZeRO 0, 1 and 2",
+        "shared_node_scale": f"{where}: data parallel 2" if two_ranks else "not measured (one rank): 1",
+        "collective_call_s": f"{where}: steps at TP 2 and CP 2" if two_ranks else "not measured (one rank)",
+    }
+    sources.update(
+        {
+            f"kernels.{kind}": f"{where}: fitted at the model's shapes and {SIZES} x the batch"
+            for kind in profile.kernels
+        }
+    )
+    sources.update(
+        {f"layers.{kind}": f"{where}: the layer forward and backward at two sizes" for kind in profile.layers}
+    )
+    return sources
 
 
 def fit_link(samples: list) -> Link:

@@ -2,9 +2,10 @@
 a measured profile adds each layer kind's fit, the engine's fixed costs, how much slower layers run inside
 a whole step and beside other ranks, and what a TP or CP collective costs inside a step beyond its ring.
 
-A profile is a JSON file. Published-figure profiles (launch/profiles/) hold the vendors' peak
-numbers with every kernel at the roofline, labelled "published"; `python launch/plan.py
---calibrate` writes a measured one for the machine it runs on.
+A profile is a JSON file whose `sources` say where each number comes from (a measurement and its date,
+a datasheet, or "assumed: ..." and why). launch/profiles/h200.json is built from one H200's measurements
+(benchmarks/h200_profile.py); `python launch/plan.py --calibrate` writes a measured one for the machine
+it runs on.
 """
 
 import json
@@ -14,6 +15,8 @@ from typing import Optional
 from megamamba.errors import MegamambaError
 from megamamba.model.layer_types import LAYER_TYPES
 
+# AdamW reads parameter, gradient and two moments and writes three, in float32; the gradient norm reads the gradient
+ADAMW_BYTES_PER_PARAMETER = 4 * (4 + 3) + 4
 KERNELS = ("matmul", "matmul_fp32", "ssd", "scan", "conv", "norm", "attention", "elementwise")
 TIERS = ("intra_node", "inter_node")
 
@@ -62,6 +65,15 @@ class EngineCost:
 
 
 @dataclass(frozen=True)
+class OptimizerPass:
+    """AdamW's pass over the optimizer state a rank holds: the bytes it moves per parameter, at `efficiency` of
+    the copy bandwidth."""
+
+    bytes_per_parameter: float
+    efficiency: float
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     source: str  # "published: <where>" or "measured <date> on <machine>"
@@ -77,6 +89,18 @@ class Profile:
     model_scale: float = 1.0  # the layers inside a whole step take this multiple of their fits (caches run cold)
     shared_node_scale: float = 1.0  # and this multiple again while a node's other ranks compute (a shared host)
     overlap: bool = True  # communication runs beside compute (GPU streams); on the CPU they share the cores
+    peak_flops_per_s: Optional[float] = None  # MFU's denominator (the datasheet's); None: matmul_flops_per_s
+    optimizer: Optional[OptimizerPass] = None  # None: ADAMW_BYTES_PER_PARAMETER at the elementwise efficiency
+    sources: dict = field(default_factory=dict)  # a field's dotted name -> where its number comes from
+
+    @property
+    def mfu_flops_per_s(self) -> float:
+        return self.peak_flops_per_s or self.matmul_flops_per_s
+
+    @property
+    def adamw(self) -> OptimizerPass:
+        """The optimizer's pass: measured, or its bytes at the elementwise kernels' efficiency."""
+        return self.optimizer or OptimizerPass(ADAMW_BYTES_PER_PARAMETER, self.kernel("elementwise").efficiency)
 
     def kernel(self, kind: str) -> Kernel:
         return self.kernels.get(kind, Kernel())
@@ -154,6 +178,13 @@ def load_profile(path: str) -> Profile:
     overlap = data.get("overlap", True)
     if not isinstance(overlap, bool):
         raise ProfileError(f"profile {path}: overlap={overlap!r} must be true or false")
+    optimizer = None
+    if data.get("optimizer") is not None:
+        values, where = data["optimizer"], f"{path} optimizer"
+        optimizer = OptimizerPass(_number(values, "bytes_per_parameter", where), _number(values, "efficiency", where))
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        raise ProfileError(f"profile {path}: sources must map each field's name to a text saying where it comes from")
     return Profile(
         str(data.get("name", path)),
         str(data.get("source", "unknown")),
@@ -166,6 +197,10 @@ def load_profile(path: str) -> Profile:
         layers,
         engine,
         calls,
-        *scales,
-        overlap,
+        model_scale=scales[0],
+        shared_node_scale=scales[1],
+        overlap=overlap,
+        peak_flops_per_s=_number(data, "peak_flops_per_s", path) if data.get("peak_flops_per_s") is not None else None,
+        optimizer=optimizer,
+        sources=dict(sources),
     )

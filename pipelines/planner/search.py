@@ -75,11 +75,17 @@ class Plan:
         return self.dp, self.cp, self.tp, self.pp
 
 
+# How close a rejected family came, nearest first: its plans ran out of memory; a setting the user fixed rules it
+# out; the global batch does not split over its dp; the model or sequence cannot run its layout; TP across nodes.
+MEMORY, FIXED_SETTING, BATCH_SPLIT, LAYOUT_RULE, ACROSS_NODES = range(5)
+
+
 @dataclass(frozen=True)
 class Rejection:
     family: str  # "dp D x cp C x tp T x pp P"
     reason: str
     smallest_bytes: Optional[int] = None  # when nothing of the family fits: its smallest plan's need
+    distance: int = LAYOUT_RULE  # how close it came: MEMORY (nearest) to ACROSS_NODES
 
 
 @dataclass(frozen=True)
@@ -237,7 +243,12 @@ def _nothing_fits(result: "Search") -> PlanError:
             f"global batch {r.global_batch_size} splits over no data-parallel size of {r.gpus} GPUs "
             f"but 1: use a multiple of {r.gpus}"
         )
-    reasons = "; ".join(list(dict.fromkeys(x.reason for x in result.rejected))[:3])
+    nearest = sorted(result.rejected, key=lambda x: x.distance)
+    reasons = "; ".join(list(dict.fromkeys(x.reason for x in nearest))[:3])
+    if nearest and nearest[0].distance < LAYOUT_RULE:
+        settings = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in r.fixed.items())
+        fixed = f" with {settings}" if settings else ""
+        return PlanError(f"no plan for {r.gpus} GPUs{fixed}: {reasons}")
     return PlanError(f"no layout of {r.gpus} GPUs can run this model and sequence: {reasons}")
 
 
@@ -250,7 +261,9 @@ def search(request: Request, profile: Profile) -> Search:
     plans, rejected = [], []
     node = request.gpus_per_node
     if request.gpus > node and "tp" not in fixed:
-        rejected.append(Rejection(f"tp > {node}", f"tensor parallelism stays inside a node of {node} GPUs"))
+        rejected.append(
+            Rejection(f"tp > {node}", f"tensor parallelism stays inside a node of {node} GPUs", distance=ACROSS_NODES)
+        )
     for tp in _powers_of_two(min(request.gpus, max(node, fixed.get("tp", node)))):
         for cp in _powers_of_two(request.gpus // tp):
             for pp in range(1, request.gpus // (tp * cp) + 1):
@@ -260,11 +273,12 @@ def search(request: Request, profile: Profile) -> Search:
                 family = dict(dp=dp, cp=cp, tp=tp, pp=pp)
                 if any(fixed.get(k, v) != v for k, v in family.items()):
                     continue
-                problem = _layout_problem(request, cp, tp, pp)
+                problem, distance = _layout_problem(request, cp, tp, pp), LAYOUT_RULE
                 if problem is None and request.global_batch_size % dp:
                     problem = f"global batch {request.global_batch_size} is not divisible by dp {dp}"
+                    distance = BATCH_SPLIT
                 if problem is not None:
-                    rejected.append(Rejection(label(dp, cp, tp, pp), problem))
+                    rejected.append(Rejection(label(dp, cp, tp, pp), problem, distance=distance))
                     continue
                 grid = Grid(dp, cp, tp, pp, request.gpus_per_node)
                 found, closest = _family_plans(request, profile, grid, usable, tokens, flops_per_token)
@@ -293,12 +307,14 @@ def _family_plans(
         return [], Rejection(
             family,
             f"ZeRO stage {fixed['zero_stage']} with pp {grid.pp}: DeepSpeed's pipeline engine runs ZeRO 0 or 1 only",
+            distance=FIXED_SETTING,
         )
     if not micros:
         return [], Rejection(
             family,
             f"micro batch {fixed['micro_batch_size']} does not divide the {per_replica} "
             f"sequences per replica of dp {dp}",
+            distance=FIXED_SETTING,
         )
     plans, smallest = [], None
     for zero in zeros:
@@ -326,7 +342,7 @@ def _family_plans(
                         worst,
                         time,
                         rate,
-                        rate * flops_per_token / profile.matmul_flops_per_s,
+                        rate * flops_per_token / profile.mfu_flops_per_s,
                     )
                 )
     if plans:
@@ -338,4 +354,5 @@ def _family_plans(
         f"{micro}, recompute {'on' if recompute else 'off'}), {(total - usable) / 2**30:.1f} "
         f"GiB over the {usable / 2**30:.1f} GiB usable",
         total,
+        MEMORY,
     )

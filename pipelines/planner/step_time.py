@@ -19,8 +19,6 @@ from megamamba.model.layer_types.costs import Collective, LayerWork, RankShape
 from megamamba.pipelines.planner.layer_costs import boundary_bytes
 from megamamba.pipelines.planner.profile import Link, Profile
 
-OPTIMIZER_BYTES_PER_PARAMETER = 4 * (4 + 3)  # AdamW reads parameter, gradient, two moments; writes three
-
 
 @dataclass(frozen=True)
 class Grid:
@@ -209,9 +207,4 @@ def data_parallel_seconds(
 
 def optimizer_seconds(state_parameters: int, profile: Profile) -> float:
     """AdamW over the parameters whose optimizer state this rank holds, and the gradient norm before it."""
-    return (
-        (OPTIMIZER_BYTES_PER_PARAMETER + 4)
-        * state_parameters
-        / profile.copy_bytes_per_s
-        / profile.kernel("elementwise").efficiency
-    )
+    return profile.adamw.bytes_per_parameter * state_parameters / profile.copy_bytes_per_s / profile.adamw.efficiency
