@@ -164,3 +164,16 @@ def test_zero_3_is_planned_only_when_asked_for(small_search):
     assert {p.zero_stage for p in small_search.plans} == {0, 1, 2}
     asked = search(Request(model("mamba2-130m.json"), 8, 8, 2048, 64, 16 * GiB, fixed={"zero_stage": 3}), H100)
     assert asked.plans and {p.zero_stage for p in asked.plans} == {3}
+
+
+def test_nothing_fitting_names_the_nearest_reason_first():
+    """24 GPUs in nodes of 8 with micro batch 3 fixed and 32 sequences a step: every family that splits the
+    batch is ruled out by the micro batch, which the error leads with, not the generic rule that TP stays in
+    a node."""
+    with pytest.raises(PlanError) as refused:
+        search(Request(model("mamba2-130m.json"), 24, 8, 2048, 32, 16 * GiB, fixed={"micro_batch_size": 3}), H100)
+    assert str(refused.value) == (
+        "no plan for 24 GPUs with micro batch size 3: micro batch 3 does not divide the 4 sequences per replica "
+        "of dp 8; micro batch 3 does not divide the 8 sequences per replica of dp 4; micro batch 3 does not "
+        "divide the 16 sequences per replica of dp 2"
+    )
