@@ -14,13 +14,16 @@ from typing import Any, Optional, Union
 
 from megamamba.errors import MegamambaError
 
-MIXER_LAYERS = ("Mamba1", "Mamba2")
+MIXER_LAYERS = ("Mamba1", "Mamba2", "Mamba3")
+A_ACTIVATIONS = ("heavy_tail", "softplus")  # Mamba-3's f in A = -f(dd_A): mamba_ssm main, 2.3.2.post1 and earlier
 MLP_ACTIVATIONS = ("gated_silu", "squared_relu")  # mamba_ssm's GatedMLP; Nemotron-H's relu(x)^2
 # hybrid_layer_pattern's letters (Megatron's; "|" ends a pipeline stage), each the kind of block that registers
 # it (`megamamba.model.layer_types.register`). mamba_ssm's fields place the first three: attn_layer_idx's
 # attention among Mamba blocks, and d_intermediate the width of the MLP blocks.
 MAMBA_LETTER, ATTENTION_LETTER, MLP_LETTER = "M", "*", "-"
 PATTERN_SYMBOLS: dict[str, str] = {}
+# ssm_cfg.layer -> the kind its M blocks are, where that is not the M letter's own (`register(..., mixer=)`)
+MIXER_KINDS: dict[str, str] = {}
 GATED_MLP_MULTIPLE = 128  # mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this
 
 
@@ -67,7 +70,40 @@ class Mamba2Options:
     use_mem_eff_path: bool = True
 
 
-MixerOptions = Union[Mamba1Options, Mamba2Options]
+@dataclass(frozen=True)
+class Mamba3Options:
+    """mamba_ssm's `Mamba3` (modules/mamba3.py) constructor options and defaults, and `a_activation`, which
+    no checkpoint records: "heavy_tail" (mamba_ssm main since its PR #962) or "softplus" (2.3.2.post1)."""
+
+    d_state: int = 128
+    expand: int = 2
+    headdim: int = 64
+    ngroups: int = 1
+    rope_fraction: float = 0.5
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    A_floor: float = 1e-4
+    is_outproj_norm: bool = False
+    is_mimo: bool = False
+    mimo_rank: int = 4
+    chunk_size: int = 64
+    a_activation: str = "heavy_tail"
+
+    @property
+    def rank(self) -> int:
+        """The MIMO rank R (1 for SISO)."""
+        return self.mimo_rank if self.is_mimo else 1
+
+    @property
+    def num_rope_angles(self) -> int:
+        """Angles per head: d_state * rope_fraction rounded down to even, halved (mamba_ssm's)."""
+        rotated = int(self.d_state * self.rope_fraction)
+        return (rotated - rotated % 2) // 2
+
+
+MixerOptions = Union[Mamba1Options, Mamba2Options, Mamba3Options]
+OPTIONS_OF_LAYER = {"Mamba1": Mamba1Options, "Mamba2": Mamba2Options, "Mamba3": Mamba3Options}
 
 
 @dataclass(frozen=True)
@@ -156,14 +192,14 @@ class MambaConfig:
     # ---- derived sizes -------------------------------------------------------------
     @property
     def layer(self) -> str:
-        """The mixer: "Mamba1" or "Mamba2"."""
+        """The mixer: "Mamba1", "Mamba2" or "Mamba3"."""
         return self.ssm_cfg.get("layer", "Mamba1")
 
     @property
     def mixer_options(self) -> MixerOptions:
         """The mixer's options with mamba_ssm's defaults filled in."""
         opts = {k: v for k, v in self.ssm_cfg.items() if k != "layer"}
-        cls = Mamba2Options if self.layer == "Mamba2" else Mamba1Options
+        cls = OPTIONS_OF_LAYER[self.layer]
         for key in ("A_init_range", "dt_limit"):
             if key in opts:
                 opts[key] = tuple(float(v) for v in opts[key])
@@ -189,8 +225,10 @@ class MambaConfig:
 
     @property
     def block_kinds(self) -> list:
-        """What each of the n_layer blocks is: the kind its letter names ("mamba", "attention", "mlp", ...)."""
-        return [PATTERN_SYMBOLS[s] for s in self.layer_pattern]
+        """What each of the n_layer blocks is: the kind its letter names ("mamba", "attention", "mlp", ...); M
+        blocks are the kind registered for ssm_cfg.layer where there is one ("mamba3")."""
+        mamba = MIXER_KINDS.get(self.layer, PATTERN_SYMBOLS.get(MAMBA_LETTER))
+        return [mamba if s == MAMBA_LETTER else PATTERN_SYMBOLS[s] for s in self.layer_pattern]
 
     @property
     def pattern_stages(self) -> list:
@@ -218,10 +256,10 @@ class MambaConfig:
 
     @property
     def nheads(self) -> int:
-        """Mamba-2 SSM heads: d_inner / headdim."""
+        """Mamba-2 and Mamba-3 SSM heads: d_inner / headdim."""
         opts = self.mixer_options
-        if not isinstance(opts, Mamba2Options):
-            raise AttributeError(f"nheads is a Mamba2 size; this config's layer is {self.layer!r}")
+        if isinstance(opts, Mamba1Options):
+            raise AttributeError(f"nheads is a Mamba2 or Mamba3 size; this config's layer is {self.layer!r}")
         return self.d_inner // opts.headdim
 
     @property
@@ -249,9 +287,8 @@ class MambaConfig:
         if not isinstance(self.ssm_cfg, dict):
             raise ConfigError(f"ssm_cfg={self.ssm_cfg!r}: must be a dict of mixer options")
         if self.layer not in MIXER_LAYERS:
-            what = "is not implemented" if self.layer == "Mamba3" else "is unknown"
-            raise ConfigError(f"ssm_cfg.layer={self.layer!r} {what}; choose one of {MIXER_LAYERS}")
-        cls = Mamba2Options if self.layer == "Mamba2" else Mamba1Options
+            raise ConfigError(f"ssm_cfg.layer={self.layer!r} is unknown; choose one of {MIXER_LAYERS}")
+        cls = OPTIONS_OF_LAYER[self.layer]
         known = {f.name for f in dataclasses.fields(cls)}
         for key in self.ssm_cfg:
             if key != "layer" and key not in known:
@@ -262,6 +299,9 @@ class MambaConfig:
             if key in self.ssm_cfg:
                 _pair(f"ssm_cfg.{key}", self.ssm_cfg[key])
         opts = self.mixer_options
+        if isinstance(opts, Mamba3Options):
+            self._validate_mamba3(opts)
+            return
         self._validate_common(opts)
         if isinstance(opts, Mamba1Options):
             self._validate_mamba1(opts)
@@ -387,7 +427,7 @@ class MambaConfig:
             )
         _positive_number("attn_cfg.rotary_emb_base", o.rotary_emb_base)
 
-    def _validate_common(self, o: MixerOptions) -> None:
+    def _validate_common(self, o: Union[Mamba1Options, Mamba2Options]) -> None:
         _positive_int("ssm_cfg.d_state", o.d_state)
         _positive_int("ssm_cfg.d_conv", o.d_conv)
         _positive_number("ssm_cfg.expand", o.expand)
@@ -440,6 +480,38 @@ class MambaConfig:
         _positive_int("ssm_cfg.chunk_size", o.chunk_size)
         for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "use_mem_eff_path"):
             _boolean(f"ssm_cfg.{name}", getattr(o, name))
+
+    def _validate_mamba3(self, o: Mamba3Options) -> None:
+        for name in ("d_state", "headdim", "ngroups", "mimo_rank", "chunk_size"):
+            _positive_int(f"ssm_cfg.{name}", getattr(o, name))
+        for name in ("expand", "dt_min", "dt_max", "A_floor"):
+            _positive_number(f"ssm_cfg.{name}", getattr(o, name))
+        if o.dt_min > o.dt_max:
+            raise ConfigError(f"ssm_cfg.dt_min={o.dt_min!r} exceeds ssm_cfg.dt_max={o.dt_max!r}")
+        if isinstance(o.dt_init_floor, bool) or not isinstance(o.dt_init_floor, (int, float)) or o.dt_init_floor < 0:
+            raise ConfigError(f"ssm_cfg.dt_init_floor={o.dt_init_floor!r}: must be a number >= 0")
+        for name in ("is_outproj_norm", "is_mimo"):
+            _boolean(f"ssm_cfg.{name}", getattr(o, name))
+        d_inner = o.expand * self.d_model
+        if d_inner != int(d_inner) or int(d_inner) % o.headdim:
+            raise ConfigError(
+                f"ssm_cfg.headdim={o.headdim}: d_inner = expand * d_model = {d_inner} is not a multiple of it"
+            )
+        nheads = int(d_inner) // o.headdim
+        if nheads % o.ngroups:
+            raise ConfigError(
+                f"ssm_cfg.ngroups={o.ngroups}: nheads = d_inner / headdim = {nheads} is not divisible by it"
+            )
+        if o.rope_fraction not in (0.5, 1.0):
+            raise ConfigError(f"ssm_cfg.rope_fraction={o.rope_fraction!r}: choose 0.5 or 1.0 (mamba_ssm's)")
+        if o.num_rope_angles < 1:
+            raise ConfigError(f"ssm_cfg.d_state={o.d_state}: rotates no pair at rope_fraction={o.rope_fraction}")
+        if o.is_mimo and o.d_state % 2:
+            raise ConfigError(
+                f"ssm_cfg.d_state={o.d_state}: MIMO rotates dimensions i and i + d_state/2; use an even one"
+            )
+        if o.a_activation not in A_ACTIVATIONS:
+            raise ConfigError(f"ssm_cfg.a_activation={o.a_activation!r}: choose one of {A_ACTIVATIONS}")
 
     # ---- config.json ---------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -59,3 +59,33 @@ def literal_scan(x, B, C, dd_dt, dd_A, trap, angles, w, *, mimo, activation, A_f
         y[:, t] = torch.einsum("bhpn,bhrn->bhrp", ssm, C_hat) + w["D"][None, :, None, None] * x[:, t]
         prev_x, prev_B = x[:, t], B_hat
     return y, (torch.remainder(angle, 2 * math.pi), ssm, prev_x, prev_B)
+
+
+def literal_mixer(w: dict, u, options, nheads: int):
+    """mamba_ssm's Mamba3 forward on u (b, l, d_model), its weights `w` under their mixer names (float64)."""
+    n, g, r, p = options.d_state, options.ngroups, options.rank, options.headdim
+    d_inner = nheads * p
+    widths = [d_inner, d_inner, g * r * n, g * r * n, nheads, nheads, nheads, options.num_rope_angles]
+    z, x, B, C, dd_dt, dd_A, trap, angles = torch.split(u @ w["in_proj.weight"].T, widths, dim=-1)
+    b, length = u.shape[:2]
+    x, z = x.reshape(b, length, nheads, 1, p), z.reshape(b, length, nheads, 1, p)
+    if options.is_mimo:
+        x, z = x * w["mimo_x"], z * w["mimo_z"]
+    B, C = B.reshape(b, length, r, g, n), C.reshape(b, length, r, g, n)
+    scan_weights = {
+        "dt_bias": w["dt_bias"],
+        "B_norm": w["B_norm.weight"],
+        "C_norm": w["C_norm.weight"],
+        "B_bias": w["B_bias"],
+        "C_bias": w["C_bias"],
+        "D": w["D"],
+    }
+    y, _ = literal_scan(
+        x, B, C, dd_dt, dd_A, trap, angles, scan_weights,
+        mimo=options.is_mimo, activation=options.a_activation, A_floor=options.A_floor,
+    )  # fmt: skip
+    if options.is_outproj_norm:  # RMSNorm of each rank's head over headdim, then the gate
+        y = y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * w["norm.weight"].reshape(nheads, 1, p)
+    y = y * F.silu(z)
+    y = (y * w["mimo_o"]).sum(3) if options.is_mimo else y[:, :, :, 0]
+    return y.reshape(b, length, d_inner) @ w["out_proj.weight"].T

@@ -2,13 +2,13 @@
 the framework knows of it (`MambaType`)."""
 
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
 from megamamba import kernels
-from megamamba.config import MAMBA_LETTER, Mamba1Options, Mamba2Options, MambaConfig
+from megamamba.config import MAMBA_LETTER, Mamba1Options, Mamba2Options, Mamba3Options, MambaConfig
 from megamamba.kernels.flops import conv_flops, selective_scan_flops, ssd_flops
 from megamamba.model.block import Block
 from megamamba.model.layer_types.base import BlockType
@@ -36,6 +36,15 @@ from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.tensor.model_layout import check_mixer_layout
 
 
+def conv_options(config: MambaConfig) -> Union[Mamba1Options, Mamba2Options]:
+    """The options of the Mamba-1 or Mamba-2 mixer config.ssm_cfg["layer"] names (Mamba-3 blocks are
+    `layer_types/mamba3.py`'s)."""
+    options = config.mixer_options
+    if isinstance(options, Mamba3Options):
+        raise ValueError(f"ssm_cfg.layer={config.layer!r}: a Mamba3 block is described by layer_types/mamba3.py")
+    return options
+
+
 def make_mamba_mixer(
     config: MambaConfig,
     device=None,
@@ -45,7 +54,7 @@ def make_mamba_mixer(
 ) -> nn.Module:
     """The Mamba mixer that config.ssm_cfg["layer"] names, built with its options (split across `tp`; on a
     slice of the sequence in the context-parallel group `cp`)."""
-    options = config.mixer_options
+    options = conv_options(config)
     if isinstance(options, Mamba1Options):
         return Mamba1(config.d_model, options, device=device, dtype=dtype, tp=tp, cp=cp)
     return Mamba2(config.d_model, options, device=device, dtype=dtype, tp=tp, cp=cp)
@@ -72,14 +81,14 @@ SCAN_CHECKPOINT_STEPS = 16  # Mamba-1's Triton scan keeps a float32 state every 
 
 def mamba1_layer_flops(config: MambaConfig) -> int:
     """Forward FLOPs per token of one Mamba-1 mixer."""
-    o = config.mixer_options
+    o = conv_options(config)
     d, di, n, r = config.d_model, config.d_inner, o.d_state, config.dt_rank
     projections = 2 * d * 2 * di + 2 * di * (r + 2 * n) + 2 * r * di + 2 * di * d
     return projections + conv_flops(1, di, o.d_conv) + selective_scan_flops(1, di, n)
 
 
 def _mamba2_options(config: MambaConfig) -> Mamba2Options:
-    options = config.mixer_options
+    options = conv_options(config)
     if not isinstance(options, Mamba2Options):
         raise ValueError(f"ssm_cfg.layer={config.layer!r}: Mamba-2's costs need a Mamba2 mixer")
     return options
@@ -110,7 +119,7 @@ def _mamba1_kept_bytes(shape: RankShape) -> int:
     state entering each of a sequence's chunks of the Triton scan (a whole chunk's for a sequence that ends
     inside one); A = -exp(A_log) twice (float32)."""
     model, a = shape.model, shape.act
-    opts = model.mixer_options
+    opts = conv_options(model)
     d_inner = model.d_inner // shape.tp
     x_proj_out = model.dt_rank + 2 * opts.d_state
     per_token = a * (model.d_model + 2 * d_inner + d_inner + x_proj_out + d_inner + d_inner)
@@ -148,7 +157,7 @@ def _state_passing(shape: RankShape, summary_floats: int, conv_channels: int) ->
     slice's state summary forward, reduce-scatter backward."""
     if shape.cp == 1:
         return ()
-    halo = shape.micro_batch_size * conv_channels * (shape.model.mixer_options.d_conv - 1) * shape.act
+    halo = shape.micro_batch_size * conv_channels * (conv_options(shape.model).d_conv - 1) * shape.act
     nbytes = shape.cp * shape.micro_batch_size * summary_floats * STREAM
     return pair("send", "send", halo, "cp") + pair("all_gather", "reduce_scatter", nbytes, "cp")
 
@@ -186,7 +195,7 @@ def _mamba2_work(shape: RankShape) -> LayerWork:
 
 def _mamba1_work(shape: RankShape) -> LayerWork:
     model, tp, t, a = shape.model, shape.tp, shape.tokens, shape.act
-    o = model.mixer_options
+    o = conv_options(model)
     d, di, n, r = model.d_model, model.d_inner // tp, o.d_state, model.dt_rank
     scan = Kernel("scan", 9 * t * di * n, a * t * (4 * di + 2 * n))
     in_proj = matmul(shape, d, 2 * di)
@@ -209,7 +218,7 @@ def _mamba1_work(shape: RankShape) -> LayerWork:
 
 def _mamba1_weight_elements(shape: RankShape) -> int:
     model, d = shape.model, shape.model.d_model
-    d_inner, r, n = model.d_inner // shape.tp, model.dt_rank, model.mixer_options.d_state
+    d_inner, r, n = model.d_inner // shape.tp, model.dt_rank, conv_options(model).d_state
     return d * 2 * d_inner + d_inner * (r + 2 * n) + r * d_inner + d_inner * d
 
 
@@ -236,7 +245,7 @@ MAMBA2_COSTS = MixerCosts(mamba2_layer_flops, _mamba2_kept_bytes, _mamba2_weight
 
 def _costs(config: MambaConfig) -> MixerCosts:
     """The costs of the mixer config.ssm_cfg["layer"] names."""
-    return MAMBA1_COSTS if isinstance(config.mixer_options, Mamba1Options) else MAMBA2_COSTS
+    return MAMBA1_COSTS if isinstance(conv_options(config), Mamba1Options) else MAMBA2_COSTS
 
 
 class MambaType(BlockType):
@@ -250,10 +259,10 @@ class MambaType(BlockType):
         return config.layer
 
     def check_mixer_layout(self, config: MambaConfig, tp_size: int) -> None:
-        check_mixer_layout(config.d_model, config.mixer_options, tp_size)
+        check_mixer_layout(config.d_model, conv_options(config), tp_size)
 
     def conv_width(self, config: MambaConfig) -> int:
-        return config.mixer_options.d_conv
+        return conv_options(config).d_conv
 
     def mixer_flops(self, config: MambaConfig, seq_length: int) -> int:
         return _costs(config).flops(config, seq_length)
@@ -273,7 +282,7 @@ class MambaType(BlockType):
         def rand(*shape):
             return torch.randn(*shape, device=device, dtype=dtype) * 0.5
 
-        o, t = config.mixer_options, batch * seq_length
+        o, t = conv_options(config), batch * seq_length
         work = self.mixer_work(RankShape(config, batch, seq_length, act=activation_bytes(dtype)))
         if isinstance(o, Mamba1Options):
             di, n = config.d_inner, o.d_state

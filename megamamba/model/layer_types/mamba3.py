@@ -1,0 +1,121 @@
+"""A Mamba-3 block: the pre-norm residual block around a Mamba-3 mixer, and what the framework knows of it
+(`Mamba3Type`). Pattern letter M when ssm_cfg.layer is "Mamba3" (`register(..., mixer="Mamba3")`)."""
+
+from typing import Optional
+
+from megamamba.config import MAMBA_LETTER, Mamba3Options, MambaConfig
+from megamamba.errors import LayoutError
+from megamamba.model.block import Block
+from megamamba.model.layer_types.base import BlockType
+from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, matmul, norm, tp_reductions
+from megamamba.model.layer_types.mlp import MLP_TYPE
+from megamamba.model.mamba3 import Mamba3
+from megamamba.parallel import TensorParallel
+from megamamba.parallel.context.context_parallel import ContextParallel
+
+
+def _options(config: MambaConfig) -> Mamba3Options:
+    options = config.mixer_options
+    if not isinstance(options, Mamba3Options):
+        raise ValueError(f"ssm_cfg.layer={config.layer!r}: Mamba-3's description needs a Mamba3 mixer")
+    return options
+
+
+class Mamba3Block(Block):
+    """A block whose mixer is Mamba-3."""
+
+    def __init__(
+        self,
+        config: MambaConfig,
+        tp: Optional[TensorParallel] = None,
+        cp: Optional[ContextParallel] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(
+            config,
+            lambda: Mamba3(config.d_model, _options(config), device=device, dtype=dtype, tp=tp, cp=cp),
+            tp,
+            device,
+            dtype,
+        )
+
+
+def in_proj_width(config: MambaConfig) -> int:
+    """in_proj's output columns: z, x (d_inner each), B, C (ngroups x rank x d_state each), dd_dt, dd_A, trap
+    (nheads each), the angles."""
+    o = _options(config)
+    return 2 * config.d_inner + 2 * o.ngroups * o.rank * o.d_state + 3 * config.nheads + o.num_rope_angles
+
+
+def mamba3_scan_flops(tokens: int, seq_length: int, config: MambaConfig) -> int:
+    """The chunked scan, forward, as a kernel runs it: per head and token, the chunk's Q x rank rows of
+    scores against Q x rank keys (the trapezoid's previous-token term folded into one key per token) times
+    d_state, their product with the values (headdim), and the chunk state in and out (2 d_state headdim
+    per rank each); Q = min(chunk_size, seq_length)."""
+    o = _options(config)
+    q, r, n, p = min(o.chunk_size, seq_length), o.rank, o.d_state, o.headdim
+    return tokens * config.nheads * (2 * q * r * r * (n + p) + 4 * r * n * p)
+
+
+def mamba3_layer_flops(config: MambaConfig, seq_length: int) -> int:
+    """Forward FLOPs per token of one Mamba-3 mixer at sequence length `seq_length`."""
+    projections = 2 * config.d_model * in_proj_width(config) + 2 * config.d_inner * config.d_model
+    return projections + mamba3_scan_flops(1, seq_length, config)
+
+
+def _kept_bytes(shape: RankShape) -> int:
+    """The normed input, in_proj's output, the scan's output per rank and the gated output; B̂ and Ĉ, Δ, A, λ
+    and the angle in float32 (what the fused kernels will keep)."""
+    model, a = shape.model, shape.act
+    o = _options(model)
+    h = model.nheads
+    per_token = a * (model.d_model + in_proj_width(model) + (o.rank + 1) * model.d_inner)
+    per_token += STREAM * (2 * h * o.rank * o.d_state + 3 * h + h * o.num_rope_angles)
+    return per_token * shape.tokens
+
+
+def _work(shape: RankShape) -> LayerWork:
+    model, t, a = shape.model, shape.tokens, shape.act
+    o = _options(model)
+    h, di = model.nheads, model.d_inner
+    in_proj = matmul(shape, model.d_model, in_proj_width(model))
+    scan_bytes = a * t * (2 * o.rank * di + 2 * h * o.rank * o.d_state + 3 * h + o.num_rope_angles)
+    kernels = (
+        norm(shape),
+        in_proj,
+        Kernel("ssd", mamba3_scan_flops(t, shape.slice_length, model), scan_bytes),
+        Kernel("norm", 0, 3 * a * t * di),
+        matmul(shape, di, model.d_model),
+    )
+    return LayerWork(kernels, tp_reductions(shape, in_proj))
+
+
+class Mamba3Type(BlockType):
+    """The Mamba-3 block (M when ssm_cfg.layer is "Mamba3"); single-device for now."""
+
+    kind, symbol, block_class = "mamba3", MAMBA_LETTER, Mamba3Block
+    inner_mlp = MLP_TYPE
+
+    def label(self, config: MambaConfig) -> str:
+        return config.layer
+
+    def check_mixer_layout(self, config: MambaConfig, tp_size: int) -> None:
+        if tp_size > 1:
+            raise LayoutError(f"Mamba3 with tensor parallelism (tp={tp_size}) is not implemented yet; use tp 1")
+
+    def mixer_flops(self, config: MambaConfig, seq_length: int) -> int:
+        return mamba3_layer_flops(config, seq_length)
+
+    def mixer_kept_bytes(self, shape: RankShape) -> int:
+        return _kept_bytes(shape)
+
+    def mixer_weight_elements(self, shape: RankShape) -> int:
+        model = shape.model
+        return model.d_model * in_proj_width(model) + model.d_inner * model.d_model
+
+    def mixer_work(self, shape: RankShape) -> LayerWork:
+        return _work(shape)
+
+
+MAMBA3_TYPE = Mamba3Type()
