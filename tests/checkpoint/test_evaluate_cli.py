@@ -97,7 +97,7 @@ def our_bits_per_byte(model, tok, documents) -> float:
     for doc in documents:
         ids = [tok.eod] + tok.encode(doc)
         with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids]))[0, :-1].double(), dim=-1)
+            logp = torch.log_softmax(model(torch.tensor([ids]))[0, :-1, : model.config.vocab_size].double(), dim=-1)
         nats -= logp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
     return nats / sum(len(d.encode()) for d in documents) / math.log(2)
 

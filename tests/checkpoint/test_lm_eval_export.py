@@ -55,9 +55,9 @@ def lm(export):
 
 
 def scored(model, ids: list, first: int) -> float:
-    """The sum of log p(ids[i] | ids[:i]) over i >= first."""
+    """The sum of log p(ids[i] | ids[:i]) over i >= first, over the real vocabulary as training's loss."""
     with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids]))[0, :-1].double(), dim=-1)
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0, :-1, : model.config.vocab_size].double(), dim=-1)
     return logp.gather(1, torch.tensor(ids[1:])[:, None])[first - 1 :].sum().item()
 
 
