@@ -15,11 +15,11 @@ import sys
 
 from megamamba.pipelines.planner.measured_runs import load_runs, predict
 from megamamba.pipelines.planner.profile import load_profile
+from megamamba.pipelines.planner.search import MFU_MARGIN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILES = {"H200": "h200.json", "H100": "h100-80gb.json", "A100": "a100-80gb.json"}
 BAND = 0.30  # predicted tokens/s within 30% of measured
-MFU_MARGIN = 0.05  # a predicted MFU at most 5 points above the best measured on that GPU
 GiB = 2**30
 
 

@@ -90,6 +90,7 @@ class Profile:
     shared_node_scale: float = 1.0  # and this multiple again while a node's other ranks compute (a shared host)
     overlap: bool = True  # communication runs beside compute (GPU streams); on the CPU they share the cores
     peak_flops_per_s: Optional[float] = None  # MFU's denominator (the datasheet's); None: matmul_flops_per_s
+    measured_mfu: Optional[float] = None  # the best MFU a training run measured on this GPU (against the peak)
     optimizer: Optional[OptimizerPass] = None  # None: ADAMW_BYTES_PER_PARAMETER at the elementwise efficiency
     sources: dict = field(default_factory=dict)  # a field's dotted name -> where its number comes from
 
@@ -201,6 +202,7 @@ def load_profile(path: str) -> Profile:
         shared_node_scale=scales[1],
         overlap=overlap,
         peak_flops_per_s=_number(data, "peak_flops_per_s", path) if data.get("peak_flops_per_s") is not None else None,
+        measured_mfu=_number(data, "measured_mfu", path) if data.get("measured_mfu") is not None else None,
         optimizer=optimizer,
         sources=dict(sources),
     )

@@ -4,7 +4,7 @@ families) or as one JSON object with the same content."""
 import json
 from dataclasses import asdict
 
-from megamamba.pipelines.planner.search import Plan, Search
+from megamamba.pipelines.planner.search import MFU_MARGIN, Plan, Search
 
 GiB = 2**30
 TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer", "overhead")
@@ -69,12 +69,18 @@ def search_dict(result: Search, top: int) -> dict:
         "fixed": r.fixed,
         "assumptions": list(ASSUMPTIONS),
         "feasible": len(result.plans),
-        "plans": [plan_dict(p) for p in result.plans[:top]],
+        "measured_mfu": result.measured_mfu,
+        "plans": [plan_dict(p) | {"mfu_extrapolated": extrapolated(result, p)} for p in result.plans[:top]],
         "rejected": [{"family": x.family, "reason": x.reason} for x in result.rejected],
     }
 
 
-def _row(rank: int, p: Plan) -> str:
+def extrapolated(result: Search, plan: Plan) -> bool:
+    """Whether `plan`'s MFU is above the best measured on the profile's GPU by more than MFU_MARGIN."""
+    return result.measured_mfu is not None and plan.mfu > result.measured_mfu + MFU_MARGIN
+
+
+def _row(rank: int, p: Plan, mark: str) -> str:
     m = p.memory
     gib = " ".join(
         f"{getattr(m, k) / GiB:6.2f}"
@@ -83,7 +89,7 @@ def _row(rank: int, p: Plan) -> str:
     return (
         f"{rank:>3}  {p.dp:>3} {p.cp:>3} {p.tp:>3} {p.pp:>3}  {p.zero_stage:>4}  {p.micro_batch_size:>5} x "
         f"{p.grad_accum:<5} {'on' if p.recompute else 'off':>4}  {gib}  "
-        f"{p.time.total:9.3f} {p.tokens_per_s_per_gpu:11.0f} {100 * p.mfu:5.1f}%"
+        f"{p.time.total:9.3f} {p.tokens_per_s_per_gpu:11.0f} {100 * p.mfu:5.1f}%{mark}"
     )
 
 
@@ -97,7 +103,13 @@ def search_lines(result: Search, top: int) -> list:
         "rank   dp  cp  tp  pp  ZeRO  micro x accum  rec  GiB: param  grads  optim   bufs   acts  total"
         "     step s  tok/s/GPU    MFU",
     ]
-    lines += [_row(i + 1, p) for i, p in enumerate(result.plans[:top])]
+    shown = result.plans[:top]
+    lines += [_row(i + 1, p, "*" if extrapolated(result, p) else "") for i, p in enumerate(shown)]
+    if any(extrapolated(result, p) for p in shown):
+        lines.append(
+            f"* MFU above the best measured on this GPU ({100 * (result.measured_mfu or 0):.1f}%) plus "
+            f"{100 * MFU_MARGIN:.0f} points: an extrapolation beyond the profile's measured runs"
+        )
     if result.plans:
         best = result.plans[0]
         parts = ", ".join(

@@ -32,6 +32,7 @@ from megamamba.pipelines.planner.step_time import (
 )
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_pattern_stages
 
+MFU_MARGIN = 0.05  # a predicted MFU more than this above the best measured one is an extrapolation
 FIXABLE = ("dp", "cp", "tp", "pp", "zero_stage", "micro_batch_size", "recompute")
 
 
@@ -93,6 +94,7 @@ class Search:
     plans: list  # feasible, fastest first
     rejected: list  # Rejection, one per family
     request: Request
+    measured_mfu: Optional[float] = None  # the best MFU a training run measured on the profile's GPU
 
 
 def _powers_of_two(limit: int) -> list:
@@ -286,7 +288,7 @@ def search(request: Request, profile: Profile) -> Search:
                 if closest is not None:
                     rejected.append(closest)
     plans.sort(key=lambda p: (p.time.total, p.memory.total))
-    result = Search(plans, rejected, request)
+    result = Search(plans, rejected, request, profile.measured_mfu)
     if not plans:
         raise _nothing_fits(result)
     return result

@@ -1,6 +1,7 @@
 """The planner's answer as a user reads it: the table ends with where the best plan's time goes and how to
 run it, and --json holds the same plans with train.py's flags and the DeepSpeed keys."""
 
+import dataclasses
 import json
 import os
 
@@ -41,3 +42,17 @@ def test_json_lists_the_top_plans_with_their_flags_and_every_rejected_family(res
     ]
     assert out["plans"][0]["train_flags"].startswith(f"--tensor-parallel-size {result.plans[0].tp} ")
     assert len(out["rejected"]) == len(result.rejected)
+
+
+def test_an_mfu_beyond_the_best_measured_plus_the_margin_is_marked_an_extrapolation(result):
+    """The H100 profile has no measured run (no mark); given one whose best MFU the top plan exceeds by more than
+    5 points, its row is starred and a line says why."""
+    assert not any("extrapolation" in line for line in search_lines(result, 3))
+    below = dataclasses.replace(result, measured_mfu=result.plans[0].mfu - 0.06)
+    lines = search_lines(below, 1)
+    assert next(line for line in lines if line.startswith("  1 ")).endswith("%*")
+    assert (
+        f"* MFU above the best measured on this GPU ({100 * below.measured_mfu:.1f}%) plus 5 points: an "
+        "extrapolation beyond the profile's measured runs"
+    ) in lines
+    assert search_dict(below, 1)["plans"][0]["mfu_extrapolated"] is True
