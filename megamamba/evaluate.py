@@ -125,8 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="checkpoint in the save directory, e.g. step_000100")
     p.add_argument("--tasks", required=True, help="lm-eval task names or patterns, comma-separated")
     p.add_argument("--limit", type=int, default=None, help="at most N examples per task (a quick check)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-size", type=int, default=1, help="requests per forward pass (prompts padded on the left)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device of the model")
     p.add_argument("--include-path", default=None, help="a folder of task YAMLs of your own, beside lm-eval's")
     p.add_argument(
         "--output", default=None, help="results JSON (default: eval/<tag>-<UTC time>.json beside the checkpoint)"
