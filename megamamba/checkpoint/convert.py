@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from megamamba.checkpoint.checkpoint import Checkpoint, check_model_shapes, check_model_tensors, parameter_shapes
+from megamamba.checkpoint.export_formats import refusal_message
 from megamamba.checkpoint.files import (
     CheckpointError,
     fsync_file,
@@ -32,6 +33,7 @@ from megamamba.checkpoint.files import (
 )
 from megamamba.checkpoint.finite import DamagedWeightsError, check_finite
 from megamamba.checkpoint.hf import HFFormatError, decode_special_floats
+from megamamba.checkpoint.mamba_ssm_format import mamba_ssm_config
 from megamamba.checkpoint.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
 from megamamba.checkpoint.safetensors_stream import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -51,7 +53,7 @@ from megamamba.checkpoint.transformers_formats import (
     generation_config,
     import_config,
 )
-from megamamba.config import ATTENTION_LETTER, MLP_LETTER, ConfigError, MambaConfig
+from megamamba.config import ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.model.layer_types.head import tie
 from megamamba.model.layers import EMBEDDING, HEAD
@@ -159,6 +161,13 @@ def _finish(staging: str, output: str, tokenizer_source: str = None) -> None:
     rename(staging, output)
 
 
+def _check_exportable(config: MambaConfig, target: str) -> None:
+    """ConvertError with every reason `--to target` cannot compute the model, before anything is written."""
+    message = refusal_message(config, target)
+    if message:
+        raise ConvertError(message)
+
+
 def export_hf(
     directory: str, output: str, tag: str = None, max_shard_size=DEFAULT_MAX_SHARD_SIZE, tokenizer: bool = True
 ) -> str:
@@ -171,6 +180,7 @@ def export_hf(
     except ValueError as e:
         raise ConvertError(f"--max-shard-size {e}") from None
     config, source = _source(directory, tag)
+    _check_exportable(config, "hf")
     spec = find_tokenizer(source) if tokenizer else None
     try:
         ours = load_tokenizer(spec) if spec is not None else None
@@ -195,32 +205,11 @@ def export_hf(
     return output
 
 
-def mamba_ssm_config(config: MambaConfig) -> dict:
-    """mamba_ssm's config.json for `config` (a pattern of Mamba and attention layers as attn_layer_idx);
-    ConvertError naming what mamba_ssm's MambaLMHeadModel cannot build."""
-    fields = config.to_dict()
-    if config.hybrid_layer_pattern:
-        letters = config.layer_pattern
-        if MLP_LETTER in letters:
-            raise ConvertError(
-                f"hybrid_layer_pattern={config.hybrid_layer_pattern!r}: mamba_ssm has no MLP layers "
-                "(-) of their own (its MLP, d_intermediate, sits inside every block); export to "
-                "transformers' NemotronH instead (--to hf)"
-            )
-        del fields["hybrid_layer_pattern"]
-        fields.update(attn_layer_idx=[i for i, s in enumerate(letters) if s == ATTENTION_LETTER], d_intermediate=0)
-    if config.mlp_inside_blocks and config.mlp_activation != "gated_silu":
-        raise ConvertError(
-            f"mlp_activation={config.mlp_activation!r}: mamba_ssm's MLP (d_intermediate) is gated SiLU only"
-        )
-    fields.pop("mlp_activation", None)
-    return fields
-
-
 def export_mamba_ssm(directory: str, output: str, tag: str = None, tokenizer: bool = True) -> str:
     """Write mamba_ssm's folder (config.json + pytorch_model.bin, as its from_pretrained reads) for the checkpoint /
     model folder `directory`, with our tokenizer's files unless tokenizer=False; returns `output`."""
     config, source = _source(directory, tag)
+    _check_exportable(config, "mamba_ssm")
     fields = mamba_ssm_config(config)
     try:
         with TensorReader(source) as reader:

@@ -9,7 +9,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from megamamba.config import Mamba1Options, MambaConfig
+from megamamba.checkpoint.refusal import Refusal, joined
+from megamamba.config import Mamba1Options, Mamba2Options, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.model.block import NORM_EPS
 from megamamba.model.layers import EMBEDDING
@@ -86,25 +87,58 @@ def decode_special_floats(obj):
     return obj
 
 
-def integer_expand(config: MambaConfig) -> int:
+def expand_refusals(config: MambaConfig) -> list:
+    """Why transformers cannot store the config's expand ([] when it can)."""
     expand = config.mixer_options.expand
-    if expand != int(expand):
-        raise HFFormatError(f"ssm_cfg.expand={expand!r}: transformers stores expand as an integer")
-    return int(expand)
+    return (
+        []
+        if expand == int(expand)
+        else [Refusal(f"ssm_cfg.expand={expand!r}", "transformers stores expand as an integer")]
+    )
+
+
+def mamba_refusals(config: MambaConfig) -> list:
+    """Every reason transformers' Mamba (Mamba-1 layers) or Mamba2 (Mamba-2 layers) cannot compute the Mamba-only
+    `config` ([] when it can)."""
+    o = config.mixer_options
+    if not isinstance(o, (Mamba1Options, Mamba2Options)):
+        return [
+            Refusal(f"ssm_cfg.layer={config.layer!r}", "transformers' Mamba and Mamba2 hold Mamba1 and Mamba2 layers")
+        ]
+    reasons = (
+        []
+        if config.rms_norm
+        else [Refusal("rms_norm=false (LayerNorm)", "transformers' Mamba and Mamba2 have RMSNorm only")]
+    )
+    reasons += expand_refusals(config)
+    if isinstance(o, Mamba1Options):
+        return reasons
+    if not o.rmsnorm:
+        reasons.append(Refusal("ssm_cfg.rmsnorm=false", "transformers' Mamba2 always applies the gated RMSNorm"))
+    if o.norm_before_gate:
+        reasons.append(
+            Refusal(
+                "ssm_cfg.norm_before_gate=true",
+                "transformers' Mamba2 gates before normalising (norm_before_gate=false) only",
+            )
+        )
+    if o.D_has_hdim:
+        reasons.append(Refusal("ssm_cfg.D_has_hdim=true", "transformers' Mamba2 has one D per head"))
+    return reasons
 
 
 def hf_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
-    """transformers' config.json for `config`; HFFormatError naming what it cannot represent."""
-    if not config.rms_norm:
-        raise HFFormatError("rms_norm=false (LayerNorm): transformers' Mamba and Mamba2 have RMSNorm only")
-    o = config.mixer_options
+    """transformers' config.json for `config`; HFFormatError naming everything it cannot represent."""
+    reasons, o = mamba_refusals(config), config.mixer_options
+    if reasons or not isinstance(o, (Mamba1Options, Mamba2Options)):  # the refusals name any other mixer
+        raise HFFormatError(joined(reasons))
     common = {
         "vocab_size": config.padded_vocab_size,
         "hidden_size": config.d_model,
         "num_hidden_layers": config.n_layer,
         "state_size": o.d_state,
         "conv_kernel": o.d_conv,
-        "expand": integer_expand(config),
+        "expand": int(o.expand),
         "use_bias": o.bias,
         "use_conv_bias": o.conv_bias,
         "hidden_act": "silu",
@@ -128,15 +162,6 @@ def hf_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[in
         }
     else:
         model_type = "mamba2"
-        if not o.rmsnorm:
-            raise HFFormatError("ssm_cfg.rmsnorm=false: transformers' Mamba2 always applies the gated RMSNorm")
-        if o.norm_before_gate:
-            raise HFFormatError(
-                "ssm_cfg.norm_before_gate=true: transformers' Mamba2 gates before normalising "
-                "(norm_before_gate=false) only"
-            )
-        if o.D_has_hdim:
-            raise HFFormatError("ssm_cfg.D_has_hdim=true: transformers' Mamba2 has one D per head")
         fields = {
             "num_heads": config.nheads,
             "head_dim": o.headdim,

@@ -13,7 +13,13 @@ from typing import Optional
 
 import torch
 
-from megamamba.checkpoint.hf import HF_EMBEDDING, HFFormatError, Part, integer_expand
+from megamamba.checkpoint.hf import (
+    HF_EMBEDDING,
+    HFFormatError,
+    Part,
+    expand_refusals,
+)
+from megamamba.checkpoint.refusal import Refusal, joined
 from megamamba.config import ATTENTION_LETTER, MAMBA_LETTER, MLP_LETTER, Mamba2Options, MambaConfig
 from megamamba.model.block import NORM_EPS
 from megamamba.model.layers import EMBEDDING, HEAD
@@ -67,30 +73,98 @@ _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(in_proj|out_proj|fc1|
 _RENAMED = {(ATTENTION_LETTER, "out_proj"): "o_proj", (MLP_LETTER, "fc1"): "up_proj", (MLP_LETTER, "fc2"): "down_proj"}
 
 
-def _mamba_fields(config: MambaConfig) -> dict:
+def _mamba_refusals(config: MambaConfig) -> list:
     o = config.mixer_options
     if not isinstance(o, Mamba2Options):
-        raise HFFormatError(f"ssm_cfg.layer={config.layer!r}: NemotronH's Mamba layers are Mamba2")
+        return [Refusal(f"ssm_cfg.layer={config.layer!r}", "NemotronH's Mamba layers are Mamba2")]
+    reasons = expand_refusals(config)
     if not o.rmsnorm or o.norm_before_gate:
-        raise HFFormatError(
-            f"ssm_cfg rmsnorm={o.rmsnorm}, norm_before_gate={o.norm_before_gate}: NemotronH "
-            "applies the gated RMSNorm after gating only (rmsnorm=true, norm_before_gate=false)"
+        reasons.append(
+            Refusal(
+                f"ssm_cfg rmsnorm={o.rmsnorm}, norm_before_gate={o.norm_before_gate}",
+                "NemotronH applies the gated RMSNorm after gating only (rmsnorm=true, norm_before_gate=false)",
+            )
         )
     if o.D_has_hdim:
-        raise HFFormatError("ssm_cfg.D_has_hdim=true: NemotronH has one D per head")
-    low, high = o.dt_limit
-    if high != math.inf:
-        raise HFFormatError(
-            f"ssm_cfg.dt_limit={list(o.dt_limit)}: NemotronH clamps dt below only (at "
-            "time_step_min); the upper limit must be inf"
+        reasons.append(Refusal("ssm_cfg.D_has_hdim=true", "NemotronH has one D per head"))
+    if o.dt_limit[1] != math.inf:
+        reasons.append(
+            Refusal(
+                f"ssm_cfg.dt_limit={list(o.dt_limit)}",
+                "NemotronH clamps dt below only (at time_step_min); the upper limit must be inf",
+            )
         )
+    return reasons
+
+
+def _attention_refusals(config: MambaConfig) -> list:
+    o = config.attention_options
+    head_dim = config.head_dim_of(o)
+    reasons = []
+    if o.qkv_proj_bias or o.out_proj_bias:
+        reasons.append(
+            Refusal(
+                f"attn_cfg qkv_proj_bias={o.qkv_proj_bias}, out_proj_bias={o.out_proj_bias}",
+                "NemotronH's attention has no biases (set both false)",
+            )
+        )
+    if o.rotary_emb_dim:
+        reasons.append(
+            Refusal(
+                f"attn_cfg.rotary_emb_dim={o.rotary_emb_dim}", "NemotronH's attention has no rotary embedding (use 0)"
+            )
+        )
+    if o.softmax_scale is not None and o.softmax_scale != head_dim**-0.5:
+        reasons.append(
+            Refusal(
+                f"attn_cfg.softmax_scale={o.softmax_scale}",
+                f"NemotronH scales by head_dim ** -0.5 = {head_dim**-0.5} (use null)",
+            )
+        )
+    return reasons
+
+
+def nemotron_h_refusals(config: MambaConfig) -> list:
+    """Every reason NemotronH cannot compute the hybrid `config` ([] when it can)."""
+    reasons = [] if config.rms_norm else [Refusal("rms_norm=false (LayerNorm)", "NemotronH has RMSNorm only")]
+    if config.mlp_inside_blocks:
+        reasons.append(
+            Refusal(
+                f"d_intermediate={config.d_intermediate} without hybrid_layer_pattern (an MLP inside every block, "
+                "as mamba_ssm)",
+                "NemotronH has one mixer per layer; express the MLPs as their own layers (- in hybrid_layer_pattern)",
+            )
+        )
+    letters = config.layer_pattern
+    reasons += [
+        Refusal(
+            f"{letter} layers in hybrid_layer_pattern", f"the NemotronH export has {''.join(BLOCK_TYPES)} layers only"
+        )
+        for letter in sorted(set(letters) - set(BLOCK_TYPES))
+    ]
+    if MAMBA_LETTER in letters:
+        reasons += _mamba_refusals(config)
+    if ATTENTION_LETTER in letters:
+        reasons += _attention_refusals(config)
+    if MLP_LETTER in letters and config.mlp_activation != "squared_relu":
+        reasons.append(
+            Refusal(
+                f"mlp_activation={config.mlp_activation!r}",
+                'NemotronH\'s MLP is squared ReLU, not gated (mlp_activation="squared_relu")',
+            )
+        )
+    return reasons
+
+
+def _mamba_fields(config: MambaConfig, o: Mamba2Options) -> dict:
+    low, high = o.dt_limit
     return {
         "ssm_state_size": o.d_state,
         "mamba_num_heads": config.nheads,
         "mamba_head_dim": o.headdim,
         "n_groups": o.ngroups,
         "conv_kernel": o.d_conv,
-        "expand": integer_expand(config),
+        "expand": int(o.expand),
         "use_conv_bias": o.conv_bias,
         "use_bias": o.bias,
         "mamba_hidden_act": "silu",
@@ -102,41 +176,11 @@ def _mamba_fields(config: MambaConfig) -> dict:
     }
 
 
-def _attention_fields(config: MambaConfig) -> dict:
-    o = config.attention_options
-    head_dim = config.head_dim_of(o)
-    if o.qkv_proj_bias or o.out_proj_bias:
-        raise HFFormatError(
-            f"attn_cfg qkv_proj_bias={o.qkv_proj_bias}, out_proj_bias={o.out_proj_bias}: "
-            "NemotronH's attention has no biases (set both false)"
-        )
-    if o.rotary_emb_dim:
-        raise HFFormatError(
-            f"attn_cfg.rotary_emb_dim={o.rotary_emb_dim}: NemotronH's attention has no rotary embedding (use 0)"
-        )
-    if o.softmax_scale is not None and o.softmax_scale != head_dim**-0.5:
-        raise HFFormatError(
-            f"attn_cfg.softmax_scale={o.softmax_scale}: NemotronH scales by head_dim ** -0.5 = "
-            f"{head_dim**-0.5} (use null)"
-        )
-    return {
-        "num_attention_heads": o.num_heads,
-        "num_key_value_heads": o.kv_heads,
-        "head_dim": head_dim,
-        "attention_bias": False,
-    }
-
-
 def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
-    """transformers' NemotronH config.json for `config`; HFFormatError naming what it cannot represent."""
-    if not config.rms_norm:
-        raise HFFormatError("rms_norm=false (LayerNorm): NemotronH has RMSNorm only")
-    if config.mlp_inside_blocks:
-        raise HFFormatError(
-            f"d_intermediate={config.d_intermediate} without hybrid_layer_pattern (an MLP inside "
-            "every block, as mamba_ssm): NemotronH has one mixer per layer; express the MLPs as "
-            "their own layers (- in hybrid_layer_pattern)"
-        )
+    """transformers' NemotronH config.json for `config`; HFFormatError naming everything it cannot represent."""
+    reasons = nemotron_h_refusals(config)
+    if reasons:
+        raise HFFormatError(joined(reasons))
     letters = config.layer_pattern
     fields = {
         "architectures": [ARCHITECTURE],
@@ -149,16 +193,18 @@ def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Opt
         "tie_word_embeddings": config.tie_embeddings,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    if MAMBA_LETTER in letters:
-        fields.update(_mamba_fields(config))
+    mixer = config.mixer_options
+    if MAMBA_LETTER in letters and isinstance(mixer, Mamba2Options):  # the refusals leave no other mixer
+        fields.update(_mamba_fields(config, mixer))
     if ATTENTION_LETTER in letters:
-        fields.update(_attention_fields(config))
+        o = config.attention_options
+        fields.update(
+            num_attention_heads=o.num_heads,
+            num_key_value_heads=o.kv_heads,
+            head_dim=config.head_dim_of(o),
+            attention_bias=False,
+        )
     if MLP_LETTER in letters:
-        if config.mlp_activation != "squared_relu":
-            raise HFFormatError(
-                f"mlp_activation={config.mlp_activation!r}: NemotronH's MLP is squared ReLU, "
-                'not gated (mlp_activation="squared_relu")'
-            )
         fields.update(intermediate_size=config.d_intermediate, mlp_hidden_act="relu2", mlp_bias=False)
     if eos_token_id is not None:
         fields.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)

@@ -10,16 +10,12 @@ from typing import Callable
 import torch
 
 from megamamba.checkpoint import nemotron_h
+from megamamba.checkpoint.export_formats import is_hybrid
 from megamamba.checkpoint.hf import ARCHITECTURES, HF_DEFAULTS, HFFormatError, config_from_hf, hf_config, mamba_parts
 from megamamba.config import MambaConfig
 
 MODEL_TYPES = (*HF_DEFAULTS, nemotron_h.MODEL_TYPE)
 GENERATION_CONFIG_FILE = "generation_config.json"
-
-
-def is_hybrid(config: MambaConfig) -> bool:
-    """Whether the model has attention or MLP layers (or a layer pattern): NemotronH's, not Mamba's format."""
-    return bool(config.hybrid_layer_pattern or config.attn_layer_idx or config.d_intermediate)
 
 
 def export_config(config: MambaConfig, dtype: torch.dtype, eos_token_id=None) -> dict:

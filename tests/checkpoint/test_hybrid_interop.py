@@ -116,7 +116,8 @@ def test_nemotron_h_refusal_is_one_line_naming_the_field(tmp_path):
     save_model_folder(model, str(tmp_path / "ours"))
     refused(
         ["export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "hf"],
-        r"^convert export: error: attn_cfg qkv_proj_bias=True, out_proj_bias=True: NemotronH",
+        r"^convert export: error: --to hf: transformers NemotronH cannot compute this model: "
+        r"attn_cfg qkv_proj_bias=True, out_proj_bias=True: NemotronH",
     )
     assert not (tmp_path / "hf").exists()
 
@@ -208,7 +209,8 @@ def test_mamba_ssm_export_refuses_mlp_layers_naming_the_pattern_and_nemotron_h(t
     save_model_folder(pattern_model("tied"), str(tmp_path / "ours"))
     refused(
         ["export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "ssm", "--to", "mamba_ssm"],
-        r"hybrid_layer_pattern='M\*-M-': mamba_ssm has no MLP layers \(-\).*NemotronH instead \(--to hf\)",
+        r"MLP layers \(-\): mamba_ssm has no MLP layers of their own .*hybrid_layer_pattern='M\*-M-'\); "
+        r"--to hf \(transformers NemotronH\) can$",
     )
 
 
