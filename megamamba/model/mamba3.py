@@ -35,10 +35,10 @@ class Mamba3(nn.Module):
         cp: Optional[ContextParallel] = None,
     ):
         super().__init__()
-        for name, group in (("tensor", split(tp)), ("context", split(cp))):
+        for name, short, group in (("tensor", "tp", split(tp)), ("context", "cp", split(cp))):
             if group is not None:
                 raise LayoutError(
-                    f"Mamba3 with {name} parallelism (size {group.size}) is not implemented yet; use size 1"
+                    f"Mamba3 with {name} parallelism ({short}={group.size}) is not implemented yet; use {short} 1"
                 )
         factory = {"device": device, "dtype": dtype}
         self.options = options

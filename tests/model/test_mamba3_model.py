@@ -43,3 +43,13 @@ def test_tensor_parallel_mamba3_is_refused_by_name():
         LayoutError, match=r"^Mamba3 with tensor parallelism \(tp=2\) is not implemented yet; use tp 1$"
     ):
         check_layout(tiny(), 2)
+
+
+def test_context_parallel_mamba3_is_refused_by_name():
+    class TwoRanks:
+        size = 2
+
+    with pytest.raises(
+        LayoutError, match=r"^Mamba3 with context parallelism \(cp=2\) is not implemented yet; use cp 1$"
+    ):
+        Mamba3(18, tiny().mixer_options, cp=TwoRanks())
