@@ -1,13 +1,14 @@
 """What launch/train.py tells its console: the start-up summary, step timing and optimizer-state lines.
 
 Everything here is host arithmetic on values the run already has (no collectives, no device
-reads): global rank 0 prints the lines, so a run's log says once what it will do, how far it
-is, and when it will end.
+reads): global rank 0 prints the lines, so a run's log says once what it will do (and which
+formats its checkpoints export to), how far it is, and when it will end.
 """
 
 import time
 from typing import Optional, Sequence, Union
 
+from megamamba.checkpoint.export_formats import exports_line
 from megamamba.config import MambaConfig
 from megamamba.data.training_data import BUILTIN_NAME, TrainingData
 from megamamba.model.layer_types import LAYER_TYPES, layer_type
@@ -104,6 +105,7 @@ def startup_summary(
         f"  precision: {'bf16 autocast (float32 parameters and masters)' if autocast else 'float32'} "
         f"| ZeRO stage {zero}",
         f"  checkpoints: {saving} | --load {load or 'none (fresh start)'}",
+        f"  {exports_line(model)}",
     ]
 
 

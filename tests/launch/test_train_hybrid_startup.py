@@ -125,6 +125,10 @@ def test_the_start_up_summary_counts_a_hybrids_layer_kinds_and_parameters():
     assert lines[0].startswith(
         f"run: Mamba2, 5 layers (2 Mamba2, 1 attention, 2 MLP), d_model 64 | parameters {total} "
     )
+    assert lines[-1] == (  # before training: what it exports to, and every setting that keeps it from a format
+        "  exports to: none (mamba_ssm: MLP layers (-) | transformers NemotronH: attn_cfg qkv_proj_bias=True, "
+        "out_proj_bias=True; attn_cfg.rotary_emb_dim=8; mlp_activation='gated_silu')"
+    )
 
 
 def test_the_quick_starts_hybrid_model_takes_the_readmes_pattern(tmp_path):
