@@ -12,7 +12,8 @@
 #
 # QUICKSTART_PATTERN="M*M-" trains a hybrid instead (default OUTPUT_DIR runs/quickstart-hybrid):
 # launch/models/quickstart-hybrid.json's layers as Megatron's --hybrid-layer-pattern places them
-# (M Mamba-2, * attention, - MLP; 4 symbols).
+# (M Mamba-2, * attention, - MLP; 4 symbols). Its attention (no rotary, no biases) and squared-ReLU MLP
+# are what transformers' NemotronH computes, so its checkpoint exports there (`convert export`).
 #
 # It writes data/, tensorboard/, checkpoints/ and metrics.jsonl in OUTPUT_DIR and never replaces them:
 # an OUTPUT_DIR holding any of them is refused, and so is one another quick start is writing (the

@@ -108,6 +108,9 @@ def test_every_launch_model_config_exports_to_its_transformers_class_or_its_star
 
 
 def test_the_start_up_lines_of_the_launch_model_configs():
+    assert exports_line(launch_config("quickstart-hybrid")) == (
+        "exports to: transformers NemotronH (not mamba_ssm: MLP layers (-))"
+    )
     assert exports_line(launch_config("nemotron-h-8b")) == (
         "exports to: transformers NemotronH (not mamba_ssm: MLP layers (-))"
     )
