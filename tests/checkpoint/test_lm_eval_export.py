@@ -4,7 +4,8 @@ One export shared by the module: a tiny Mamba-2 with the byte tokenizer and no p
 embedding rows, the tokenizer's ids), so lm-eval's softmax runs over the vocabulary ours does.
 Ours: `MambaLM` on the end-of-document token followed by our ids, as training feeds it. lm-eval
 sums float32 log-probabilities, hence equality to 1e-5 nats or 1e-7 of the sum, whichever is
-larger. Skipped where lm-eval is not installed (`pip install -e .[eval]`; CI installs it).
+larger. Skipped where lm-eval is not installed (`pip install -e .[eval]`; CI installs it). Slow:
+lm-eval's and transformers' imports and the export's load take seconds.
 """
 
 import pytest
@@ -35,6 +36,7 @@ PAIRS = (
 )
 PROMPTS = ("def f(x):\n    return", "x = 1", "<|endoftext|> literally")
 NEW_TOKENS = 12
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
