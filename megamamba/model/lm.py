@@ -84,7 +84,8 @@ class MambaLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids (batch, seqlen) -> logits (batch, seqlen, padded_vocab_size); with `labels` (batch, seqlen;
         -100 = ignored) the training loss instead (`megamamba.model.loss.training_loss`: the mean cross-entropy
-        over the real vocabulary, under TP on the vocab-parallel logits, never gathered).
+        over the real vocabulary, under TP on the vocab-parallel logits, never gathered; the mixture-of-experts
+        blocks' router losses, carried by the stream, in its gradient).
 
         seq_idx (batch, seqlen) int32 document ids: the state of every layer resets where the id
         changes, so packed documents do not see each other. inference_cache (from
@@ -111,10 +112,14 @@ class MambaLM(nn.Module):
             check_sequence_length(input_ids.shape[1], self.tp.size, self.tp.sequence_parallel)
             if inference_cache is not None:
                 self._check_recurrent_form()
-        states = None if inference_cache is None else [None, *inference_cache, None, None]
+        states = None if inference_cache is None else [None, *inference_cache, None]
         k = self.checkpoint_interval if self.training and inference_cache is None else 0
-        x = run_layers(layer_list(self), Stream.of(input_ids, seq_idx), k, states)
-        return x if labels is None else training_loss(x, labels, self.config.vocab_size, self.tp, self.cp)
+        *layers, head = layer_list(self)
+        x = run_layers(layers, Stream.of(input_ids, seq_idx), k, states)
+        logits = head(x)
+        if labels is None:
+            return logits
+        return training_loss(logits, labels, self.config.vocab_size, self.tp, self.cp, x.aux_loss)
 
     def _check_recurrent_form(self) -> None:
         if self.tp is not None and self.tp.sequence_parallel:

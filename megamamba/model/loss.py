@@ -36,13 +36,30 @@ def training_loss(
     vocab_size: int,
     tp: Optional[TensorParallel] = None,
     cp: Optional[ContextParallel] = None,
+    aux_loss: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """`lm_loss`, whose gradient under CP is C times this rank's share: a data-parallel engine averages gradients
     over every rank of its data axis (DeepSpeed's: dp x C ranks), and the average of C x the shares is the sum of
-    the shares over the CP group (the whole sequences' gradient) averaged over dp, as without CP."""
+    the shares over the CP group (the whole sequences' gradient) averaged over dp, as without CP. With `aux_loss`
+    (the stream's router losses) the gradient is that of their sum, the value the language-modelling loss's
+    alone, so that the logged loss is comparable with and without experts."""
     loss = lm_loss(logits, labels, vocab_size, tp, cp)
     cp = split(cp)
-    return loss if cp is None else _ScaleGradient.apply(loss, float(cp.size))
+    loss = loss if cp is None else _ScaleGradient.apply(loss, float(cp.size))
+    return loss if aux_loss is None else _AddInBackward.apply(loss, aux_loss)
+
+
+class _AddInBackward(torch.autograd.Function):
+    """`loss` forward; backward the gradient of loss + aux_loss (the same gradient to both)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux_loss.dtype
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.to(ctx.aux_dtype)
 
 
 class _ScaleGradient(torch.autograd.Function):
