@@ -274,7 +274,7 @@ def _from_transformers(tensors: dict, config: MambaConfig, model_type: str, dire
         missing = [p.name for p in parts if p.name not in tensors]
         if missing:
             raise ConvertError(f"{directory}: has no tensor {missing[0]} (part of our {name}) that its config implies")
-        state[name] = assemble(parts, tensors.__getitem__)
+        state[name] = assemble(config, name, parts, tensors.__getitem__)
         used.update(p.name for p in parts)
     unexpected = sorted(set(tensors) - used)
     if unexpected:

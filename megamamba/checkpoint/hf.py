@@ -13,7 +13,7 @@ from megamamba.checkpoint.refusal import Refusal, joined
 from megamamba.config import Mamba1Options, Mamba2Options, MambaConfig
 from megamamba.errors import MegamambaError
 from megamamba.model.block import NORM_EPS
-from megamamba.model.layers import EMBEDDING
+from megamamba.model.layers import EMBEDDING, HEAD
 
 HF_EMBEDDING = "backbone.embeddings.weight"
 
@@ -65,6 +65,10 @@ HF_DEFAULTS = {
 ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
 
 
+PAD_MULTIPLE = "pad_vocab_size_multiple"  # ours, in our exports' config.json: how the import pads the vocabulary
+VOCABULARY = (EMBEDDING, HEAD)  # our tensors with a row per token id
+
+
 class HFFormatError(MegamambaError, ValueError):
     """A config that the other format cannot represent; the message names the field."""
 
@@ -85,6 +89,18 @@ def decode_special_floats(obj):
     if isinstance(obj, list):
         return [decode_special_floats(v) for v in obj]
     return obj
+
+
+def vocab_fields(config: MambaConfig) -> dict:
+    """The export's vocabulary: our real vocab_size (the file holds no padding rows) and our padding multiple."""
+    return {"vocab_size": config.vocab_size, PAD_MULTIPLE: config.pad_vocab_size_multiple}
+
+
+def vocab_from(f: dict) -> dict:
+    """Our vocab_size and pad_vocab_size_multiple for transformers' fields `f`: those our export wrote, or for
+    another's folder its rows, padded by 8 when 8 divides them (as mamba_ssm pads) and not padded otherwise."""
+    rows = f["vocab_size"]
+    return {"vocab_size": rows, PAD_MULTIPLE: f.get(PAD_MULTIPLE, 8 if rows % 8 == 0 else 1)}
 
 
 def expand_refusals(config: MambaConfig) -> list:
@@ -128,12 +144,16 @@ def mamba_refusals(config: MambaConfig) -> list:
 
 
 def hf_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
-    """transformers' config.json for `config`; HFFormatError naming everything it cannot represent."""
+    """transformers' config.json for `config`; HFFormatError naming everything it cannot represent.
+
+    `vocab_size` is our real vocabulary: the rows past it, padding, are not written, and
+    `pad_vocab_size_multiple` (ours, ignored by transformers) lets the import pad them back.
+    """
     reasons, o = mamba_refusals(config), config.mixer_options
     if reasons or not isinstance(o, (Mamba1Options, Mamba2Options)):  # the refusals name any other mixer
         raise HFFormatError(joined(reasons))
     common = {
-        "vocab_size": config.padded_vocab_size,
+        **vocab_fields(config),
         "hidden_size": config.d_model,
         "num_hidden_layers": config.n_layer,
         "state_size": o.d_state,
@@ -184,7 +204,6 @@ def config_from_hf(hf: dict) -> MambaConfig:
         raise HFFormatError(f"hidden_act={f['hidden_act']!r}: the Mamba mixers use silu only")
     if f["layer_norm_epsilon"] != NORM_EPS:
         raise HFFormatError(f"layer_norm_epsilon={f['layer_norm_epsilon']!r}: our norms use mamba_ssm's {NORM_EPS}")
-    rows = f["vocab_size"]
     ssm = {
         "d_state": f["state_size"],
         "d_conv": f["conv_kernel"],
@@ -218,15 +237,15 @@ def config_from_hf(hf: dict) -> MambaConfig:
     return MambaConfig(
         d_model=f["hidden_size"],
         n_layer=f["num_hidden_layers"],
-        vocab_size=rows,
+        **vocab_from(f),
         ssm_cfg=ssm,
         rms_norm=True,
         residual_in_fp32=f["residual_in_fp32"],
-        pad_vocab_size_multiple=8 if rows % 8 == 0 else 1,
         tie_embeddings=f["tie_word_embeddings"],
     )
 
 
-def mamba_parts(name: str) -> list:
-    """Where our tensor `name` lies in transformers' Mamba / Mamba2 file (the tied head is not written)."""
-    return [Part(HF_EMBEDDING if name == EMBEDDING else name, None)]
+def mamba_parts(config: MambaConfig, name: str) -> list:
+    """Where our tensor `name` lies in transformers' Mamba / Mamba2 file (the tied head is not written; of the
+    embedding and head the rows of the real vocabulary only)."""
+    return [Part(HF_EMBEDDING if name == EMBEDDING else name, config.vocab_size if name in VOCABULARY else None)]

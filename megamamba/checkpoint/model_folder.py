@@ -16,7 +16,14 @@ from safetensors.torch import load_file, save_file
 from megamamba.checkpoint.finite import check_finite
 from megamamba.checkpoint.folder_tensors import FolderTensors, ModelFolderError, index_file, read_folder_tensors
 from megamamba.checkpoint.hf import HFFormatError, Part, decode_special_floats
-from megamamba.checkpoint.transformers_formats import architecture, assemble, file_names, file_parts, import_config
+from megamamba.checkpoint.transformers_formats import (
+    architecture,
+    assemble,
+    file_names,
+    file_parts,
+    import_config,
+    our_shape,
+)
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.model.layer_types.head import tie
 from megamamba.model.layers import EMBEDDING, HEAD
@@ -93,9 +100,9 @@ class FolderWeights:
     `kind` says which form: "model folder" (our config + safetensors: ours, a checkpoint, or a
     mamba_ssm export in safetensors), "mamba_ssm folder" (pytorch_model.bin, read with
     weights_only=True and memory-mapped), or transformers' export (config.json with a `model_type`;
-    its `vocab_size` is the padded row count, `hf` is True; a tensor of ours may be several of its, as
-    `transformers_formats.file_parts` says). `tensors(names)` opens only the files holding `names` (of a
-    .bin, only the pages); with tie_embeddings the head is the embedding.
+    `hf` is True; a tensor of ours may be several of its, as `transformers_formats.file_parts` says, and
+    the vocabulary's padding rows our exports leave out read as zeros). `tensors(names)` opens only the
+    files holding `names` (of a .bin, only the pages); with tie_embeddings the head is the embedding.
     """
 
     def __init__(self, directory: str):
@@ -150,7 +157,8 @@ class FolderWeights:
 
     def _from_file_names(self, held: dict) -> dict:
         """transformers' tensor shapes `held` under our names: a tensor of ours made of several of the file's
-        has their rows summed; a file's tensor that is part of none of ours keeps its own name."""
+        has their rows summed, the embedding and head of the real vocabulary its padding rows added; a file's
+        tensor that is part of none of ours keeps its own name."""
         shapes, used = {}, set()
         with torch.device("meta"):
             names = [n for n, _ in MambaLM(self.config).named_parameters()]
@@ -158,7 +166,8 @@ class FolderWeights:
             parts = self._parts(name)
             if all(p.name in held for p in parts):
                 first = held[parts[0].name]
-                shapes[name] = (sum(held[p.name][0] for p in parts), *first[1:]) if len(parts) > 1 else first
+                whole = (sum(held[p.name][0] for p in parts), *first[1:]) if len(parts) > 1 else first
+                shapes[name] = our_shape(self.config, name, whole)
                 used.update(p.name for p in parts)
         return {**shapes, **{n: shape for n, shape in held.items() if n not in used}}
 
@@ -171,11 +180,15 @@ class FolderWeights:
             if absent:
                 raise ModelFolderError(f"{self._torch_file}: has no tensors {absent[:5]}")
             for n, s in source.items():
-                yield n, self._finite(s, assemble(self._parts(s), self._bin.__getitem__))
+                yield n, self._finite(s, self._assemble(s, self._bin.__getitem__))
             return
         with FolderTensors(self.directory, WEIGHTS_STEM) as tensors:
             for n, s in source.items():
-                yield n, self._finite(s, assemble(self._parts(s), tensors.read))
+                yield n, self._finite(s, self._assemble(s, tensors.read))
+
+    def _assemble(self, name: str, read) -> torch.Tensor:
+        """Our tensor `name` from the folder's (of a transformers export: the vocabulary's padding rows zero)."""
+        return assemble(self.config, name, self._parts(name), read) if self.hf else read(name)
 
     def _finite(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         check_finite({name: tensor}, self.directory)

@@ -15,9 +15,12 @@ import torch
 
 from megamamba.checkpoint.hf import (
     HF_EMBEDDING,
+    VOCABULARY,
     HFFormatError,
     Part,
     expand_refusals,
+    vocab_fields,
+    vocab_from,
 )
 from megamamba.checkpoint.refusal import Refusal, joined
 from megamamba.config import ATTENTION_LETTER, MAMBA_LETTER, MLP_LETTER, Mamba2Options, MambaConfig
@@ -177,7 +180,9 @@ def _mamba_fields(config: MambaConfig, o: Mamba2Options) -> dict:
 
 
 def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
-    """transformers' NemotronH config.json for `config`; HFFormatError naming everything it cannot represent."""
+    """transformers' NemotronH config.json for `config`; HFFormatError naming everything it cannot represent.
+
+    `vocab_size` is our real vocabulary, as in hf.hf_config."""
     reasons = nemotron_h_refusals(config)
     if reasons:
         raise HFFormatError(joined(reasons))
@@ -185,7 +190,7 @@ def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Opt
     fields = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
-        "vocab_size": config.padded_vocab_size,
+        **vocab_fields(config),
         "hidden_size": config.d_model,
         "layers_block_type": [BLOCK_TYPES[letter] for letter in letters],
         "layer_norm_epsilon": NORM_EPS,
@@ -273,15 +278,13 @@ def config_from_nemotron_h(hf: dict) -> MambaConfig:
         )
     types = [LEGACY_TYPES.get(t, t) for t in types]
     _check_supported(f, types)
-    rows = f["vocab_size"]
     fields = {
         "d_model": f["hidden_size"],
         "n_layer": len(types),
-        "vocab_size": rows,
+        **vocab_from(f),
         "hybrid_layer_pattern": "".join(SYMBOLS[t] for t in types),
         "rms_norm": True,
         "residual_in_fp32": f["residual_in_fp32"],
-        "pad_vocab_size_multiple": 8 if rows % 8 == 0 else 1,
         "tie_embeddings": f["tie_word_embeddings"],
     }
     if HF_MAMBA in types:
@@ -301,9 +304,10 @@ def config_from_nemotron_h(hf: dict) -> MambaConfig:
 
 
 def nemotron_h_parts(config: MambaConfig, name: str) -> list:
-    """Where our tensor `name` lies in NemotronH's file: [Part(name there, rows of ours)], rows in order."""
-    if name == EMBEDDING:
-        return [Part(HF_EMBEDDING, None)]
+    """Where our tensor `name` lies in NemotronH's file: [Part(name there, rows of ours)], rows in order (of
+    the embedding and head the real vocabulary's)."""
+    if name in VOCABULARY:  # the rows of the real vocabulary only
+        return [Part(HF_EMBEDDING if name == EMBEDDING else name, config.vocab_size)]
     match = _LAYER_KEY.fullmatch(name)
     if match is None:
         return [Part(name, None)]

@@ -2,7 +2,8 @@
 
 Mamba-only models take transformers' Mamba / Mamba2 (hf.py); hybrids (attention or MLP layers, or a
 layer pattern) take NemotronH (nemotron_h.py). A tensor of ours is one or more tensors of the file,
-its rows in order (`Part`).
+its rows in order (`Part`); of the embedding and head the file holds the real vocabulary's rows only, so
+transformers' softmax runs over the ids our loss runs over, and reading them back adds the padding rows.
 """
 
 from typing import Callable
@@ -11,7 +12,15 @@ import torch
 
 from megamamba.checkpoint import nemotron_h
 from megamamba.checkpoint.export_formats import is_hybrid
-from megamamba.checkpoint.hf import ARCHITECTURES, HF_DEFAULTS, HFFormatError, config_from_hf, hf_config, mamba_parts
+from megamamba.checkpoint.hf import (
+    ARCHITECTURES,
+    HF_DEFAULTS,
+    VOCABULARY,
+    HFFormatError,
+    config_from_hf,
+    hf_config,
+    mamba_parts,
+)
 from megamamba.config import MambaConfig
 
 MODEL_TYPES = (*HF_DEFAULTS, nemotron_h.MODEL_TYPE)
@@ -28,12 +37,12 @@ def export_config(config: MambaConfig, dtype: torch.dtype, eos_token_id=None) ->
 def generation_config(hf: dict, vocab_size: int) -> dict:
     """transformers' generation_config.json beside config.json `hf` for a tokenizer of `vocab_size` ids.
 
-    The ids generation starts and stops at, and the padding rows past the tokenizer's ids suppressed:
-    they are never trained, and `megamamba.generate` never picks them either.
+    The ids generation starts and stops at; rows past the tokenizer's ids (a model vocabulary larger than its
+    tokenizer's), which `megamamba.generate` never picks, suppressed. The padding rows are not exported.
     """
     ids = {name: hf[name] for name in ("bos_token_id", "eos_token_id")}
-    padding = list(range(vocab_size, hf["vocab_size"]))
-    return {**ids, "suppress_tokens": padding} if padding else ids
+    unused = list(range(vocab_size, hf["vocab_size"]))
+    return {**ids, "suppress_tokens": unused} if unused else ids
 
 
 def import_config(hf: dict) -> MambaConfig:
@@ -59,9 +68,24 @@ def file_names(model_type: str, names: list) -> list:
 
 def file_parts(model_type: str, config: MambaConfig, name: str) -> list:
     """[Part] of the file that make up our tensor `name`, rows in order."""
-    return nemotron_h.nemotron_h_parts(config, name) if model_type == nemotron_h.MODEL_TYPE else mamba_parts(name)
+    if model_type == nemotron_h.MODEL_TYPE:
+        return nemotron_h.nemotron_h_parts(config, name)
+    return mamba_parts(config, name)
 
 
-def assemble(parts: list, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """Our tensor from its parts, each read by its name in the file."""
-    return read(parts[0].name) if len(parts) == 1 else torch.cat([read(p.name) for p in parts])
+def our_shape(config: MambaConfig, name: str, shape: tuple) -> tuple:
+    """The shape of our tensor `name` made of file tensors holding `shape` in all: the embedding and head of the
+    real vocabulary with the padding rows added."""
+    if name in VOCABULARY and shape[0] == config.vocab_size:
+        return (config.padded_vocab_size, *shape[1:])
+    return shape
+
+
+def assemble(config: MambaConfig, name: str, parts: list, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """Our tensor `name` from its parts, each read by its name in the file; the vocabulary's padding rows, which
+    the file does not hold, zero (they are never trained: no id reaches them and the loss leaves them out)."""
+    tensor = read(parts[0].name) if len(parts) == 1 else torch.cat([read(p.name) for p in parts])
+    rows = our_shape(config, name, tuple(tensor.shape))[0]
+    if rows == tensor.shape[0]:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])

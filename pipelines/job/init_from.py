@@ -5,11 +5,12 @@ DIR is one of our checkpoints (a step folder, or a save directory: its `latest`)
 (`megamamba.checkpoint.model_folder.FolderWeights` reads them all). Global rank 0 resolves DIR and verifies a
 checkpoint's manifest (sizes and sha256 of every file); a folder without a manifest is read
 unverified, and the start-up line says so. The folder's model config must equal the run's (a
-transformers export stores only the padded vocabulary: its vocab_size counts as the run's when
-the padded sizes agree). Every rank reads only its pipeline stage's tensors and cuts its TP
-slice out of them (the extra vocab rows a TP size needs are zeros, as when resuming); under
-ZeRO the float32 masters are set too (under ZeRO-3 from this rank's parameter partitions). The
-trainer keeps its fresh optimizer, LR schedule and RNG, and starts at step 0.
+transformers folder that stores only the padded vocabulary, as others' and our older exports do:
+its vocab_size counts as the run's when the padded sizes agree). Every rank reads only its
+pipeline stage's tensors and cuts its TP slice out of them (the extra vocab rows a TP size needs
+are zeros, as when resuming); under ZeRO the float32 masters are set too (under ZeRO-3 from this
+rank's parameter partitions). The trainer keeps its fresh optimizer, LR schedule and RNG, and
+starts at step 0.
 
 One mechanism, two spellings: `--finetune --load X` (Megatron: --load's weights only) is
 `--init-from X`. With `--init-from X` and `--load`, a checkpoint that --load finds wins, so a

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint_fixtures import perturbed_model, snapshot, tiny
+from checkpoint_fixtures import assert_equal_but_the_vocabulary_padding, perturbed_model, snapshot, tiny
 from convert_cli import convert, refused
-from megamamba.checkpoint import model_tensors, save_checkpoint
+from megamamba.checkpoint import config_differences, model_tensors, save_checkpoint
 from megamamba.checkpoint.hf import HFFormatError, config_from_hf, hf_config
 from megamamba.checkpoint.model_folder import load_model_folder, save_model_folder
 from megamamba.testing.numerics import relative_error
@@ -38,14 +38,15 @@ def checkpoint_of(tmp_path, case: str, seed: int = 0, tokenizer=None):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_export_then_import_gives_bit_identical_weights(tmp_path, case):
+def test_export_then_import_gives_our_config_and_bit_identical_weights_but_the_padding_rows(tmp_path, case):
     model, ckpt = checkpoint_of(tmp_path, case)
     convert("export", "--checkpoint", ckpt, "--output", tmp_path / "hf")
     convert("import", "--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ours")
     back = load_model_folder(str(tmp_path / "ours"))
-    assert back.config.padded_vocab_size == model.config.padded_vocab_size
-    for key, value in model.state_dict().items():
-        assert torch.equal(back.state_dict()[key], value), key
+    assert config_differences(back.config, model.config) == []
+    assert_equal_but_the_vocabulary_padding(back.state_dict(), model.state_dict(), model.config)
+    convert("export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "again")
+    assert snapshot(str(tmp_path / "again")) == snapshot(str(tmp_path / "hf"))  # nothing the export holds changed
 
 
 def test_export_writes_transformers_names_and_fields(tmp_path):
@@ -53,13 +54,17 @@ def test_export_writes_transformers_names_and_fields(tmp_path):
     convert("export", "--checkpoint", ckpt, "--tag", "step_000005", "--output", tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["architectures"] == ["Mamba2ForCausalLM"] and hf["model_type"] == "mamba2"
-    assert (hf["vocab_size"], hf["num_heads"], hf["head_dim"], hf["n_groups"], hf["state_size"]) == (40, 6, 6, 2, 6)
+    # the real vocabulary (37 ids; our 3 padding rows are not written) and how to pad it back
+    assert (hf["vocab_size"], hf["pad_vocab_size_multiple"]) == (37, 8)
+    assert (hf["num_heads"], hf["head_dim"], hf["n_groups"], hf["state_size"]) == (6, 6, 2, 6)
     assert (hf["time_step_limit"], hf["chunk_size"], hf["tie_word_embeddings"]) == ([0.001, 0.5], 8, False)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
+        rows = {f.get_slice(n).get_shape()[0] for n in ("backbone.embeddings.weight", "lm_head.weight")}
     assert "backbone.embeddings.weight" in keys and "backbone.embedding.weight" not in keys and "lm_head.weight" in keys
+    assert rows == {37}
 
 
 def test_export_and_import_carry_the_tokenizer(tmp_path):
@@ -121,7 +126,7 @@ def test_import_hf_reads_sharded_safetensors_and_special_floats(tmp_path):
     convert("import", "--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ours")
     back = load_model_folder(str(tmp_path / "ours"))
     assert back.config.mixer_options.dt_limit == (0.0, float("inf"))
-    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())  # padding rows held
 
 
 @pytest.mark.parametrize(
@@ -191,9 +196,9 @@ def test_transformers_logits_of_the_export_equal_ours(tmp_path, case, monkeypatc
     hf, info = cls.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad():
-        ref = model.double()(ids)
-        ours = model.float()(ids)
+    with torch.no_grad():  # the export holds the real vocabulary's rows only
+        ref = model.double()(ids)[..., : model.config.vocab_size]
+        ours = model.float()(ids)[..., : model.config.vocab_size]
         theirs = hf.eval()(ids).logits
     assert theirs.dtype == torch.float32 and theirs.shape == ref.shape
     err, our_err = relative_error(theirs, ref), relative_error(ours, ref)

@@ -3,14 +3,18 @@
 `export_refusals` lists, for mamba_ssm and transformers' Mamba, Mamba2 and NemotronH, every reason
 each cannot compute a model; `convert export` refuses with all of them in one line (exit 2, nothing
 written) and points to the other target only when that one can. Every model config under
-launch/models exports to its transformers class or its start-up line names why not.
+launch/models exports to its transformers class (slow test: logits and log-probs equal ours, in
+tiny shapes) or its start-up line names why not.
 """
 
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from checkpoint_fixtures import perturbed_model, snapshot, tiny
-from convert_cli import refused
+from convert_cli import convert, refused
 from megamamba.checkpoint.export_formats import (
     MAMBA,
     MAMBA2,
@@ -22,6 +26,7 @@ from megamamba.checkpoint.export_formats import (
 )
 from megamamba.checkpoint.model_folder import save_model_folder
 from megamamba.config import MambaConfig
+from megamamba.testing.numerics import relative_error
 
 MODELS = Path(__file__).resolve().parents[2] / "launch" / "models"
 QUICKSTART_PATTERN = "M*M-"  # scripts/quickstart.sh's, as the README runs it
@@ -119,3 +124,55 @@ def test_the_start_up_lines_of_the_launch_model_configs():
         "out_proj_bias=True; attn_cfg.rotary_emb_dim=8; mlp_activation='gated_silu')"
     )
     assert exports_line(launch_config("mamba2-130m")) == "exports to: mamba_ssm, transformers Mamba2"
+
+
+def tiny_shapes(config: MambaConfig) -> MambaConfig:
+    """`config`'s options at a width of 32, each kind of layer once, 37 ids (padded as the config pads)."""
+    if config.d_model <= 128:
+        return config
+    f = config.to_dict()
+    f.update(d_model=32, vocab_size=37, n_layer=2)
+    if config.hybrid_layer_pattern:
+        f["hybrid_layer_pattern"] = "".join(dict.fromkeys(config.layer_pattern))
+        f["n_layer"] = len(f["hybrid_layer_pattern"])
+    ssm = {**f["ssm_cfg"], "d_state": 8}
+    if config.layer == "Mamba2":
+        ssm.update(headdim=16, chunk_size=16, ngroups=min(ssm.get("ngroups", 1), 2))
+    f["ssm_cfg"] = ssm
+    if config.d_intermediate:
+        f["d_intermediate"] = 48
+    if f.get("attn_cfg"):
+        f["attn_cfg"] = {**f["attn_cfg"], "num_heads": 4, "num_heads_kv": 2, "head_dim": 8}
+    return MambaConfig.from_dict(f)
+
+
+def exportable_families() -> dict:
+    """{the first launch/models config of each distinct tiny-shaped config: it} of those that export to transformers."""
+    families: dict = {}
+    for path in sorted(MODELS.glob("*.json")):
+        config = tiny_shapes(launch_config(path.stem))
+        if not export_refusals(config)[transformers_format(config)] and config not in families.values():
+            families[path.stem] = config
+    return families
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", exportable_families())
+def test_each_launch_model_family_exports_to_transformers_with_our_log_probs(tmp_path, monkeypatch, name):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    model = perturbed_model(exportable_families()[name], 3).eval()  # padding rows non-zero, as after training
+    save_model_folder(model, str(tmp_path / "ours"))
+    convert("export", "--checkpoint", tmp_path / "ours", "--output", tmp_path / "hf")
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(theirs).__name__ == transformers_format(model.config).split()[-1] + "ForCausalLM"
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        ours, logits = model(ids)[..., :vocab], theirs.eval()(ids).logits
+    assert logits.shape == ours.shape  # the real vocabulary: no padding column in transformers' softmax
+    logits_err = relative_error(logits, ours)
+    log_prob_err = (logits.log_softmax(-1) - ours.log_softmax(-1)).abs().max().item()
+    print(f"{name}: logits relative error {logits_err:.2e}, log-probs max |difference| {log_prob_err:.2e}")
+    assert logits_err <= 1e-5 and log_prob_err <= 1e-5, (name, logits_err, log_prob_err)

@@ -176,9 +176,22 @@ def test_config_differences_are_refused_by_name(folders):
         init_from.check_config(FolderWeights(folders["checkpoint"]), run, "--init-from X")
 
 
-def test_a_transformers_export_counts_its_padded_vocabulary_as_the_runs(folders):
+def test_a_transformers_export_holds_the_runs_vocabulary_and_padding(folders):
     run = MambaConfig.from_json(folders["config"])
     weights = FolderWeights(folders["hf"])
+    assert (weights.config.vocab_size, weights.config.pad_vocab_size_multiple) == (run.vocab_size, 8)
+    init_from.check_config(weights, run, "--init-from X")
+
+
+def test_an_older_transformers_export_counts_its_padded_vocabulary_as_the_runs(folders):
+    """Exports written before they left the padding rows out stored vocab_size = the padded row count."""
+    run = MambaConfig.from_json(folders["config"])
+    older = folders["root"] / "older-hf"
+    shutil.copytree(folders["hf"], older)
+    fields = json.loads((older / "config.json").read_text())
+    del fields["pad_vocab_size_multiple"]
+    (older / "config.json").write_text(json.dumps({**fields, "vocab_size": run.padded_vocab_size}))
+    weights = FolderWeights(str(older))
     assert weights.config.vocab_size == run.padded_vocab_size != run.vocab_size
     init_from.check_config(weights, run, "--init-from X")
 
