@@ -159,7 +159,93 @@ def _pair(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r}: must be a pair of numbers [low, high]")
 
 
-OWN_FIELDS = {"hybrid_layer_pattern": "", "mlp_activation": "gated_silu"}  # not mamba_ssm's: with their defaults
+MOE_LETTER = "E"  # a mixture-of-experts block, configured by moe_cfg
+MOE_ACTIVATIONS = ("relu2", "gated_silu")  # Nemotron-H's relu(x)^2; Granite's and Mixtral's y * silu(gate)
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss")  # Megatron's: over the micro-batch, or per sequence
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """A mixture-of-experts block's options (moe_cfg): NemotronH's routing (transformers) with Megatron's
+    load-balancing losses; num_experts, top_k and ffn_hidden_size (per routed expert) are required."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    activation: str = "gated_silu"
+    score_function: str = "softmax"
+    expert_bias: bool = False  # a score-correction bias for selection only, updated from the load
+    bias_update_rate: float = 1e-3
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    aux_loss_coeff: float = 0.0
+    aux_loss_type: str = "aux_loss"
+    z_loss_coeff: float = 0.0
+    capacity_factor: Optional[float] = None  # None: dropless
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.n_group
+
+
+def _non_negative_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"{name}={value!r}: must be a number >= 0")
+
+
+def validate_moe_cfg(moe_cfg: Any) -> None:
+    """Raise ConfigError naming the first moe_cfg option whose value an MoE block cannot build."""
+    if not isinstance(moe_cfg, dict):
+        raise ConfigError(f"moe_cfg={moe_cfg!r}: must be a dict of mixture-of-experts options")
+    known = [f.name for f in dataclasses.fields(MoEOptions)]
+    for key in moe_cfg:
+        if key not in known:
+            raise ConfigError(f"moe_cfg.{key}={moe_cfg[key]!r} is not a mixture-of-experts option; known: {known}")
+    for key in ("num_experts", "top_k", "ffn_hidden_size"):
+        if key not in moe_cfg:
+            raise ConfigError(f"moe_cfg has no {key}: an MoE block needs num_experts, top_k and ffn_hidden_size")
+    o = MoEOptions(**moe_cfg)
+    for name in ("num_experts", "top_k", "ffn_hidden_size", "n_group", "topk_group"):
+        _positive_int(f"moe_cfg.{name}", getattr(o, name))
+    shared = o.shared_expert_ffn_hidden_size
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ConfigError(f"moe_cfg.shared_expert_ffn_hidden_size={shared!r}: must be an integer >= 0 (0: none)")
+    if o.activation not in MOE_ACTIVATIONS:
+        raise ConfigError(f"moe_cfg.activation={o.activation!r}: choose one of {MOE_ACTIVATIONS}")
+    if o.score_function not in MOE_SCORE_FUNCTIONS:
+        raise ConfigError(f"moe_cfg.score_function={o.score_function!r}: choose one of {MOE_SCORE_FUNCTIONS}")
+    if o.aux_loss_type not in MOE_AUX_LOSS_TYPES:
+        raise ConfigError(f"moe_cfg.aux_loss_type={o.aux_loss_type!r}: choose one of {MOE_AUX_LOSS_TYPES}")
+    for name in ("expert_bias", "norm_topk_prob"):
+        _boolean(f"moe_cfg.{name}", getattr(o, name))
+    for name in ("bias_update_rate", "aux_loss_coeff", "z_loss_coeff"):
+        _non_negative_number(f"moe_cfg.{name}", getattr(o, name))
+    _positive_number("moe_cfg.routed_scaling_factor", o.routed_scaling_factor)
+    if o.capacity_factor is not None:
+        _positive_number("moe_cfg.capacity_factor", o.capacity_factor)
+    if o.top_k > o.num_experts:
+        raise ConfigError(f"moe_cfg.top_k={o.top_k}: more than num_experts={o.num_experts}")
+    if o.num_experts % o.n_group:
+        raise ConfigError(f"moe_cfg.n_group={o.n_group}: num_experts={o.num_experts} is not divisible by it")
+    if o.topk_group > o.n_group:
+        raise ConfigError(f"moe_cfg.topk_group={o.topk_group}: more than n_group={o.n_group}")
+    if o.n_group > 1 and o.experts_per_group < 2:
+        raise ConfigError(
+            f"moe_cfg.n_group={o.n_group}: groups of {o.experts_per_group} expert; a group is scored by its "
+            "two best experts, so it needs at least 2 (use fewer groups)"
+        )
+    if o.top_k > o.topk_group * o.experts_per_group:
+        raise ConfigError(
+            f"moe_cfg.top_k={o.top_k}: more than the {o.topk_group * o.experts_per_group} experts of the "
+            f"topk_group={o.topk_group} groups a token may use; raise topk_group"
+        )
+
+
+OWN_FIELDS = {"hybrid_layer_pattern": "", "mlp_activation": "gated_silu", "moe_cfg": {}}  # not mamba_ssm's: defaults
 
 
 @dataclass
@@ -180,6 +266,7 @@ class MambaConfig:
     tie_embeddings: bool = True
     hybrid_layer_pattern: str = ""
     mlp_activation: str = "gated_silu"
+    moe_cfg: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # Own copies in JSON's shapes (tuples as lists), so a config equals its config.json reload.
@@ -241,6 +328,11 @@ class MambaConfig:
     def mlp_inside_blocks(self) -> bool:
         """mamba_ssm's d_intermediate > 0: every block ends with norm2 + mlp (not with a pattern)."""
         return self.d_intermediate > 0 and not self.hybrid_layer_pattern
+
+    @property
+    def moe_options(self) -> MoEOptions:
+        """The mixture-of-experts blocks' options (moe_cfg) with their defaults filled in."""
+        return MoEOptions(**self.moe_cfg)
 
     @property
     def mlp_width(self) -> int:
@@ -327,6 +419,7 @@ class MambaConfig:
             )
         if self.hybrid_layer_pattern:
             self._validate_pattern()
+        self._validate_moe()
         outside = sorted(i for i in self.attn_layer_idx if not 0 <= i < self.n_layer)
         if outside:
             raise ConfigError(
@@ -343,11 +436,24 @@ class MambaConfig:
                 "(or * to hybrid_layer_pattern / --hybrid-layer-pattern), or remove attn_cfg"
             )
 
+    def _validate_moe(self) -> None:
+        moe_layers = MOE_LETTER in self.layer_pattern
+        if moe_layers and not self.moe_cfg:
+            raise ConfigError(
+                f"hybrid_layer_pattern={self.hybrid_layer_pattern!r} has mixture-of-experts layers (E) but no "
+                "moe_cfg: give moe_cfg with num_experts, top_k and ffn_hidden_size"
+            )
+        if self.moe_cfg and not moe_layers:
+            raise ConfigError(
+                f"moe_cfg={self.moe_cfg!r} with no mixture-of-experts layer: add E to hybrid_layer_pattern, or "
+                "remove moe_cfg"
+            )
+        if self.moe_cfg:
+            validate_moe_cfg(self.moe_cfg)
+
     def _validate_pattern(self) -> None:
         pattern = self.hybrid_layer_pattern
         unknown = sorted(set(pattern) - set(PATTERN_SYMBOLS) - {"|"})
-        if "E" in unknown:
-            raise ConfigError(f"hybrid_layer_pattern={pattern!r}: E (mixture-of-experts) layers are not implemented")
         if unknown:
             known = ", ".join(f"{s} ({kind})" for s, kind in PATTERN_SYMBOLS.items())
             raise ConfigError(

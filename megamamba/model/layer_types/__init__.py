@@ -12,6 +12,7 @@ from megamamba.model.layer_types.head import HEAD_TYPE
 from megamamba.model.layer_types.mamba import MAMBA_TYPE
 from megamamba.model.layer_types.mamba3 import MAMBA3_TYPE
 from megamamba.model.layer_types.mlp import MLP_TYPE
+from megamamba.model.layer_types.moe import MOE_TYPE
 
 LAYER_TYPES: dict[str, LayerType] = {t.kind: t for t in (EMBEDDING_TYPE, FINAL_NORM_TYPE, HEAD_TYPE)}
 
@@ -34,15 +35,15 @@ def register(block: BlockType, mixer: str = "") -> None:
         MIXER_KINDS[mixer] = block.kind
         LAYER_TYPES[block.kind] = block
         return
-    if len(block.symbol) != 1 or block.symbol in PATTERN_SYMBOLS or block.symbol in "|E":
+    if len(block.symbol) != 1 or block.symbol in PATTERN_SYMBOLS or block.symbol == "|":
         raise ConfigError(
-            f"layer type {block.kind!r}: symbol {block.symbol!r} must be one character that no other kind, "
-            f"'|' or 'E' uses (taken: {sorted(PATTERN_SYMBOLS)})"
+            f"layer type {block.kind!r}: symbol {block.symbol!r} must be one character that neither another kind "
+            f"nor '|' uses (taken: {sorted(PATTERN_SYMBOLS)})"
         )
     PATTERN_SYMBOLS[block.symbol] = block.kind
     LAYER_TYPES[block.kind] = block
 
 
-for _block in (MAMBA_TYPE, ATTENTION_TYPE, MLP_TYPE):
+for _block in (MAMBA_TYPE, ATTENTION_TYPE, MLP_TYPE, MOE_TYPE):
     register(_block)
 register(MAMBA3_TYPE, mixer="Mamba3")

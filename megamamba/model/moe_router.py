@@ -1,0 +1,161 @@
+"""The router of a mixture-of-experts block: each token's experts and their weights, in float32, as transformers'
+NemotronH routes (scores, a selection-only bias, group-limited choice, normalisation, scaling), with Megatron's
+load-balancing and z losses, and the per-expert bias update of aux-loss-free balancing (`update_expert_biases`).
+
+Ties are broken the same way on every device: among equal scores the lower expert index wins (a stable sort).
+"""
+
+from typing import NamedTuple, Optional, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamamba.config import MoEOptions
+
+NORM_EPS = 1e-20  # transformers' and Megatron's guard in the top-k normalisation
+
+
+class Routing(NamedTuple):
+    """Per token (flattened batch x sequence): `experts` (tokens, top_k) int64, `weights` (tokens, top_k) float32
+    or wider; `tokens_per_expert` (num_experts,) int64; `aux_loss` the load-balancing and z losses times their
+    coefficients (a scalar), None when not training or with both coefficients 0."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    aux_loss: Optional[torch.Tensor]
+
+
+def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k largest of `values` along the last axis, largest first; equal values in index order."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def scores_of(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Every expert's score for every token: softmax over the experts, or each expert's sigmoid."""
+    return logits.softmax(dim=-1) if score_function == "softmax" else logits.sigmoid()
+
+
+def select_experts(scores: torch.Tensor, options: MoEOptions, expert_bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """(tokens, top_k) chosen experts: the best scores + `expert_bias`, among the experts of each token's topk_group
+    best groups (a group scored by the sum of its two best), as DeepSeek-V3 and transformers' NemotronH."""
+    choice = scores if expert_bias is None else scores + expert_bias
+    if options.n_group > 1:
+        grouped = choice.view(-1, options.n_group, options.experts_per_group)
+        group_scores = torch.sort(grouped, dim=-1, descending=True).values[..., :2].sum(dim=-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, top_indices(group_scores, options.topk_group), True)
+        choice = choice.masked_fill(~kept.repeat_interleave(options.experts_per_group, dim=1), float("-inf"))
+    return top_indices(choice, options.top_k)
+
+
+def expert_weights(scores: torch.Tensor, experts: torch.Tensor, options: MoEOptions) -> torch.Tensor:
+    """The chosen experts' unbiased scores, normalised to sum 1 (norm_topk_prob), times routed_scaling_factor."""
+    weights = scores.gather(1, experts)
+    if options.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
+    return weights * options.routed_scaling_factor
+
+
+def load_balancing_loss(logits: torch.Tensor, options: MoEOptions) -> torch.Tensor:
+    """Megatron's switch loss E / (k T^2) * sum_i P_i c_i on (batch, seqlen, experts) logits, without its
+    coefficient: P_i the summed scores of expert i (sigmoid scores normalised per token), c_i the tokens whose k
+    best scores include i (a count, no gradient), T the tokens: over the micro-batch (aux_loss), or per
+    sequence and averaged over the sequences (seq_aux_loss)."""
+    scores = logits.softmax(dim=-1) if options.score_function == "softmax" else logits.sigmoid()
+    if options.score_function == "sigmoid":
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + NORM_EPS)
+    if options.aux_loss_type == "aux_loss":
+        scores = scores.reshape(1, -1, options.num_experts)
+    chosen = F.one_hot(top_indices(scores.detach(), options.top_k), options.num_experts).sum(dim=-2)
+    counts = chosen.sum(dim=1).to(scores.dtype)  # (sequences, experts)
+    tokens = scores.shape[1]
+    per_sequence = (scores.sum(dim=1) * counts).sum(dim=-1) * options.num_experts / (options.top_k * tokens**2)
+    return per_sequence.mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss without its coefficient: the mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class _CountInBackward(torch.autograd.Function):
+    """The identity on the routing weights whose backward adds the micro-batch's tokens per expert to the
+    router's `received`: once per micro-batch whether or not the forward was recomputed, never in evaluation."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, tokens_per_expert: torch.Tensor, router: "Router") -> torch.Tensor:
+        ctx.tokens_per_expert, ctx.router = tokens_per_expert, router
+        return weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        router = ctx.router
+        if router.received is None:
+            router.received = torch.zeros_like(ctx.tokens_per_expert)
+        router.received.add_(ctx.tokens_per_expert)
+        return grad, None, None
+
+
+class Router(nn.Module):
+    """(batch, seqlen, d_model) -> `Routing`, in float32 or wider (autocast off). Keys `weight` (num_experts,
+    d_model) and, with expert_bias, `e_score_correction_bias` (num_experts,), a parameter the optimizer leaves
+    alone that `update_expert_biases` moves; `received` counts the tokens routed to each expert since the last
+    update."""
+
+    def __init__(self, d_model: int, options: MoEOptions, device=None, dtype=None):
+        super().__init__()
+        self.options = options
+        self.weight = nn.Parameter(torch.empty(options.num_experts, d_model, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # as nn.Linear
+        self.e_score_correction_bias = None
+        if options.expert_bias:
+            bias = torch.zeros(options.num_experts, device=device, dtype=dtype)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+        self.received: Optional[torch.Tensor] = None
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        o = self.options
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.to(dtype), self.weight.to(dtype))  # (batch, seqlen, experts)
+            flat = logits.reshape(-1, o.num_experts)
+            scores = scores_of(flat, o.score_function)
+            bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.to(dtype)
+            experts = select_experts(scores.detach(), o, bias)
+            weights = expert_weights(scores, experts, o)
+            tokens_per_expert = torch.bincount(experts.flatten(), minlength=o.num_experts)
+            if bias is not None and torch.is_grad_enabled():
+                weights = _CountInBackward.apply(weights, tokens_per_expert, self)
+            return Routing(experts, weights, tokens_per_expert, self._losses(logits))
+
+    def _losses(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        o = self.options
+        if not (self.training and torch.is_grad_enabled()) or not (o.aux_loss_coeff or o.z_loss_coeff):
+            return None
+        loss = logits.new_zeros(())
+        if o.aux_loss_coeff:
+            loss = loss + o.aux_loss_coeff * load_balancing_loss(logits, o)
+        if o.z_loss_coeff:
+            loss = loss + o.z_loss_coeff * z_loss(logits)
+        return loss
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, group=None) -> None:
+    """Aux-loss-free balancing, after an optimizer step: each router with an expert bias moves it by
+    bias_update_rate towards the experts that received fewer than the mean tokens since the last update
+    (bias += rate * sign(mean - received)), then starts counting again. With `group` (the ranks that hold the
+    same layers: data x context parallel) the counts are summed over it first, all routers in one all-reduce."""
+    counted = [(m, m.received) for m in model.modules() if isinstance(m, Router) and m.received is not None]
+    if not counted:
+        return
+    received = torch.cat([counts for _, counts in counted])
+    if group is not None:
+        torch.distributed.all_reduce(received, group=group)
+    for (router, _), counts in zip(counted, received.split([r.options.num_experts for r, _ in counted])):
+        bias = cast(torch.Tensor, router.e_score_correction_bias)
+        counts = counts.float()
+        bias.add_((torch.sign(counts.mean() - counts) * router.options.bias_update_rate).to(bias.dtype))
+        router.received = None
