@@ -10,12 +10,14 @@ measured MFU on its GPU by more than MFU_MARGIN.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
-from megamamba.pipelines.planner.measured_runs import load_runs, predict
-from megamamba.pipelines.planner.profile import load_profile
-from megamamba.pipelines.planner.search import MFU_MARGIN
+with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator choice to stdout: keep the table clean
+    from megamamba.pipelines.planner.measured_runs import load_runs, predict
+    from megamamba.pipelines.planner.profile import load_profile
+    from megamamba.pipelines.planner.search import MFU_MARGIN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILES = {"H200": "h200.json", "H100": "h100-80gb.json", "A100": "a100-80gb.json"}
