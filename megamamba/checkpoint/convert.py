@@ -12,6 +12,7 @@ Usage and formats: docs/checkpoints.md ("Converting to and from Hugging Face and
 """
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -29,11 +30,13 @@ from megamamba.checkpoint.files import (
     remove_tree,
     rename,
     sync_dir,
+    write_bytes,
     write_json,
 )
 from megamamba.checkpoint.finite import DamagedWeightsError, check_finite
 from megamamba.checkpoint.hf import HFFormatError, decode_special_floats
 from megamamba.checkpoint.mamba_ssm_format import mamba_ssm_config
+from megamamba.checkpoint.model_card import CARD_FILE, model_card, training_facts
 from megamamba.checkpoint.model_folder import CONFIG_FILE, WEIGHTS_FILE, ModelFolderError, save_model_folder
 from megamamba.checkpoint.safetensors_stream import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -194,6 +197,9 @@ def export_hf(
                     write_transformers_tokenizer(ours, staging)
                     write_json(os.path.join(staging, GENERATION_CONFIG_FILE), generation_config(hf, ours.vocab_size))
                 write_sharded(staging, specs, load, max_shard_size)
+                parameters = sum(math.prod(spec.shape) for spec in specs)
+                card = model_card(config, hf, parameters, training_facts(source))
+                write_bytes(os.path.join(staging, CARD_FILE), card.encode())
             except BaseException:
                 shutil.rmtree(staging)
                 raise

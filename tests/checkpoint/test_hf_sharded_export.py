@@ -79,7 +79,7 @@ def test_mixed_dtypes_read_back_bit_identical_and_aligned(tmp_path):
 
 def test_a_small_model_exports_as_one_file(tmp_path):
     _, hf = export(tmp_path)
-    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in hf.iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
 def test_above_the_limit_the_export_is_sharded_with_an_index_and_imports_bit_identical_but_the_padding(tmp_path):

@@ -207,7 +207,7 @@ def test_an_export_that_would_encode_differently_is_refused_and_no_tokenizer_ski
     assert "differently from ours from token" in message and "--no-tokenizer exports the model without" in message
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".tmp-hf-*"))
     main(["export", "--checkpoint", ckpt, "--output", str(tmp_path / "hf"), "--no-tokenizer"])
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
 def test_a_sentencepiece_option_without_tokenizer_json_equivalent_is_named(tmp_path):
