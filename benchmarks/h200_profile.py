@@ -63,15 +63,18 @@ def mixer_kernel(name: str, kind: str, index: int = 0):
 
 def fit(points: list) -> dict:
     """Kernel fields from (roofline s, forward s, forward+backward s): forward = fixed + roofline / efficiency
-    (least squares; through the origin when the intercept would be negative), backward = ratio x forward."""
+    (least squares; through the origin when the intercept would be negative; a kernel whose time grows slower
+    than its roofline at efficiency 1 and the mean rest as its fixed cost), backward = ratio x forward."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     fixed = my - slope * mx
-    if fixed < 0 or slope <= 0:
+    if slope < 1:
+        fixed, slope = max(0.0, my - mx), 1.0
+    elif fixed < 0:
         fixed, slope = 0.0, sum(ys) / sum(xs)
     backward = sum(t - f for _, f, t in points) / sum(f for _, f, _ in points)
-    return {"efficiency": min(1.0, 1 / slope), "backward_ratio": backward, "fixed_s": fixed}
+    return {"efficiency": 1 / slope, "backward_ratio": backward, "fixed_s": fixed}
 
 
 def measured_points(rows: list, kernel_of) -> list:
