@@ -6,7 +6,8 @@ loss (`megamamba.model.loss.training_loss`) runs on the last stage.
 
 A stage runs the model's own loop over its layers (`StreamPipeline`). The layers pass the model's `Stream`; only
 between stages (and from the data) does DeepSpeed hand it over, as the tuple (hidden, seq_idx), or the tensor
-alone without documents.
+alone without documents. With mixture-of-experts blocks (E) the router losses travel last in that tuple, a float
+scalar (zero before the first E), and the last stage hands (logits, aux_loss) to the loss (`pipeline_loss`).
 
 Layers are built without their default initialisation (`pipelines.stages.uninitialised`): the caller
 copies the stage's weights in, the initial ones or a checkpoint's.
@@ -20,10 +21,11 @@ run in the backward (DeepSpeed's own interval stays 0).
 import functools
 from typing import Optional
 
+import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from megamamba.config import MambaConfig
+from megamamba.config import MOE_LETTER, MambaConfig
 from megamamba.model.layer_types.head import tied_head
 from megamamba.model.layers import layer_class, layer_count
 from megamamba.model.lm import run_layers
@@ -42,19 +44,56 @@ class StreamPipeline(PipelineModule):
     slice of the layer list, recomputing runs of `checkpoint_interval` layers in training as `MambaLM` does. A
     stage takes what DeepSpeed hands it (the data's (token ids, seq_idx), or the previous stage's (hidden,
     seq_idx); a tensor alone without documents) as a Stream, and gives DeepSpeed its last layer's Stream as that
-    tuple (the head's logits as they are)."""
+    tuple (the head's logits as they are). With `carries_aux_loss` (the model has E blocks) the router losses
+    so far follow last in the tuple between stages, and the last stage returns (logits, aux_loss)."""
 
-    def __init__(self, *, checkpoint_interval: int, **settings):
+    def __init__(self, *, checkpoint_interval: int, carries_aux_loss: bool, **settings):
         super().__init__(**settings)
         self.checkpoint_interval = checkpoint_interval
+        self.carries_aux_loss = carries_aux_loss
 
     def forward(self, forward_input):
-        hidden, seq_idx = forward_input if isinstance(forward_input, tuple) else (forward_input, None)
+        stream = self._stream_of(forward_input)
         k = self.checkpoint_interval if self.training else 0
-        out = run_layers(stage_layers(self), Stream.of(hidden, seq_idx), k)
-        if not isinstance(out, Stream):
-            return out
-        return out.hidden if out.seq_idx is None else (out.hidden, out.seq_idx)
+        layers = stage_layers(self)
+        if self.stage_id != self.num_stages - 1:
+            return self._handed_on(run_layers(layers, stream, k))
+        *blocks, head = layers
+        out = run_layers(blocks, stream, k)
+        logits = head(out)
+        return (logits, self._aux_loss_of(out)) if self.carries_aux_loss else logits
+
+    def _stream_of(self, forward_input) -> Stream:
+        """What DeepSpeed hands the stage as a Stream: (ids or hidden, seq_idx?, aux_loss?), or a tensor alone."""
+        parts = forward_input if isinstance(forward_input, tuple) else (forward_input,)
+        if not (self.carries_aux_loss and self.stage_id > 0):
+            return Stream.of(*parts)
+        hidden, *documents, aux_loss = parts
+        return Stream(hidden, documents[0] if documents else None, aux_loss)
+
+    def _handed_on(self, out: Stream):
+        """The stream as DeepSpeed sends it to the next stage: (hidden, seq_idx?, aux_loss?), or hidden alone."""
+        parts = (out.hidden,) if out.seq_idx is None else (out.hidden, out.seq_idx)
+        if self.carries_aux_loss:
+            parts = (*parts, self._aux_loss_of(out))
+        return parts if len(parts) > 1 else parts[0]
+
+    @staticmethod
+    def _aux_loss_of(out: Stream) -> torch.Tensor:
+        """The stream's router losses; before the first E block a float zero, which (sent on, as every float
+        DeepSpeed sends) takes a gradient in the backward."""
+        if out.aux_loss is not None:
+            return out.aux_loss
+        dtype = torch.promote_types(out.hidden.dtype, torch.float32)
+        return torch.zeros((), dtype=dtype, device=out.hidden.device, requires_grad=True)
+
+
+def pipeline_loss(outputs, labels: torch.Tensor, **settings) -> torch.Tensor:
+    """The last stage's training loss (`training_loss` with `settings`) of its logits, or of (logits, aux_loss)."""
+    if isinstance(outputs, tuple):
+        logits, aux_loss = outputs
+        return training_loss(logits, labels, aux_loss=aux_loss, **settings)
+    return training_loss(outputs, labels, **settings)
 
 
 def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> list:
@@ -88,8 +127,9 @@ def build_pipeline_module(
     settings = dict(
         layers=layer_specs(config, tp, cp),
         topology=topology,
-        loss_fn=functools.partial(training_loss, vocab_size=config.vocab_size, tp=tp, cp=cp),
+        loss_fn=functools.partial(pipeline_loss, vocab_size=config.vocab_size, tp=tp, cp=cp),
         checkpoint_interval=checkpoint_interval,
+        carries_aux_loss=MOE_LETTER in config.layer_pattern,
     )
     bounds = own_bounds(config, topology.get_dim("pipe"), partition_method, seq_length)
     if bounds is None:
