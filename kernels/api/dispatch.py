@@ -7,6 +7,7 @@ import torch
 
 from . import ops
 from .choice import backend  # noqa: F401  (the choice, as this module has always offered it)
+from .reference.mamba3 import ScanState
 from .reference.selective_scan import _as_groups
 from .reference.selective_scan import _check as _check_selective_scan
 
@@ -97,6 +98,20 @@ def ssd_chunk_scan(
         _autocast(x),
     )
     return (y, final) if return_final_states else y
+
+
+def mamba3_scan(x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq_idx=None, return_final_state=False):
+    """Mamba-3's exponential-trapezoidal scan, with the arguments and results of the reference's
+    `mamba3_scan_chunked` (megamamba.kernels.reference.mamba3): x (batch, seqlen, nheads, rank, headdim); dt,
+    A, lam (batch, seqlen, nheads); B̂, Ĉ (batch, seqlen, nheads, rank, dstate); D (nheads,); initial_state
+    a ScanState. y in x's compute dtype [, the final ScanState]. Triton runs SISO (rank 1); MIMO runs the
+    reference on every backend.
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    initial = (None, None, None) if initial_state is None else tuple(initial_state)
+    y, ssm, last_x, last_B = ops.mamba3_scan(x, dt, A, lam, B, C, chunk_size, D, *initial, seq_idx, _autocast(x))
+    return (y, ScanState(ssm, last_x, last_B)) if return_final_state else y
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):

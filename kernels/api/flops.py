@@ -18,6 +18,17 @@ def ssd_flops(tokens: int, seqlen: int, nheads: int, headdim: int, ngroups: int,
     return tokens * (2 * q * dstate * ngroups + 2 * q * width + 4 * dstate * width)
 
 
+def mamba3_scan_flops(
+    tokens: int, seqlen: int, nheads: int, rank: int, headdim: int, dstate: int, chunk_size: int
+) -> int:
+    """Mamba-3's scan, forward, as the SSD above with one group per head and R = rank queries and keys per
+    token (the trapezoid's previous-token term folded into the token's own key): Ĉ B̂^T inside a chunk
+    (2 Q N R^2 per head), its product with x (2 Q P R^2), the chunk states and the output from the passed
+    states (2 N P R each)."""
+    q = min(chunk_size, seqlen)
+    return tokens * nheads * rank * (2 * q * rank * (dstate + headdim) + 4 * dstate * headdim)
+
+
 def selective_scan_flops(tokens: int, dim: int, dstate: int) -> int:
     """Mamba-1's selective scan, forward: 9 per (channel, state) and step (Gu & Dao, 2023, sec. 3.3:
     discretise A and B, update the state, read it out with C)."""

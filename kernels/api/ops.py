@@ -20,6 +20,8 @@ from .reference import step
 from .reference.add_norm import add_rmsnorm as reference_add_rmsnorm
 from .reference.common import compute_dtype
 from .reference.conv import causal_conv1d as reference_causal_conv1d
+from .reference.mamba3 import ScanState
+from .reference.mamba3 import mamba3_scan_chunked as reference_mamba3_scan
 from .reference.norm import rmsnorm_gated as reference_rmsnorm_gated
 from .reference.selective_scan import selective_scan as reference_selective_scan
 from .reference.ssd import ssd_chunk_scan as reference_ssd_chunk_scan
@@ -457,6 +459,137 @@ def _ssd_backward(ctx, dy, dfinal):
 ssd_chunk_scan.register_autograd(_ssd_backward, setup_context=_ssd_setup)
 
 
+# ---- mamba3_scan --------------------------------------------------------------------------------
+
+_MAMBA3_INPUTS = ("x", "dt", "A", "lam", "B", "C", "D", "initial_ssm", "initial_x", "initial_B")
+
+
+def _mamba3_flat(x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx, chunk_size):
+    """(y, the final ssm, x and B̂) in x's compute dtype, the state as separate tensors: Triton's SISO scan on
+    the Triton backend, the reference for MIMO (rank > 1) and on the reference backend."""
+    scan = triton("mamba3").mamba3_scan if backend(x) == "triton" and x.shape[3] == 1 else reference_mamba3_scan
+    initial = None if initial_ssm is None else ScanState(initial_ssm, initial_x, initial_B)
+    y, final = scan(
+        x, dt, A, lam, B, C, chunk_size, D=D, initial_state=initial, seq_idx=seq_idx, return_final_state=True
+    )
+    ct = compute_dtype(x)
+    return tuple(t.to(ct) for t in (y, *final))
+
+
+@torch.library.custom_op("megamamba::mamba3_scan", mutates_args=())
+def mamba3_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    lam: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Optional[Tensor],
+    initial_ssm: Optional[Tensor],
+    initial_x: Optional[Tensor],
+    initial_B: Optional[Tensor],
+    seq_idx: Optional[Tensor],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, the final ssm, x and B̂); the final x and B̂ are copies (an op's outputs never alias its inputs)."""
+    with autocast_to(x.device.type, autocast):
+        y, ssm, last_x, last_B = _mamba3_flat(
+            x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx, chunk_size
+        )
+    return y.contiguous(), ssm.contiguous(), last_x.clone(), last_B.clone()
+
+
+@mamba3_scan.register_fake
+def _(x, dt, A, lam, B, C, chunk_size, D, initial_ssm, initial_x, initial_B, seq_idx, autocast):
+    batch, _, nheads, rank, headdim = x.shape
+    dtype = compute_dtype(x)
+    shapes = (x.shape, (batch, nheads, headdim, B.shape[-1]), (batch, nheads, rank, headdim), B[:, 0].shape)
+    return tuple(x.new_empty(shape, dtype=dtype) for shape in shapes)
+
+
+@torch.library.custom_op("megamamba::mamba3_scan_backward", mutates_args=())
+def mamba3_scan_backward(
+    dy: Optional[Tensor],
+    dssm: Optional[Tensor],
+    dlast_x: Optional[Tensor],
+    dlast_B: Optional[Tensor],
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    lam: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Optional[Tensor],
+    initial_ssm: Optional[Tensor],
+    initial_x: Optional[Tensor],
+    initial_B: Optional[Tensor],
+    seq_idx: Optional[Tensor],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, ddt, dA, dlam, dB, dC, dD, dinitial ssm, x and B̂) given the outputs' gradients (None: unused):
+    the forward run again under autograd, Triton's through the SSD's backward kernels."""
+    tensors = dict(
+        x=x,
+        dt=dt,
+        A=A,
+        lam=lam,
+        B=B,
+        C=C,
+        D=D,
+        initial_ssm=initial_ssm,
+        initial_x=initial_x,
+        initial_B=initial_B,
+        seq_idx=seq_idx,
+    )
+    output_grads = (dy, dssm, dlast_x, dlast_B)
+    grads = reference_grads(_mamba3_flat, tensors, dict(chunk_size=chunk_size), output_grads, autocast, _MAMBA3_INPUTS)
+    return _all_or_absent(grads, x)
+
+
+@mamba3_scan_backward.register_fake
+def _(dy, dssm, dlast_x, dlast_B, x, dt, A, lam, B, C, chunk_size, D, initial_ssm, initial_x, initial_B, *rest):
+    return _grads_like((x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B))
+
+
+def _mamba3_setup(ctx, inputs, output):
+    x, dt, A, lam, B, C, chunk_size, D, initial_ssm, initial_x, initial_B, seq_idx, autocast = inputs
+    ctx.save_for_backward(x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx)
+    ctx.options = (chunk_size, autocast)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+
+
+def _mamba3_backward(ctx, dy, dssm, dlast_x, dlast_B):
+    x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx = ctx.saved_tensors
+    chunk_size, autocast = ctx.options
+    grads = mamba3_scan_backward(
+        dy,
+        dssm,
+        dlast_x,
+        dlast_B,
+        x,
+        dt,
+        A,
+        lam,
+        B,
+        C,
+        chunk_size,
+        D,
+        initial_ssm,
+        initial_x,
+        initial_B,
+        seq_idx,
+        autocast,
+    )
+    present = (x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B)
+    dx, ddt, dA, dlam, dB, dC, dD, dssm0, dx0, dB0 = (None if t is None else g for g, t in zip(grads, present))
+    return dx, ddt, dA, dlam, dB, dC, None, dD, dssm0, dx0, dB0, None, None
+
+
+mamba3_scan.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
+
+
 # ---- selective_scan -----------------------------------------------------------------------------
 
 _SCAN_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
@@ -638,6 +771,11 @@ def _scan(u, A):
     return flops.selective_scan_flops(u[0] * u[2], u[1], A[1])
 
 
+def _mamba3(x, B, chunk_size):
+    batch, seqlen, nheads, rank, headdim = x
+    return flops.mamba3_scan_flops(batch * seqlen, seqlen, nheads, rank, headdim, B[-1], chunk_size)
+
+
 def _conv(x, weight):
     return flops.conv_flops(x[0] * x[2], x[1], weight[1])
 
@@ -651,6 +789,10 @@ def _register_flops():
         ),
         ops.selective_scan: lambda u, delta, A, *_, **__: _scan(u, A),
         ops.selective_scan_backward: lambda dout, dlast, u, delta, A, *_, **__: flops.BACKWARD * _scan(u, A),
+        ops.mamba3_scan: lambda x, dt, A, lam, B, C, chunk_size, *_, **__: _mamba3(x, B, chunk_size),
+        ops.mamba3_scan_backward: lambda dy, dssm, dlx, dlb, x, dt, A, lam, B, C, chunk_size, *_, **__: (
+            flops.BACKWARD * _mamba3(x, B, chunk_size)
+        ),
         ops.causal_conv1d: lambda x, weight, *_, **__: _conv(x, weight),
         ops.causal_conv1d_backward: lambda dout, x, weight, *_, **__: flops.BACKWARD * _conv(x, weight),
         ops.rmsnorm_gated: lambda *_, **__: 0,
