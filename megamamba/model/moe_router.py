@@ -159,3 +159,10 @@ def update_expert_biases(model: nn.Module, group=None) -> None:
         counts = counts.float()
         bias.add_((torch.sign(counts.mean() - counts) * router.options.bias_update_rate).to(bias.dtype))
         router.received = None
+
+
+def forget_received_tokens(model: nn.Module) -> None:
+    """Every router of `model` starts counting again, its bias unchanged: after a step the optimizer skipped."""
+    for router in model.modules():
+        if isinstance(router, Router):
+            router.received = None

@@ -17,7 +17,8 @@ Without ZeRO, gradient clipping uses `pipelines.loop.clipping` (DeepSpeed's stag
 miscounts pipeline stages and tied weights). The optimizer is torch's fused AdamW over
 `megamamba.optim.param_groups`, handed to DeepSpeed as a client optimizer: no JIT-compiled
 FusedAdam. The learning rate follows an `LRSchedule`, stepped by the trainer (`finish_step`)
-once the ranks have agreed that the optimizer step was applied.
+once the ranks have agreed that the optimizer step was applied; so are the expert biases of
+mixture-of-experts routers (aux-loss-free balancing), which a skipped step leaves alone.
 
 A step makes no host synchronization: `train_step` returns the loss as a device tensor, batches
 travel to the device from pinned memory, and the caller agrees on the loss and the step's flags
@@ -46,6 +47,7 @@ from megamamba.checkpoint import optimizer_groups, restore_optimizer_state, sche
 from megamamba.config import MambaConfig
 from megamamba.model.layers import draw_seed, initial_layer, layer_of
 from megamamba.model.lm import MambaLM
+from megamamba.model.moe_router import forget_received_tokens, update_expert_biases
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel, full_key
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_window
@@ -142,13 +144,20 @@ class Trainer(ABC):
         self.dp_rank, self.context_rank = groups.data_rank, groups.context_rank
         self.tensor_rank, self.pipe_rank = groups.tensor_rank, groups.pipe_rank
         self.tp, self.cp = tp, cp
+        self._stage_replicas = groups.data_group if groups.data_axis_size > 1 else None
 
     # The step and its outcome.
 
     def finish_step(self, applied: bool) -> None:
-        """Advance the LR schedule after an optimizer step the ranks agree was applied."""
+        """After an optimizer step the ranks agree was applied, advance the LR schedule and move the expert biases
+        of aux-loss-free balancing by the tokens every expert received over the data x context-parallel ranks of
+        this stage (`megamamba.model.moe_router.update_expert_biases`: one all-reduce); after a skipped step,
+        forget those counts."""
         if applied:
             self._lr_scheduler.step()
+            update_expert_biases(self._module, self._stage_replicas)
+        else:
+            forget_received_tokens(self._module)
 
     def eval_loss(self, micro_batches: list) -> float:
         """The validation loss of one global batch (collective; one host synchronization)."""

@@ -9,7 +9,7 @@ import torch
 
 from megamamba.config import MoEOptions
 from megamamba.model.loss import training_loss
-from megamamba.model.moe_router import Router, update_expert_biases
+from megamamba.model.moe_router import Router, forget_received_tokens, update_expert_biases
 
 EXPERTS, TOP_K = 6, 2
 
@@ -103,3 +103,12 @@ def test_the_bias_counts_each_micro_batch_once_in_the_backward_and_never_in_eval
     assert router.received.tolist() == (first.tokens_per_expert + second.tokens_per_expert).tolist()
     update_expert_biases(router)
     assert router.received is None
+
+
+def test_after_a_skipped_step_the_counts_are_forgotten_and_the_bias_stays():
+    router = router_of(expert_bias=True)
+    router(torch.randn(2, 3, 5, dtype=torch.float64)).weights.sum().backward()
+    forget_received_tokens(router)
+    assert router.received is None
+    update_expert_biases(router)
+    assert router.e_score_correction_bias.abs().sum() == 0
