@@ -176,7 +176,8 @@ def _shapes(staging: str, stem: str) -> dict:
 
 
 def _check_state_complete(state: set, parameters: set, step: int) -> None:
-    """CheckpointError unless every parameter has the same optimizer state keys ("<name>/<key>"), or none any."""
+    """CheckpointError unless every parameter the optimizer holds (`parameters`: its groups' members; frozen ones
+    are not) has the same optimizer state keys ("<name>/<key>"), or none any."""
     keys = {name.rpartition("/")[2] for name in state}
     missing = sorted(f"{n}/{k}" for n in parameters for k in keys if f"{n}/{k}" not in state)
     unexpected = sorted(name for name in state if name.rpartition("/")[0] not in parameters)
@@ -227,9 +228,10 @@ def finish(
     model_shapes = _shapes(staging, MODEL)
     check_model_shapes(model_shapes, config, f"save of step {step}")
     metadata = _index(staging, OPTIMIZER, optimizer_files)
-    if optimizer_files:
-        _check_state_complete(set(_shapes(staging, OPTIMIZER)), set(model_shapes), step)
     groups = merge_groups([json.loads(m[GROUPS_KEY]) for m in metadata if GROUPS_KEY in m])
+    if optimizer_files:
+        optimized = {name for group in groups for name in group["params"]} or set(model_shapes)
+        _check_state_complete(set(_shapes(staging, OPTIMIZER)), optimized, step)
     state = {
         "format_version": FORMAT_VERSION,
         "step": step,

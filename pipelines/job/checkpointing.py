@@ -111,7 +111,9 @@ def shard_state(trainer) -> tuple:
 
     Without ZeRO the first data rank writes its TP rows of each sharded tensor (a replicated one on TP
     rank 0 only), with AdamW's per-parameter state. Under ZeRO every data rank writes its fragment of
-    the fp32 masters and Adam moments, the partition it updates. The stage's representative (first
+    the fp32 masters and Adam moments, the partition it updates; parameters the optimizer leaves alone
+    (frozen: the expert biases of mixture-of-experts routers) have no fragment, and the first data rank
+    writes them as without ZeRO. The stage's representative (first
     data rank, TP rank 0) adds the 0-d states (`step`) and the optimizer groups. No communication.
     """
     zero = _zero(trainer)
@@ -123,11 +125,14 @@ def shard_state(trainer) -> tuple:
         if tp_first or (getattr(p, "tp_shard", None) is not None and p.tp_shard.sharded)
     ]
     if zero is not None:
-        params, optimizer, step = _zero_pieces(zero, held)
+        trained = [entry for entry in held if entry[1].requires_grad]
+        params, optimizer, step = _zero_pieces(zero, trained)
+        if first_data:
+            params += [
+                (name, Piece(name, shape, cut), p.detach()) for name, p, shape, cut in held if not p.requires_grad
+            ]
         scalars = (
-            {}
-            if step is None
-            else {f"{name}/step": torch.tensor(step, dtype=torch.float32) for name, _ in _stage_parameters(trainer)}
+            {} if step is None else {f"{name}/step": torch.tensor(step, dtype=torch.float32) for name, *_ in trained}
         )
     else:
         params, optimizer, scalars = _adamw_pieces(trainer.engine_optimizer(), held) if first_data else ([], [], {})
@@ -381,7 +386,9 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
         raise CheckpointError(f"checkpoint optimizer holds different step counts {sorted(steps)}; ZeRO keeps one")
     if steps:
         missing = sorted(
-            n for n, _, _ in trainer.named_parameters() if any(m not in optimizer.get(n, {}) for m in MOMENTS)
+            n
+            for n, _, p in trainer.named_parameters()
+            if p.requires_grad and any(m not in optimizer.get(n, {}) for m in MOMENTS)
         )
         if missing:
             raise CheckpointError(f"checkpoint optimizer state has no Adam moments for {missing[:5]}")
@@ -395,6 +402,8 @@ def _load_zero(trainer, zero, masters: dict, optimizer: dict, saved_groups: Opti
         link_zero_moments(zero)
     with torch.no_grad():
         for name, _, p in trainer.named_parameters():
+            if not p.requires_grad:  # no master: `load` has set it
+                continue
             safe_set_full_fp32_param(p, masters[name].float())
             for moment in MOMENTS if steps else ():
                 safe_set_full_optimizer_state(p, optimizer[name][moment], moment)
