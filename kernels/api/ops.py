@@ -464,12 +464,20 @@ ssd_chunk_scan.register_autograd(_ssd_backward, setup_context=_ssd_setup)
 _MAMBA3_INPUTS = ("x", "dt", "A", "lam", "B", "C", "D", "initial_ssm", "initial_x", "initial_B")
 
 
-def _mamba3_flat(x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx, chunk_size):
-    """(y, the final ssm, x and B̂) in x's compute dtype, the state as separate tensors: Triton's SISO scan on
-    the Triton backend, the reference for MIMO (rank > 1) and on the reference backend."""
-    scan = triton("mamba3").mamba3_scan if backend(x) == "triton" and x.shape[3] == 1 else reference_mamba3_scan
-    initial = None if initial_ssm is None else ScanState(initial_ssm, initial_x, initial_B)
-    y, final = scan(
+def _mamba3_on_triton(x: Tensor) -> bool:
+    """Whether Triton runs this scan: SISO (rank 1) on the Triton backend; MIMO always runs the reference."""
+    return backend(x) == "triton" and x.shape[3] == 1
+
+
+def _scan_state(ssm, x, B):
+    """The initial ScanState from the op's three tensors (given together or not at all), None without."""
+    return None if ssm is None else ScanState(ssm, x, B)
+
+
+def _reference_mamba3(x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx, chunk_size):
+    """The reference's (y, final ssm, x and B̂) in x's compute dtype, the state as separate tensors."""
+    initial = _scan_state(initial_ssm, initial_x, initial_B)
+    y, final = reference_mamba3_scan(
         x, dt, A, lam, B, C, chunk_size, D=D, initial_state=initial, seq_idx=seq_idx, return_final_state=True
     )
     ct = compute_dtype(x)
@@ -492,9 +500,13 @@ def mamba3_scan(
     seq_idx: Optional[Tensor],
     autocast: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, the final ssm, x and B̂); the final x and B̂ are copies (an op's outputs never alias its inputs)."""
+    """(y, the final ssm, x and B̂) in x's compute dtype; the final x and B̂ are copies (an op's outputs never
+    alias its inputs)."""
+    if _mamba3_on_triton(x):
+        initial = _scan_state(initial_ssm, initial_x, initial_B)
+        return triton("mamba3").forward(x, dt, A, lam, B, C, chunk_size, D, initial, seq_idx)
     with autocast_to(x.device.type, autocast):
-        y, ssm, last_x, last_B = _mamba3_flat(
+        y, ssm, last_x, last_B = _reference_mamba3(
             x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx, chunk_size
         )
     return y.contiguous(), ssm.contiguous(), last_x.clone(), last_B.clone()
@@ -528,8 +540,13 @@ def mamba3_scan_backward(
     seq_idx: Optional[Tensor],
     autocast: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, ddt, dA, dlam, dB, dC, dD, dinitial ssm, x and B̂) given the outputs' gradients (None: unused):
-    the forward run again under autograd, Triton's through the SSD's backward kernels."""
+    """(dx, ddt, dA, dlam, dB, dC, dD, dinitial ssm, x and B̂) given the outputs' gradients (None: unused)."""
+    if _mamba3_on_triton(x):
+        initial = _scan_state(initial_ssm, initial_x, initial_B)
+        grads = triton("mamba3").backward(
+            dy, dssm, dlast_x, dlast_B, x, dt, A, lam, B, C, chunk_size, D, initial, seq_idx
+        )
+        return _all_or_absent(grads, x)
     tensors = dict(
         x=x,
         dt=dt,
@@ -544,7 +561,9 @@ def mamba3_scan_backward(
         seq_idx=seq_idx,
     )
     output_grads = (dy, dssm, dlast_x, dlast_B)
-    grads = reference_grads(_mamba3_flat, tensors, dict(chunk_size=chunk_size), output_grads, autocast, _MAMBA3_INPUTS)
+    grads = reference_grads(
+        _reference_mamba3, tensors, dict(chunk_size=chunk_size), output_grads, autocast, _MAMBA3_INPUTS
+    )
     return _all_or_absent(grads, x)
 
 

@@ -6,44 +6,75 @@ so both ride one key, B̂_s scaled by w_s = γ_s + ν_s with ν_s = (1 - λ_{s+1
 ends its document or the sequence), and the state read at s itself holds ν_s x_s B̂_sᵀ too much: the
 diagonal correction y_s -= ν_s (Ĉ_s·B̂_s) x_s. The SSD's decay exp(dt·A) with A = -1 and dt = -Δ_t A_t
 is the per-token decay; its input scale dt is divided out of the key. The initial state's previous
-token folds into the initial SSM state. Gradients: autograd through this glue and the SSD's
-backward kernels.
+token folds into the initial SSM state. The backward runs the SSD's backward kernels and the chain
+rule through these elementwise steps, written out.
 """
+
+import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..reference.common import compute_dtype
 from ..reference.mamba3 import ScanState, _check
-from .ssd import ssd_chunk_scan
+from . import ssd
 
 # The smallest step -Δ·A the SSD is given: a Δ that underflowed to 0 would otherwise divide 0 by 0 in
 # the key. exp(-1e-20) is 1 in float32, so only the gradient of so small a log-decay is dropped.
 STEP_FLOOR = 1e-20
 
 
-def _next_weight(dt, lam, seq_idx):
+class _Folded(NamedTuple):
+    """The SSD's view of the scan, in the compute dtype: x, B̂, Ĉ of rank 0 (batch, seqlen, nheads, ·);
+    Δ, A, λ; its step -Δ·A; ν, the next token's weight; ratio = (λΔ + ν) / step, the key's scale."""
+
+    x: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    lam: torch.Tensor
+    step: torch.Tensor
+    nu: torch.Tensor
+    ratio: torch.Tensor
+
+
+def _next_weight(dt, lam, continues):
     """ν_s = (1 - λ_{s+1})Δ_{s+1}: 0 at the sequence's last token and where token s+1 starts a document."""
     nu = F.pad(((1 - lam) * dt)[:, 1:], (0, 0, 0, 1))
+    return nu if continues is None else nu * continues
+
+
+def _continues(seq_idx):
+    """(batch, seqlen, 1): 1 where the next token is in the same document (and exists), else 0; None
+    without documents."""
     if seq_idx is None:
-        return nu
-    continues = F.pad(seq_idx[:, 1:] == seq_idx[:, :-1], (0, 1))
-    return nu * continues[..., None]
+        return None
+    return F.pad((seq_idx[:, 1:] == seq_idx[:, :-1]).float(), (0, 1))[..., None]
 
 
-def _folded_initial_state(initial_state, dt, lam):
+def _fold(x, dt, A, lam, B, C, continues) -> _Folded:
+    ct = compute_dtype(x)
+    x1, B1, C1, dt, A, lam = (t.to(ct) for t in (x[:, :, :, 0], B[:, :, :, 0], C[:, :, :, 0], dt, A, lam))
+    step = (-dt * A).clamp_min(STEP_FLOOR)
+    nu = _next_weight(dt, lam, continues)
+    return _Folded(x1, B1, C1, dt, A, lam, step, nu, (lam * dt + nu) / step)
+
+
+def _first_weight(f: _Folded):
+    """(1 - λ_0)Δ_0 (batch, nheads, 1, 1): the weight of the initial state's previous token."""
+    return ((1 - f.lam[:, 0]) * f.dt[:, 0])[..., None, None]
+
+
+def _folded_initial_state(initial_state, f: _Folded):
     """The initial SSM state with its previous token's trapezoid term, (1 - λ_0)Δ_0 x_{-1} B̂_{-1}ᵀ, added:
     the first step's decay α_0 then applies to both, as in the recurrence."""
-    weight = ((1 - lam[:, 0]) * dt[:, 0])[..., None, None]
-    ssm, x, B = (t.to(weight.dtype) for t in initial_state)
-    return ssm + weight * x[:, :, 0, :, None] * B[:, :, 0, None, :]
+    ssm, x, B = (t.to(f.x.dtype) for t in initial_state)
+    return ssm + _first_weight(f) * x[:, :, 0, :, None] * B[:, :, 0, None, :]
 
 
-def mamba3_scan(x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq_idx=None, return_final_state=False):
-    """The SISO scan (rank 1) with the arguments and results of the reference's `mamba3_scan_chunked`: y in
-    x's compute dtype and, when asked, the final ScanState. Like the reference, it computes in float32 for
-    bf16 inputs: the SSD run on bf16 rounds its output and that output's gradient to bf16, which doubled
-    the errors of dΔ and dA and took dD from float32 round-off to bf16's."""
+def _check_siso(x, dt, A, lam, B, C, D, initial_state):
     _check(x, dt, A, lam, B, C, D, initial_state)
     rank = x.shape[3]
     if rank != 1:
@@ -51,25 +82,106 @@ def mamba3_scan(x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq
             f"the Triton Mamba-3 scan is SISO (rank 1), got rank {rank}; "
             "megamamba.kernels.mamba3_scan runs MIMO on the reference"
         )
-    ct = compute_dtype(x)
-    x1, B1, C1, dt, A, lam = (t.to(ct) for t in (x[:, :, :, 0], B[:, :, :, 0], C[:, :, :, 0], dt, A, lam))
-    step = (-dt * A).clamp_min(STEP_FLOOR)
-    nu = _next_weight(dt, lam, seq_idx)
-    keys = B1 * ((lam * dt + nu) / step)[..., None]
-    folded = None if initial_state is None else _folded_initial_state(initial_state, dt, lam)
-    y, ssm = ssd_chunk_scan(
-        x1,
-        step,
-        -torch.ones(x.shape[2], device=x.device),
-        keys,
-        C1,
-        chunk_size,
+
+
+def _ssd_arguments(f: _Folded, initial_state, chunk_size, D, seq_idx):
+    """ssd.forward's and ssd.backward's arguments by name (ssd.backward's output gradients aside)."""
+    return dict(
+        x=f.x,
+        dt=f.step,
+        A=-torch.ones(f.x.shape[2], device=f.x.device),
+        B=f.B * f.ratio[..., None],
+        C=f.C,
+        chunk_size=chunk_size,
         D=D,
-        initial_states=folded,
+        z=None,
+        dt_bias=None,
+        initial_states=None if initial_state is None else _folded_initial_state(initial_state, f),
         seq_idx=seq_idx,
-        return_final_states=True,
+        dt_softplus=False,
+        dt_limit=(0.0, math.inf),
     )
-    y = (y - (nu * (C1 * B1).sum(-1))[..., None] * x1)[:, :, :, None]
-    if return_final_state:
-        return y, ScanState(ssm.to(ct), x[:, -1].to(ct), B[:, -1].to(ct))
-    return y
+
+
+def forward(x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq_idx=None):
+    """(y, the final ssm, x and B̂), all in x's compute dtype; arguments as the reference's
+    `mamba3_scan_chunked`. Like the reference, it computes in float32 for bf16 inputs: the SSD run on
+    bf16 rounds its output and that output's gradient to bf16, which doubled the errors of dΔ and dA and
+    took dD from float32 round-off to bf16's."""
+    _check_siso(x, dt, A, lam, B, C, D, initial_state)
+    f = _fold(x, dt, A, lam, B, C, _continues(seq_idx))
+    y, ssm = ssd.forward(**_ssd_arguments(f, initial_state, chunk_size, D, seq_idx))
+    y = y - (f.nu * (f.C * f.B).sum(-1))[..., None] * f.x
+    ct = f.x.dtype
+    return y[:, :, :, None], ssm.to(ct), x[:, -1].to(ct, copy=True), B[:, -1].to(ct, copy=True)
+
+
+def backward(dy, dssm, dlast_x, dlast_B, x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq_idx=None):
+    """(dx, ddt, dA, dlam, dB, dC, dD, d initial ssm, x and B̂), None for an absent input, given the
+    gradients of `forward`'s outputs (None: unused)."""
+    continues = _continues(seq_idx)
+    f = _fold(x, dt, A, lam, B, C, continues)
+    dy1 = torch.zeros_like(f.x) if dy is None else dy[:, :, :, 0].to(f.x.dtype)
+    dx1, dstep, _, dkeys, dC1, dD, _, _, dfolded = ssd.backward(
+        dy1, dssm, **_ssd_arguments(f, initial_state, chunk_size, D, seq_idx)
+    )
+    # y -= ν (Ĉ·B̂) x: its gradient through ν, Ĉ, B̂ and x.
+    cb = (f.C * f.B).sum(-1)
+    read = -(dy1 * f.x).sum(-1)  # d(ν Ĉ·B̂)
+    dx1 = dx1 - (f.nu * cb)[..., None] * dy1
+    dC1 = dC1 + (read * f.nu)[..., None] * f.B
+    # keys = B̂ ratio, ratio = (λΔ + ν) / step, step = max(-ΔA, floor).
+    dratio = (dkeys * f.B).sum(-1)
+    dB1 = dkeys * f.ratio[..., None] + (read * f.nu)[..., None] * f.C
+    dweight = dratio / f.step  # d(λΔ + ν)
+    dstep = torch.where(-f.dt * f.A < STEP_FLOOR, 0.0, dstep - dweight * f.ratio)
+    dnu = dweight + read * cb
+    if continues is not None:
+        dnu = dnu * continues
+    dnext = F.pad(dnu[:, :-1], (0, 0, 1, 0))  # ν_{s} belongs to token s + 1
+    ddt = dweight * f.lam - dstep * f.A + dnext * (1 - f.lam)
+    dlam = dweight * f.dt - dnext * f.dt
+    dA = -dstep * f.dt
+    dx, dB, dC = dx1[:, :, :, None], dB1[:, :, :, None], dC1[:, :, :, None]
+    if dlast_x is not None:
+        dx = dx.clone()
+        dx[:, -1] += dlast_x
+    if dlast_B is not None:
+        dB = dB.clone()
+        dB[:, -1] += dlast_B
+    dinitial = (None, None, None)
+    if initial_state is not None:
+        _, x0, B0 = (t.to(f.x.dtype) for t in initial_state)
+        weight = _first_weight(f)
+        dx0 = weight * torch.einsum("bhpn,bhrn->bhrp", dfolded, B0)
+        dB0 = weight * torch.einsum("bhpn,bhrp->bhrn", dfolded, x0)
+        dw0 = torch.einsum("bhpn,bhrp,bhrn->bh", dfolded, x0, B0)
+        ddt[:, 0] += dw0 * (1 - f.lam[:, 0])
+        dlam[:, 0] -= dw0 * f.dt[:, 0]
+        dinitial = tuple(g.to(t.dtype) for g, t in zip((dfolded, dx0, dB0), initial_state))
+    grads = (dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dlam.to(lam.dtype), dB.to(B.dtype), dC.to(C.dtype))
+    return (*grads, dD, *dinitial)
+
+
+class _Mamba3Scan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx, chunk_size):
+        ctx.save_for_backward(x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx)
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
+        initial = None if initial_ssm is None else ScanState(initial_ssm, initial_x, initial_B)
+        return forward(x, dt, A, lam, B, C, chunk_size, D, initial, seq_idx)
+
+    @staticmethod
+    def backward(ctx, dy, dssm, dlast_x, dlast_B):
+        x, dt, A, lam, B, C, D, initial_ssm, initial_x, initial_B, seq_idx = ctx.saved_tensors
+        initial = None if initial_ssm is None else ScanState(initial_ssm, initial_x, initial_B)
+        grads = backward(dy, dssm, dlast_x, dlast_B, x, dt, A, lam, B, C, ctx.chunk_size, D, initial, seq_idx)
+        return *grads, None, None
+
+
+def mamba3_scan(x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq_idx=None, return_final_state=False):
+    """The SISO scan (rank 1) with the arguments and results of the reference's `mamba3_scan_chunked`."""
+    initial = (None, None, None) if initial_state is None else tuple(initial_state)
+    y, ssm, last_x, last_B = _Mamba3Scan.apply(x, dt, A, lam, B, C, D, *initial, seq_idx, chunk_size)
+    return (y, ScanState(ssm, last_x, last_B)) if return_final_state else y

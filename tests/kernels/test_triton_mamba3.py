@@ -23,13 +23,14 @@ NAMES = ("y", "ssm", "last_x", "last_B")
 
 @pytest.fixture
 def triton_backend(monkeypatch):
-    """The op runs Triton on CPU tensors; the test fails unless Triton's scan really ran."""
+    """The op runs Triton on CPU tensors; the test fails unless Triton's forward and backward really ran."""
     monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
-    calls = []
-    scan = triton_mamba3.mamba3_scan
-    monkeypatch.setattr(triton_mamba3, "mamba3_scan", lambda *a, **k: calls.append(1) or scan(*a, **k))
+    calls = set()
+    for name in ("forward", "backward"):
+        fn = getattr(triton_mamba3, name)
+        monkeypatch.setattr(triton_mamba3, name, lambda *a, _fn=fn, _name=name, **k: calls.add(_name) or _fn(*a, **k))
     yield
-    assert calls, "the Triton Mamba-3 scan was not called"
+    assert calls == {"forward", "backward"}, f"of Triton's Mamba-3 scan only {sorted(calls)} ran"
 
 
 def inputs(seed, *, initial_state, low_precision=None):
@@ -130,3 +131,11 @@ def test_the_flop_counter_counts_mamba3_scan_by_its_formula():
     forward = flops.mamba3_scan_flops(BATCH * SEQLEN, SEQLEN, NHEADS, 1, HEADDIM, DSTATE, CHUNK)
     counted = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert counted == {"megamamba.mamba3_scan": forward, "megamamba.mamba3_scan_backward": 2 * forward}
+
+
+def test_triton_module_scan_matches_float64_reference():
+    """megamamba.kernels.triton.mamba3.mamba3_scan, its autograd.Function called without the op."""
+    seed = 75
+    scan = functools.partial(scan_with, triton_mamba3.mamba3_scan, chunk_size=CHUNK)
+    tensors = inputs(seed, initial_state=True)
+    oracle_checks.check_against_oracle(scan, exact, tensors, seed, names=NAMES, seq_idx=documents())
