@@ -1,6 +1,7 @@
 """The router of a mixture-of-experts block: each token's experts and their weights, in float32, as transformers'
 NemotronH routes (scores, a selection-only bias, group-limited choice, normalisation, scaling), with Megatron's
-load-balancing and z losses, and the per-expert bias update of aux-loss-free balancing (`update_expert_biases`).
+load-balancing and z losses, and the per-expert bias update of aux-loss-free balancing (`update_expert_biases`)
+from what each router routed in the backward passes (`RouterLoad`, which the step's metrics read too).
 
 Ties are broken the same way on every device: among equal scores the lower expert index wins (a stable sort).
 """
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamamba.config import MoEOptions
+from megamamba.model.moe_dispatch import capacity_of
 
 NORM_EPS = 1e-20  # transformers' and Megatron's guard in the top-k normalisation
 
@@ -80,29 +82,46 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+class RouterLoad(NamedTuple):
+    """What a router saw in the backward passes since its last update: `tokens_per_expert` (num_experts,) int64,
+    `dropped` the token copies a capacity dropped (int64 scalar), `aux_loss` the sum of its losses (a float
+    scalar, 0 without them), over `micro_batches` micro-batches."""
+
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+    aux_loss: torch.Tensor
+    micro_batches: int
+
+    def plus(self, other: "RouterLoad") -> "RouterLoad":
+        return RouterLoad(
+            self.tokens_per_expert + other.tokens_per_expert,
+            self.dropped + other.dropped,
+            self.aux_loss + other.aux_loss,
+            self.micro_batches + other.micro_batches,
+        )
+
+
 class _CountInBackward(torch.autograd.Function):
-    """The identity on the routing weights whose backward adds the micro-batch's tokens per expert to the
-    router's `received`: once per micro-batch whether or not the forward was recomputed, never in evaluation."""
+    """The identity on the routing weights whose backward adds the micro-batch's `RouterLoad` to the router's
+    `load`: once per micro-batch whether or not the forward was recomputed, never in evaluation."""
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, tokens_per_expert: torch.Tensor, router: "Router") -> torch.Tensor:
-        ctx.tokens_per_expert, ctx.router = tokens_per_expert, router
+    def forward(ctx, weights: torch.Tensor, load: RouterLoad, router: "Router") -> torch.Tensor:
+        ctx.load, ctx.router = load, router
         return weights.view_as(weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         router = ctx.router
-        if router.received is None:
-            router.received = torch.zeros_like(ctx.tokens_per_expert)
-        router.received.add_(ctx.tokens_per_expert)
+        router.load = ctx.load if router.load is None else router.load.plus(ctx.load)
         return grad, None, None
 
 
 class Router(nn.Module):
     """(batch, seqlen, d_model) -> `Routing`, in float32 or wider (autocast off). Keys `weight` (num_experts,
     d_model) and, with expert_bias, `e_score_correction_bias` (num_experts,), a parameter the optimizer leaves
-    alone that `update_expert_biases` moves; `received` counts the tokens routed to each expert since the last
-    update."""
+    alone that `update_expert_biases` moves; `load` (`RouterLoad`) what it routed in the backward passes since the
+    last update, `received` its tokens per expert."""
 
     def __init__(self, d_model: int, options: MoEOptions, device=None, dtype=None):
         super().__init__()
@@ -113,7 +132,12 @@ class Router(nn.Module):
         if options.expert_bias:
             bias = torch.zeros(options.num_experts, device=device, dtype=dtype)
             self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
-        self.received: Optional[torch.Tensor] = None
+        self.load: Optional[RouterLoad] = None
+
+    @property
+    def received(self) -> Optional[torch.Tensor]:
+        """The tokens routed to each expert since the last update (None: none yet)."""
+        return None if self.load is None else self.load.tokens_per_expert
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         o = self.options
@@ -126,9 +150,24 @@ class Router(nn.Module):
             experts = select_experts(scores.detach(), o, bias)
             weights = expert_weights(scores, experts, o)
             tokens_per_expert = torch.bincount(experts.flatten(), minlength=o.num_experts)
-            if bias is not None and torch.is_grad_enabled():
-                weights = _CountInBackward.apply(weights, tokens_per_expert, self)
-            return Routing(experts, weights, tokens_per_expert, self._losses(logits))
+            aux_loss = self._losses(logits)
+            if torch.is_grad_enabled():
+                load = RouterLoad(
+                    tokens_per_expert,
+                    self._dropped(tokens_per_expert, flat.shape[0]),
+                    flat.new_zeros(()) if aux_loss is None else aux_loss.detach(),
+                    1,
+                )
+                weights = _CountInBackward.apply(weights, load, self)
+            return Routing(experts, weights, tokens_per_expert, aux_loss)
+
+    def _dropped(self, tokens_per_expert: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The token copies beyond each expert's capacity (`capacity_of`; 0 when dropless)."""
+        o = self.options
+        if o.capacity_factor is None:
+            return torch.zeros((), dtype=torch.int64, device=tokens_per_expert.device)
+        capacity = capacity_of(tokens, o.top_k, o.num_experts, o.capacity_factor)
+        return (tokens_per_expert - capacity).clamp(min=0).sum()
 
     def _losses(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
         o = self.options
@@ -146,23 +185,33 @@ class Router(nn.Module):
 def update_expert_biases(model: nn.Module, group=None) -> None:
     """Aux-loss-free balancing, after an optimizer step: each router with an expert bias moves it by
     bias_update_rate towards the experts that received fewer than the mean tokens since the last update
-    (bias += rate * sign(mean - received)), then starts counting again. With `group` (the ranks that hold the
-    same layers: data x context parallel) the counts are summed over it first, all routers in one all-reduce."""
-    counted = [(m, m.received) for m in model.modules() if isinstance(m, Router) and m.received is not None]
-    if not counted:
-        return
-    received = torch.cat([counts for _, counts in counted])
-    if group is not None:
-        torch.distributed.all_reduce(received, group=group)
-    for (router, _), counts in zip(counted, received.split([r.options.num_experts for r, _ in counted])):
-        bias = cast(torch.Tensor, router.e_score_correction_bias)
-        counts = counts.float()
-        bias.add_((torch.sign(counts.mean() - counts) * router.options.bias_update_rate).to(bias.dtype))
-        router.received = None
+    (bias += rate * sign(mean - received)); then every router starts counting again. With `group` (the ranks
+    that hold the same layers: data x context parallel) the counts are summed over it first, all routers in one
+    all-reduce."""
+    counted = [
+        m
+        for m in model.modules()
+        if isinstance(m, Router) and m.e_score_correction_bias is not None and m.load is not None
+    ]
+    if counted:
+        received = torch.cat([cast(torch.Tensor, router.received) for router in counted])
+        if group is not None:
+            torch.distributed.all_reduce(received, group=group)
+        for router, counts in zip(counted, received.split([r.options.num_experts for r in counted])):
+            bias = cast(torch.Tensor, router.e_score_correction_bias)
+            counts = counts.float()
+            bias.add_((torch.sign(counts.mean() - counts) * router.options.bias_update_rate).to(bias.dtype))
+    forget_router_loads(model)
 
 
-def forget_received_tokens(model: nn.Module) -> None:
-    """Every router of `model` starts counting again, its bias unchanged: after a step the optimizer skipped."""
+def forget_router_loads(model: nn.Module) -> None:
+    """Every router of `model` starts counting again, its bias unchanged (alone: after a step the optimizer
+    skipped)."""
     for router in model.modules():
         if isinstance(router, Router):
-            router.received = None
+            router.load = None
+
+
+def router_loads(model: nn.Module) -> list:
+    """(module name, `RouterLoad` or None) of every router of `model`, as counted since the last update."""
+    return [(name, m.load) for name, m in model.named_modules() if isinstance(m, Router)]

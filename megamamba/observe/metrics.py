@@ -2,10 +2,10 @@
 and wandb (the writers of `megamamba.observe.monitors`; which ones a run uses: `megamamba.observe.monitor_config`).
 
 Names (docs/architecture.md): step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mem_peak_gb and,
-when known, val_loss and mfu, then elapsed_s (since the job started) and eta_s (of the remaining
-steps). The same names are the JSONL keys, the TensorBoard tags (global step = `step`), the CSV
-files and the wandb keys; the console shows `step N/TOTAL` (N counts from 0, as `step` does) and
-the times as h:mm:ss. Only the rank that creates the logger `enabled` writes; the others make it
+when known, val_loss and mfu, each mixture-of-experts layer's figures (moe_layer{i}_...), then elapsed_s (since
+the job started) and eta_s (of the remaining steps). The same names are the JSONL keys, the TensorBoard tags
+(global step = `step`), the CSV files and the wandb keys; the console shows `step N/TOTAL` (N counts from 0, as
+`step` does) and the times as h:mm:ss. Only the rank that creates the logger `enabled` writes; the others make it
 a no-op, so callers need not branch on rank.
 """
 
@@ -27,6 +27,7 @@ METRIC_NAMES = (
     "elapsed_s",
     "eta_s",
 )
+MOE_METRIC_PREFIX = "moe_layer"  # moe_layer{i}_<figure>: a mixture-of-experts layer's (pipelines/loop/moe_metrics.py)
 _TIMES = {"elapsed_s": "elapsed", "eta_s": "ETA"}
 
 
@@ -69,10 +70,11 @@ class MetricsLogger:
                 self._monitors.append(monitor(value))
 
     def log(self, record: dict) -> None:
-        """Write one step's record; keys must be METRIC_NAMES, `step` first; None values are left out."""
+        """Write one step's record; keys must be METRIC_NAMES or MoE layers' figures, `step` first; None values
+        are left out."""
         if not self.enabled:
             return
-        unknown = set(record) - set(METRIC_NAMES)
+        unknown = {k for k in record if k not in METRIC_NAMES and not k.startswith(MOE_METRIC_PREFIX)}
         if unknown:
             raise KeyError(f"unknown metric name(s) {sorted(unknown)}; known: {METRIC_NAMES}")
         record = {k: v for k, v in record.items() if v is not None}

@@ -47,7 +47,7 @@ from megamamba.checkpoint import optimizer_groups, restore_optimizer_state, sche
 from megamamba.config import MambaConfig
 from megamamba.model.layers import draw_seed, initial_layer, layer_of
 from megamamba.model.lm import MambaLM
-from megamamba.model.moe_router import forget_received_tokens, update_expert_biases
+from megamamba.model.moe_router import forget_router_loads, router_loads, update_expert_biases
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel, full_key
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_window
@@ -145,6 +145,7 @@ class Trainer(ABC):
         self.tensor_rank, self.pipe_rank = groups.tensor_rank, groups.pipe_rank
         self.tp, self.cp = tp, cp
         self._stage_replicas = groups.data_group if groups.data_axis_size > 1 else None
+        self._router_loads: list = []
 
     # The step and its outcome.
 
@@ -152,12 +153,13 @@ class Trainer(ABC):
         """After an optimizer step the ranks agree was applied, advance the LR schedule and move the expert biases
         of aux-loss-free balancing by the tokens every expert received over the data x context-parallel ranks of
         this stage (`megamamba.model.moe_router.update_expert_biases`: one all-reduce); after a skipped step,
-        forget those counts."""
+        forget those counts. What the routers counted stays readable (`router_states`) until the next step ends."""
+        self._router_loads = router_loads(self._module)
         if applied:
             self._lr_scheduler.step()
             update_expert_biases(self._module, self._stage_replicas)
         else:
-            forget_received_tokens(self._module)
+            forget_router_loads(self._module)
 
     def eval_loss(self, micro_batches: list) -> float:
         """The validation loss of one global batch (collective; one host synchronization)."""
@@ -187,6 +189,15 @@ class Trainer(ABC):
         return None
 
     # What the run records.
+
+    def router_states(self) -> list:
+        """(mamba_ssm name of its weight, `RouterLoad` of the last step or None, expert bias or None) of every
+        mixture-of-experts router of this rank's stage."""
+        routers = dict(self._module.named_modules())
+        return [
+            (self.mamba_name(f"{name}.weight"), load, routers[name].e_score_correction_bias)
+            for name, load in self._router_loads
+        ]
 
     def stage_parameter_count(self) -> int:
         """Elements of this rank's parameters, full sizes (a ZeRO-3 partition counts as its whole parameter)."""

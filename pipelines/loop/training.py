@@ -35,6 +35,7 @@ from megamamba.pipelines.loop.faults import (
     Watchdog,
     agree_step,
 )
+from megamamba.pipelines.loop.moe_metrics import moe_metrics
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class TrainingLoop:
             "mem_peak_gb": peak_memory_gb(),
             "val_loss": val_loss,
             "mfu": tflops / self.settings.peak_tflops if self.settings.peak_tflops else None,
+            **moe_metrics(self.model, self.trainer),
             "elapsed_s": elapsed[0],
             "eta_s": elapsed[1],
         }

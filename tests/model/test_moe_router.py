@@ -9,7 +9,7 @@ import torch
 
 from megamamba.config import MoEOptions
 from megamamba.model.loss import training_loss
-from megamamba.model.moe_router import Router, forget_received_tokens, update_expert_biases
+from megamamba.model.moe_router import Router, forget_router_loads, update_expert_biases
 
 EXPERTS, TOP_K = 6, 2
 
@@ -108,7 +108,17 @@ def test_the_bias_counts_each_micro_batch_once_in_the_backward_and_never_in_eval
 def test_after_a_skipped_step_the_counts_are_forgotten_and_the_bias_stays():
     router = router_of(expert_bias=True)
     router(torch.randn(2, 3, 5, dtype=torch.float64)).weights.sum().backward()
-    forget_received_tokens(router)
+    forget_router_loads(router)
     assert router.received is None
     update_expert_biases(router)
     assert router.e_score_correction_bias.abs().sum() == 0
+
+
+def test_the_load_counts_the_copies_a_capacity_drops_and_the_router_losses():
+    router = router_of(capacity_factor=0.5, aux_loss_coeff=0.1)
+    router.train()
+    routing = router(torch.randn(2, 6, 5, dtype=torch.float64))
+    routing.weights.sum().backward()
+    capacity = math.ceil(12 * TOP_K / EXPERTS * 0.5)
+    assert router.load.dropped.item() == (routing.tokens_per_expert - capacity).clamp(min=0).sum().item() > 0
+    assert router.load.aux_loss.item() == routing.aux_loss.item() and router.load.micro_batches == 1

@@ -95,3 +95,20 @@ def test_a_resume_from_a_zero_checkpoint_continues_the_loss_curve_and_the_biases
     assert _losses(runs["resumed"]) == _losses(runs["one"])[SAVE_AT:]
     resumed = _biases(runs["resumed"]["save"])
     assert all(torch.equal(resumed[n], final[n]) for n in final)
+
+
+def test_every_record_holds_each_moe_layers_load_losses_and_bias_norm_over_all_ranks(runs):
+    one, dp2 = runs["one"]["records"], runs["dp2"]["records"]
+    figures = ("load_max_over_mean", "aux_loss", "expert_bias_norm")
+    keys = [f"moe_layer{layer}_{figure}" for layer in (1, 4) for figure in figures]  # MEM*E: blocks 1 and 4
+    assert all(set(keys) <= set(record) for record in one + dp2), one[0]
+    assert all(r[k] >= 1 for r in one for k in keys if k.endswith("max_over_mean"))
+    assert all(r[k] > 0 for r in one for k in keys if k.endswith("aux_loss"))
+    for mine, reference in zip(dp2, one):  # the tokens and losses of both data-parallel ranks, as on one
+        assert mine.keys() == reference.keys()
+        for key in keys:
+            assert mine[key] == pytest.approx(reference[key], rel=1e-4), key
+    saved = _biases(runs["one"]["save"])
+    for layer in (1, 4):
+        norm = saved[f"backbone.layers.{layer}.{BIASES}"].norm().item()
+        assert one[-1][f"moe_layer{layer}_expert_bias_norm"] == pytest.approx(norm, rel=1e-6)
