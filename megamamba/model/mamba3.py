@@ -3,10 +3,13 @@ inputs and outputs per head (Lahoti et al., 2026), on one device.
 
 Parameter names, shapes and initialisation are mamba_ssm's `Mamba3`, so its state dicts load unchanged. No
 conv; one in_proj with columns [z, x, B, C, dd_dt, dd_A, trap, angles]. The scan is the PyTorch reference
-(`megamamba.kernels.reference.mamba3`); tensor and context parallelism are refused for now.
+(`megamamba.kernels.reference.mamba3`). With `tp` the mixer is built whole and `_shard` keeps this rank's
+heads (B/C split by group where ngroups % TP == 0, else replicated; the angle columns and the B/C norms
+replicated, their gradients summed over TP); with `cp` the scan continues the earlier slices
+(`megamamba.parallel.context.mamba3_slice`).
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +21,30 @@ from megamamba.kernels.reference.mamba3 import ScanState, mamba3_scan_chunked, m
 from megamamba.kernels.reference.mamba3_inputs import mamba3_scan_inputs
 from megamamba.model.mamba1 import sample_dt_bias
 from megamamba.model.norm import RMSNormGated
-from megamamba.parallel import TensorParallel, split
+from megamamba.parallel import (
+    ColumnParallelLinear,
+    Component,
+    RowParallelLinear,
+    Shard,
+    TensorParallel,
+    copy_to_tp_region,
+    mark,
+    split,
+)
 from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.context.mamba3_slice import Mamba3Slice
+from megamamba.parallel.tensor.from_full import shard_parameter, sharded, split_rows
+
+
+def check_mamba3_layout(d_model: int, options: Mamba3Options, tp_size: int) -> None:
+    """Refuse a Mamba-3 mixer whose heads cannot be split across `tp_size` ranks (its B/C groups are split
+    where ngroups % TP == 0 and replicated otherwise, so any ngroups is allowed)."""
+    nheads = int(options.expand * d_model) // options.headdim
+    if nheads % tp_size:
+        raise LayoutError(
+            f"Mamba3 tensor parallelism splits the heads across ranks: nheads = {nheads} "
+            f"(expand x d_model / headdim) is not divisible by tp={tp_size}"
+        )
 
 
 class Mamba3(nn.Module):
@@ -35,11 +60,9 @@ class Mamba3(nn.Module):
         cp: Optional[ContextParallel] = None,
     ):
         super().__init__()
-        for name, short, group in (("tensor", "tp", split(tp)), ("context", "cp", split(cp))):
-            if group is not None:
-                raise LayoutError(
-                    f"Mamba3 with {name} parallelism ({short}={group.size}) is not implemented yet; use {short} 1"
-                )
+        tp = split(tp)
+        if tp is not None:
+            check_mamba3_layout(d_model, options, tp.size)
         factory = {"device": device, "dtype": dtype}
         self.options = options
         self.d_model = d_model
@@ -55,7 +78,7 @@ class Mamba3(nn.Module):
         bc = self.d_state * self.ngroups * self.rank
         widths = [self.d_inner, self.d_inner, bc, bc, self.nheads, self.nheads, self.nheads, self.nangles]
         self.in_proj_widths = widths
-        self.in_proj = nn.Linear(d_model, sum(widths), bias=False, **factory)
+        self.in_proj: nn.Module = nn.Linear(d_model, sum(widths), bias=False, **factory)
         self.dt_bias = nn.Parameter(
             sample_dt_bias(self.nheads, options.dt_min, options.dt_max, options.dt_init_floor, device, torch.float32)
         )
@@ -74,7 +97,58 @@ class Mamba3(nn.Module):
             param._no_weight_decay = True  # type: ignore[attr-defined]
         if options.is_outproj_norm:
             self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=True, group_size=self.headdim, **factory)
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False, **factory)
+        self.out_proj: nn.Module = nn.Linear(self.d_inner, d_model, bias=False, **factory)
+
+        self.cp = split(cp)
+        self.tp: Optional[TensorParallel] = None
+        # with B/C replicated over TP: the group each of this rank's heads reads
+        self.head_groups: Optional[torch.Tensor] = None
+        if tp is not None:
+            self._shard(tp)
+
+    def _shard(self, tp: TensorParallel) -> None:
+        """Keep this rank's heads of every full tensor built above (see the module docstring)."""
+        d_inner, nheads, ngroups, rank = self.d_inner, self.nheads, self.ngroups, self.rank
+        groups_split = ngroups % tp.size == 0
+        bc = self.d_state * ngroups  # one MIMO rank's B (or C) columns: in_proj lays them out (rank, group, state)
+        per_rank = [
+            Component(f"{name}{r}" if rank > 1 else name, bc, sharded=groups_split)
+            for name in ("B", "C")
+            for r in range(rank)
+        ]
+        components = [
+            Component("z", d_inner),
+            Component("x", d_inner),
+            *per_rank,
+            *(Component(name, nheads) for name in ("dd_dt", "dd_A", "trap")),
+            Component("angles", self.nangles, sharded=False),
+        ]
+        self.in_proj = sharded(
+            self.in_proj,
+            lambda: ColumnParallelLinear(self.d_model, sum(self.in_proj_widths), tp, bias=False, components=components),
+            tp,
+        )
+        for name in (
+            "dt_bias",
+            "D",
+            "B_bias",
+            "C_bias",
+            *(("mimo_x", "mimo_z", "mimo_o") if self.options.is_mimo else ()),
+        ):
+            setattr(self, name, shard_parameter(getattr(self, name), split_rows(name, nheads, "heads"), tp))
+        for norm in (self.B_norm, self.C_norm):  # used whole by every rank's heads: gradients summed over TP
+            mark(norm.weight, Shard("weight", None, grad_reduced=True))
+        if self.options.is_outproj_norm:  # a group per head: split with the heads
+            self.norm.weight = shard_parameter(self.norm.weight, split_rows("weight", d_inner, "channels"), tp)
+        self.out_proj = sharded(self.out_proj, lambda: RowParallelLinear(d_inner, self.d_model, tp, bias=False), tp)
+        self.tp, self.d_inner, self.nheads = tp, d_inner // tp.size, nheads // tp.size
+        if groups_split:
+            self.ngroups = ngroups // tp.size
+        else:
+            heads = torch.arange(tp.rank * self.nheads, (tp.rank + 1) * self.nheads)
+            self.head_groups = heads // (nheads // ngroups)
+        local_bc = self.d_state * self.ngroups * rank
+        self.in_proj_widths = [self.d_inner, self.d_inner, local_bc, local_bc, *[self.nheads] * 3, self.nangles]
 
     @property
     def output_projection(self) -> nn.Module:
@@ -88,6 +162,9 @@ class Mamba3(nn.Module):
         lead = x.shape[:-1]
         B = B.reshape(*lead, self.rank, self.ngroups, self.d_state)
         C = C.reshape(*lead, self.rank, self.ngroups, self.d_state)
+        if self.head_groups is not None:  # B/C replicated: each local head's group, as a group of its own
+            index = self.head_groups.to(B.device)
+            B, C = B.index_select(-2, index), C.index_select(-2, index)
         inputs = mamba3_scan_inputs(
             B,
             C,
@@ -96,19 +173,28 @@ class Mamba3(nn.Module):
             trap,
             angles,
             self.dt_bias,
-            self.B_norm.weight,
-            self.C_norm.weight,
+            self._replicated(self.B_norm.weight),
+            self._replicated(self.C_norm.weight),
             self.B_bias,
             self.C_bias,
             self.options.A_floor,
             a_activation=self.options.a_activation,
-            rotation="halves" if self.options.is_mimo else "adjacent",
+            rotation=self.rotation,
             seq_idx=seq_idx,
             initial_angle=initial_angle,
         )
         x = x.reshape(*lead, self.nheads, self.headdim).to(inputs.dt.dtype)
         values = x[..., None, :] * self.mimo_x if self.options.is_mimo else x[..., None, :]
         return z.reshape(*lead, self.nheads, self.headdim), values, inputs
+
+    @property
+    def rotation(self) -> str:
+        """The pairs of state dimensions the angles rotate: adjacent (SISO) or (i, i + d_state/2) (MIMO)."""
+        return "halves" if self.options.is_mimo else "adjacent"
+
+    def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight every TP rank holds whole and uses for its own heads: its gradient is summed over TP."""
+        return weight if self.tp is None else copy_to_tp_region(weight, self.tp)
 
     def _gate_and_project(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """y (..., nheads, rank, headdim), z (..., nheads, headdim) -> out_proj of the gated output (summed over
@@ -135,7 +221,11 @@ class Mamba3(nn.Module):
         the angle and the previous-token term at each document start. With `inference_state` from
         `allocate_inference_cache`, the state after the last position is written into it."""
         z, values, inputs = self._project(hidden_states, seq_idx)
-        y = mamba3_scan_chunked(
+        scan: Callable = mamba3_scan_chunked
+        if self.cp is not None:  # continue the earlier slices: their angle, state and last token
+            context = Mamba3Slice(self.cp, seq_idx, scan, self.rotation)
+            inputs, scan = context.continue_angle(inputs), context.scan
+        y = scan(
             values,
             inputs.dt,
             inputs.A,
@@ -157,7 +247,7 @@ class Mamba3(nn.Module):
     def allocate_inference_cache(self, batch_size: int, dtype=None) -> tuple:
         """Zero (angle (batch, nheads, nangles), ssm (batch, nheads, headdim, d_state), the previous token's
         values (batch, nheads, rank, headdim) and B̂ (batch, nheads, rank, d_state)), in float32."""
-        device = self.out_proj.weight.device
+        device = self.D.device
         state_dtype = torch.float32 if dtype is None else torch.promote_types(dtype, torch.float32)
         h, r = self.nheads, self.rank
         shapes = ((h, self.nangles), (h, self.headdim, self.d_state), (h, r, self.headdim), (h, r, self.d_state))

@@ -1,5 +1,5 @@
 """Mamba-3 in the model: M blocks are Mamba-3 when ssm_cfg.layer says so (hybrids too), packed documents do
-not see each other, and layouts it cannot run yet are refused by name."""
+not see each other, and a TP size that does not divide its heads is refused by name."""
 
 import pytest
 import torch
@@ -38,18 +38,10 @@ def test_packed_documents_give_each_document_its_own_logits(mimo):
     assert err <= 1e-5, f"seed {seed}: packed vs separate documents rel err {err:.2e}"
 
 
-def test_tensor_parallel_mamba3_is_refused_by_name():
+def test_a_tp_size_not_dividing_the_heads_is_refused_by_name():
     with pytest.raises(
-        LayoutError, match=r"^Mamba3 with tensor parallelism \(tp=2\) is not implemented yet; use tp 1$"
+        LayoutError,
+        match=r"^Mamba3 tensor parallelism splits the heads across ranks: nheads = 6 \(expand x d_model / headdim\) "
+        r"is not divisible by tp=4$",
     ):
-        check_layout(tiny(), 2)
-
-
-def test_context_parallel_mamba3_is_refused_by_name():
-    class TwoRanks:
-        size = 2
-
-    with pytest.raises(
-        LayoutError, match=r"^Mamba3 with context parallelism \(cp=2\) is not implemented yet; use cp 1$"
-    ):
-        Mamba3(18, tiny().mixer_options, cp=TwoRanks())
+        check_layout(tiny(), 4)

@@ -4,12 +4,11 @@
 from typing import Optional
 
 from megamamba.config import MAMBA_LETTER, Mamba3Options, MambaConfig
-from megamamba.errors import LayoutError
 from megamamba.model.block import Block
 from megamamba.model.layer_types.base import BlockType
 from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, matmul, norm, tp_reductions
 from megamamba.model.layer_types.mlp import MLP_TYPE
-from megamamba.model.mamba3 import Mamba3
+from megamamba.model.mamba3 import Mamba3, check_mamba3_layout
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context.context_parallel import ContextParallel
 
@@ -92,7 +91,7 @@ def _work(shape: RankShape) -> LayerWork:
 
 
 class Mamba3Type(BlockType):
-    """The Mamba-3 block (M when ssm_cfg.layer is "Mamba3"); single-device for now."""
+    """The Mamba-3 block (M when ssm_cfg.layer is "Mamba3"): its heads split over TP, its sequence over CP."""
 
     kind, symbol, block_class = "mamba3", MAMBA_LETTER, Mamba3Block
     inner_mlp = MLP_TYPE
@@ -101,8 +100,7 @@ class Mamba3Type(BlockType):
         return config.layer
 
     def check_mixer_layout(self, config: MambaConfig, tp_size: int) -> None:
-        if tp_size > 1:
-            raise LayoutError(f"Mamba3 with tensor parallelism (tp={tp_size}) is not implemented yet; use tp 1")
+        check_mamba3_layout(config.d_model, _options(config), tp_size)
 
     def mixer_flops(self, config: MambaConfig, seq_length: int) -> int:
         return mamba3_layer_flops(config, seq_length)

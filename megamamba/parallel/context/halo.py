@@ -48,6 +48,11 @@ class _PreviousHalo(torch.autograd.Function):
         return shift_along_ranks(grad, ctx.cp, -1), None
 
 
+def from_previous_rank(tail: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The previous rank's `tail` (zeros on rank 0); its gradient goes back to that rank in the backward."""
+    return _PreviousHalo.apply(tail, cp)
+
+
 def previous_ids(seq_idx: torch.Tensor, count: int, cp: ContextParallel) -> torch.Tensor:
     """The previous rank's last `count` document ids (batch, count); zeros on rank 0."""
     if seq_idx.shape[1] < count:
