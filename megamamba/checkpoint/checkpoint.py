@@ -78,11 +78,14 @@ def check_model_tensors(model: Mapping[str, torch.Tensor], config: MambaConfig, 
 
 
 def config_differences(saved: MambaConfig, run: MambaConfig) -> list:
-    """ "field: checkpoint X, run Y" for every field that differs (mixer and attention options with defaults
-    filled in, and the head width and key/value heads that null means)."""
+    """ "field: checkpoint X, run Y" for every field that differs (mixer, attention and mixture-of-experts options
+    with defaults filled in, and the head width and key/value heads that null means)."""
 
     def flat(config: MambaConfig) -> dict:
-        fields = {k: v for k, v in config.to_dict().items() if k not in ("ssm_cfg", "attn_cfg")}
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("ssm_cfg", "attn_cfg", "moe_cfg")}
+        if config.moe_cfg:
+            moe = json.loads(json.dumps(dataclasses.asdict(config.moe_options)))
+            fields.update({f"moe_cfg.{k}": v for k, v in moe.items()})
         fields["ssm_cfg.layer"] = config.layer
         options = json.loads(json.dumps(dataclasses.asdict(config.mixer_options)))
         fields.update({f"ssm_cfg.{k}": v for k, v in options.items()})
