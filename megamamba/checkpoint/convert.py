@@ -55,6 +55,7 @@ from megamamba.checkpoint.transformers_formats import (
     file_parts,
     generation_config,
     import_config,
+    zero_tensors,
 )
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.errors import MegamambaError
@@ -108,17 +109,29 @@ def _checked_names(reader: TensorReader, config: MambaConfig) -> list:
 
 
 def _export_tensors(reader: TensorReader, config: MambaConfig, model_type: str) -> tuple:
-    """(specs of the file's tensors in model order, load(name in the file) -> tensor), each a row range of ours."""
+    """(specs of the file's tensors in model order, load(name in the file) -> tensor): each a row range of ours (a
+    stacked part its one row), then the format's zero tensors (float32)."""
     specs, sources = [], {}
     for name in file_names(model_type, _checked_names(reader, config)):
         held = EMBEDDING if name == HEAD and config.tie_embeddings else name
         spec, start = reader.spec(held), 0
         for part in file_parts(model_type, config, name):
             rows = spec.shape[0] if part.rows is None else part.rows
-            specs.append(TensorSpec(part.name, spec.dtype, (rows, *spec.shape[1:])))
-            sources[part.name] = (held, start, rows)
+            shape = spec.shape[1:] if part.stacked else (rows, *spec.shape[1:])
+            specs.append(TensorSpec(part.name, spec.dtype, tuple(shape)))
+            sources[part.name] = (held, start, rows, part.stacked)
             start += rows
-    return specs, lambda name: reader.load(sources[name][0]).narrow(0, *sources[name][1:])
+    zeros = zero_tensors(model_type, config)
+    specs += [TensorSpec(name, "F32", shape) for name, shape in zeros.items()]
+
+    def load(name: str) -> torch.Tensor:
+        if name in zeros:
+            return torch.zeros(zeros[name])
+        held, start, rows, stacked = sources[name]
+        tensor = reader.load(held).narrow(0, start, rows)
+        return tensor.squeeze(0) if stacked else tensor
+
+    return specs, load
 
 
 def _our_config(path: str) -> MambaConfig:
@@ -282,6 +295,13 @@ def _from_transformers(tensors: dict, config: MambaConfig, model_type: str, dire
             raise ConvertError(f"{directory}: has no tensor {missing[0]} (part of our {name}) that its config implies")
         state[name] = assemble(config, name, parts, tensors.__getitem__)
         used.update(p.name for p in parts)
+    for name in zero_tensors(model_type, config):
+        if name in tensors and tensors[name].any():
+            raise ConvertError(
+                f"{directory}: {name} is not zero, but its config.json's moe_cfg.expert_bias=false has no "
+                "such bias; set it true there to import the bias"
+            )
+        used.add(name)
     unexpected = sorted(set(tensors) - used)
     if unexpected:
         raise ConvertError(f"{directory}: tensors its config does not imply: {unexpected[:5]}")

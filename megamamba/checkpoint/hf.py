@@ -74,10 +74,12 @@ class HFFormatError(MegamambaError, ValueError):
 
 
 class Part(NamedTuple):
-    """A tensor of transformers' file holding `rows` rows (dim 0; None: all) of one of ours."""
+    """A tensor of transformers' file holding `rows` rows (dim 0; None: all) of one of ours; `stacked`: one row
+    without that dimension (an expert's matrix of our experts' stack)."""
 
     name: str
     rows: Optional[int]
+    stacked: bool = False
 
 
 def decode_special_floats(obj):

@@ -21,8 +21,10 @@ from megamamba.checkpoint.transformers_formats import (
     assemble,
     file_names,
     file_parts,
+    held_shape,
     import_config,
     our_shape,
+    zero_tensors,
 )
 from megamamba.config import ConfigError, MambaConfig
 from megamamba.model.layer_types.head import tie
@@ -158,17 +160,16 @@ class FolderWeights:
     def _from_file_names(self, held: dict) -> dict:
         """transformers' tensor shapes `held` under our names: a tensor of ours made of several of the file's
         has their rows summed, the embedding and head of the real vocabulary its padding rows added; a file's
-        tensor that is part of none of ours keeps its own name."""
+        tensor that is part of none of ours keeps its own name, unless the format holds it as zeros."""
         shapes, used = {}, set()
         with torch.device("meta"):
             names = [n for n, _ in MambaLM(self.config).named_parameters()]
         for name in file_names(self.model_type, names):
             parts = self._parts(name)
             if all(p.name in held for p in parts):
-                first = held[parts[0].name]
-                whole = (sum(held[p.name][0] for p in parts), *first[1:]) if len(parts) > 1 else first
-                shapes[name] = our_shape(self.config, name, whole)
+                shapes[name] = our_shape(self.config, name, held_shape(parts, held))
                 used.update(p.name for p in parts)
+        used.update(zero_tensors(self.model_type, self.config))
         return {**shapes, **{n: shape for n, shape in held.items() if n not in used}}
 
     def each(self, names):

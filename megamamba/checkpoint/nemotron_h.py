@@ -1,10 +1,10 @@
 """transformers' NemotronH format <-> our hybrid models: config fields and tensor names.
 
 NemotronH has one mixer per layer (`layers_block_type`: "linear_attention" Mamba-2, "full_attention",
-"mlp"), attention without biases or rotary at head_dim ** -0.5, a squared-ReLU MLP, one norm epsilon,
-and clamps dt below at `time_step_min`; what it cannot compute is refused by name (`HFFormatError`).
-Attention's fused in_proj rows [q, k, v] are its q_proj, k_proj and v_proj; the head is always written
-(transformers does not tie NemotronH's).
+"mlp", "moe": nemotron_h_moe.py), attention without biases or rotary at head_dim ** -0.5, a squared-ReLU
+MLP, one norm epsilon, and clamps dt below at `time_step_min`; what it cannot compute is refused by name
+(`HFFormatError`). Attention's fused in_proj rows [q, k, v] are its q_proj, k_proj and v_proj; the head is
+always written (transformers does not tie NemotronH's).
 """
 
 import math
@@ -22,14 +22,23 @@ from megamamba.checkpoint.hf import (
     vocab_fields,
     vocab_from,
 )
+from megamamba.checkpoint.nemotron_h_moe import (
+    HF_MOE,
+    MOE_DEFAULTS,
+    moe_cfg_from,
+    moe_fields,
+    moe_parts,
+    moe_refusals,
+)
 from megamamba.checkpoint.refusal import Refusal, joined
-from megamamba.config import ATTENTION_LETTER, MAMBA_LETTER, MLP_LETTER, Mamba2Options, MambaConfig
+from megamamba.config import ATTENTION_LETTER, MAMBA_LETTER, MLP_LETTER, MOE_LETTER, Mamba2Options, MambaConfig
 from megamamba.model.block import NORM_EPS
 from megamamba.model.layers import EMBEDDING, HEAD
 
 MODEL_TYPE, ARCHITECTURE = "nemotron_h", "NemotronHForCausalLM"
 HF_MAMBA, HF_ATTENTION, HF_MLP = "linear_attention", "full_attention", "mlp"  # its layers_block_type
-BLOCK_TYPES = {MAMBA_LETTER: HF_MAMBA, ATTENTION_LETTER: HF_ATTENTION, MLP_LETTER: HF_MLP}  # ours by pattern letter
+# ours by pattern letter
+BLOCK_TYPES = {MAMBA_LETTER: HF_MAMBA, ATTENTION_LETTER: HF_ATTENTION, MLP_LETTER: HF_MLP, MOE_LETTER: HF_MOE}
 SYMBOLS = {hf_type: letter for letter, hf_type in BLOCK_TYPES.items()}
 # transformers' defaults (configuration_nemotron_h.py) for the fields read here.
 DEFAULTS = {
@@ -58,6 +67,7 @@ DEFAULTS = {
     "use_bias": False,
     "layer_norm_epsilon": 1e-5,
     "residual_in_fp32": False,
+    **MOE_DEFAULTS,
 }
 # older NemotronH configs' names, which transformers still reads (configuration_nemotron_h.py)
 LEGACY_NAMES = {
@@ -70,7 +80,7 @@ LEGACY_NAMES = {
     "mamba_conv_bias": "use_conv_bias",
     "mamba_chunk_size": "chunk_size",
 }
-LEGACY_SYMBOLS = {**BLOCK_TYPES, "E": "moe"}  # hybrid_override_pattern, the same letters as ours
+LEGACY_SYMBOLS = BLOCK_TYPES  # hybrid_override_pattern, the same letters as ours
 LEGACY_TYPES = {"mamba": HF_MAMBA, "attention": HF_ATTENTION}  # its older type names; transformers remaps them too
 _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(in_proj|out_proj|fc1|fc2)\.weight")
 _RENAMED = {(ATTENTION_LETTER, "out_proj"): "o_proj", (MLP_LETTER, "fc1"): "up_proj", (MLP_LETTER, "fc2"): "down_proj"}
@@ -156,6 +166,8 @@ def nemotron_h_refusals(config: MambaConfig) -> list:
                 'NemotronH\'s MLP is squared ReLU, not gated (mlp_activation="squared_relu")',
             )
         )
+    if MOE_LETTER in letters:
+        reasons += moe_refusals(config)
     return reasons
 
 
@@ -210,7 +222,11 @@ def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Opt
             attention_bias=False,
         )
     if MLP_LETTER in letters:
-        fields.update(intermediate_size=config.d_intermediate, mlp_hidden_act="relu2", mlp_bias=False)
+        fields.update(intermediate_size=config.d_intermediate)
+    if MLP_LETTER in letters or MOE_LETTER in letters:
+        fields.update(mlp_hidden_act="relu2", mlp_bias=False)  # the MLPs' and the experts'
+    if MOE_LETTER in letters:
+        fields.update(moe_fields(config))
     if eos_token_id is not None:
         fields.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     return fields
@@ -219,9 +235,7 @@ def nemotron_h_config(config: MambaConfig, dtype: torch.dtype, eos_token_id: Opt
 def _check_supported(f: dict, types: list) -> None:
     unknown = sorted(set(types) - set(SYMBOLS))
     if unknown:
-        raise HFFormatError(
-            f"layers_block_type has {unknown}: only {sorted(SYMBOLS)} layers are implemented (no mixture of experts)"
-        )
+        raise HFFormatError(f"layers_block_type has {unknown}: only {sorted(SYMBOLS)} layers are implemented")
     if f["num_nextn_predict_layers"]:
         raise HFFormatError(
             f"num_nextn_predict_layers={f['num_nextn_predict_layers']}: multi-token prediction "
@@ -231,9 +245,9 @@ def _check_supported(f: dict, types: list) -> None:
         raise HFFormatError(f"layer_norm_epsilon={f['layer_norm_epsilon']!r}: our norms use mamba_ssm's {NORM_EPS}")
     if f["mamba_hidden_act"] != "silu":
         raise HFFormatError(f"mamba_hidden_act={f['mamba_hidden_act']!r}: the Mamba mixers use silu only")
-    if HF_MLP in types and (f["mlp_hidden_act"] != "relu2" or f["mlp_bias"]):
+    if (HF_MLP in types or HF_MOE in types) and (f["mlp_hidden_act"] != "relu2" or f["mlp_bias"]):
         raise HFFormatError(
-            f"mlp_hidden_act={f['mlp_hidden_act']!r}, mlp_bias={f['mlp_bias']}: our MLP layers "
+            f"mlp_hidden_act={f['mlp_hidden_act']!r}, mlp_bias={f['mlp_bias']}: our MLP layers and experts "
             "are relu2 (squared ReLU) without biases"
         )
 
@@ -300,6 +314,8 @@ def config_from_nemotron_h(hf: dict) -> MambaConfig:
         }
     if HF_MLP in types:
         fields.update(d_intermediate=f["intermediate_size"], mlp_activation="squared_relu")
+    if HF_MOE in types:
+        fields["moe_cfg"] = moe_cfg_from(f)
     return MambaConfig(**fields)
 
 
@@ -308,6 +324,9 @@ def nemotron_h_parts(config: MambaConfig, name: str) -> list:
     the embedding and head the real vocabulary's)."""
     if name in VOCABULARY:  # the rows of the real vocabulary only
         return [Part(HF_EMBEDDING if name == EMBEDDING else name, config.vocab_size)]
+    moe = moe_parts(config, name)
+    if moe is not None:
+        return moe
     match = _LAYER_KEY.fullmatch(name)
     if match is None:
         return [Part(name, None)]

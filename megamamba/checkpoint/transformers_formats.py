@@ -4,9 +4,10 @@ Mamba-only models take transformers' Mamba / Mamba2 (hf.py); hybrids (attention 
 layer pattern) take NemotronH (nemotron_h.py). A tensor of ours is one or more tensors of the file,
 its rows in order (`Part`); of the embedding and head the file holds the real vocabulary's rows only, so
 transformers' softmax runs over the ids our loss runs over, and reading them back adds the padding rows.
+A file may also hold tensors that are none of ours and zero (`zero_tensors`).
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -21,6 +22,7 @@ from megamamba.checkpoint.hf import (
     hf_config,
     mamba_parts,
 )
+from megamamba.checkpoint.nemotron_h_moe import zero_biases
 from megamamba.config import MambaConfig
 
 MODEL_TYPES = (*HF_DEFAULTS, nemotron_h.MODEL_TYPE)
@@ -73,6 +75,17 @@ def file_parts(model_type: str, config: MambaConfig, name: str) -> list:
     return mamba_parts(config, name)
 
 
+def zero_tensors(model_type: Optional[str], config: MambaConfig) -> dict:
+    """The file's tensors that are none of ours and hold zeros, name -> shape: written so, and checked so when read."""
+    return zero_biases(config) if model_type == nemotron_h.MODEL_TYPE else {}
+
+
+def held_shape(parts: list, shapes: dict) -> tuple:
+    """The shape the file's tensors `parts` (their shapes by name in `shapes`) make together, rows in order."""
+    whole = [(1, *shapes[p.name]) if p.stacked else tuple(shapes[p.name]) for p in parts]
+    return (sum(shape[0] for shape in whole), *whole[0][1:])
+
+
 def our_shape(config: MambaConfig, name: str, shape: tuple) -> tuple:
     """The shape of our tensor `name` made of file tensors holding `shape` in all: the embedding and head of the
     real vocabulary with the padding rows added."""
@@ -84,7 +97,8 @@ def our_shape(config: MambaConfig, name: str, shape: tuple) -> tuple:
 def assemble(config: MambaConfig, name: str, parts: list, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """Our tensor `name` from its parts, each read by its name in the file; the vocabulary's padding rows, which
     the file does not hold, zero (they are never trained: no id reaches them and the loss leaves them out)."""
-    tensor = read(parts[0].name) if len(parts) == 1 else torch.cat([read(p.name) for p in parts])
+    pieces = [read(p.name).unsqueeze(0) if p.stacked else read(p.name) for p in parts]
+    tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     rows = our_shape(config, name, tuple(tensor.shape))[0]
     if rows == tensor.shape[0]:
         return tensor

@@ -124,8 +124,8 @@ def test_nemotron_h_refusal_is_one_line_naming_the_field(tmp_path):
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"layers_block_type": ["linear_attention", "moe"]}, r"layers_block_type has \['moe'\]"),
-        ({"layers_block_type": None, "hybrid_override_pattern": "ME"}, r"layers_block_type has \['moe'\]"),
+        ({"layers_block_type": ["linear_attention", "retention"]}, r"layers_block_type has \['retention'\]"),
+        ({"layers_block_type": None, "hybrid_override_pattern": "MR"}, r"layers_block_type has \['R'\]"),
         ({"num_nextn_predict_layers": 1}, r"num_nextn_predict_layers=1: multi-token prediction"),
         ({"mlp_hidden_act": "silu"}, r"mlp_hidden_act='silu'"),
     ],
