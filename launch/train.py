@@ -29,6 +29,7 @@ from megamamba.observe import console_log
 from megamamba.parallel.groups import init_distributed
 from megamamba.pipelines.config.ds_translate import add_optimizer_flags
 from megamamba.pipelines.config.layout import add_layout_flags
+from megamamba.pipelines.config.moe_flags import add_moe_flags
 from megamamba.pipelines.config.run_plan import add_run_flags, layout_flags, prepare
 from megamamba.pipelines.job.checkpointing import add_checkpoint_flags
 from megamamba.pipelines.job.run import check_start, run_training
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     for add_flags in (
         add_run_flags,
+        add_moe_flags,
         add_layout_flags,
         add_planner_flags,
         add_optimizer_flags,

@@ -24,6 +24,7 @@ from megamamba.pipelines.config.layout import (
     engine_config,
     resolve_layout,
 )
+from megamamba.pipelines.config.moe_flags import flags_text, moe_cfg_flags, with_moe_flags
 from megamamba.pipelines.job import checkpointing, init_from
 from megamamba.pipelines.loop.engine import OptimizerSettings
 from megamamba.pipelines.loop.faults import (
@@ -92,11 +93,15 @@ def layout_flags(args: argparse.Namespace) -> LayoutFlags:
     )
 
 
-def model_config(path: str, pattern: Optional[str]) -> MambaConfig:
+def model_config(path: str, pattern: Optional[str], moe_flags: Optional[dict] = None) -> MambaConfig:
     """The --model-config file, with --hybrid-layer-pattern as its hybrid_layer_pattern (a file giving
-    another pattern is refused, as a flag and the JSON disagreeing are)."""
+    another pattern is refused, as a flag and the JSON disagreeing are) and Megatron's MoE flags
+    (`moe_flags`: `pipelines.config.moe_flags.moe_cfg_flags`) in its moe_cfg."""
     fields = _read_json(path, "--model-config")
     where = f"--model-config {path!r}"
+    if moe_flags:
+        fields = with_moe_flags(fields, moe_flags, where)
+        where = f"{flags_text(moe_flags)} with {where}"
     if pattern is not None:
         if fields.get("hybrid_layer_pattern", pattern) not in ("", pattern):
             raise LayoutError(
@@ -145,7 +150,7 @@ def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFla
     with one message."""
     flags = flags or layout_flags(args)
     ds_config = flags.with_batch(read_deepspeed_config(args.deepspeed_config))
-    model = model_config(args.model_config, args.hybrid_layer_pattern)
+    model = model_config(args.model_config, args.hybrid_layer_pattern, moe_cfg_flags(args))
     layout = resolve_layout(world_size, flags.tp, flags.pp, ds_config, flags.cp)
     check_run(layout, ds_config, model, args.seq_length, flags.sequence_parallel, args.clip_grad)
     if flags.checkpoint_interval < 0:

@@ -13,6 +13,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from megamamba.config import MambaConfig
+from megamamba.pipelines.config.moe_flags import moe_cfg_flags
 from megamamba.pipelines.config.run_plan import layout_flags, model_config, read_deepspeed_config
 from megamamba.pipelines.planner.profile import Profile, load_profile
 from megamamba.pipelines.planner.search import Plan, PlanError, Request, search
@@ -119,7 +120,7 @@ def auto_parallel(args: argparse.Namespace, given_dests: set, world_size: int, p
     folder of published profiles."""
     flags = layout_flags(args)
     ds_config = flags.with_batch(read_deepspeed_config(args.deepspeed_config))
-    model = model_config(args.model_config, args.hybrid_layer_pattern)
+    model = model_config(args.model_config, args.hybrid_layer_pattern, moe_cfg_flags(args))
     given = {PLANNED[dest]: getattr(args, dest) for dest in given_dests & set(PLANNED)}
     if "recompute" in given:
         given["recompute"] = given["recompute"] > 0
