@@ -21,7 +21,7 @@ from ..reference.mamba3 import ScanState, _check
 from . import ssd
 
 # The smallest step -Δ·A the SSD is given: a Δ that underflowed to 0 would otherwise divide 0 by 0 in
-# the key. exp(-1e-20) is 1 in float32, so only the gradient of so small a log-decay is dropped.
+# the key. exp(-1e-20) is 1 in float32, as exp(Δ·A) is for any Δ·A above -1e-20.
 STEP_FLOOR = 1e-20
 
 
@@ -122,9 +122,16 @@ def backward(dy, dssm, dlast_x, dlast_B, x, dt, A, lam, B, C, chunk_size, D=None
     continues = _continues(seq_idx)
     f = _fold(x, dt, A, lam, B, C, continues)
     dy1 = torch.zeros_like(f.x) if dy is None else dy[:, :, :, 0].to(f.x.dtype)
-    dx1, dstep, _, dkeys, dC1, dD, _, _, dfolded = ssd.backward(
-        dy1, dssm, **_ssd_arguments(f, initial_state, chunk_size, D, seq_idx)
+    batch, seqlen, nheads = dt.shape
+    nchunks = -(-seqlen // chunk_size)
+    dlog = torch.zeros(batch, nheads, nchunks, chunk_size, device=x.device)
+    dx1, _, _, dkeys, dC1, dD, _, _, dfolded = ssd.backward(
+        dy1, dssm, **_ssd_arguments(f, initial_state, chunk_size, D, seq_idx), log_decay_grad=dlog
     )
+    # The gradient of the log-decay ΔA, apart from that of the SSD's step as the input's scale, which
+    # the key's division by the step cancels. Where the step is floored, exp(ΔA) and exp(-floor) are both
+    # 1 in float32: the floored step's log-decay gradient is ΔA's.
+    da = dlog.flatten(2)[:, :, :seqlen].transpose(1, 2).contiguous()
     # y -= ν (Ĉ·B̂) x: its gradient through ν, Ĉ, B̂ and x.
     cb = (f.C * f.B).sum(-1)
     read = -(dy1 * f.x).sum(-1)  # d(ν Ĉ·B̂)
@@ -134,14 +141,13 @@ def backward(dy, dssm, dlast_x, dlast_B, x, dt, A, lam, B, C, chunk_size, D=None
     dratio = (dkeys * f.B).sum(-1)
     dB1 = dkeys * f.ratio[..., None] + (read * f.nu)[..., None] * f.C
     dweight = dratio / f.step  # d(λΔ + ν)
-    dstep = torch.where(-f.dt * f.A < STEP_FLOOR, 0.0, dstep - dweight * f.ratio)
     dnu = dweight + read * cb
     if continues is not None:
         dnu = dnu * continues
     dnext = F.pad(dnu[:, :-1], (0, 0, 1, 0))  # ν_{s} belongs to token s + 1
-    ddt = dweight * f.lam - dstep * f.A + dnext * (1 - f.lam)
+    ddt = dweight * f.lam + da * f.A + dnext * (1 - f.lam)
     dlam = dweight * f.dt - dnext * f.dt
-    dA = -dstep * f.dt
+    dA = da * f.dt
     dx, dB, dC = dx1[:, :, :, None], dB1[:, :, :, None], dC1[:, :, :, None]
     if dlast_x is not None:
         dx = dx.clone()

@@ -870,6 +870,7 @@ def _dt_bwd_kernel(
     ddt_ptr,
     da_ptr,
     dbias_ptr,
+    dlog_ptr,
     seqlen,
     nheads,
     nchunks,
@@ -886,14 +887,15 @@ def _dt_bwd_kernel(
     dt_hi,
     HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr,
+    STORE_DLOG: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
     """The gradient of a_t = dt_t A (the log-decay of step t) from its three paths: the chunk's
     outputs (_dlogdecay_kernel's parts, one per block of `rows` rows), its end state
-    (sum_{s<t} wstate_s) and the state crossing it (sdot_c). Then ddt = direct + da * A, dA
-    partials (b, c, head), and through clamp and softplus to d dt (strides sg*) and d dt_bias
-    partials (b, c, head)."""
+    (sum_{s<t} wstate_s) and the state crossing it (sdot_c); STORE_DLOG: stored into dlog like cs.
+    Then ddt = direct + da * A, dA partials (b, c, head), and through clamp and softplus to d dt
+    (strides sg*) and d dt_bias partials (b, c, head)."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -909,6 +911,8 @@ def _dt_bwd_kernel(
     before = valid & (q >= 1)[None, :]
     da += tl.cumsum(tl.load(wstate_ptr + offs - 1, mask=before, other=0.0), axis=1)
     da += tl.load(sdot_ptr + (b * nheads + h) * nchunks + c, mask=h_mask, other=0.0)[:, None]
+    if STORE_DLOG:
+        tl.store(dlog_ptr + offs, da, mask=valid)
     a = tl.load(a_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
     dtp = tl.load(dtp_ptr + offs, mask=valid, other=0.0)
     ddt = tl.load(ddt_direct_ptr + offs, mask=valid, other=0.0) + da * a[:, None]
@@ -1101,9 +1105,28 @@ def forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, 
     return out, final
 
 
-def backward(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit):
+def backward(
+    dout,
+    dfinal,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D,
+    z,
+    dt_bias,
+    initial_states,
+    seq_idx,
+    dt_softplus,
+    dt_limit,
+    log_decay_grad=None,
+):
     """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None for an absent input; dfinal None
-    when the final states are unused."""
+    when the final states are unused. log_decay_grad, a float32 (batch, nheads, nchunks, chunk) tensor,
+    receives the gradient of each step's log-decay dt A at each position of the sequence, which ddt mixes with
+    that of dt as the input's scale (Mamba-3 reads them apart: kernels/triton/mamba3.py)."""
     doc = common.document_counters(seq_idx, x.shape[0], x.shape[1])
     dfinal = dfinal.contiguous() if dfinal is not None else None  # read as (batch, nheads, headdim, dstate)
     sz = _Sizes(x, B, chunk_size)
@@ -1272,6 +1295,7 @@ def backward(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_st
         ddt,
         da_part,
         dbias_part,
+        log_decay_grad,
         sz.seqlen,
         sz.nheads,
         sz.nchunks,
@@ -1284,6 +1308,7 @@ def backward(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_st
         float(dt_limit[1]),
         HAS_BIAS=dt_bias is not None,
         SOFTPLUS=dt_softplus,
+        STORE_DLOG=log_decay_grad is not None,
         BLOCK_H=sz.block_h,
         BLOCK_Q=sz.block_q,
         num_warps=8,
