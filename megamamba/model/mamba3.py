@@ -102,7 +102,7 @@ class Mamba3(nn.Module):
         self.cp = split(cp)
         self.tp: Optional[TensorParallel] = None
         # with B/C replicated over TP: the group each of this rank's heads reads
-        self.head_groups: Optional[torch.Tensor] = None
+        self.head_groups: Optional[tuple] = None
         if tp is not None:
             self._shard(tp)
 
@@ -145,8 +145,8 @@ class Mamba3(nn.Module):
         if groups_split:
             self.ngroups = ngroups // tp.size
         else:
-            heads = torch.arange(tp.rank * self.nheads, (tp.rank + 1) * self.nheads)
-            self.head_groups = heads // (nheads // ngroups)
+            heads = range(tp.rank * self.nheads, (tp.rank + 1) * self.nheads)
+            self.head_groups = tuple(h // (nheads // ngroups) for h in heads)  # plain ints: no tensor state
         local_bc = self.d_state * self.ngroups * rank
         self.in_proj_widths = [self.d_inner, self.d_inner, local_bc, local_bc, *[self.nheads] * 3, self.nangles]
 
@@ -163,7 +163,7 @@ class Mamba3(nn.Module):
         B = B.reshape(*lead, self.rank, self.ngroups, self.d_state)
         C = C.reshape(*lead, self.rank, self.ngroups, self.d_state)
         if self.head_groups is not None:  # B/C replicated: each local head's group, as a group of its own
-            index = self.head_groups.to(B.device)
+            index = torch.tensor(self.head_groups, device=B.device)
             B, C = B.index_select(-2, index), C.index_select(-2, index)
         inputs = mamba3_scan_inputs(
             B,
