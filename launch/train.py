@@ -34,6 +34,7 @@ from megamamba.pipelines.config.run_plan import add_run_flags, layout_flags, pre
 from megamamba.pipelines.job.checkpointing import add_checkpoint_flags
 from megamamba.pipelines.job.run import check_start, run_training
 from megamamba.pipelines.loop.faults import SIGINT_STATUS, NonFiniteSteps, add_fault_flags
+from megamamba.pipelines.loop.task_evaluation import add_task_evaluation_flags
 from megamamba.pipelines.loop.training import add_loop_flags
 from megamamba.pipelines.memory.fit import add_memory_flags
 from megamamba.pipelines.planner.for_run import add_planner_flags, auto_parallel
@@ -59,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         add_optimizer_flags,
         add_data_flags,
         add_loop_flags,
+        add_task_evaluation_flags,
         add_checkpoint_flags,
         add_fault_flags,
         add_memory_flags,

@@ -38,7 +38,7 @@ class EvaluateError(MegamambaError):
     """Arguments or an environment with which no evaluation can run; the message says how to fix it."""
 
 
-def _lm_eval():
+def lm_eval_package():
     """The lm_eval package with its transformers backend; EvaluateError saying how to install it when missing."""
     try:
         import lm_eval
@@ -88,7 +88,7 @@ def evaluate(
     checkpoint: str, tasks: list, task_manager, device: str, batch_size: int, limit: Optional[int] = None
 ) -> dict:
     """lm-eval's results for `checkpoint` exported into a temporary folder, with the checkpoint's path added."""
-    lm_eval = _lm_eval()
+    lm_eval = lm_eval_package()
     from megamamba.lm_eval_model import ExportLM
 
     with tempfile.TemporaryDirectory(prefix="megamamba-evaluate-") as tmp:
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> tuple:
     output = args.output or results_path(checkpoint, started)
     if os.path.exists(output):
         raise EvaluateError(f"--output {output}: exists; results are never written over a file")
-    task_manager = _lm_eval().tasks.TaskManager(include_path=args.include_path)
+    task_manager = lm_eval_package().tasks.TaskManager(include_path=args.include_path)
     tasks = task_names(args.tasks, task_manager)
     results = evaluate(checkpoint, tasks, task_manager, args.device, args.batch_size, args.limit)
     write_results(results, output)

@@ -32,6 +32,7 @@ from megamamba.pipelines.loop.faults import (
     check_max_skipped_steps,
     check_step_timeout,
 )
+from megamamba.pipelines.loop.task_evaluation import TaskSettings, task_settings
 from megamamba.pipelines.stages.partition import check_partition_method
 from megamamba.schedule.lr_schedule import DeepSpeedSchedule, LRSchedule
 
@@ -143,6 +144,7 @@ class RunPlan(NamedTuple):
     deepspeed_line: Optional[str]  # what the JSON's optimizer/scheduler/bf16 blocks became; None without them
     ds_config: dict  # the DeepSpeed config with the batch flags applied (a resume re-plans the LR from it)
     flags: LayoutFlags
+    eval_tasks: Optional[TaskSettings]  # --eval-tasks, checked; None without it
 
 
 def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFlags] = None) -> RunPlan:
@@ -192,6 +194,7 @@ def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFla
         monitors = monitors_from_config(ds_config, args.log_dir)
     except ValueError as e:
         raise LayoutError(str(e)) from None
+    eval_tasks = task_settings(args)
     without_monitors = {k: v for k, v in ds_config.items() if k not in MONITOR_BLOCKS}  # our logger writes them
     return RunPlan(
         train_iters,
@@ -205,6 +208,7 @@ def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFla
         None if settings.line is None else f"{console_log.PROGRAM}: {settings.line}",
         ds_config,
         flags,
+        eval_tasks,
     )
 
 

@@ -137,6 +137,7 @@ def loop_settings(args: argparse.Namespace, plan: RunPlan) -> LoopSettings:
         args.max_skipped_steps,
         args.loss_spike_factor,
         args.step_timeout,
+        plan.eval_tasks,
         {**vars(args), "layout_flags": dataclasses.asdict(plan.flags)},
     )
 
@@ -149,4 +150,5 @@ def run_training(args: argparse.Namespace, plan: RunPlan, job_start: float) -> d
     announce(args, plan, run, loop)
     summary = loop.run()
     shutdown_distributed()
+    loop.tasks.poll(wait=True)  # after the group is gone: an evaluation may outlast any collective's timeout
     return summary

@@ -36,6 +36,7 @@ from megamamba.pipelines.loop.faults import (
     agree_step,
 )
 from megamamba.pipelines.loop.moe_metrics import moe_metrics
+from megamamba.pipelines.loop.task_evaluation import TaskEvaluations, TaskSettings
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class LoopSettings(NamedTuple):
     max_skipped_steps: int
     loss_spike_factor: Optional[float]
     step_timeout: Optional[float]
+    eval_tasks: Optional[TaskSettings]  # lm-eval tasks on each evaluation step's checkpoint (--eval-tasks)
     flags: dict  # every flag of the run, as each checkpoint records them
 
 
@@ -113,6 +115,7 @@ class TrainingLoop:
         self.summary = {"records": [], "stage_parameters": self.stage_params}
         self.steps_timed, self.seconds = 0, 0.0
         self.clock = StepClock(job_start, time.perf_counter(), self.train_iters)
+        self.tasks = TaskEvaluations(settings.eval_tasks, settings.save, self.rank)
 
     def first_sample(self, step: int) -> int:
         """The global sample where `step`'s batch starts: the stream is addressed by consumed samples."""
@@ -183,18 +186,18 @@ class TrainingLoop:
         self.logger.log(record)
         self.summary["records"].append({k: v for k, v in record.items() if v is not None})
 
-    def maybe_save(self, step: int, stopping: bool) -> None:
-        """A checkpoint after `step` when one is due, unless steps are being skipped."""
+    def maybe_save(self, step: int, stopping: bool) -> bool:
+        """A checkpoint after `step` when one is due, unless steps are being skipped; whether one was written."""
         settings = self.settings
         if not (settings.save and checkpointing.save_due(step + 1, self.train_iters, settings.save_interval, stopping)):
-            return
+            return False
         if self.guard.in_a_row:
             if self.rank == 0:
                 log.warning(
                     f"step {step}: no checkpoint written and none pruned while steps are being skipped "
                     f"({self.guard.in_a_row} in a row); the newest stays {self.newest or 'none'}"
                 )
-            return
+            return False
         save_start = time.perf_counter()
         layout = self.layout
         extra = {
@@ -223,6 +226,7 @@ class TrainingLoop:
             log.info(
                 f"saved {saved} after step {step} ({step + 1} steps done) in {time.perf_counter() - save_start:.2f} s"
             )
+        return True
 
     def report_stop(self, step: int) -> None:
         if self.rank == 0:
@@ -258,8 +262,9 @@ class TrainingLoop:
         return Interrupted(f"interrupted at step {done}, saved to {self.newest}; resume with --load {save}")
 
     def run(self) -> dict:
-        """Every step from the first to the last, or to a SIGTERM; this rank's summary. Interrupted on
-        Ctrl-C: after the step and its checkpoint, or at once on a second one."""
+        """Every step from the first to the last, or to a SIGTERM; this rank's summary (evaluations of
+        --eval-tasks may still run: `tasks.poll(wait=True)`). Interrupted on Ctrl-C: after the step and its
+        checkpoint, or at once on a second one; then, as on any error, evaluations still running are stopped."""
         step = self.first_step
         try:
             for step in range(self.first_step, self.train_iters):
@@ -269,7 +274,9 @@ class TrainingLoop:
                 val_loss = self.evaluate() if evaluating else None
                 if step % self.settings.log_interval == 0 or step == self.train_iters - 1 or evaluating:
                     self.log(step, lr, outcome, val_loss, elapsed)
-                self.maybe_save(step, outcome.stop)
+                if self.maybe_save(step, outcome.stop) and evaluating:
+                    self.tasks.start(tag_for(step + 1))
+                self.tasks.poll()
                 if outcome.interrupted:
                     raise self.interrupted(step)
                 if outcome.stop:
@@ -277,9 +284,13 @@ class TrainingLoop:
                     break
                 self.watchdog.beat()
         except Interrupted as e:
+            self.tasks.stop()
             if e.args:
                 raise
             raise Interrupted(f"interrupted again during step {step}: stopped at once; {self.newest_saved()}") from None
+        except BaseException:
+            self.tasks.stop()
+            raise
         finally:
             self.stop.release()
             self.logger.close()

@@ -1,0 +1,130 @@
+"""lm-eval tasks during training (`--eval-tasks`): global rank 0 evaluates each --eval-interval step's
+checkpoint in a child process while training goes on, prints one line per result, and waits for the last
+one before the run ends; settings that cannot run are refused at start-up."""
+
+import argparse
+import json
+import os
+import subprocess
+
+import pytest
+
+from distributed import free_port
+from megamamba.pipelines.loop.task_evaluation import TaskEvaluationError, add_task_evaluation_flags, task_settings
+from train_entry import DEEPSPEED, ROOT, TRAIN_PY
+
+TASK = """task: held_out
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+"""
+
+
+def args_of(*argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--save-interval", type=int, default=1000)
+    parser.add_argument("--eval-interval", type=int, default=0)
+    add_task_evaluation_flags(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--eval-tasks", "held_out", "--eval-interval", "2"],
+            "--eval-tasks evaluates the run's checkpoints: give --save DIR",
+        ),
+        (
+            ["--eval-tasks", "held_out", "--save", "s", "--save-interval", "4", "--eval-interval", "6"],
+            "--eval-interval 6 with --eval-tasks must be a positive multiple of --save-interval 4: each evaluation "
+            "reads the checkpoint of its step",
+        ),
+        (
+            [
+                "--eval-tasks",
+                "held_out",
+                "--save",
+                "s",
+                "--save-interval",
+                "2",
+                "--eval-interval",
+                "2",
+                "--eval-tasks-limit",
+                "0",
+            ],
+            "--eval-tasks-limit 0: must be at least 1",
+        ),
+    ],
+)
+def test_settings_that_cannot_run_are_refused_with_the_fix(argv, message):
+    with pytest.raises(TaskEvaluationError) as refusal:
+        task_settings(args_of(*argv))
+    assert str(refusal.value) == message
+
+
+@pytest.mark.slow  # lm-eval indexes its task folders: 7 s
+def test_a_task_lm_eval_does_not_know_is_refused_at_start_up():
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e .[eval]")
+    argv = ["--eval-tasks", "no_such_task_xyz", "--save", "s", "--save-interval", "2", "--eval-interval", "2"]
+    with pytest.raises(TaskEvaluationError, match=r"^--eval-tasks: --tasks: lm-eval knows no task no_such_task_xyz"):
+        task_settings(args_of(*argv))
+
+
+@pytest.mark.slow
+def test_each_interval_checkpoint_is_evaluated_in_the_background_and_reported_in_one_line(tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e .[eval]")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "held_out.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ("x = 1\n", "naïve café")))
+    (tasks / "held_out.yaml").write_text(TASK.format(data=tasks / "held_out.jsonl", cache=tmp_path / "datasets"))
+    save = tmp_path / "save"
+    command = [
+        str(DEEPSPEED),
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(free_port()),
+        str(TRAIN_PY),
+        "--deepspeed_config",
+        str(ROOT / "launch/configs/tiny-cpu.json"),
+        "--model-config",
+        str(ROOT / "launch/models/tiny-mamba2.json"),
+        "--train-iters",
+        "4",
+        "--seq-length",
+        "32",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "1",
+        "--save",
+        str(save),
+        "--save-interval",
+        "2",
+        "--eval-tasks",
+        "held_out",
+        "--eval-tasks-include-path",
+        str(tasks),
+        "--eval-tasks-limit",
+        "2",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = sorted(os.listdir(save / "eval"))
+    for tag in ("step_000002", "step_000004"):
+        (line,) = [x for x in proc.stdout.splitlines() if f"evaluation of {tag}:" in x]
+        written = [r for r in results if r.startswith(tag) and r.endswith(".json")]
+        assert len([r for r in results if r.startswith(tag) and r.endswith(".log")]) == 1  # the child's output
+        assert len(written) == 1 and line.startswith(f"train.py: evaluation of {tag}: held_out bits_per_byte,none")
+        assert line.endswith(f"({save / 'eval' / written[0]})"), line
