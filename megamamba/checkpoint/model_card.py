@@ -82,7 +82,9 @@ def model_card(config: MambaConfig, hf: dict, parameters: int, facts: Optional[d
         "```",
     ]
     if nemotron:
-        lines.append("(vLLM's CPU backend needs `enable_prefix_caching=False` for NemotronH.)")
+        lines.append(
+            "(Prefix caching was reported to break NemotronH on vLLM's CPU backend; it is off here to be safe.)"
+        )
     lines += [
         "",
         "## Evaluate it with lm-eval",
