@@ -2,11 +2,11 @@
 inputs and outputs per head (Lahoti et al., 2026), on one device.
 
 Parameter names, shapes and initialisation are mamba_ssm's `Mamba3`, so its state dicts load unchanged. No
-conv; one in_proj with columns [z, x, B, C, dd_dt, dd_A, trap, angles]. The scan is the PyTorch reference
-(`megamamba.kernels.reference.mamba3`). With `tp` the mixer is built whole and `_shard` keeps this rank's
-heads (B/C split by group where ngroups % TP == 0, else replicated; the angle columns and the B/C norms
-replicated, their gradients summed over TP); with `cp` the scan continues the earlier slices
-(`megamamba.parallel.context.mamba3_slice`).
+conv; one in_proj with columns [z, x, B, C, dd_dt, dd_A, trap, angles]. The scan is the kernels' `mamba3_scan`
+(Triton for SISO on a GPU, the PyTorch reference otherwise); one-token decoding steps the reference recurrence.
+With `tp` the mixer is built whole and `_shard` keeps this rank's heads (B/C split by group where ngroups % TP
+== 0, else replicated; the angle columns and the B/C norms replicated, their gradients summed over TP); with
+`cp` the scan continues the earlier slices (`megamamba.parallel.context.mamba3_slice`).
 """
 
 from typing import Callable, Optional
@@ -17,7 +17,8 @@ from torch import nn
 
 from megamamba.config import Mamba3Options
 from megamamba.errors import LayoutError
-from megamamba.kernels.reference.mamba3 import ScanState, mamba3_scan_chunked, mamba3_scan_recurrent
+from megamamba.kernels import mamba3_scan
+from megamamba.kernels.reference.mamba3 import ScanState, mamba3_scan_recurrent
 from megamamba.kernels.reference.mamba3_inputs import mamba3_scan_inputs
 from megamamba.model.mamba1 import sample_dt_bias
 from megamamba.model.norm import RMSNormGated
@@ -221,7 +222,7 @@ class Mamba3(nn.Module):
         the angle and the previous-token term at each document start. With `inference_state` from
         `allocate_inference_cache`, the state after the last position is written into it."""
         z, values, inputs = self._project(hidden_states, seq_idx)
-        scan: Callable = mamba3_scan_chunked
+        scan: Callable = mamba3_scan
         if self.cp is not None:  # continue the earlier slices: their angle, state and last token
             context = Mamba3Slice(self.cp, seq_idx, scan, self.rotation)
             inputs, scan = context.continue_angle(inputs), context.scan
