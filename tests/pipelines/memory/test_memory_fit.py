@@ -233,3 +233,20 @@ def test_nemotron_h_8b_fits_eight_80_gb_devices_at_tp_2_with_sequence_parallelis
     )
     assert (plan.layout.dp, plan.layout.tp, plan.layout.pp, plan.layout.micro_batch_size) == (4, 2, 1, 1)
     assert refusal(memory, 80 * 10**9) is None
+
+
+def test_mamba3_1_5b_fits_eight_80_gb_devices_as_its_config_says():
+    """launch/configs/mamba3-1.5b.json (micro batch 2, ZeRO 1, bf16 autocast) with launch/models/mamba3-1.5b.json
+    at seq 2048 on 8 data-parallel ranks: under 80 GB less the reserve by the plan."""
+    script = load_train_script()
+    argv = ["--deepspeed_config", str(ROOT / "launch/configs/mamba3-1.5b.json"), "--seq-length", "2048"]
+    args = script.parse_args(
+        [*argv, "--model-config", str(ROOT / "launch/models/mamba3-1.5b.json"), "--train-iters", "1"]
+    )
+    plan = script.prepare(args, 8)
+    memory = plan_memory(
+        RunShape.of_run(plan.model, plan.layout, plan.engine_config, args.seq_length, "cost", 0, False)
+    )
+    print(f"mamba3-1.5b {plan.layout}: total {memory.worst.total / GiB:.2f} GiB a rank")
+    assert (plan.layout.dp, plan.layout.micro_batch_size, plan.layout.global_batch_size) == (8, 2, 256)
+    assert refusal(memory, 80 * 10**9) is None
