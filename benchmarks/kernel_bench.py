@@ -6,8 +6,9 @@ Correctness: every Triton op, forward and every gradient, against the PyTorch re
 float32 with TF32 off (<= 1e-4 relative) and in bfloat16 (<= 1e-2 relative to the float32
 reference of the same bf16-rounded inputs), including one sequence past 64K tokens.
 Timing: forward and forward+backward of the ops at the shapes of Mamba-2 130M / 370M / 1.3B
-layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1) and Mamba-1 layers
-(d_state 16), in bf16: per op the bytes and FLOPs it must move at least (`least_work`), the time,
+layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1), Mamba-1 layers (d_state 16)
+and a Mamba-3 layer at launch/models/mamba3-1.5b.json's width, SISO (chunk 64; MIMO has no Triton
+kernel yet), in bf16: per op the bytes and FLOPs it must move at least (`least_work`), the time,
 and the fraction of the roofline that makes against the copy bandwidth and bf16 matmul rate
 measured on the same GPU in the same run (`ceilings`); and the time ratio against mamba_ssm's
 Triton SSD (mamba_chunk_scan_combined) when its Python sources are given (--mamba-ssm-src: the
@@ -31,6 +32,8 @@ import torch
 TOKENS = 16 * 1024
 MAMBA2_D_MODEL = {"130M": 768, "370M": 1024, "1.3B": 2048}
 MAMBA1_D_MODEL = {"130M": 768, "1.4B": 2048}
+MAMBA3_D_MODEL = {"1.5B": 2048}
+MAMBA3_CHUNK = 64  # mamba_ssm's SISO default
 HEADDIM, D_STATE2, CHUNK, D_STATE1, EXPAND, D_CONV = 64, 128, 256, 16, 2, 4
 LONG_SEQLEN = 65_600  # past 64K tokens and not a multiple of the chunk
 CEILING_COPY_BYTES, CEILING_MATMUL_N = 2**30, 8192  # the roofline's measurements: a 1 GiB copy, an 8192^3 matmul
@@ -58,6 +61,20 @@ def mamba1_shape(d_model, tokens=TOKENS, seqlen=2048):
     return dict(batch=tokens // seqlen, seqlen=seqlen, dim=EXPAND * d_model, dstate=D_STATE1)
 
 
+def mamba3_shape(d_model, tokens=TOKENS, seqlen=2048):
+    """SISO Mamba-3 layer scan shape: dict(batch, seqlen, nheads, rank, headdim, dstate, chunk)."""
+    nheads = EXPAND * d_model // HEADDIM
+    return dict(
+        batch=tokens // seqlen,
+        seqlen=seqlen,
+        nheads=nheads,
+        rank=1,
+        headdim=HEADDIM,
+        dstate=D_STATE2,
+        chunk=MAMBA3_CHUNK,
+    )
+
+
 def least_work(op, tensors, kwargs, outputs):
     """What a call must do at least: dict(fwd_bytes, bwd_bytes, fwd_flops, bwd_flops).
 
@@ -66,7 +83,7 @@ def least_work(op, tensors, kwargs, outputs):
     the scans' arithmetic by the formulas the model's MFU counts (megamamba.kernels.flops; the
     backward twice the forward); the other ops' arithmetic is negligible next to their bytes.
     """
-    from megamamba.kernels.flops import selective_scan_flops, ssd_flops
+    from megamamba.kernels.flops import mamba3_scan_flops, selective_scan_flops, ssd_flops
 
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     inputs = sum(t.nbytes for t in tensors.values())
@@ -76,6 +93,9 @@ def least_work(op, tensors, kwargs, outputs):
         b, L, h, p = tensors["x"].shape
         g, n = tensors["B"].shape[2:]
         flops = ssd_flops(b * L, L, h, p, g, n, kwargs["chunk_size"])
+    elif op == "mamba3_scan":
+        b, L, h, rank, p = tensors["x"].shape
+        flops = mamba3_scan_flops(b * L, L, h, rank, p, tensors["B"].shape[-1], kwargs["chunk_size"])
     elif op == "selective_scan":
         b, d, L = tensors["u"].shape
         flops = selective_scan_flops(b * L, d, tensors["A"].shape[1])
@@ -135,6 +155,26 @@ def ssd_inputs(shape, dtype, device, gen, docs=False, initial=False):
         t["initial_states"] = 0.1 * r(b, h, p, n)
     t = {k: v.to(dtype) if k not in ("A", "D", "dt_bias") else v for k, v in t.items()}
     kwargs = dict(chunk_size=shape["chunk"], dt_softplus=True)
+    if docs:
+        kwargs["seq_idx"] = documents(b, L, device)
+    return t, kwargs
+
+
+def mamba3_inputs(shape, dtype, device, gen, docs=False):
+    """The scan's inputs at the mixer's scale (Δ = softplus(·), A <= -0.5, λ = sigmoid(·)): x, B̂ and Ĉ in
+    `dtype`, Δ, A, λ and D in float32 as the mixer computes them."""
+    b, L, h, R, p, n = (shape[k] for k in ("batch", "seqlen", "nheads", "rank", "headdim", "dstate"))
+    r = functools.partial(torch.randn, generator=gen, device=device)
+    t = dict(
+        x=r(b, L, h, R, p).to(dtype),
+        dt=torch.nn.functional.softplus(r(b, L, h) - 1),
+        A=-0.5 - torch.rand(b, L, h, generator=gen, device=device),
+        lam=torch.sigmoid(r(b, L, h)),
+        B=(r(b, L, h, R, n) / math.sqrt(n)).to(dtype),
+        C=r(b, L, h, R, n).to(dtype),
+        D=r(h),
+    )
+    kwargs = dict(chunk_size=shape["chunk"])
     if docs:
         kwargs["seq_idx"] = documents(b, L, device)
     return t, kwargs
@@ -204,9 +244,11 @@ def documents(batch, seqlen, device):
 
 def ops():
     """name -> (Triton op, PyTorch reference op)."""
+    from megamamba.kernels import mamba3_scan
     from megamamba.kernels import triton as tri
     from megamamba.kernels.reference.add_norm import add_rmsnorm
     from megamamba.kernels.reference.conv import causal_conv1d
+    from megamamba.kernels.reference.mamba3 import mamba3_scan_chunked
     from megamamba.kernels.reference.norm import rmsnorm_gated
     from megamamba.kernels.reference.selective_scan import selective_scan
     from megamamba.kernels.reference.ssd import ssd_chunk_scan
@@ -214,6 +256,7 @@ def ops():
     return {
         "ssd_chunk_scan": (tri.ssd_chunk_scan, ssd_chunk_scan),
         "selective_scan": (tri.selective_scan, selective_scan),
+        "mamba3_scan": (mamba3_scan, mamba3_scan_chunked),  # the op: Triton for SISO on CUDA
         "causal_conv1d": (tri.causal_conv1d, causal_conv1d),
         "rmsnorm_gated": (tri.rmsnorm_gated, rmsnorm_gated),
         "add_rmsnorm": (tri.add_rmsnorm, add_rmsnorm),
@@ -264,10 +307,12 @@ def correctness(device):
     small1 = dict(batch=2, seqlen=1000, dim=256, dstate=16)
     long2 = dict(batch=1, seqlen=LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
     long1 = dict(batch=1, seqlen=LONG_SEQLEN, dim=64, dstate=16)
+    small3 = dict(batch=2, seqlen=1000, nheads=8, rank=1, headdim=64, dstate=128, chunk=MAMBA3_CHUNK)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
         cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen, docs=True, initial=True)))
         cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen)))
         cases.append(("selective_scan", dtype, tol, scan_inputs(small1, dtype, device, gen, docs=True)))
+        cases.append(("mamba3_scan", dtype, tol, mamba3_inputs(small3, dtype, device, gen, docs=True)))
         cases.append(("causal_conv1d", dtype, tol, conv_inputs(2, 384, 1000, dtype, device, gen, docs=True)))
         cases.append(("rmsnorm_gated", dtype, tol, norm_inputs(2000, 512, 256, dtype, device, gen)))
     cases.append(("ssd_chunk_scan", torch.float32, 1e-4, ssd_inputs(long2, torch.float32, device, gen, docs=True)))
@@ -426,6 +471,9 @@ def timing(device, mamba_ssm_src):
             *scan_inputs(mamba1_shape(d_model), dtype, device, gen),
             extra="reference",
         )
+    for name, d_model in MAMBA3_D_MODEL.items():
+        shape = mamba3_shape(d_model)
+        record("mamba3_scan", f"mamba3-{name}", *mamba3_inputs(shape, dtype, device, gen), extra="reference")
     # mamba_ssm last: its autotuner compiles and times many configurations on first use, which must
     # not leave our own timings out when the run is cut short.
     for tensors, kwargs, row in ssd_cases if theirs is not None else []:

@@ -2,21 +2,23 @@
 mamba_ssm's on the same inputs (inputs and layer shapes from benchmarks/kernel_bench.py).
 
 errors   ssd_chunk_scan, selective_scan, causal_conv1d, rmsnorm_gated at a Mamba-2 / Mamba-1 130M
-         layer's training shape (2 x 2048 tokens), in float32 (TF32 off) and bfloat16: the relative
-         error of the output and of each input's gradient (one fixed output gradient) against our
-         PyTorch reference in float64 on the same rounded inputs, for ours and for theirs. Then
-         benchmarks/bf16_errors.py's comparison: each op's bf16 error at seqlens 128, 512, 2048 at a
-         small layer's shape, and a small Mamba-2 LM's loss and gradients in bf16 autocast, ours,
-         theirs and the ratio against float64.
-timings  forward and forward+backward milliseconds at the Mamba-2 130M/370M/1.3B and Mamba-1 layer
-         shapes (16K tokens, bf16), ours then theirs for each shape, with the bytes and FLOPs each
-         call must move at least and the fraction of the roofline its forward and backward reach,
-         against the copy bandwidth and bf16 matmul rate measured first in the same section.
+         layer's training shape (2 x 2048 tokens), and mamba3_scan (SISO) at mamba3-1.5b's, in
+         float32 (TF32 off) and bfloat16: the relative error of the output and of each input's
+         gradient (one fixed output gradient) against our PyTorch reference in float64 on the same
+         rounded inputs, for ours and for theirs. Then benchmarks/bf16_errors.py's comparison: each
+         op's bf16 error at seqlens 128, 512, 2048 at a small layer's shape, and a small Mamba-2 LM's
+         loss and gradients in bf16 autocast, ours, theirs and the ratio against float64.
+timings  forward and forward+backward milliseconds at the Mamba-2 130M/370M/1.3B, Mamba-1 and Mamba-3
+         (SISO, mamba3-1.5b's width) layer shapes (16K tokens, bf16), ours then theirs for each
+         shape, with the bytes and FLOPs each call must move at least and the fraction of the
+         roofline its forward and backward reach, against the copy bandwidth and bf16 matmul rate
+         measured first in the same section.
 
 Theirs: mamba_ssm's mamba_chunk_scan_combined and rmsnorm_fn (Triton); its selective scan is a CUDA
 extension that is not built, so its PyTorch selective_scan_ref stands in for the error and nothing
 for the timing; causal_conv1d is torch's depthwise conv1d + SiLU, what mamba_ssm runs without the
-causal-conv1d package. In the dry run everything is our reference at tiny shapes.
+causal-conv1d package. Mamba-3 is ours alone: mamba_ssm's kernels take the mixer's raw projections,
+not the scan's inputs. In the dry run everything is our reference at tiny shapes.
 """
 
 import time
@@ -33,9 +35,11 @@ def error_cases(bench, dry):
     if dry:
         ssd = dict(batch=2, seqlen=96, nheads=2, headdim=16, ngroups=1, dstate=16, chunk=32)
         scan, conv, norm = dict(batch=2, seqlen=96, dim=32, dstate=8), (2, 48, 96), (192, 32, 32)
+        siso = dict(batch=2, seqlen=96, nheads=2, rank=1, headdim=16, dstate=16, chunk=32)
     else:
         ssd = bench.mamba2_shape(768, tokens=2 * 2048)
         scan = bench.mamba1_shape(768, tokens=2 * 2048)
+        siso = bench.mamba3_shape(2048, tokens=2 * 2048)
         d_inner = bench.EXPAND * 768
         conv, norm = (2, d_inner + 2 * bench.D_STATE2, 2048), (2 * 2048, d_inner, d_inner)
     return [
@@ -55,13 +59,18 @@ def error_cases(bench, dry):
             lambda dt, dev, g: bench.conv_inputs(*conv, dt, dev, g),
         ),
         ("rmsnorm_gated", f"{norm[0]} rows x {norm[1]}", lambda dt, dev, g: bench.norm_inputs(*norm, dt, dev, g)),
+        (
+            "mamba3_scan",
+            f"mamba3-1.5b SISO {siso['batch']}x{siso['seqlen']} docs",
+            lambda dt, dev, g: bench.mamba3_inputs(siso, dt, dev, g, docs=True),
+        ),
     ]
 
 
 def errors(results, device, theirs, dry):
     """One record per (op, dtype, output or gradient): ours' and theirs' error against float64."""
     import megamamba.kernels as ours
-    from megamamba.kernels.reference import conv, norm, selective_scan, ssd
+    from megamamba.kernels.reference import conv, mamba3, norm, selective_scan, ssd
     from megamamba.testing.numerics import relative_error
 
     oracle = {
@@ -69,6 +78,7 @@ def errors(results, device, theirs, dry):
         "selective_scan": selective_scan.selective_scan,
         "causal_conv1d": conv.causal_conv1d,
         "rmsnorm_gated": norm.rmsnorm_gated,
+        "mamba3_scan": mamba3.mamba3_scan_chunked,
     }
     bench = bf16_errors.load_kernel_benchmark()
     table = bf16_errors.theirs_table(theirs) if theirs else {}
@@ -161,6 +171,11 @@ def timing_cases(bench, dry):
     for name, d_model in sizes1.items():
         shape = bench.mamba1_shape(d_model, tokens=tokens, seqlen=seqlen)
         cases.append(("selective_scan", f"mamba1-{name}", lambda dev, g, s=shape: bench.scan_inputs(s, bf16, dev, g)))
+    siso = bench.mamba3_shape(64 if dry else 2048, tokens=tokens, seqlen=seqlen)
+    if dry:
+        siso = {**siso, "headdim": 16, "dstate": 16, "chunk": 32}
+    layer = "mamba3-tiny" if dry else "mamba3-1.5b"
+    cases.append(("mamba3_scan", layer, lambda dev, g, s=siso: bench.mamba3_inputs(s, bf16, dev, g)))
     return cases
 
 

@@ -41,7 +41,14 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = ("130m", "370m", "1.3b")
 H200_SMS = 132
-OUR_OPS = ("ssd_chunk_scan", "selective_scan", "causal_conv1d", "rmsnorm_gated", "add_rmsnorm")  # timed by the check
+OUR_OPS = (  # the ops the check times
+    "ssd_chunk_scan",
+    "selective_scan",
+    "causal_conv1d",
+    "rmsnorm_gated",
+    "add_rmsnorm",
+    "mamba3_scan",
+)
 
 
 def _bf16_errors():

@@ -20,12 +20,14 @@ def bench():
     return module
 
 
-def test_layer_shapes_follow_the_mamba2_and_mamba1_configs(bench):
+def test_layer_shapes_follow_the_mamba2_mamba1_and_mamba3_configs(bench):
     shape = bench.mamba2_shape(768)
     assert shape["batch"] * shape["seqlen"] == 16 * 1024
     assert (shape["nheads"], shape["headdim"], shape["dstate"], shape["chunk"]) == (24, 64, 128, 256)
     assert bench.mamba2_shape(2048)["nheads"] == 64
     assert bench.mamba1_shape(768)["dim"] == 1536 and bench.mamba1_shape(768)["dstate"] == 16
+    shape = bench.mamba3_shape(2048)
+    assert (shape["nheads"], shape["rank"], shape["headdim"], shape["dstate"]) == (64, 1, 64, 128)
 
 
 def test_mamba_ssm_loads_without_its_package_init_when_that_fails(bench, tmp_path, monkeypatch):
@@ -73,14 +75,16 @@ def small_benchmark(bench, monkeypatch):
     from megamamba.kernels.reference.ssd import ssd_chunk_scan
 
     reference = {name: (ref, ref) for name, (_, ref) in bench.ops().items()}
-    mamba2_shape, mamba1_shape = bench.mamba2_shape, bench.mamba1_shape
+    mamba2_shape, mamba1_shape, mamba3_shape = bench.mamba2_shape, bench.mamba1_shape, bench.mamba3_shape
     monkeypatch.setattr(bench, "ops", lambda: reference)
     monkeypatch.setattr(bench, "load_mamba_ssm", lambda src: (ssd_chunk_scan, "the reference standing in"))
     monkeypatch.setattr(bench, "cuda_time", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "mamba2_shape", lambda d: mamba2_shape(d, tokens=96, seqlen=48))
     monkeypatch.setattr(bench, "mamba1_shape", lambda d: mamba1_shape(d, tokens=96, seqlen=48))
     monkeypatch.setattr(bench, "MAMBA2_D_MODEL", {"tiny": 64})
+    monkeypatch.setattr(bench, "mamba3_shape", lambda d: mamba3_shape(d, tokens=96, seqlen=48))
     monkeypatch.setattr(bench, "MAMBA1_D_MODEL", {"tiny": 32})
+    monkeypatch.setattr(bench, "MAMBA3_D_MODEL", {"tiny": 32})
     monkeypatch.setattr(bench, "TOKENS", 96)
     monkeypatch.setattr(bench, "LONG_SEQLEN", 300)
     monkeypatch.setattr(bench, "CEILING_COPY_BYTES", 2**16)
@@ -97,6 +101,7 @@ def test_timing_measures_every_op_and_compares_ssd_with_mamba_ssm(small_benchmar
         ("rmsnorm_gated", "mamba2-tiny"),
         ("add_rmsnorm", "mamba2-tiny"),
         ("selective_scan", "mamba1-tiny"),
+        ("mamba3_scan", "mamba3-tiny"),
     ]
     assert rows[0]["vs_mamba_ssm_fwd_bwd"] == 1.0 and rows[0]["vs_reference_fwd_bwd"] == 1.0
     table = small_benchmark.summary([], rows, ceiling)
@@ -125,5 +130,5 @@ def test_roofline_fraction_is_the_longer_of_bytes_and_flops_over_the_time(bench)
 @pytest.mark.slow
 def test_correctness_check_passes_when_the_kernels_are_the_reference(small_benchmark):
     checks = small_benchmark.correctness("cpu")
-    assert len(checks) == 13 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    assert len(checks) == 15 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
     assert {c["dtype"] for c in checks} == {"float32", "bfloat16"}
