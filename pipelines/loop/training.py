@@ -263,8 +263,9 @@ class TrainingLoop:
 
     def run(self) -> dict:
         """Every step from the first to the last, or to a SIGTERM; this rank's summary (evaluations of
-        --eval-tasks may still run: `tasks.poll(wait=True)`). Interrupted on Ctrl-C: after the step and its
-        checkpoint, or at once on a second one; then, as on any error, evaluations still running are stopped."""
+        --eval-tasks may still run after the last step: `tasks.poll(wait=True)`; a SIGTERM stops them).
+        Interrupted on Ctrl-C: after the step and its checkpoint, or at once on a second one; then, as on any
+        error, evaluations still running are stopped."""
         step = self.first_step
         try:
             for step in range(self.first_step, self.train_iters):
@@ -281,6 +282,7 @@ class TrainingLoop:
                     raise self.interrupted(step)
                 if outcome.stop:
                     self.report_stop(step)
+                    self.tasks.stop()  # a scheduler's grace period is no time to wait for evaluations
                     break
                 self.watchdog.beat()
         except Interrupted as e:
