@@ -6,12 +6,13 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from distributed import free_port
 from megamamba.pipelines.loop.task_evaluation import TaskEvaluationError, add_task_evaluation_flags, task_settings
-from train_entry import DEEPSPEED, ROOT, TRAIN_PY
+from train_entry import ROOT, TRAIN_PY
 
 TASK = """task: held_out
 dataset_path: json
@@ -89,11 +90,7 @@ def test_each_interval_checkpoint_is_evaluated_in_the_background_and_reported_in
     (tasks / "held_out.yaml").write_text(TASK.format(data=tasks / "held_out.jsonl", cache=tmp_path / "datasets"))
     save = tmp_path / "save"
     command = [
-        str(DEEPSPEED),
-        "--num_gpus",
-        "1",
-        "--master_port",
-        str(free_port()),
+        sys.executable,
         str(TRAIN_PY),
         "--deepspeed_config",
         str(ROOT / "launch/configs/tiny-cpu.json"),
@@ -118,7 +115,9 @@ def test_each_interval_checkpoint_is_evaluated_in_the_background_and_reported_in
         "--eval-tasks-limit",
         "2",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    rank_zero_of_one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, **rank_zero_of_one, "MASTER_PORT": str(free_port()), "HF_HUB_OFFLINE": "1"}
+    env["HF_DATASETS_OFFLINE"] = "1"  # the children inherit all but the rendezvous variables
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = sorted(os.listdir(save / "eval"))
