@@ -4,6 +4,7 @@ one before the run ends; settings that cannot run are refused at start-up."""
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,13 @@ import sys
 import pytest
 
 from distributed import free_port
-from megamamba.pipelines.loop.task_evaluation import TaskEvaluationError, add_task_evaluation_flags, task_settings
+from megamamba.pipelines.loop.task_evaluation import (
+    TaskEvaluationError,
+    TaskEvaluations,
+    TaskSettings,
+    add_task_evaluation_flags,
+    task_settings,
+)
 from train_entry import ROOT, TRAIN_PY
 
 TASK = """task: held_out
@@ -127,3 +134,15 @@ def test_each_interval_checkpoint_is_evaluated_in_the_background_and_reported_in
         assert len([r for r in results if r.startswith(tag) and r.endswith(".log")]) == 1  # the child's output
         assert len(written) == 1 and line.startswith(f"train.py: evaluation of {tag}: held_out bits_per_byte,none")
         assert line.endswith(f"({save / 'eval' / written[0]})"), line
+
+
+def test_an_evaluation_that_fails_is_one_warning_naming_its_error_and_its_log(tmp_path, caplog):
+    settings = TaskSettings("held_out", None, None, "cpu")
+    evaluations = TaskEvaluations(settings, str(tmp_path), rank=0)
+    evaluations.start("step_000009")  # the save directory holds no such checkpoint
+    with caplog.at_level(logging.INFO, logger="megamamba.pipelines.loop.task_evaluation"):
+        evaluations.poll(wait=True)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (log_file,) = (tmp_path / "eval").glob("step_000009-*.log")
+    assert warning.startswith("evaluation of step_000009 failed (exit 2): evaluate: error: --tag step_000009"), warning
+    assert warning.endswith(f"; its log: {log_file}")
