@@ -145,10 +145,12 @@ def cpu_time(fn):
 
 
 def timing_cases(bench, dry):
-    """(op, layer, inputs(device, gen)) at the layer shapes, ssd/conv/norm/add+norm per Mamba-2 size, then the scan."""
+    """(op, layer, inputs(device, gen)) at the layer shapes: ssd/conv/norm/add+norm per Mamba-2 size, the Mamba-1
+    scan, then the Mamba-3 scan."""
     tokens, seqlen = (128, 64) if dry else (bench.TOKENS, 2048)
     sizes2 = {"tiny": 64} if dry else bench.MAMBA2_D_MODEL
     sizes1 = {"tiny": 32} if dry else bench.MAMBA1_D_MODEL
+    sizes3 = {"tiny": 64} if dry else bench.MAMBA3_D_MODEL
     bf16 = torch.bfloat16
     cases = []
     for name, d_model in sizes2.items():
@@ -171,11 +173,9 @@ def timing_cases(bench, dry):
     for name, d_model in sizes1.items():
         shape = bench.mamba1_shape(d_model, tokens=tokens, seqlen=seqlen)
         cases.append(("selective_scan", f"mamba1-{name}", lambda dev, g, s=shape: bench.scan_inputs(s, bf16, dev, g)))
-    siso = bench.mamba3_shape(64 if dry else 2048, tokens=tokens, seqlen=seqlen)
-    if dry:
-        siso = {**siso, "headdim": 16, "dstate": 16, "chunk": 32}
-    layer = "mamba3-tiny" if dry else "mamba3-1.5b"
-    cases.append(("mamba3_scan", layer, lambda dev, g, s=siso: bench.mamba3_inputs(s, bf16, dev, g)))
+    for name, d_model in sizes3.items():
+        shape = bench.mamba3_shape(d_model, tokens=tokens, seqlen=seqlen)
+        cases.append(("mamba3_scan", f"mamba3-{name}", lambda dev, g, s=shape: bench.mamba3_inputs(s, bf16, dev, g)))
     return cases
 
 
