@@ -18,7 +18,7 @@ import pytest
 
 from distributed import free_port, run_ranks
 from run_cache import RunCache, shared_dir
-from train_entry import DEEPSPEED, ROOT, TRAIN_PY, read_metrics, run_train
+from train_entry import DEEPSPEED, ROOT, TRAIN_PY, rank_zero_of_one, read_metrics, run_train
 
 FAULT_INJECTION_PY = str(ROOT / "tests" / "fault_injection.py")
 
@@ -118,14 +118,7 @@ class Runs:
 
     def direct_env(self) -> dict:
         """The environment of `python launch/train.py` as rank 0 of 1."""
-        return self.env(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
+        return self.env(**rank_zero_of_one())
 
     def direct(self, argv, out=None, faults=None) -> dict:
         """`python launch/train.py ARGV` as rank 0 of 1, with `faults` (tests/fault_injection.py's `install`

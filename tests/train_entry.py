@@ -1,5 +1,6 @@
 """launch/train.py for the tests: its path, the venv's `deepspeed` launcher, the script loaded as a
-module, a rank function that runs it, and the records of a --metrics-jsonl file.
+module, a rank function that runs it, the environment of a run without the launcher, and the records of a
+--metrics-jsonl file.
 
 `run_train(argv)` is top-level so `tests/distributed.run_ranks` can run it on spawned ranks
 (with init_process_group=False: train.py initialises DeepSpeed's process group itself).
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import fault_injection
+from distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = ROOT / "launch" / "train.py"
@@ -34,6 +36,18 @@ def run_train(argv, extensions_dir, faults=None):
     if faults:
         fault_injection.install(**faults)
     return load_train_script().main(list(argv))
+
+
+def rank_zero_of_one() -> dict:
+    """The rendezvous variables of `python launch/train.py` run as rank 0 of 1, without the launcher."""
+    return dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
 
 
 def read_metrics(path: Path) -> list:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from checkpoint_fixtures import perturbed_model, snapshot, tiny
+from eval_tasks import held_out_task
 from megamamba.checkpoint import save_training_checkpoint
 from megamamba.evaluate import main
 from megamamba.tokenizer import load_tokenizer
@@ -27,19 +28,6 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip i
 lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
 
 DOCUMENTS = ("def f(x):\n    return x + 1\n", "naïve café", "x = 1\ny = 2\n")
-TASK = """task: held_out
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: bits_per_byte
-"""
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +53,7 @@ def run(tmp_path_factory, task_managers):
     tok = load_tokenizer("bytes")
     model = perturbed_model(tiny("Mamba2", vocab_size=tok.vocab_size, pad_vocab_size_multiple=1), 5)
     save_training_checkpoint(str(root / "save"), 3, model, torch.optim.AdamW(model.parameters()), tokenizer=tok)
-    tasks = root / "tasks"
-    tasks.mkdir()
-    (tasks / "held_out.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCUMENTS))
-    (tasks / "held_out.yaml").write_text(TASK.format(data=tasks / "held_out.jsonl", cache=root / "datasets"))
+    tasks = held_out_task(root / "tasks", DOCUMENTS, root / "datasets")
     return str(root / "save"), str(tasks), model.eval(), tok
 
 

@@ -3,7 +3,6 @@ checkpoint in a child process while training goes on, prints one line per result
 one before the run ends; settings that cannot run are refused at start-up."""
 
 import argparse
-import json
 import logging
 import os
 import subprocess
@@ -11,7 +10,7 @@ import sys
 
 import pytest
 
-from distributed import free_port
+from eval_tasks import held_out_task
 from megamamba.pipelines.loop.task_evaluation import (
     TaskEvaluationError,
     TaskEvaluations,
@@ -19,21 +18,7 @@ from megamamba.pipelines.loop.task_evaluation import (
     add_task_evaluation_flags,
     task_settings,
 )
-from train_entry import ROOT, TRAIN_PY
-
-TASK = """task: held_out
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: bits_per_byte
-"""
+from train_entry import ROOT, TRAIN_PY, rank_zero_of_one
 
 
 def args_of(*argv) -> argparse.Namespace:
@@ -91,10 +76,7 @@ def test_a_task_lm_eval_does_not_know_is_refused_at_start_up():
 @pytest.mark.slow
 def test_each_interval_checkpoint_is_evaluated_in_the_background_and_reported_in_one_line(tmp_path):
     pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e .[eval]")
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "held_out.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ("x = 1\n", "naïve café")))
-    (tasks / "held_out.yaml").write_text(TASK.format(data=tasks / "held_out.jsonl", cache=tmp_path / "datasets"))
+    tasks = held_out_task(tmp_path / "tasks", ("x = 1\n", "naïve café"), tmp_path / "datasets")
     save = tmp_path / "save"
     command = [
         sys.executable,
@@ -122,9 +104,8 @@ def test_each_interval_checkpoint_is_evaluated_in_the_background_and_reported_in
         "--eval-tasks-limit",
         "2",
     ]
-    rank_zero_of_one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    env = {**os.environ, **rank_zero_of_one, "MASTER_PORT": str(free_port()), "HF_HUB_OFFLINE": "1"}
-    env["HF_DATASETS_OFFLINE"] = "1"  # the children inherit all but the rendezvous variables
+    # rank 0 of 1 without the launcher; the children inherit all but the rendezvous variables
+    env = {**os.environ, **rank_zero_of_one(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = sorted(os.listdir(save / "eval"))
