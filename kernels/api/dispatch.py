@@ -104,8 +104,8 @@ def mamba3_scan(x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq
     """Mamba-3's exponential-trapezoidal scan, with the arguments and results of the reference's
     `mamba3_scan_chunked` (megamamba.kernels.reference.mamba3): x (batch, seqlen, nheads, rank, headdim); dt,
     A, lam (batch, seqlen, nheads); B̂, Ĉ (batch, seqlen, nheads, rank, dstate); D (nheads,); initial_state
-    a ScanState. y in x's compute dtype [, the final ScanState]. Triton runs SISO (rank 1); MIMO runs the
-    reference on every backend.
+    a ScanState. y in x's compute dtype [, the final ScanState]. Triton runs SISO and MIMO, a MIMO token as
+    rank SSD steps (megamamba.kernels.triton.mamba3).
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

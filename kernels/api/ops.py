@@ -465,8 +465,8 @@ _MAMBA3_INPUTS = ("x", "dt", "A", "lam", "B", "C", "D", "initial_ssm", "initial_
 
 
 def _mamba3_on_triton(x: Tensor) -> bool:
-    """Whether Triton runs this scan: SISO (rank 1) on the Triton backend; MIMO always runs the reference."""
-    return backend(x) == "triton" and x.shape[3] == 1
+    """Whether Triton runs this scan (SISO and MIMO alike): on the Triton backend."""
+    return backend(x) == "triton"
 
 
 def _scan_state(ssm, x, B):

@@ -3,7 +3,7 @@ inputs and outputs per head (Lahoti et al., 2026), on one device.
 
 Parameter names, shapes and initialisation are mamba_ssm's `Mamba3`, so its state dicts load unchanged. No
 conv; one in_proj with columns [z, x, B, C, dd_dt, dd_A, trap, angles]. The scan is the kernels' `mamba3_scan`
-(Triton for SISO on a GPU, the PyTorch reference otherwise); one-token decoding steps the reference recurrence.
+(Triton on a GPU, SISO and MIMO; the PyTorch reference otherwise); one-token decoding steps the reference recurrence.
 With `tp` the mixer is built whole and `_shard` keeps this rank's heads (B/C split by group where ngroups % TP
 == 0, else replicated; the angle columns and the B/C norms replicated, their gradients summed over TP); with
 `cp` the scan continues the earlier slices (`megamamba.parallel.context.mamba3_slice`).

@@ -1,7 +1,8 @@
-"""Triton Mamba-3 SISO scan (the `mamba3_scan` op forced to Triton, TRITON_INTERPRET=1 on the CPU)
-against the float64 recurrent reference: the output, the final state and the gradient of every float
+"""Triton Mamba-3 scan, SISO and MIMO (the `mamba3_scan` op forced to Triton, TRITON_INTERPRET=1 on the
+CPU) against the float64 recurrent reference: the output, the final state and the gradient of every float
 input within 1e-4 in float32, with a length that ends inside the third chunk, packed documents and an
 initial state; in bf16, every error at most 1.5 times the reference's own computed under bf16 autocast.
+MIMO runs at rank 3, so its SSD chunks (3 x 16 steps) are not a power of two.
 The op and its backward op pass opcheck, and the FLOP counter counts the op by its formula."""
 
 import functools
@@ -19,6 +20,7 @@ from megamamba.kernels.triton import mamba3 as triton_mamba3
 pytestmark = pytest.mark.usefixtures("poisoned_buffers", "triton_backend")
 BATCH, SEQLEN, NHEADS, HEADDIM, DSTATE, CHUNK = 2, 37, 3, 8, 16, 16
 NAMES = ("y", "ssm", "last_x", "last_B")
+MIMO_RANK = 3
 
 
 @pytest.fixture
@@ -33,26 +35,27 @@ def triton_backend(monkeypatch):
     assert calls == {"forward", "backward"}, f"of Triton's Mamba-3 scan only {sorted(calls)} ran"
 
 
-def inputs(seed, *, initial_state, low_precision=None):
+def inputs(seed, *, initial_state, low_precision=None, rank=1):
     """The scan's inputs at the mixer's scale: Δ = softplus(·), A ≤ -0.5, λ = sigmoid(·); x, B̂ and Ĉ
-    in `low_precision` when given, the rest float32 as the preprocessing computes them."""
+    of `rank` channels and in `low_precision` when given, the rest float32 as the preprocessing computes
+    them."""
     gen = torch.Generator().manual_seed(seed)
     r = functools.partial(torch.randn, generator=gen)
     low = functools.partial(torch.Tensor.to, dtype=low_precision or torch.float32)
     t = dict(
-        x=low(r(BATCH, SEQLEN, NHEADS, 1, HEADDIM)),
+        x=low(r(BATCH, SEQLEN, NHEADS, rank, HEADDIM)),
         dt=torch.nn.functional.softplus(r(BATCH, SEQLEN, NHEADS) - 1),
         A=-0.5 - torch.rand(BATCH, SEQLEN, NHEADS, generator=gen),
         lam=torch.sigmoid(r(BATCH, SEQLEN, NHEADS)),
-        B=low(r(BATCH, SEQLEN, NHEADS, 1, DSTATE)),
-        C=low(r(BATCH, SEQLEN, NHEADS, 1, DSTATE)),
+        B=low(r(BATCH, SEQLEN, NHEADS, rank, DSTATE)),
+        C=low(r(BATCH, SEQLEN, NHEADS, rank, DSTATE)),
         D=r(NHEADS),
     )
     if initial_state:
         t.update(
             initial_ssm=r(BATCH, NHEADS, HEADDIM, DSTATE),
-            initial_x=r(BATCH, NHEADS, 1, HEADDIM),
-            initial_B=r(BATCH, NHEADS, 1, DSTATE),
+            initial_x=r(BATCH, NHEADS, rank, HEADDIM),
+            initial_B=r(BATCH, NHEADS, rank, DSTATE),
         )
     return t
 
@@ -103,10 +106,11 @@ def test_mamba3_scan_gradients_stay_accurate_for_tiny_and_zero_steps():
     oracle_checks.check_against_oracle(ours, exact, tensors, seed, names=NAMES, seq_idx=documents())
 
 
-def test_bf16_mamba3_scan_within_reference_computed_in_bf16():
+@pytest.mark.parametrize("rank", [1, MIMO_RANK])
+def test_bf16_mamba3_scan_within_reference_computed_in_bf16(rank):
     """bf16 x, B̂, Ĉ; float32 Δ, A, λ, D and state, as the mixer keeps them."""
-    seed = 80
-    tensors = inputs(seed, initial_state=True, low_precision=torch.bfloat16)
+    seed = 79 + rank
+    tensors = inputs(seed, initial_state=True, low_precision=torch.bfloat16, rank=rank)
     found = errors_of(
         {"ours": ours, "theirs": reference_in_bf16}, exact, tensors, seed, names=NAMES, seq_idx=documents()
     )
