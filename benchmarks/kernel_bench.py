@@ -7,8 +7,8 @@ float32 with TF32 off (<= 1e-4 relative) and in bfloat16 (<= 1e-2 relative to th
 reference of the same bf16-rounded inputs), including one sequence past 64K tokens.
 Timing: forward and forward+backward of the ops at the shapes of Mamba-2 130M / 370M / 1.3B
 layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1), Mamba-1 layers (d_state 16)
-and a Mamba-3 layer at launch/models/mamba3-1.5b.json's width, SISO (chunk 64; MIMO has no Triton
-kernel yet), in bf16: per op the bytes and FLOPs it must move at least (`least_work`), the time,
+and Mamba-3 layers at launch/models/mamba3-1.5b.json's width, SISO (chunk 64) and as that model is,
+MIMO of rank 4 (chunk 16), in bf16: per op the bytes and FLOPs it must move at least (`least_work`), the time,
 and the fraction of the roofline that makes against the copy bandwidth and bf16 matmul rate
 measured on the same GPU in the same run (`ceilings`); and the time ratio against mamba_ssm's
 Triton SSD (mamba_chunk_scan_combined) when its Python sources are given (--mamba-ssm-src: the
@@ -34,6 +34,7 @@ MAMBA2_D_MODEL = {"130M": 768, "370M": 1024, "1.3B": 2048}
 MAMBA1_D_MODEL = {"130M": 768, "1.4B": 2048}
 MAMBA3_D_MODEL = {"1.5B": 2048}
 MAMBA3_CHUNK = 64  # mamba_ssm's SISO default
+MAMBA3_MIMO_RANK, MAMBA3_MIMO_CHUNK = 4, 16  # launch/models/mamba3-1.5b.json's
 HEADDIM, D_STATE2, CHUNK, D_STATE1, EXPAND, D_CONV = 64, 128, 256, 16, 2, 4
 LONG_SEQLEN = 65_600  # past 64K tokens and not a multiple of the chunk
 CEILING_COPY_BYTES, CEILING_MATMUL_N = 2**30, 8192  # the roofline's measurements: a 1 GiB copy, an 8192^3 matmul
@@ -61,17 +62,17 @@ def mamba1_shape(d_model, tokens=TOKENS, seqlen=2048):
     return dict(batch=tokens // seqlen, seqlen=seqlen, dim=EXPAND * d_model, dstate=D_STATE1)
 
 
-def mamba3_shape(d_model, tokens=TOKENS, seqlen=2048):
-    """SISO Mamba-3 layer scan shape: dict(batch, seqlen, nheads, rank, headdim, dstate, chunk)."""
+def mamba3_shape(d_model, tokens=TOKENS, seqlen=2048, mimo=False):
+    """Mamba-3 layer scan shape, SISO or MIMO: dict(batch, seqlen, nheads, rank, headdim, dstate, chunk)."""
     nheads = EXPAND * d_model // HEADDIM
     return dict(
         batch=tokens // seqlen,
         seqlen=seqlen,
         nheads=nheads,
-        rank=1,
+        rank=MAMBA3_MIMO_RANK if mimo else 1,
         headdim=HEADDIM,
         dstate=D_STATE2,
-        chunk=MAMBA3_CHUNK,
+        chunk=MAMBA3_MIMO_CHUNK if mimo else MAMBA3_CHUNK,
     )
 
 
@@ -256,7 +257,7 @@ def ops():
     return {
         "ssd_chunk_scan": (tri.ssd_chunk_scan, ssd_chunk_scan),
         "selective_scan": (tri.selective_scan, selective_scan),
-        "mamba3_scan": (mamba3_scan, mamba3_scan_chunked),  # the op: Triton for SISO on CUDA
+        "mamba3_scan": (mamba3_scan, mamba3_scan_chunked),  # the op: Triton on CUDA
         "causal_conv1d": (tri.causal_conv1d, causal_conv1d),
         "rmsnorm_gated": (tri.rmsnorm_gated, rmsnorm_gated),
         "add_rmsnorm": (tri.add_rmsnorm, add_rmsnorm),
@@ -308,11 +309,13 @@ def correctness(device):
     long2 = dict(batch=1, seqlen=LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
     long1 = dict(batch=1, seqlen=LONG_SEQLEN, dim=64, dstate=16)
     small3 = dict(batch=2, seqlen=1000, nheads=8, rank=1, headdim=64, dstate=128, chunk=MAMBA3_CHUNK)
+    mimo3 = {**small3, "rank": MAMBA3_MIMO_RANK, "chunk": MAMBA3_MIMO_CHUNK}
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
         cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen, docs=True, initial=True)))
         cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen)))
         cases.append(("selective_scan", dtype, tol, scan_inputs(small1, dtype, device, gen, docs=True)))
         cases.append(("mamba3_scan", dtype, tol, mamba3_inputs(small3, dtype, device, gen, docs=True)))
+        cases.append(("mamba3_scan", dtype, tol, mamba3_inputs(mimo3, dtype, device, gen, docs=True)))
         cases.append(("causal_conv1d", dtype, tol, conv_inputs(2, 384, 1000, dtype, device, gen, docs=True)))
         cases.append(("rmsnorm_gated", dtype, tol, norm_inputs(2000, 512, 256, dtype, device, gen)))
     cases.append(("ssd_chunk_scan", torch.float32, 1e-4, ssd_inputs(long2, torch.float32, device, gen, docs=True)))
@@ -474,6 +477,8 @@ def timing(device, mamba_ssm_src):
     for name, d_model in MAMBA3_D_MODEL.items():
         shape = mamba3_shape(d_model)
         record("mamba3_scan", f"mamba3-{name}", *mamba3_inputs(shape, dtype, device, gen), extra="reference")
+        shape = mamba3_shape(d_model, mimo=True)
+        record("mamba3_scan", f"mamba3-{name}-mimo", *mamba3_inputs(shape, dtype, device, gen), extra="reference")
     # mamba_ssm last: its autotuner compiles and times many configurations on first use, which must
     # not leave our own timings out when the run is cut short.
     for tensors, kwargs, row in ssd_cases if theirs is not None else []:

@@ -2,14 +2,14 @@
 mamba_ssm's on the same inputs (inputs and layer shapes from benchmarks/kernel_bench.py).
 
 errors   ssd_chunk_scan, selective_scan, causal_conv1d, rmsnorm_gated at a Mamba-2 / Mamba-1 130M
-         layer's training shape (2 x 2048 tokens), and mamba3_scan (SISO) at mamba3-1.5b's, in
+         layer's training shape (2 x 2048 tokens), and mamba3_scan (SISO and MIMO) at mamba3-1.5b's, in
          float32 (TF32 off) and bfloat16: the relative error of the output and of each input's
          gradient (one fixed output gradient) against our PyTorch reference in float64 on the same
          rounded inputs, for ours and for theirs. Then benchmarks/bf16_errors.py's comparison: each
          op's bf16 error at seqlens 128, 512, 2048 at a small layer's shape, and a small Mamba-2 LM's
          loss and gradients in bf16 autocast, ours, theirs and the ratio against float64.
 timings  forward and forward+backward milliseconds at the Mamba-2 130M/370M/1.3B, Mamba-1 and Mamba-3
-         (SISO, mamba3-1.5b's width) layer shapes (16K tokens, bf16), ours then theirs for each
+         (SISO and MIMO, mamba3-1.5b's width) layer shapes (16K tokens, bf16), ours then theirs for each
          shape, with the bytes and FLOPs each call must move at least and the fraction of the
          roofline its forward and backward reach, against the copy bandwidth and bf16 matmul rate
          measured first in the same section.
@@ -36,10 +36,12 @@ def error_cases(bench, dry):
         ssd = dict(batch=2, seqlen=96, nheads=2, headdim=16, ngroups=1, dstate=16, chunk=32)
         scan, conv, norm = dict(batch=2, seqlen=96, dim=32, dstate=8), (2, 48, 96), (192, 32, 32)
         siso = dict(batch=2, seqlen=96, nheads=2, rank=1, headdim=16, dstate=16, chunk=32)
+        mimo = {**siso, "rank": 2, "chunk": 16}
     else:
         ssd = bench.mamba2_shape(768, tokens=2 * 2048)
         scan = bench.mamba1_shape(768, tokens=2 * 2048)
         siso = bench.mamba3_shape(2048, tokens=2 * 2048)
+        mimo = bench.mamba3_shape(2048, tokens=2 * 2048, mimo=True)
         d_inner = bench.EXPAND * 768
         conv, norm = (2, d_inner + 2 * bench.D_STATE2, 2048), (2 * 2048, d_inner, d_inner)
     return [
@@ -63,6 +65,11 @@ def error_cases(bench, dry):
             "mamba3_scan",
             f"mamba3-1.5b SISO {siso['batch']}x{siso['seqlen']} docs",
             lambda dt, dev, g: bench.mamba3_inputs(siso, dt, dev, g, docs=True),
+        ),
+        (
+            "mamba3_scan",
+            f"mamba3-1.5b MIMO {mimo['batch']}x{mimo['seqlen']} docs",
+            lambda dt, dev, g: bench.mamba3_inputs(mimo, dt, dev, g, docs=True),
         ),
     ]
 
@@ -174,8 +181,10 @@ def timing_cases(bench, dry):
         shape = bench.mamba1_shape(d_model, tokens=tokens, seqlen=seqlen)
         cases.append(("selective_scan", f"mamba1-{name}", lambda dev, g, s=shape: bench.scan_inputs(s, bf16, dev, g)))
     for name, d_model in sizes3.items():
-        shape = bench.mamba3_shape(d_model, tokens=tokens, seqlen=seqlen)
-        cases.append(("mamba3_scan", f"mamba3-{name}", lambda dev, g, s=shape: bench.mamba3_inputs(s, bf16, dev, g)))
+        for mimo in (False, True):
+            shape = bench.mamba3_shape(d_model, tokens=tokens, seqlen=seqlen, mimo=mimo)
+            label = f"mamba3-{name}{'-mimo' if mimo else ''}"
+            cases.append(("mamba3_scan", label, lambda dev, g, s=shape: bench.mamba3_inputs(s, bf16, dev, g)))
     return cases
 
 

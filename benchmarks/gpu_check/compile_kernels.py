@@ -119,6 +119,7 @@ def op_cases(bench):
     small2 = dict(batch=2, seqlen=1000, nheads=8, headdim=64, ngroups=2, dstate=128, chunk=256)
     small1 = dict(batch=2, seqlen=1000, dim=256, dstate=16)
     small3 = dict(batch=2, seqlen=1000, nheads=8, rank=1, headdim=64, dstate=128, chunk=bench.MAMBA3_CHUNK)
+    mimo3 = {**small3, "rank": bench.MAMBA3_MIMO_RANK, "chunk": bench.MAMBA3_MIMO_CHUNK}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
         cases += [
@@ -132,6 +133,7 @@ def op_cases(bench):
             (f"check {name} docs", "causal_conv1d", bench.conv_inputs(2, 384, 1000, dtype, "cpu", gen, docs=True)),
             (f"check {name}", "rmsnorm_gated", bench.norm_inputs(2000, 512, 256, dtype, "cpu", gen)),
             (f"check {name} docs", "mamba3_scan", bench.mamba3_inputs(small3, dtype, "cpu", gen, docs=True)),
+            (f"check {name} MIMO docs", "mamba3_scan", bench.mamba3_inputs(mimo3, dtype, "cpu", gen, docs=True)),
         ]
     long2 = dict(batch=1, seqlen=bench.LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
     long1 = dict(batch=1, seqlen=bench.LONG_SEQLEN, dim=64, dstate=16)
@@ -149,6 +151,10 @@ def op_cases(bench):
     for size, d_model in bench.MAMBA3_D_MODEL.items():
         shape = bench.mamba3_shape(d_model, tokens=2 * 2048)
         cases.append((f"time Mamba-3 {size}", "mamba3_scan", bench.mamba3_inputs(shape, torch.bfloat16, "cpu", gen)))
+        shape = bench.mamba3_shape(d_model, tokens=2 * 2048, mimo=True)
+        cases.append(
+            (f"time Mamba-3 {size} MIMO", "mamba3_scan", bench.mamba3_inputs(shape, torch.bfloat16, "cpu", gen))
+        )
     return cases
 
 

@@ -28,6 +28,8 @@ def test_layer_shapes_follow_the_mamba2_mamba1_and_mamba3_configs(bench):
     assert bench.mamba1_shape(768)["dim"] == 1536 and bench.mamba1_shape(768)["dstate"] == 16
     shape = bench.mamba3_shape(2048)
     assert (shape["nheads"], shape["rank"], shape["headdim"], shape["dstate"]) == (64, 1, 64, 128)
+    shape = bench.mamba3_shape(2048, mimo=True)  # launch/models/mamba3-1.5b.json
+    assert (shape["nheads"], shape["rank"], shape["headdim"], shape["dstate"], shape["chunk"]) == (64, 4, 64, 128, 16)
 
 
 def test_mamba_ssm_loads_without_its_package_init_when_that_fails(bench, tmp_path, monkeypatch):
@@ -82,7 +84,7 @@ def small_benchmark(bench, monkeypatch):
     monkeypatch.setattr(bench, "mamba2_shape", lambda d: mamba2_shape(d, tokens=96, seqlen=48))
     monkeypatch.setattr(bench, "mamba1_shape", lambda d: mamba1_shape(d, tokens=96, seqlen=48))
     monkeypatch.setattr(bench, "MAMBA2_D_MODEL", {"tiny": 64})
-    monkeypatch.setattr(bench, "mamba3_shape", lambda d: mamba3_shape(d, tokens=96, seqlen=48))
+    monkeypatch.setattr(bench, "mamba3_shape", lambda d, mimo=False: mamba3_shape(d, tokens=96, seqlen=48, mimo=mimo))
     monkeypatch.setattr(bench, "MAMBA1_D_MODEL", {"tiny": 32})
     monkeypatch.setattr(bench, "MAMBA3_D_MODEL", {"tiny": 32})
     monkeypatch.setattr(bench, "TOKENS", 96)
@@ -102,6 +104,7 @@ def test_timing_measures_every_op_and_compares_ssd_with_mamba_ssm(small_benchmar
         ("add_rmsnorm", "mamba2-tiny"),
         ("selective_scan", "mamba1-tiny"),
         ("mamba3_scan", "mamba3-tiny"),
+        ("mamba3_scan", "mamba3-tiny-mimo"),
     ]
     assert rows[0]["vs_mamba_ssm_fwd_bwd"] == 1.0 and rows[0]["vs_reference_fwd_bwd"] == 1.0
     table = small_benchmark.summary([], rows, ceiling)
@@ -130,5 +133,5 @@ def test_roofline_fraction_is_the_longer_of_bytes_and_flops_over_the_time(bench)
 @pytest.mark.slow
 def test_correctness_check_passes_when_the_kernels_are_the_reference(small_benchmark):
     checks = small_benchmark.correctness("cpu")
-    assert len(checks) == 15 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    assert len(checks) == 17 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
     assert {c["dtype"] for c in checks} == {"float32", "bfloat16"}

@@ -67,7 +67,7 @@ def test_dry_run_writes_every_sections_records(tmp_path):
     model = {r["quantity"] for r in kinds[("errors", "bf16_model")]}
     assert {"loss", "A_log", "dt_bias", "D", "in_proj", "out_proj"} <= model, model
     timings = kinds[("timings", "timing")]
-    assert [r["impl"].split(":")[0] for r in timings] == ["ours", "mamba_ssm"] * 3 + ["ours"] * 3
+    assert [r["impl"].split(":")[0] for r in timings] == ["ours", "mamba_ssm"] * 3 + ["ours"] * 4
     assert all(0 < r["fwd_roof"] and 0 < r["bwd_roof"] and r["fwd_bytes"] > 0 for r in timings)
     assert kinds[("timings", "ceilings")][0]["copy_gbps"] > 0
     engines = [r["engine"] for r in kinds[("throughput:130m", "throughput")]]
