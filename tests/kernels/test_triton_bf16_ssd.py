@@ -17,7 +17,7 @@ from bf16_checks import assert_within_theirs, errors_of
 from megamamba.kernels.triton import ssd_chunk_scan
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("poisoned_buffers")]
-NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK = 16, 16, 2, 32, 64
+NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK = 4, 16, 2, 32, 64
 OPTIONS = dict(chunk_size=CHUNK, dt_softplus=True)
 
 
