@@ -145,5 +145,19 @@ def train(argv=None) -> dict:
             lock.release()
 
 
+def exit_without_teardown(status) -> NoReturn:
+    """Flush what the run wrote and leave: the interpreter's teardown of torch's modules and objects costs
+    each rank about 1.5 s of CPU (torch 2.13, DeepSpeed 0.19.8) and nothing in it is needed once the run has
+    closed its files."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        exit_without_teardown(stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1)
+    exit_without_teardown(0)
