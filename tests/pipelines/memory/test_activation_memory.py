@@ -119,7 +119,10 @@ def _tiny(mixer: str) -> MambaConfig:
         return MambaConfig.from_dict(
             {**json.loads((ROOT / "launch/models/tiny-mamba2.json").read_text()), **HYBRIDS[mixer]}
         )
-    return MambaConfig.from_dict(json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()))
+    config = json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text())
+    if mixer == "mamba1":  # the interpreted selective scan's programs are channel blocks: half the width, half the time
+        config["d_model"] //= 2
+    return MambaConfig.from_dict(config)
 
 
 # On the kernels: sequences end inside a chunk (Mamba-2's chunk is 32, the selective scan's 16).
