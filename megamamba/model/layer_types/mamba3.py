@@ -6,7 +6,17 @@ from typing import Optional
 from megamamba.config import MAMBA_LETTER, Mamba3Options, MambaConfig
 from megamamba.model.block import Block
 from megamamba.model.layer_types.base import BlockType
-from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, matmul, norm, tp_reductions
+from megamamba.model.layer_types.costs import (
+    STREAM,
+    Kernel,
+    LayerWork,
+    RankShape,
+    matmul,
+    norm,
+    pair,
+    replicated_gradients,
+    tp_reductions,
+)
 from megamamba.model.layer_types.mlp import MLP_TYPE
 from megamamba.model.mamba3 import Mamba3, check_mamba3_layout
 from megamamba.parallel import TensorParallel
@@ -63,31 +73,67 @@ def mamba3_layer_flops(config: MambaConfig, seq_length: int) -> int:
     return projections + mamba3_scan_flops(1, seq_length, config)
 
 
+def _widths(shape: RankShape) -> tuple:
+    """A rank's (d_inner, nheads, in_proj columns, B/C replicated over TP): heads split over TP, B/C split by
+    group where ngroups divides TP and whole otherwise, the angle columns whole."""
+    model, tp = shape.model, shape.tp
+    o = _options(model)
+    bc = o.ngroups * o.d_state  # B (or C) columns of one MIMO rank
+    replicated = tp > 1 and o.ngroups % tp != 0
+    d_inner, nheads = model.d_inner // tp, model.nheads // tp
+    in_proj = 2 * d_inner + 2 * o.rank * (bc if replicated else bc // tp) + 3 * nheads + o.num_rope_angles
+    return d_inner, nheads, in_proj, replicated
+
+
 def _kept_bytes(shape: RankShape) -> int:
     """The normed input, in_proj's output, the scan's output per rank and the gated output; B̂ and Ĉ, Δ, A, λ
-    and the angle in float32 (what the fused kernels will keep)."""
+    and the angle in float32 (what the fused kernels will keep); a rank's share of each under TP."""
     model, a = shape.model, shape.act
     o = _options(model)
-    h = model.nheads
-    per_token = a * (model.d_model + in_proj_width(model) + (o.rank + 1) * model.d_inner)
+    d_inner, h, in_proj, _ = _widths(shape)
+    per_token = a * (model.d_model + in_proj + (o.rank + 1) * d_inner)
     per_token += STREAM * (2 * h * o.rank * o.d_state + 3 * h + h * o.num_rope_angles)
     return per_token * shape.tokens
+
+
+def _state_passing(shape: RankShape, nheads: int) -> tuple:
+    """Context parallelism (`megamamba.parallel.context.mamba3_slice`): the all-gather of every slice's angle
+    (its document mask and last angle) and, of the previous rank's last token, the x and B̂ halo forward;
+    the all-gather of the SSM state summaries (decay, state); each with its adjoint backward."""
+    if shape.cp == 1:
+        return ()
+    o, mb = _options(shape.model), shape.micro_batch_size
+    angles = shape.cp * mb * (1 + nheads * o.num_rope_angles) * STREAM
+    halo = mb * nheads * o.rank * (o.headdim + o.d_state) * STREAM
+    states = shape.cp * mb * (nheads + nheads * o.headdim * o.d_state) * STREAM
+    return (
+        pair("all_gather", "reduce_scatter", angles, "cp")
+        + pair("send", "send", halo, "cp")
+        + pair("all_gather", "reduce_scatter", states, "cp")
+    )
 
 
 def _work(shape: RankShape) -> LayerWork:
     model, t, a = shape.model, shape.tokens, shape.act
     o = _options(model)
-    h, di = model.nheads, model.d_inner
-    in_proj = matmul(shape, model.d_model, in_proj_width(model))
-    scan_bytes = a * t * (2 * o.rank * di + 2 * h * o.rank * o.d_state + 3 * h + o.num_rope_angles)
-    kernels = (
+    di, h, columns, replicated = _widths(shape)
+    r, n = o.rank, o.d_state
+    in_proj = matmul(shape, model.d_model, columns)
+    scan_bytes = a * t * (2 * r * di + 2 * h * r * n + 3 * h + o.num_rope_angles)
+    kernels: tuple = (
         norm(shape),
         in_proj,
-        Kernel("ssd", mamba3_scan_flops(t, shape.slice_length, model), scan_bytes),
+        Kernel("ssd", mamba3_scan_flops(t, shape.slice_length, model) // shape.tp, scan_bytes),
         Kernel("norm", 0, 3 * a * t * di),
         matmul(shape, di, model.d_model),
     )
-    return LayerWork(kernels, tp_reductions(shape, in_proj))
+    if shape.cp > 1:  # the entering state's contribution Ĉ h0 exp(cumsum ΔA): a float32 einsum
+        entering = Kernel("matmul_fp32", 2 * t * r * di * n, STREAM * t * (2 * r * di + h * r * n), checkpointed=True)
+        kernels += (entering,)
+    # in_proj's whole rows (the angles', and B/C's when replicated) and the B/C norms: gradients summed over TP
+    whole_rows = o.num_rope_angles + (2 * r * o.ngroups * n if replicated else 0)
+    collectives = tp_reductions(shape, in_proj) + replicated_gradients(shape, whole_rows * model.d_model, n, n)
+    return LayerWork(kernels, collectives + _state_passing(shape, h))
 
 
 class Mamba3Type(BlockType):
@@ -109,8 +155,8 @@ class Mamba3Type(BlockType):
         return _kept_bytes(shape)
 
     def mixer_weight_elements(self, shape: RankShape) -> int:
-        model = shape.model
-        return model.d_model * in_proj_width(model) + model.d_inner * model.d_model
+        d_inner, _, in_proj, _ = _widths(shape)
+        return shape.model.d_model * in_proj + d_inner * shape.model.d_model
 
     def mixer_work(self, shape: RankShape) -> LayerWork:
         return _work(shape)

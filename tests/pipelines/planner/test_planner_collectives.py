@@ -1,8 +1,8 @@
 """The planner's collectives per layer are the ones our layers issue: for a whole model's forward, loss and
 backward on 2 gloo ranks under bf16 autocast, the multiset of (kind, bytes) `comm_counter` records equals
 the planner's, under TP with and without sequence parallelism (replicated B/C groups and key/value heads,
-a gated norm spanning ranks, biases, MLPs inside blocks) and under CP (the worst rank: it sends its halo
-and receives one, so rank 0's forward and rank 1's backward)."""
+a gated norm spanning ranks, biases, MLPs inside blocks, Mamba-3 MIMO's whole angle columns and B/C norms) and
+under CP (the worst rank: it sends its halo and receives one, so rank 0's forward and rank 1's backward)."""
 
 import collections
 
@@ -42,6 +42,24 @@ CONFIGS = {
         d_intermediate=64,
         attn_layer_idx=[1],
         attn_cfg={"num_heads": 4, "num_heads_kv": 2, "causal": True},
+    ),
+    # MIMO rank 2 with one B/C group, replicated over TP; the per-head output norm; an MLP layer
+    "mamba3_mimo": MambaConfig(
+        d_model=32,
+        n_layer=2,
+        vocab_size=37,
+        pad_vocab_size_multiple=1,
+        ssm_cfg={
+            "layer": "Mamba3",
+            "d_state": 8,
+            "headdim": 8,
+            "chunk_size": 4,
+            "is_mimo": True,
+            "mimo_rank": 2,
+            "is_outproj_norm": True,
+        },
+        hybrid_layer_pattern="M-",
+        d_intermediate=48,
     ),
 }
 CASES = [(name, tp, cp, sp) for name in CONFIGS for tp, cp, sp in ((2, 1, True), (2, 1, False), (1, 2, False))]

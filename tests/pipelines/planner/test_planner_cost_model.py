@@ -39,9 +39,15 @@ HYBRID = MambaConfig(
     ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 64},
 )
 MAMBA1 = MambaConfig(d_model=96, n_layer=2, vocab_size=257, ssm_cfg={"d_state": 8})
+MAMBA3_MIMO = MambaConfig(
+    d_model=96,
+    n_layer=2,
+    vocab_size=257,
+    ssm_cfg={"layer": "Mamba3", "d_state": 16, "headdim": 16, "chunk_size": 16, "is_mimo": True, "mimo_rank": 2},
+)
 
 
-@pytest.mark.parametrize("config", [HYBRID, MAMBA1], ids=["hybrid", "mamba1"])
+@pytest.mark.parametrize("config", [HYBRID, MAMBA1, MAMBA3_MIMO], ids=["hybrid", "mamba1", "mamba3-mimo"])
 def test_a_layers_kernel_flops_are_the_training_logs_flops(config):
     seq = 256
     shape = RankShape(config, micro_batch_size=2, seq_length=seq)
