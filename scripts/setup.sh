@@ -57,12 +57,6 @@ python -m pip install -q "${upgrade[@]}" -c "$pins" ninja
 python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation "deepspeed>=0.19,<0.20"
 step "installing megamamba (editable), its test tools (pytest, transformers, ruff, mypy) and lm-eval (the eval extra)"
 python -m pip install -q "${upgrade[@]}" -c "$pins" --no-build-isolation -e ".[dev,eval]"
-# Triton 3.6, our H200 benchmark machine's, beside the venv's own: the kernels are compiled with it for
-# sm_90 on this machine (tests/kernels/test_triton_compile.py); only its compiler is used.
-if [ ! -d .venv/triton-3.6/triton ]; then
-  step "installing Triton 3.6 beside the venv's own, for the sm_90 compile test"
-  python -m pip install -q --no-deps --target .venv/triton-3.6 "triton==3.6.0"
-fi
 # mamba_ssm 2.3.2.post1's Python files from its source release (its CUDA extension is never built): the kernel
 # tests and benchmarks run its Triton kernels and PyTorch references beside ours on the same inputs.
 if [ ! -d .venv/mamba_ssm-src/mamba_ssm ]; then

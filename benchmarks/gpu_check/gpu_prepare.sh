@@ -8,7 +8,10 @@
 #   - the Python files of mamba_ssm 2.3.2.post1's source release (.whl/mamba_ssm-src/, copied from the one
 #     scripts/setup.sh fetched), which the benchmarks compare against (its CUDA extension is never built:
 #     the benchmarks stub it);
-#   - Triton's cache, pre-filled for sm_90 with Triton 3.6 (.venv/triton-3.6) for every kernel the
+#   - every kernel the ops launch compiled for sm_90 with Triton 3.6 (installed beside the venv's own, in
+#     .venv/triton-3.6), each within the block limits and without spills (compile_kernels.py; its report
+#     goes to .whl/compile_kernels-3.6.0.json, and a failure stops the preparation);
+#   - Triton's cache, pre-filled for sm_90 with Triton 3.6 for every kernel the
 #     check launches (benchmarks/gpu_check/triton_cache.py; rebuilt each time: it follows the kernel sources),
 #     keyed as the GPU machine's Triton keys it: its key hashes libtriton, which differs between the
 #     Python 3.11 build here and the 3.12 build there, so the 3.12 wheel is fetched to read its hash.
@@ -25,6 +28,11 @@ if [ ! -d .whl/mamba_ssm-src/mamba_ssm ]; then
   mkdir -p .whl/mamba_ssm-src
   cp -r .venv/mamba_ssm-src/mamba_ssm .whl/mamba_ssm-src/
 fi
+if [ ! -d .venv/triton-3.6/triton ]; then
+  python -m pip install -q --no-deps --target .venv/triton-3.6 "triton==3.6.0"
+fi
+env -u TRITON_INTERPRET PYTHONPATH=.venv/triton-3.6 python benchmarks/gpu_check/compile_kernels.py --arch 90 \
+  --json .whl/compile_kernels-3.6.0.json
 rm -f .whl/triton-cache-*.tar.gz
 wheel=$(mktemp -d)
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
