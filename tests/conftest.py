@@ -79,3 +79,11 @@ def _own_compile_cache(tmp_path_factory):
     own folder, not the machine-wide /tmp/torchinductor_$USER that earlier runs of other checkouts and the
     other worker write: no test reads a compiled graph it did not make."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("torchinductor"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests run first, each file's tests in their order: pytest-xdist hands the files to the
+    workers in this order (`--dist loadfile`), so the long launched runs start early and the many short files
+    fill the end, instead of one worker finishing a long file alone on an otherwise idle machine."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
