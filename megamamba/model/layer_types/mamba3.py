@@ -50,11 +50,19 @@ class Mamba3Block(Block):
         )
 
 
-def in_proj_width(config: MambaConfig) -> int:
-    """in_proj's output columns: z, x (d_inner each), B, C (ngroups x rank x d_state each), dd_dt, dd_A, trap
-    (nheads each), the angles."""
+def _bc_replicated(config: MambaConfig, tp: int) -> bool:
+    """Whether every TP rank computes B/C whole: where ngroups does not divide TP."""
+    return tp > 1 and _options(config).ngroups % tp != 0
+
+
+def in_proj_width(config: MambaConfig, tp: int = 1) -> int:
+    """in_proj's output columns on one of `tp` ranks: z, x (d_inner each), B, C (ngroups x rank x d_state each;
+    split by group, or whole where B/C are replicated), dd_dt, dd_A, trap (nheads each) split with the heads;
+    the angles whole."""
     o = _options(config)
-    return 2 * config.d_inner + 2 * o.ngroups * o.rank * o.d_state + 3 * config.nheads + o.num_rope_angles
+    bc = o.ngroups * o.rank * o.d_state
+    bc_here = bc if _bc_replicated(config, tp) else bc // tp
+    return 2 * (config.d_inner // tp) + 2 * bc_here + 3 * (config.nheads // tp) + o.num_rope_angles
 
 
 def mamba3_scan_flops(tokens: int, seq_length: int, config: MambaConfig) -> int:
@@ -74,15 +82,9 @@ def mamba3_layer_flops(config: MambaConfig, seq_length: int) -> int:
 
 
 def _widths(shape: RankShape) -> tuple:
-    """A rank's (d_inner, nheads, in_proj columns, B/C replicated over TP): heads split over TP, B/C split by
-    group where ngroups divides TP and whole otherwise, the angle columns whole."""
+    """A rank's (d_inner, nheads, in_proj columns, B/C replicated over TP)."""
     model, tp = shape.model, shape.tp
-    o = _options(model)
-    bc = o.ngroups * o.d_state  # B (or C) columns of one MIMO rank
-    replicated = tp > 1 and o.ngroups % tp != 0
-    d_inner, nheads = model.d_inner // tp, model.nheads // tp
-    in_proj = 2 * d_inner + 2 * o.rank * (bc if replicated else bc // tp) + 3 * nheads + o.num_rope_angles
-    return d_inner, nheads, in_proj, replicated
+    return model.d_inner // tp, model.nheads // tp, in_proj_width(model, tp), _bc_replicated(model, tp)
 
 
 def _kept_bytes(shape: RankShape) -> int:
