@@ -159,5 +159,8 @@ if __name__ == "__main__":
     try:
         main()
     except SystemExit as stop:
-        exit_without_teardown(stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1)
+        if stop.code is None or isinstance(stop.code, int):
+            exit_without_teardown(stop.code or 0)
+        print(stop.code, file=sys.stderr)  # as Python prints a message given to sys.exit, exit 1
+        exit_without_teardown(1)
     exit_without_teardown(0)
