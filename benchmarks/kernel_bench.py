@@ -7,13 +7,13 @@ float32 with TF32 off (<= 1e-4 relative) and in bfloat16 (<= 1e-2 relative to th
 reference of the same bf16-rounded inputs), including one sequence past 64K tokens.
 Timing: forward and forward+backward of the ops at the shapes of Mamba-2 130M / 370M / 1.3B
 layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1), Mamba-1 layers (d_state 16)
-and Mamba-3 layers at launch/models/mamba3-1.5b.json's width, SISO (chunk 64) and as that model is,
-MIMO of rank 4 (chunk 16), in bf16: per op the bytes and FLOPs it must move at least (`least_work`), the time,
-and the fraction of the roofline that makes against the copy bandwidth and bf16 matmul rate
-measured on the same GPU in the same run (`ceilings`); and the time ratio against mamba_ssm's
-Triton SSD (mamba_chunk_scan_combined) when its Python sources are given (--mamba-ssm-src: the
-unpacked PyPI source release; its CUDA extension is replaced by a stub module) and against our
-PyTorch reference.
+and Mamba-3 layers at launch/models/mamba3-1.5b.json's width, SISO (chunk 64) and as that model
+is, MIMO of rank 4 (chunk 16), in bf16: per op the bytes and FLOPs it must move at least
+(`least_work`), the time, and the fraction of the roofline that makes against the copy bandwidth
+and bf16 matmul rate measured on the same GPU in the same run (`ceilings`); and the time ratio
+against mamba_ssm's Triton SSD (mamba_chunk_scan_combined) when its Python sources are given
+(--mamba-ssm-src: the unpacked PyPI source release; its CUDA extension is replaced by a stub
+module) and against our PyTorch reference.
 megamamba is imported as installed, never from the checkout. A short table is printed last;
 details go to --json (default $OUT/kernels_benchmark.json when OUT is set).
 """
