@@ -2,17 +2,17 @@
 
     results = run_ranks(check_something, world_size=4, args=(seed,))
 
-Each rank is a new Python process (spawn) with the launcher's environment (RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT on a port
-free at start-up), one torch thread, and, unless `init_process_group=False`, the default
-process group already initialised with gloo. `fn` must be a top-level function of an
-importable module (a test module is); its picklable return values come back in rank order.
-The first rank's exception to arrive is re-raised in the caller with that rank's traceback
-attached (the other ranks, often blocked in a collective, are then stopped); a run that
-does not finish within `timeout` seconds is killed and fails, naming the ranks still running.
-Ranks run in strict mode (tests/strict_collectives.py: host tensors in collectives and large
-object collectives fail as they would under NCCL) unless `strict=False`.
-"""
+Each rank is a new process with the caller's environment plus the launcher's (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT on a port free at
+start-up), one torch thread, and, unless `init_process_group=False`, the default process group
+already initialised with gloo. Ranks are forked from a server process that has imported torch and
+DeepSpeed once (`PRELOAD`), rather than each importing them again. `fn` must be a top-level function
+of an importable module (a test module is); its picklable return values come back in rank order. The
+first rank's exception to arrive is re-raised in the caller with that rank's traceback attached (the
+other ranks, often blocked in a collective, are then stopped); a run that does not finish within
+`timeout` seconds is killed and fails, naming the ranks still running. Ranks run in strict mode
+(tests/strict_collectives.py: host tensors in collectives and large object collectives fail as they
+would under NCCL) unless `strict=False`."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ from datetime import timedelta
 from typing import Any
 
 import strict_collectives
+
+# Imported once by the server the ranks are forked from. A rank spawned afresh spent about 4 s of CPU importing
+# these: torch, DeepSpeed, and the TorchDynamo and Inductor modules that DeepSpeed's ZeRO optimizer check and a
+# meta-device model build import; a suite starts hundreds of ranks on two cores.
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "torch._dynamo", "torch._inductor.compile_fx"]
 
 
 class RemoteTraceback(Exception):
@@ -47,7 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, strict, results):
+def _rank_main(fn, args, env, rank, world_size, port, init_process_group, timeout, strict, results):
+    os.environ.clear()  # the forkserver's environment is the caller's as it was when the server started
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -66,6 +73,8 @@ def _rank_main(fn, args, rank, world_size, port, init_process_group, timeout, st
         torch.set_num_threads(1)
         if strict:
             strict_collectives.install()
+        else:
+            strict_collectives.uninstall()
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         try:
@@ -99,27 +108,21 @@ def run_ranks(
     strict: bool = True,
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` ranks; return their results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     port = free_port()
+    env = {**os.environ, strict_collectives.ENV: "1" if strict else "0"}  # read by processes a rank starts
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, tuple(args), r, world_size, port, init_process_group, timeout, strict, results),
+            args=(fn, tuple(args), env, r, world_size, port, init_process_group, timeout, strict, results),
             name=f"rank{r}",
         )
         for r in range(world_size)
     ]
-    previous = os.environ.get(strict_collectives.ENV)
-    os.environ[strict_collectives.ENV] = "1" if strict else "0"  # read by tests/strict_site at start-up
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if previous is None:
-            del os.environ[strict_collectives.ENV]
-        else:
-            os.environ[strict_collectives.ENV] = previous
+    for p in procs:
+        p.start()
     outcome: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
     try:
