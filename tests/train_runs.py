@@ -3,7 +3,8 @@ whichever xdist worker asks first (tests/run_cache.py).
 
 Models: the tiny Mamba-1 / Mamba-2 / hybrid configs of launch/models with n_layer = 3, which two
 pipeline stages cannot split evenly; the hybrid's 3 layers are one of each kind ("M*-"), with one
-key/value head, which TP 2 replicates. Runs go through the real `deepspeed` launcher (`launched`)
+key/value head, which TP 2 replicates; "mamba3-mimo-hybrid" is tiny-mamba3-hybrid.json with
+tiny-mamba3-mimo.json's ssm_cfg. Runs go through the real `deepspeed` launcher (`launched`)
 or through ranks spawned directly by tests/distributed.py (`spawned`), both on gloo. The fixtures
 `train_runs`, `train_reference` and `packed_documents` serve every test (tests/conftest.py).
 """
@@ -65,7 +66,12 @@ class Runs:
     def model_config(self, mixer: str) -> str:
         path = self.root / f"tiny-{mixer}-{N_LAYER}l.json"
         if not path.exists():
-            config = {**json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text()), "n_layer": N_LAYER}
+            if mixer == "mamba3-mimo-hybrid":  # the Mamba-3 hybrid with MIMO layers
+                config = json.loads((ROOT / "launch/models/tiny-mamba3-hybrid.json").read_text())
+                config["ssm_cfg"] = json.loads((ROOT / "launch/models/tiny-mamba3-mimo.json").read_text())["ssm_cfg"]
+            else:
+                config = json.loads((ROOT / f"launch/models/tiny-{mixer}.json").read_text())
+            config["n_layer"] = N_LAYER
             if mixer == "hybrid":
                 config.update(hybrid_layer_pattern=HYBRID_PATTERN, attn_cfg={**config["attn_cfg"], "num_heads_kv": 1})
             write_atomically(path, json.dumps(config))
