@@ -83,6 +83,24 @@ def _norm(v: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def check_inputs(B, C, dd_dt, dd_A, trap, angles, B_bias, C_bias, initial_angle) -> None:
+    """Refuse inputs whose shapes `mamba3_scan_inputs` cannot read, naming the tensor and the shape it needs."""
+    batch, seqlen, rank, ngroups, dstate = B.shape
+    nheads = dd_dt.shape[-1]
+    nangles = angles.shape[-1]
+    check_shape("C", C, B.shape, "(batch, seqlen, rank, ngroups, dstate) like B")
+    for name, t in (("dd_dt", dd_dt), ("dd_A", dd_A), ("trap", trap)):
+        check_shape(name, t, (batch, seqlen, nheads), "(batch, seqlen, nheads)")
+    check_shape("B_bias", B_bias, (nheads, rank, dstate), "(nheads, rank, dstate)")
+    check_shape("C_bias", C_bias, (nheads, rank, dstate), "(nheads, rank, dstate)")
+    if nheads % ngroups:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
+    if not 0 < nangles <= dstate // 2:
+        raise ValueError(f"angles has {nangles} angles; rotating pairs of dstate={dstate} allows 1 .. {dstate // 2}")
+    if initial_angle is not None:
+        check_shape("initial_angle", initial_angle, (batch, nheads, nangles), "(batch, nheads, nangles)")
+
+
 def mamba3_scan_inputs(
     B,
     C,
@@ -110,21 +128,10 @@ def mamba3_scan_inputs(
     h // (nheads / ngroups). seq_idx (batch, seqlen) document ids restart the angle; initial_angle
     (batch, nheads, nangles) continues the first document's.
     """
+    check_inputs(B, C, dd_dt, dd_A, trap, angles, B_bias, C_bias, initial_angle)
     ct = compute_dtype(B)
     batch, seqlen, rank, ngroups, dstate = B.shape
     nheads = dd_dt.shape[-1]
-    nangles = angles.shape[-1]
-    check_shape("C", C, B.shape, "(batch, seqlen, rank, ngroups, dstate) like B")
-    for name, t in (("dd_dt", dd_dt), ("dd_A", dd_A), ("trap", trap)):
-        check_shape(name, t, (batch, seqlen, nheads), "(batch, seqlen, nheads)")
-    check_shape("B_bias", B_bias, (nheads, rank, dstate), "(nheads, rank, dstate)")
-    check_shape("C_bias", C_bias, (nheads, rank, dstate), "(nheads, rank, dstate)")
-    if nheads % ngroups:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
-    if not 0 < nangles <= dstate // 2:
-        raise ValueError(f"angles has {nangles} angles; rotating pairs of dstate={dstate} allows 1 .. {dstate // 2}")
-    if initial_angle is not None:
-        check_shape("initial_angle", initial_angle, (batch, nheads, nangles), "(batch, nheads, nangles)")
 
     def heads(v, weight, bias):
         v = _norm(v.to(ct), weight.to(ct), norm_eps).repeat_interleave(nheads // ngroups, dim=3)
