@@ -8,6 +8,7 @@ import torch
 from . import ops
 from .choice import backend  # noqa: F401  (the choice, as this module has always offered it)
 from .reference.mamba3 import ScanState
+from .reference.mamba3_inputs import ScanInputs
 from .reference.selective_scan import _as_groups
 from .reference.selective_scan import _check as _check_selective_scan
 
@@ -112,6 +113,35 @@ def mamba3_scan(x, dt, A, lam, B, C, chunk_size, D=None, initial_state=None, seq
     initial = (None, None, None) if initial_state is None else tuple(initial_state)
     y, ssm, last_x, last_B = ops.mamba3_scan(x, dt, A, lam, B, C, chunk_size, D, *initial, seq_idx, _autocast(x))
     return (y, ScanState(ssm, last_x, last_B)) if return_final_state else y
+
+
+def mamba3_scan_inputs(
+    B,
+    C,
+    dd_dt,
+    dd_A,
+    trap,
+    angles,
+    dt_bias,
+    B_norm_weight,
+    C_norm_weight,
+    B_bias,
+    C_bias,
+    A_floor,
+    a_activation="heavy_tail",
+    rotation="adjacent",
+    norm_eps=1e-5,
+    seq_idx=None,
+    initial_angle=None,
+) -> ScanInputs:
+    """Mamba-3's preprocessing, in_proj's raw columns -> the scan's inputs, with the arguments and results of
+    the reference's `mamba3_scan_inputs` (megamamba.kernels.reference.mamba3_inputs); Triton fuses it into
+    one kernel (megamamba.kernels.triton.mamba3_inputs)."""
+    outputs = ops.mamba3_scan_inputs(
+        B, C, dd_dt, dd_A, trap, angles, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, float(A_floor),
+        a_activation, rotation, float(norm_eps), seq_idx, initial_angle, _autocast(B),
+    )  # fmt: skip
+    return ScanInputs(*outputs)
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, activation=None):

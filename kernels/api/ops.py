@@ -22,6 +22,7 @@ from .reference.common import compute_dtype
 from .reference.conv import causal_conv1d as reference_causal_conv1d
 from .reference.mamba3 import ScanState
 from .reference.mamba3 import mamba3_scan_chunked as reference_mamba3_scan
+from .reference.mamba3_inputs import mamba3_scan_inputs as reference_mamba3_scan_inputs
 from .reference.norm import rmsnorm_gated as reference_rmsnorm_gated
 from .reference.selective_scan import selective_scan as reference_selective_scan
 from .reference.ssd import ssd_chunk_scan as reference_ssd_chunk_scan
@@ -609,6 +610,148 @@ def _mamba3_backward(ctx, dy, dssm, dlast_x, dlast_B):
 mamba3_scan.register_autograd(_mamba3_backward, setup_context=_mamba3_setup)
 
 
+# ---- mamba3_scan_inputs -------------------------------------------------------------------------
+
+_MAMBA3_PREPROCESSED = (
+    "B", "C", "dd_dt", "dd_A", "trap", "angles", "dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias",
+    "initial_angle",
+)  # fmt: skip
+
+
+def _mamba3_inputs_on_triton(B: Tensor) -> bool:
+    """Whether Triton preprocesses: on the Triton backend, in float32 (float64 stays on the reference)."""
+    return backend(B) == "triton" and compute_dtype(B) == torch.float32
+
+
+@torch.library.custom_op("megamamba::mamba3_scan_inputs", mutates_args=())
+def mamba3_scan_inputs(
+    B: Tensor,
+    C: Tensor,
+    dd_dt: Tensor,
+    dd_A: Tensor,
+    trap: Tensor,
+    angles: Tensor,
+    dt_bias: Tensor,
+    B_norm_weight: Tensor,
+    C_norm_weight: Tensor,
+    B_bias: Tensor,
+    C_bias: Tensor,
+    A_floor: float,
+    a_activation: str,
+    rotation: str,
+    norm_eps: float,
+    seq_idx: Optional[Tensor],
+    initial_angle: Optional[Tensor],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Mamba-3's scan inputs (B̂, Ĉ, Δ, A, λ, the angle) in B's compute dtype."""
+    args = (B, C, dd_dt, dd_A, trap, angles, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, A_floor)
+    if _mamba3_inputs_on_triton(B):
+        out = triton("mamba3_inputs").forward(*args, a_activation, rotation, norm_eps, seq_idx, initial_angle)
+    else:
+        with autocast_to(B.device.type, autocast):
+            out = reference_mamba3_scan_inputs(*args, a_activation, rotation, norm_eps, seq_idx, initial_angle)
+    return out.B, out.C, out.dt, out.A, out.lam, out.angle
+
+
+@mamba3_scan_inputs.register_fake
+def _(B, C, dd_dt, dd_A, trap, angles, *rest):
+    batch, seqlen, rank, _, dstate = B.shape
+    nheads, nangles = dd_dt.shape[-1], angles.shape[-1]
+    dtype = compute_dtype(B)
+    shapes = [(batch, seqlen, nheads, rank, dstate)] * 2 + [(batch, seqlen, nheads)] * 3
+    return tuple(B.new_empty(shape, dtype=dtype) for shape in (*shapes, (batch, seqlen, nheads, nangles)))
+
+
+@torch.library.custom_op("megamamba::mamba3_scan_inputs_backward", mutates_args=())
+def mamba3_scan_inputs_backward(
+    dB_hat: Optional[Tensor],
+    dC_hat: Optional[Tensor],
+    ddt: Optional[Tensor],
+    dA: Optional[Tensor],
+    dlam: Optional[Tensor],
+    dangle: Optional[Tensor],
+    angle: Tensor,
+    B: Tensor,
+    C: Tensor,
+    dd_dt: Tensor,
+    dd_A: Tensor,
+    trap: Tensor,
+    angles: Tensor,
+    dt_bias: Tensor,
+    B_norm_weight: Tensor,
+    C_norm_weight: Tensor,
+    B_bias: Tensor,
+    C_bias: Tensor,
+    A_floor: float,
+    a_activation: str,
+    rotation: str,
+    norm_eps: float,
+    seq_idx: Optional[Tensor],
+    initial_angle: Optional[Tensor],
+    autocast: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of `mamba3_scan_inputs`'s tensors given its outputs' (None: unused); `angle` is its
+    angle output."""
+    output_grads = (dB_hat, dC_hat, ddt, dA, dlam, dangle)
+    if _mamba3_inputs_on_triton(B):
+        grads = triton("mamba3_inputs").backward(
+            output_grads, angle, B, C, dd_dt, dd_A, trap, angles, dt_bias, B_norm_weight, C_norm_weight,
+            B_bias, C_bias, A_floor, a_activation, rotation, norm_eps, seq_idx,
+        )  # fmt: skip
+        return _all_or_absent((*grads[:-1], None if initial_angle is None else grads[-1]), B)
+    tensors = dict(
+        B=B,
+        C=C,
+        dd_dt=dd_dt,
+        dd_A=dd_A,
+        trap=trap,
+        angles=angles,
+        dt_bias=dt_bias,
+        B_norm_weight=B_norm_weight,
+        C_norm_weight=C_norm_weight,
+        B_bias=B_bias,
+        C_bias=C_bias,
+        seq_idx=seq_idx,
+        initial_angle=initial_angle,
+    )
+    options = dict(A_floor=A_floor, a_activation=a_activation, rotation=rotation, norm_eps=norm_eps)
+    grads = reference_grads(
+        reference_mamba3_scan_inputs, tensors, options, output_grads, autocast, _MAMBA3_PREPROCESSED
+    )
+    return _all_or_absent(grads, B)
+
+
+@mamba3_scan_inputs_backward.register_fake
+def _(dB_hat, dC_hat, ddt, dA, dlam, dangle, angle, B, C, dd_dt, dd_A, trap, angles, dt_bias, *rest):
+    B_norm_weight, C_norm_weight, B_bias, C_bias, _, _, _, _, _, initial_angle, _ = rest
+    return _grads_like(
+        (B, C, dd_dt, dd_A, trap, angles, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, initial_angle)
+    )
+
+
+def _mamba3_inputs_setup(ctx, inputs, output):
+    tensors, options = inputs[:11], inputs[11:15]
+    seq_idx, initial_angle, autocast = inputs[15:]
+    ctx.save_for_backward(output[5], *tensors, seq_idx, initial_angle)
+    ctx.options = (*options, autocast)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+
+
+def _mamba3_inputs_backward(ctx, *output_grads):
+    angle, *tensors, seq_idx, initial_angle = ctx.saved_tensors
+    A_floor, a_activation, rotation, norm_eps, autocast = ctx.options
+    grads = mamba3_scan_inputs_backward(
+        *output_grads, angle, *tensors, A_floor, a_activation, rotation, norm_eps, seq_idx, initial_angle, autocast
+    )
+    present = (*tensors, initial_angle)
+    grads = [None if t is None else g for g, t in zip(grads, present)]
+    return (*grads[:11], None, None, None, None, None, grads[11], None)
+
+
+mamba3_scan_inputs.register_autograd(_mamba3_inputs_backward, setup_context=_mamba3_inputs_setup)
+
+
 # ---- selective_scan -----------------------------------------------------------------------------
 
 _SCAN_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
@@ -812,6 +955,8 @@ def _register_flops():
         ops.mamba3_scan_backward: lambda dy, dssm, dlx, dlb, x, dt, A, lam, B, C, chunk_size, *_, **__: (
             flops.BACKWARD * _mamba3(x, B, chunk_size)
         ),
+        ops.mamba3_scan_inputs: lambda *_, **__: 0,
+        ops.mamba3_scan_inputs_backward: lambda *_, **__: 0,
         ops.causal_conv1d: lambda x, weight, *_, **__: _conv(x, weight),
         ops.causal_conv1d_backward: lambda dout, x, weight, *_, **__: flops.BACKWARD * _conv(x, weight),
         ops.rmsnorm_gated: lambda *_, **__: 0,

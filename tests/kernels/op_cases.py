@@ -48,7 +48,22 @@ def op_cases(gen, views: bool):
             leaf(r(*s)) for s in ((b, L, h, p), (b, L, g, n), (b, L, g, n), (b, d, L), (b, 2 * d, L), (b, L, 2 * d))
         )
     seq_idx = documents()
+    # Mamba-3's preprocessing: rank 2, 2 groups of 2 heads, dstate 8, 3 angles; with `views`, the raw columns are
+    # slices of one wider in_proj output, as the mixer passes them.
+    rank, groups, heads, dstate, angles = 2, 2, 4, 8, 3
+    widths = [rank * groups * dstate] * 2 + [heads] * 3 + [angles]
+    if views:
+        columns = r(b, L, sum(widths) + 1)[..., :-1].split(widths, dim=-1)
+    else:
+        columns = tuple(r(b, L, w) for w in widths)
+    raw_B, raw_C = (leaf(t.unflatten(-1, (rank, groups, dstate))) for t in columns[:2])
+    mamba3_inputs = (
+        raw_B, raw_C, *(leaf(t) for t in columns[2:]), leaf(r(heads)), leaf(r(dstate)), leaf(r(dstate)),
+        leaf(r(heads, rank, dstate)), leaf(r(heads, rank, dstate)), 1e-4, "heavy_tail", "halves", 1e-5, seq_idx,
+        leaf(r(b, heads, angles)), None,
+    )  # fmt: skip
     return {
+        "mamba3_scan_inputs": (ops.mamba3_scan_inputs, mamba3_inputs),
         "ssd_chunk_scan": (
             ops.ssd_chunk_scan,
             (
@@ -123,7 +138,22 @@ def backward_cases(gen):
     initial_state = r(b, 6, n)
     chunk_states = ops.selective_scan(*scan, False, False, None, initial_state, None)[2]  # Triton's, or empty
     scan_options = (False, None, initial_state, chunk_states, None)
+    rank, groups, heads, dstate, angles = 1, 1, 2, 6, 3
+    per_head = (b, L, heads)
+    mamba3_inputs = (
+        r(b, L, rank, groups, dstate), r(b, L, rank, groups, dstate), *(r(*per_head) for _ in range(3)),
+        r(b, L, angles), r(heads), r(dstate), r(dstate), r(heads, rank, dstate), r(heads, rank, dstate), 0.5,
+        "softplus", "adjacent", 1e-5, documents(), None, None,
+    )  # fmt: skip
+    mamba3_grads = (
+        r(b, L, heads, rank, dstate).transpose(0, 1).contiguous().transpose(0, 1), None, r(*per_head), None,
+        r(*per_head), r(b, L, heads, angles),
+    )  # fmt: skip
     return {
+        "mamba3_scan_inputs_backward": (
+            ops.mamba3_scan_inputs_backward,
+            (*mamba3_grads, torch.rand(b, L, heads, angles, generator=gen) * 6, *mamba3_inputs),
+        ),
         "ssd_chunk_scan_backward": (
             ops.ssd_chunk_scan_backward,
             (
