@@ -2,8 +2,9 @@
 inputs and outputs per head (Lahoti et al., 2026), on one device.
 
 Parameter names, shapes and initialisation are mamba_ssm's `Mamba3`, so its state dicts load unchanged. No
-conv; one in_proj with columns [z, x, B, C, dd_dt, dd_A, trap, angles]. The scan is the kernels' `mamba3_scan`
-(Triton on a GPU, SISO and MIMO; the PyTorch reference otherwise); one-token decoding steps the reference recurrence.
+conv; one in_proj with columns [z, x, B, C, dd_dt, dd_A, trap, angles]. The kernels' `mamba3_scan_inputs` turns
+the columns into the scan's inputs and `mamba3_scan` scans (Triton on a GPU, SISO and MIMO, the preprocessing in
+one fused kernel; the PyTorch reference otherwise); one-token decoding steps the reference recurrence.
 With `tp` the mixer is built whole and `_shard` keeps this rank's heads (B/C split by group where ngroups % TP
 == 0, else replicated; the angle columns and the B/C norms replicated, their gradients summed over TP); with
 `cp` the scan continues the earlier slices (`megamamba.parallel.context.mamba3_slice`).
@@ -17,9 +18,8 @@ from torch import nn
 
 from megamamba.config import Mamba3Options
 from megamamba.errors import LayoutError
-from megamamba.kernels import mamba3_scan
+from megamamba.kernels import mamba3_scan, mamba3_scan_inputs
 from megamamba.kernels.reference.mamba3 import ScanState, mamba3_scan_recurrent
-from megamamba.kernels.reference.mamba3_inputs import mamba3_scan_inputs
 from megamamba.model.mamba1 import sample_dt_bias
 from megamamba.model.norm import RMSNormGated
 from megamamba.parallel import (

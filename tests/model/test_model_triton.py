@@ -21,7 +21,7 @@ def logits_and_grads(model, ids, seq_idx):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2", "Mamba3", "Mamba3-MIMO"])
 def test_triton_kernels_match_reference_in_the_model(tiny_config, layer, monkeypatch):
     """Two blocks: the second's fused pre-norm adds the float32 residual."""
     seed = 51
