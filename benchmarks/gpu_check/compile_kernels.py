@@ -2,19 +2,19 @@
 
     python benchmarks/gpu_check/compile_kernels.py [--arch 90|80] [--json PATH]
 
-The ops run forward and backward on CPU tensors with Triton's launcher replaced by a recorder:
-each launch is specialized as Triton's own launcher would specialize it on the GPU (argument
-types, constexprs, integer and alignment hints, num_warps / num_stages), and every distinct
-specialization is compiled to a cubin for the target. The launches come from the cases the GPU
-benchmark (benchmarks/kernel_bench.py) checks and times, in float32 and bfloat16, past 64K tokens,
-and from a training step of a Mamba-1 and a Mamba-2 layer (float32 and bf16 autocast, with and
-without documents). Each kernel's registers, spilled bytes and shared memory are read from its
-cubin and checked against what one block may use on the target, and the largest grid it was
-launched with against CUDA's grid limits; the occupancy they allow (resident warps per SM) is
-reported. Spills are the per-thread stack frame: a Triton kernel makes no calls and keeps no
-local arrays, so its stack holds only what ptxas spills there (STL/LDL in the SASS; cuobjdump's
-LOCAL column stays 0 for them). Exit 1 if a kernel fails to compile or does not fit; a short
-table is printed last, details go to --json.
+The ops run forward and backward on CPU tensors with Triton's launcher replaced by a recorder: each
+launch is specialized as Triton's own launcher would specialize it on the GPU (argument types,
+constexprs, integer and alignment hints, num_warps / num_stages), and every distinct specialization
+is compiled to a cubin for the target. The launches come from the cases the GPU benchmark
+(benchmarks/kernel_bench.py) checks and times, in float32 and bfloat16, past 64K tokens, and from a
+training step of a Mamba-1 and a Mamba-2 layer (float32 and bf16 autocast, with and without
+documents) and of Mamba-3 SISO and MIMO layers. Each kernel's registers, spilled bytes and shared
+memory are read from its cubin and checked against what one block may use on the target, and the
+largest grid it was launched with against CUDA's grid limits; the occupancy they allow (resident
+warps per SM) is reported. Spills are the per-thread stack frame: a Triton kernel makes no calls and
+keeps no local arrays, so its stack holds only what ptxas spills there (STL/LDL in the SASS;
+cuobjdump's LOCAL column stays 0 for them). Exit 1 if a kernel fails to compile or does not fit; a
+short table is printed last, details go to --json.
 Run it without TRITON_INTERPRET, whose kernels are not compiled.
 """
 
@@ -158,27 +158,41 @@ def op_cases(bench):
     return cases
 
 
+# Mamba-3's preprocessing kernels (the rest of its step launches the SSD kernels the op cases compile): SISO
+# and MIMO, each with bf16 autocast on one step and documents on one, so every flag is compiled both ways.
+MAMBA3_STEPS = (
+    ("Mamba3", {"layer": "Mamba3"}, ((False, True), (True, False))),
+    (
+        "Mamba3 MIMO",
+        {"layer": "Mamba3", "is_mimo": True, "mimo_rank": 4, "chunk_size": 16},
+        ((False, False), (True, True)),
+    ),
+)
+
+
 def model_steps():
     """(case name, step function) for one training step of a two-layer Mamba-1 and Mamba-2 model (the
-    second block adds the residual in its fused pre-norm)."""
+    second block adds the residual in its fused pre-norm), with and without bf16 autocast and documents,
+    and of Mamba-3 SISO and MIMO (MAMBA3_STEPS)."""
     from megamamba.config import MambaConfig
     from megamamba.model.lm import MambaLM
 
+    every = tuple((autocast, docs) for autocast in (False, True) for docs in (False, True))
+    layers = (("Mamba2", {"layer": "Mamba2"}, every), ("Mamba1", {"layer": "Mamba1"}, every), *MAMBA3_STEPS)
     steps = []
-    for layer, ssm in (("Mamba2", {"layer": "Mamba2"}), ("Mamba1", {"layer": "Mamba1"})):
+    for layer, ssm, variants in layers:
         config = MambaConfig.from_dict(dict(d_model=256, n_layer=2, vocab_size=512, ssm_cfg=ssm))
         model = MambaLM(config)
-        for autocast in (False, True):
-            for docs in (False, True):
+        for autocast, docs in variants:
 
-                def step(model=model, autocast=autocast, docs=docs):
-                    ids = torch.randint(0, 512, (2, 600), generator=torch.Generator().manual_seed(0))
-                    seq_idx = (torch.arange(600) >= 250).int().expand(2, 600).contiguous() if docs else None
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                        loss = model(ids[:, :-1], ids[:, 1:], seq_idx=None if seq_idx is None else seq_idx[:, :-1])
-                    loss.backward()
+            def step(model=model, autocast=autocast, docs=docs):
+                ids = torch.randint(0, 512, (2, 600), generator=torch.Generator().manual_seed(0))
+                seq_idx = (torch.arange(600) >= 250).int().expand(2, 600).contiguous() if docs else None
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(ids[:, :-1], ids[:, 1:], seq_idx=None if seq_idx is None else seq_idx[:, :-1])
+                loss.backward()
 
-                steps.append((f"{layer} step{' bf16' if autocast else ''}{' docs' if docs else ''}", step))
+            steps.append((f"{layer} step{' bf16' if autocast else ''}{' docs' if docs else ''}", step))
     return steps
 
 

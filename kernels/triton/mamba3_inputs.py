@@ -1,12 +1,12 @@
 """Mamba-3's preprocessing on Triton: in_proj's raw columns -> the scan's inputs in one kernel, and its
 backward in another (the reference is kernels/reference/mamba3_inputs.py).
 
-One program per (sequence, head) walks the sequence in blocks of tokens. Per token it computes Δ, A and λ,
-adds Δ·π·tanh(angles) to the running angle (a segmented scan: a document start restarts it, the carry
-between blocks is the angle so far, modulo 2π) and normalises, biases and rotates each MIMO channel of B
-and C. Every state dimension holds its own copy of its pair's angle, and reads its partner's value by a
-second load, so the rotation needs no shuffle between lanes. The backward walks the blocks in reverse:
-the angle's gradient is the reverse segmented sum of what the rotations and the angle output receive.
+One program per (sequence, head) walks the sequence in blocks of tokens (16, fewer for a wide state). Per
+token it computes Δ, A and λ, adds Δ·π·tanh(angles) to the running angle (a segmented scan: a document start
+restarts it, the carry between blocks is the angle so far, modulo 2π) and normalises, biases and rotates each
+MIMO channel of B and C. Every state dimension holds its own copy of its pair's angle, and reads its partner's
+value by a second load, so the rotation needs no shuffle between lanes. The backward walks the blocks in
+reverse: the angle's gradient is the reverse segmented sum of what the rotations and the angle output receive.
 What many programs share (the B/C norm weights, the biases, dt_bias, the heads' shared angle columns, B/C
 columns read by several heads) is written per program and summed in PyTorch.
 """
@@ -22,7 +22,14 @@ from ..reference.mamba3_inputs import A_ACTIVATIONS, ROTATIONS, ScanInputs, chec
 from . import common
 from .common import block, document_counters, softplus
 
-BLOCK_T = 16
+# Tokens per block: 16, fewer where a wide state would make a (tokens, dstate) tile hold more than TILE elements,
+# 4 per thread in the forward (4 warps) and 2 in the backward (8 warps), which holds a dozen such tiles. At dstate
+# 128 with 16 tokens and 4 warps the backward spilled at 255 registers, and neither kernel kept 16 warps per SM.
+TILE, BACKWARD_WARPS = 512, 8
+
+
+def _tokens_per_block(dstate: int) -> int:
+    return max(1, min(16, TILE // block(dstate)))
 
 
 @triton.jit
@@ -56,13 +63,11 @@ def _tanh(v):
 
 
 @triton.jit
-def _keep(doc_ptr, b, t, t_mask, seqlen, HAS_DOC: tl.constexpr):
+def _keep(doc_ptr, b, t, t_mask, seqlen):
     """1 where token t continues the document of token t - 1 (and at t = 0), else 0."""
-    if HAS_DOC:
-        doc = tl.load(doc_ptr + b * seqlen + t, mask=t_mask, other=0)
-        prev = tl.load(doc_ptr + b * seqlen + t - 1, mask=t_mask & (t > 0), other=0)
-        return tl.where((t > 0) & (doc != prev), 0.0, 1.0)
-    return tl.full(t.shape, 1.0, tl.float32)
+    doc = tl.load(doc_ptr + b * seqlen + t, mask=t_mask, other=0)
+    prev = tl.load(doc_ptr + b * seqlen + t - 1, mask=t_mask & (t > 0), other=0)
+    return tl.where((t > 0) & (doc != prev), 0.0, 1.0)
 
 
 @triton.jit
@@ -118,9 +123,12 @@ def _inputs_fwd_kernel(
         t_rot = t_mask[:, None] & rotated[None, :]
         a = tl.load(ang_ptr + b * sgb + t[:, None] * sgt + pair[None, :], mask=t_rot, other=0.0).to(tl.float32)
         increment = dt[:, None] * math.pi * _tanh(a)
-        keep = tl.broadcast_to(_keep(doc_ptr, b, t, t_mask, seqlen, HAS_DOC)[:, None], (BLOCK_T, BLOCK_N))
-        reached, total = tl.associative_scan((keep, increment), 0, _combine)
-        total += reached * carry[None, :]
+        if HAS_DOC:
+            keep = tl.broadcast_to(_keep(doc_ptr, b, t, t_mask, seqlen)[:, None], (BLOCK_T, BLOCK_N))
+            reached, total = tl.associative_scan((keep, increment), 0, _combine)
+            total += reached * carry[None, :]
+        else:
+            total = tl.cumsum(increment, axis=0) + carry[None, :]
         angle = total - 2 * math.pi * tl.floor(total / (2 * math.pi))
         last = tl.minimum(t0 + BLOCK_T, seqlen) - 1
         carry = tl.sum(tl.where((t == last)[:, None], angle, 0.0), axis=0)
@@ -128,7 +136,7 @@ def _inputs_fwd_kernel(
 
         cos, sin = tl.cos(angle), tl.sin(angle)
         tn_mask = t_mask[:, None] & n_mask[None, :]
-        for r in tl.static_range(RANK):
+        for r in range(RANK):
             rows = out[:, None] * RANK * DSTATE + r * DSTATE
             for_B = b * sbb + t[:, None] * sbt + r * sbr + g * sbg
             _, _, _, u, up = _normed(B_ptr, wB_ptr, bB_ptr + h * RANK * DSTATE, r, n, partner, n_mask, rotated,
@@ -204,7 +212,7 @@ def _inputs_bwd_kernel(
         d_angle = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         if HAS_GRAD_ANGLE:
             d_angle += tl.load(gang_ptr + out[:, None] * NANGLES + pair[None, :], mask=t_rot, other=0.0)
-        for r in tl.static_range(RANK):
+        for r in range(RANK):
             rows = out[:, None] * RANK * DSTATE + r * DSTATE
             in_rank = (ranks == r)[:, None]
             for_B = b * sbb + t[:, None] * sbt + r * sbr + g * sbg
@@ -221,10 +229,13 @@ def _inputs_bwd_kernel(
             dbC += tl.where(in_rank, db[None, :], 0.0)
 
         # the reverse segmented sum: an angle's increment moves every later angle of its document
-        keep_next = tl.where(t + 1 < seqlen, _keep(doc_ptr, b, t + 1, t + 1 < seqlen, seqlen, HAS_DOC), 0.0)
-        keep_next = tl.broadcast_to(keep_next[:, None], (BLOCK_T, BLOCK_N))
-        reached, d_increment = tl.associative_scan((keep_next, d_angle), 0, _combine, reverse=True)
-        d_increment += reached * carry[None, :]
+        if HAS_DOC:
+            keep_next = tl.where(t + 1 < seqlen, _keep(doc_ptr, b, t + 1, t + 1 < seqlen, seqlen), 0.0)
+            keep_next = tl.broadcast_to(keep_next[:, None], (BLOCK_T, BLOCK_N))
+            reached, d_increment = tl.associative_scan((keep_next, d_angle), 0, _combine, reverse=True)
+            d_increment += reached * carry[None, :]
+        else:  # the rows past the sequence's end hold no gradient
+            d_increment = tl.cumsum(d_angle, axis=0, reverse=True) + carry[None, :]
         carry = tl.sum(tl.where((t == t0)[:, None], d_increment, 0.0), axis=0)
 
         v_dt = tl.load(ddt_ptr + b * sdb + t * sdt + h, mask=t_mask, other=0.0).to(tl.float32) + dt_bias
@@ -303,7 +314,8 @@ def forward(
         Bh, Ch, dt, A, lam, angle,
         seqlen, nheads, nheads // ngroups, A_floor, norm_eps,
         *_strides(B, C, dd_dt, dd_A, trap, angles), *angles.stride()[:2],
-        RANK=rank, DSTATE=dstate, NANGLES=nangles, BLOCK_N=block(dstate), BLOCK_T=BLOCK_T,
+        RANK=rank, DSTATE=dstate, NANGLES=nangles, BLOCK_N=block(dstate),
+        BLOCK_T=_tokens_per_block(dstate),
         HALVES=rotation == "halves", HEAVY_TAIL=a_activation == "heavy_tail", HAS_DOC=doc is not None,
         HAS_INIT=init is not None,
     )  # fmt: skip
@@ -345,8 +357,8 @@ def backward(
         seqlen, nheads, nheads // ngroups, A_floor, norm_eps,
         *_strides(B, C, dd_dt, dd_A, trap, angles), *angles.stride()[:2],
         RANK=rank, RANK_P2=triton.next_power_of_2(rank), DSTATE=dstate, NANGLES=nangles, BLOCK_N=block(dstate),
-        BLOCK_T=BLOCK_T, HALVES=rotation == "halves", HEAVY_TAIL=a_activation == "heavy_tail",
-        HAS_DOC=doc is not None, HAS_GRAD_ANGLE=grads[5] is not None,
+        BLOCK_T=_tokens_per_block(dstate), HALVES=rotation == "halves", HEAVY_TAIL=a_activation == "heavy_tail",
+        HAS_DOC=doc is not None, HAS_GRAD_ANGLE=grads[5] is not None, num_warps=BACKWARD_WARPS,
     )  # fmt: skip
 
     def per_group(d):  # (batch, seqlen, nheads, rank, dstate) -> B's layout, summed over each group's heads

@@ -19,7 +19,7 @@ from benchmark_scripts import load_benchmark
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check", "compile_kernels.py")
-TRITON_MODULES = ("ssd", "selective_scan", "conv", "norm", "add_norm")
+TRITON_MODULES = ("ssd", "selective_scan", "conv", "norm", "add_norm", "mamba3_inputs")
 
 
 def compiler_env():
