@@ -8,7 +8,7 @@ reference of the same bf16-rounded inputs), including one sequence past 64K toke
 Timing: forward and forward+backward of the ops at the shapes of Mamba-2 130M / 370M / 1.3B
 layers (16K tokens, headdim 64, d_state 128, chunk 256, ngroups 1), Mamba-1 layers (d_state 16)
 and Mamba-3 layers at launch/models/mamba3-1.5b.json's width, SISO (chunk 64) and as that model
-is, MIMO of rank 4 (chunk 16), in bf16: per op the bytes and FLOPs it must move at least
+is, MIMO of rank 4 (chunk 16), the scan and its preprocessing, in bf16: per op the bytes and FLOPs it must move at least
 (`least_work`), the time, and the fraction of the roofline that makes against the copy bandwidth
 and bf16 matmul rate measured on the same GPU in the same run (`ceilings`); and the time ratio
 against mamba_ssm's Triton SSD (mamba_chunk_scan_combined) when its Python sources are given
@@ -181,6 +181,42 @@ def mamba3_inputs(shape, dtype, device, gen, docs=False):
     return t, kwargs
 
 
+def mamba3_raw_inputs(shape, dtype, device, gen, docs=False):
+    """Mamba-3's preprocessing inputs: in_proj's raw columns in `dtype` (B and C of one group, dd_dt, dd_A,
+    trap, and dstate / 4 angle columns, rope_fraction 0.5's), the parameters in float32 away from their
+    initial values; SISO rotates adjacent pairs, MIMO halves."""
+    b, L, h, R, n = (shape[k] for k in ("batch", "seqlen", "nheads", "rank", "dstate"))
+    r = functools.partial(torch.randn, generator=gen, device=device)
+    t = dict(
+        B=r(b, L, R, 1, n).to(dtype),
+        C=r(b, L, R, 1, n).to(dtype),
+        dd_dt=r(b, L, h).to(dtype),
+        dd_A=r(b, L, h).to(dtype),
+        trap=r(b, L, h).to(dtype),
+        angles=r(b, L, n // 4).to(dtype),
+        dt_bias=r(h) - 3,
+        B_norm_weight=1 + 0.1 * r(n),
+        C_norm_weight=1 + 0.1 * r(n),
+        B_bias=1 + 0.1 * r(h, R, n),
+        C_bias=1 + 0.1 * r(h, R, n),
+    )
+    kwargs = dict(A_floor=1e-4, rotation="halves" if R > 1 else "adjacent")
+    if docs:
+        kwargs["seq_idx"] = documents(b, L, device)
+    return t, kwargs
+
+
+def angle_as_cos_sin(fn):
+    """fn (a Mamba-3 preprocessing) with its angle output as cosine and sine: an angle is defined modulo 2π, so
+    two that straddle 0 and 2π are the same."""
+
+    def compared(**kwargs):
+        out = fn(**kwargs)
+        return (*out[:5], torch.cos(out.angle), torch.sin(out.angle))
+
+    return compared
+
+
 def scan_inputs(shape, dtype, device, gen, docs=False):
     b, L, d, n = (shape[k] for k in ("batch", "seqlen", "dim", "dstate"))
     r = functools.partial(torch.randn, generator=gen, device=device)
@@ -245,11 +281,12 @@ def documents(batch, seqlen, device):
 
 def ops():
     """name -> (Triton op, PyTorch reference op)."""
-    from megamamba.kernels import mamba3_scan
+    from megamamba.kernels import mamba3_scan, mamba3_scan_inputs
     from megamamba.kernels import triton as tri
     from megamamba.kernels.reference.add_norm import add_rmsnorm
     from megamamba.kernels.reference.conv import causal_conv1d
     from megamamba.kernels.reference.mamba3 import mamba3_scan_chunked
+    from megamamba.kernels.reference.mamba3_inputs import mamba3_scan_inputs as reference_mamba3_scan_inputs
     from megamamba.kernels.reference.norm import rmsnorm_gated
     from megamamba.kernels.reference.selective_scan import selective_scan
     from megamamba.kernels.reference.ssd import ssd_chunk_scan
@@ -258,6 +295,7 @@ def ops():
         "ssd_chunk_scan": (tri.ssd_chunk_scan, ssd_chunk_scan),
         "selective_scan": (tri.selective_scan, selective_scan),
         "mamba3_scan": (mamba3_scan, mamba3_scan_chunked),  # the op: Triton on CUDA
+        "mamba3_scan_inputs": (mamba3_scan_inputs, reference_mamba3_scan_inputs),
         "causal_conv1d": (tri.causal_conv1d, causal_conv1d),
         "rmsnorm_gated": (tri.rmsnorm_gated, rmsnorm_gated),
         "add_rmsnorm": (tri.add_rmsnorm, add_rmsnorm),
@@ -265,13 +303,14 @@ def ops():
 
 
 def forward_backward(fn, tensors, kwargs, seed=0):
-    """Output and gradients of every float input under a fixed random output gradient."""
+    """Outputs (a tuple) and gradients of every float input under fixed random output gradients."""
     leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items() if v.is_floating_point()}
     out = fn(**{**tensors, **leaves}, **kwargs)
-    gen = torch.Generator(device=out.device).manual_seed(seed)
-    grad = torch.randn(out.shape, generator=gen, device=out.device).to(out.dtype)
-    out.backward(grad)
-    return out.detach(), {k: v.grad for k, v in leaves.items()}
+    outs = out if isinstance(out, tuple) else (out,)
+    gen = torch.Generator(device=outs[0].device).manual_seed(seed)
+    grads = [torch.randn(o.shape, generator=gen, device=o.device).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, grads)
+    return tuple(o.detach() for o in outs), {k: v.grad for k, v in leaves.items()}
 
 
 def compare(name, dtype, triton_fn, reference_fn, tensors, kwargs, tol):
@@ -281,9 +320,10 @@ def compare(name, dtype, triton_fn, reference_fn, tensors, kwargs, tol):
     out, grads = forward_backward(triton_fn, tensors, kwargs)
     ref32 = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
     ref_out, ref_grads = forward_backward(reference_fn, ref32, kwargs)
-    errs = {"out": relative_error(out, ref_out)}
+    names = ["out"] if len(out) == 1 else [f"out{i}" for i in range(len(out))]
+    errs = {name: relative_error(o, r) for name, o, r in zip(names, out, ref_out)}
     errs.update({f"d{k}": relative_error(grads[k], ref_grads[k]) for k in grads})
-    finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
+    finite = all(bool(torch.isfinite(t).all()) for t in (*out, *grads.values()))
     worst = max(errs, key=errs.get)
     return dict(
         op=name,
@@ -316,6 +356,8 @@ def correctness(device):
         cases.append(("selective_scan", dtype, tol, scan_inputs(small1, dtype, device, gen, docs=True)))
         cases.append(("mamba3_scan", dtype, tol, mamba3_inputs(small3, dtype, device, gen, docs=True)))
         cases.append(("mamba3_scan", dtype, tol, mamba3_inputs(mimo3, dtype, device, gen, docs=True)))
+        cases.append(("mamba3_scan_inputs", dtype, tol, mamba3_raw_inputs(small3, dtype, device, gen, docs=True)))
+        cases.append(("mamba3_scan_inputs", dtype, tol, mamba3_raw_inputs(mimo3, dtype, device, gen, docs=True)))
         cases.append(("causal_conv1d", dtype, tol, conv_inputs(2, 384, 1000, dtype, device, gen, docs=True)))
         cases.append(("rmsnorm_gated", dtype, tol, norm_inputs(2000, 512, 256, dtype, device, gen)))
     cases.append(("ssd_chunk_scan", torch.float32, 1e-4, ssd_inputs(long2, torch.float32, device, gen, docs=True)))
@@ -325,7 +367,10 @@ def correctness(device):
     for name, dtype, tol, (tensors, kwargs) in cases:
         start = time.time()
         try:
-            res = compare(name, dtype, *table[name], tensors, kwargs, tol)
+            fns = table[name]
+            if name == "mamba3_scan_inputs":
+                fns = tuple(angle_as_cos_sin(fn) for fn in fns)
+            res = compare(name, dtype, *fns, tensors, kwargs, tol)
         except Exception as exc:  # a kernel that fails to compile or run is reported, not fatal
             res = dict(
                 op=name,
@@ -477,8 +522,15 @@ def timing(device, mamba_ssm_src):
     for name, d_model in MAMBA3_D_MODEL.items():
         shape = mamba3_shape(d_model)
         record("mamba3_scan", f"mamba3-{name}", *mamba3_inputs(shape, dtype, device, gen), extra="reference")
+        record("mamba3_scan_inputs", f"mamba3-{name}", *mamba3_raw_inputs(shape, dtype, device, gen), extra="reference")
         shape = mamba3_shape(d_model, mimo=True)
         record("mamba3_scan", f"mamba3-{name}-mimo", *mamba3_inputs(shape, dtype, device, gen), extra="reference")
+        record(
+            "mamba3_scan_inputs",
+            f"mamba3-{name}-mimo",
+            *mamba3_raw_inputs(shape, dtype, device, gen),
+            extra="reference",
+        )
     # mamba_ssm last: its autotuner compiles and times many configurations on first use, which must
     # not leave our own timings out when the run is cut short.
     for tensors, kwargs, row in ssd_cases if theirs is not None else []:

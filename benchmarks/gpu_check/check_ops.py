@@ -2,23 +2,24 @@
 mamba_ssm's on the same inputs (inputs and layer shapes from benchmarks/kernel_bench.py).
 
 errors   ssd_chunk_scan, selective_scan, causal_conv1d, rmsnorm_gated at a Mamba-2 / Mamba-1 130M
-         layer's training shape (2 x 2048 tokens), and mamba3_scan (SISO and MIMO) at mamba3-1.5b's, in
+         layer's training shape (2 x 2048 tokens), and mamba3_scan and mamba3_scan_inputs (the preprocessing:
+         its first output, B̂, and every input's gradient) (SISO and MIMO) at mamba3-1.5b's, in
          float32 (TF32 off) and bfloat16: the relative error of the output and of each input's
          gradient (one fixed output gradient) against our PyTorch reference in float64 on the same
          rounded inputs, for ours and for theirs. Then benchmarks/bf16_errors.py's comparison: each
          op's bf16 error at seqlens 128, 512, 2048 at a small layer's shape, and a small Mamba-2 LM's
          loss and gradients in bf16 autocast, ours, theirs and the ratio against float64.
 timings  forward and forward+backward milliseconds at the Mamba-2 130M/370M/1.3B, Mamba-1 and Mamba-3
-         (SISO and MIMO, mamba3-1.5b's width) layer shapes (16K tokens, bf16), ours then theirs for each
-         shape, with the bytes and FLOPs each call must move at least and the fraction of the
-         roofline its forward and backward reach, against the copy bandwidth and bf16 matmul rate
-         measured first in the same section.
+         (scan and preprocessing, SISO and MIMO, mamba3-1.5b's width) layer shapes (16K tokens, bf16),
+         ours then theirs for each shape, with the bytes and FLOPs each call must move at least and the
+         fraction of the roofline its forward and backward reach, against the copy bandwidth and bf16
+         matmul rate measured first in the same section.
 
 Theirs: mamba_ssm's mamba_chunk_scan_combined and rmsnorm_fn (Triton); its selective scan is a CUDA
 extension that is not built, so its PyTorch selective_scan_ref stands in for the error and nothing
 for the timing; causal_conv1d is torch's depthwise conv1d + SiLU, what mamba_ssm runs without the
 causal-conv1d package. Mamba-3 is ours alone: mamba_ssm's kernels take the mixer's raw projections,
-not the scan's inputs. In the dry run everything is our reference at tiny shapes.
+not the scan's inputs, and fuse the preprocessing into them. In the dry run everything is our reference at tiny shapes.
 """
 
 import time
@@ -71,13 +72,23 @@ def error_cases(bench, dry):
             f"mamba3-1.5b MIMO {mimo['batch']}x{mimo['seqlen']} docs",
             lambda dt, dev, g: bench.mamba3_inputs(mimo, dt, dev, g, docs=True),
         ),
+        (
+            "mamba3_scan_inputs",
+            f"mamba3-1.5b SISO {siso['batch']}x{siso['seqlen']} docs",
+            lambda dt, dev, g: bench.mamba3_raw_inputs(siso, dt, dev, g, docs=True),
+        ),
+        (
+            "mamba3_scan_inputs",
+            f"mamba3-1.5b MIMO {mimo['batch']}x{mimo['seqlen']} docs",
+            lambda dt, dev, g: bench.mamba3_raw_inputs(mimo, dt, dev, g, docs=True),
+        ),
     ]
 
 
 def errors(results, device, theirs, dry):
     """One record per (op, dtype, output or gradient): ours' and theirs' error against float64."""
     import megamamba.kernels as ours
-    from megamamba.kernels.reference import conv, mamba3, norm, selective_scan, ssd
+    from megamamba.kernels.reference import conv, mamba3, mamba3_inputs, norm, selective_scan, ssd
     from megamamba.testing.numerics import relative_error
 
     oracle = {
@@ -86,6 +97,7 @@ def errors(results, device, theirs, dry):
         "causal_conv1d": conv.causal_conv1d,
         "rmsnorm_gated": norm.rmsnorm_gated,
         "mamba3_scan": mamba3.mamba3_scan_chunked,
+        "mamba3_scan_inputs": mamba3_inputs.mamba3_scan_inputs,
     }
     bench = bf16_errors.load_kernel_benchmark()
     table = bf16_errors.theirs_table(theirs) if theirs else {}
@@ -153,7 +165,7 @@ def cpu_time(fn):
 
 def timing_cases(bench, dry):
     """(op, layer, inputs(device, gen)) at the layer shapes: ssd/conv/norm/add+norm per Mamba-2 size, the Mamba-1
-    scan, then the Mamba-3 scan."""
+    scan, then the Mamba-3 scan and preprocessing."""
     tokens, seqlen = (128, 64) if dry else (bench.TOKENS, 2048)
     sizes2 = {"tiny": 64} if dry else bench.MAMBA2_D_MODEL
     sizes1 = {"tiny": 32} if dry else bench.MAMBA1_D_MODEL
@@ -185,6 +197,9 @@ def timing_cases(bench, dry):
             shape = bench.mamba3_shape(d_model, tokens=tokens, seqlen=seqlen, mimo=mimo)
             label = f"mamba3-{name}{'-mimo' if mimo else ''}"
             cases.append(("mamba3_scan", label, lambda dev, g, s=shape: bench.mamba3_inputs(s, bf16, dev, g)))
+            cases.append(
+                ("mamba3_scan_inputs", label, lambda dev, g, s=shape: bench.mamba3_raw_inputs(s, bf16, dev, g))
+            )
     return cases
 
 

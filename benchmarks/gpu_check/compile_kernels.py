@@ -155,6 +155,10 @@ def op_cases(bench):
         cases.append(
             (f"time Mamba-3 {size} MIMO", "mamba3_scan", bench.mamba3_inputs(shape, torch.bfloat16, "cpu", gen))
         )
+        for label, mimo in ((f"time Mamba-3 {size}", False), (f"time Mamba-3 {size} MIMO", True)):
+            shape = bench.mamba3_shape(d_model, tokens=2 * 2048, mimo=mimo)
+            inputs = bench.mamba3_raw_inputs(shape, torch.bfloat16, "cpu", gen)
+            cases.append((label, "mamba3_scan_inputs", inputs))
     return cases
 
 

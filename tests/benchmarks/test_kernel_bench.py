@@ -104,7 +104,9 @@ def test_timing_measures_every_op_and_compares_ssd_with_mamba_ssm(small_benchmar
         ("add_rmsnorm", "mamba2-tiny"),
         ("selective_scan", "mamba1-tiny"),
         ("mamba3_scan", "mamba3-tiny"),
+        ("mamba3_scan_inputs", "mamba3-tiny"),
         ("mamba3_scan", "mamba3-tiny-mimo"),
+        ("mamba3_scan_inputs", "mamba3-tiny-mimo"),
     ]
     assert rows[0]["vs_mamba_ssm_fwd_bwd"] == 1.0 and rows[0]["vs_reference_fwd_bwd"] == 1.0
     table = small_benchmark.summary([], rows, ceiling)
@@ -133,5 +135,5 @@ def test_roofline_fraction_is_the_longer_of_bytes_and_flops_over_the_time(bench)
 @pytest.mark.slow
 def test_correctness_check_passes_when_the_kernels_are_the_reference(small_benchmark):
     checks = small_benchmark.correctness("cpu")
-    assert len(checks) == 17 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    assert len(checks) == 21 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
     assert {c["dtype"] for c in checks} == {"float32", "bfloat16"}
