@@ -338,31 +338,45 @@ def compare(name, dtype, triton_fn, reference_fn, tensors, kwargs, tol):
     )
 
 
-def correctness(device):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    table = ops()
-    gen = torch.Generator(device=device).manual_seed(0)
-    cases = []
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+def check_cases(device, gen):
+    """(op, dtype, label, (tensors, kwargs)) the correctness check runs: every op in float32 and bf16 at
+    small shapes with documents, then sequences past 64K tokens in float32."""
     small2 = dict(batch=2, seqlen=1000, nheads=8, headdim=64, ngroups=2, dstate=128, chunk=256)
     small1 = dict(batch=2, seqlen=1000, dim=256, dstate=16)
     long2 = dict(batch=1, seqlen=LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
     long1 = dict(batch=1, seqlen=LONG_SEQLEN, dim=64, dstate=16)
     small3 = dict(batch=2, seqlen=1000, nheads=8, rank=1, headdim=64, dstate=128, chunk=MAMBA3_CHUNK)
     mimo3 = {**small3, "rank": MAMBA3_MIMO_RANK, "chunk": MAMBA3_MIMO_CHUNK}
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
-        cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen, docs=True, initial=True)))
-        cases.append(("ssd_chunk_scan", dtype, tol, ssd_inputs(small2, dtype, device, gen)))
-        cases.append(("selective_scan", dtype, tol, scan_inputs(small1, dtype, device, gen, docs=True)))
-        cases.append(("mamba3_scan", dtype, tol, mamba3_inputs(small3, dtype, device, gen, docs=True)))
-        cases.append(("mamba3_scan", dtype, tol, mamba3_inputs(mimo3, dtype, device, gen, docs=True)))
-        cases.append(("mamba3_scan_inputs", dtype, tol, mamba3_raw_inputs(small3, dtype, device, gen, docs=True)))
-        cases.append(("mamba3_scan_inputs", dtype, tol, mamba3_raw_inputs(mimo3, dtype, device, gen, docs=True)))
-        cases.append(("causal_conv1d", dtype, tol, conv_inputs(2, 384, 1000, dtype, device, gen, docs=True)))
-        cases.append(("rmsnorm_gated", dtype, tol, norm_inputs(2000, 512, 256, dtype, device, gen)))
-    cases.append(("ssd_chunk_scan", torch.float32, 1e-4, ssd_inputs(long2, torch.float32, device, gen, docs=True)))
-    cases.append(("selective_scan", torch.float32, 1e-4, scan_inputs(long1, torch.float32, device, gen, docs=True)))
-    cases.append(("causal_conv1d", torch.float32, 1e-4, conv_inputs(1, 64, LONG_SEQLEN, torch.float32, device, gen)))
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cases += [
+            ("ssd_chunk_scan", dtype, "docs+initial", ssd_inputs(small2, dtype, device, gen, docs=True, initial=True)),
+            ("ssd_chunk_scan", dtype, "", ssd_inputs(small2, dtype, device, gen)),
+            ("selective_scan", dtype, "docs", scan_inputs(small1, dtype, device, gen, docs=True)),
+            ("mamba3_scan", dtype, "docs", mamba3_inputs(small3, dtype, device, gen, docs=True)),
+            ("mamba3_scan", dtype, "MIMO docs", mamba3_inputs(mimo3, dtype, device, gen, docs=True)),
+            ("mamba3_scan_inputs", dtype, "docs", mamba3_raw_inputs(small3, dtype, device, gen, docs=True)),
+            ("mamba3_scan_inputs", dtype, "MIMO docs", mamba3_raw_inputs(mimo3, dtype, device, gen, docs=True)),
+            ("causal_conv1d", dtype, "docs", conv_inputs(2, 384, 1000, dtype, device, gen, docs=True)),
+            ("rmsnorm_gated", dtype, "", norm_inputs(2000, 512, 256, dtype, device, gen)),
+        ]
+    f32 = torch.float32
+    return cases + [
+        ("ssd_chunk_scan", f32, "long docs", ssd_inputs(long2, f32, device, gen, docs=True)),
+        ("selective_scan", f32, "long docs", scan_inputs(long1, f32, device, gen, docs=True)),
+        ("causal_conv1d", f32, "long", conv_inputs(1, 64, LONG_SEQLEN, f32, device, gen)),
+    ]
+
+
+def correctness(device):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    table = ops()
+    gen = torch.Generator(device=device).manual_seed(0)
+    cases = [(op, dtype, CHECK_TOLERANCE[dtype], inputs) for op, dtype, _, inputs in check_cases(device, gen)]
     results = []
     for name, dtype, tol, (tensors, kwargs) in cases:
         start = time.time()

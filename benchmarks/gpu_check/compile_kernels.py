@@ -116,32 +116,8 @@ def op_cases(bench):
     """(case name, op name, (tensors, kwargs)) for the benchmark's checks and layer timings, on the CPU."""
     gen = torch.Generator().manual_seed(0)
     cases = []
-    small2 = dict(batch=2, seqlen=1000, nheads=8, headdim=64, ngroups=2, dstate=128, chunk=256)
-    small1 = dict(batch=2, seqlen=1000, dim=256, dstate=16)
-    small3 = dict(batch=2, seqlen=1000, nheads=8, rank=1, headdim=64, dstate=128, chunk=bench.MAMBA3_CHUNK)
-    mimo3 = {**small3, "rank": bench.MAMBA3_MIMO_RANK, "chunk": bench.MAMBA3_MIMO_CHUNK}
-    for dtype in (torch.float32, torch.bfloat16):
-        name = str(dtype).replace("torch.", "")
-        cases += [
-            (
-                f"check {name} docs+initial",
-                "ssd_chunk_scan",
-                bench.ssd_inputs(small2, dtype, "cpu", gen, docs=True, initial=True),
-            ),
-            (f"check {name}", "ssd_chunk_scan", bench.ssd_inputs(small2, dtype, "cpu", gen)),
-            (f"check {name} docs", "selective_scan", bench.scan_inputs(small1, dtype, "cpu", gen, docs=True)),
-            (f"check {name} docs", "causal_conv1d", bench.conv_inputs(2, 384, 1000, dtype, "cpu", gen, docs=True)),
-            (f"check {name}", "rmsnorm_gated", bench.norm_inputs(2000, 512, 256, dtype, "cpu", gen)),
-            (f"check {name} docs", "mamba3_scan", bench.mamba3_inputs(small3, dtype, "cpu", gen, docs=True)),
-            (f"check {name} MIMO docs", "mamba3_scan", bench.mamba3_inputs(mimo3, dtype, "cpu", gen, docs=True)),
-        ]
-    long2 = dict(batch=1, seqlen=bench.LONG_SEQLEN, nheads=4, headdim=64, ngroups=1, dstate=128, chunk=256)
-    long1 = dict(batch=1, seqlen=bench.LONG_SEQLEN, dim=64, dstate=16)
-    cases += [
-        ("check long docs", "ssd_chunk_scan", bench.ssd_inputs(long2, torch.float32, "cpu", gen, docs=True)),
-        ("check long docs", "selective_scan", bench.scan_inputs(long1, torch.float32, "cpu", gen, docs=True)),
-        ("check long", "causal_conv1d", bench.conv_inputs(1, 64, bench.LONG_SEQLEN, torch.float32, "cpu", gen)),
-    ]
+    for op, dtype, label, inputs in bench.check_cases("cpu", gen):
+        cases.append((f"check {str(dtype).replace('torch.', '')} {label}".rstrip(), op, inputs))
     for size, d_model in bench.MAMBA2_D_MODEL.items():
         shape = bench.mamba2_shape(d_model, tokens=2 * 2048)
         cases.append((f"time Mamba-2 {size}", "ssd_chunk_scan", bench.ssd_inputs(shape, torch.bfloat16, "cpu", gen)))
@@ -149,16 +125,11 @@ def op_cases(bench):
         shape = bench.mamba1_shape(d_model, tokens=2 * 2048)
         cases.append((f"time Mamba-1 {size}", "selective_scan", bench.scan_inputs(shape, torch.bfloat16, "cpu", gen)))
     for size, d_model in bench.MAMBA3_D_MODEL.items():
-        shape = bench.mamba3_shape(d_model, tokens=2 * 2048)
-        cases.append((f"time Mamba-3 {size}", "mamba3_scan", bench.mamba3_inputs(shape, torch.bfloat16, "cpu", gen)))
-        shape = bench.mamba3_shape(d_model, tokens=2 * 2048, mimo=True)
-        cases.append(
-            (f"time Mamba-3 {size} MIMO", "mamba3_scan", bench.mamba3_inputs(shape, torch.bfloat16, "cpu", gen))
-        )
-        for label, mimo in ((f"time Mamba-3 {size}", False), (f"time Mamba-3 {size} MIMO", True)):
+        for mimo in (False, True):
             shape = bench.mamba3_shape(d_model, tokens=2 * 2048, mimo=mimo)
-            inputs = bench.mamba3_raw_inputs(shape, torch.bfloat16, "cpu", gen)
-            cases.append((label, "mamba3_scan_inputs", inputs))
+            label = f"time Mamba-3 {size}{' MIMO' if mimo else ''}"
+            cases.append((label, "mamba3_scan", bench.mamba3_inputs(shape, torch.bfloat16, "cpu", gen)))
+            cases.append((label, "mamba3_scan_inputs", bench.mamba3_raw_inputs(shape, torch.bfloat16, "cpu", gen)))
     return cases
 
 
