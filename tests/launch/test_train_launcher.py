@@ -107,7 +107,10 @@ def test_an_invalid_layout_stops_the_launched_job_before_training_with_one_messa
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     message = "train.py: error: ZeRO stage 2 with pipeline parallel size 2"
-    assert (proc.stdout + proc.stderr).count(message) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]  # once per rank
+    # Once per rank that gets that far: DeepSpeed's launch.py kills the other rank when the first one exits (on a
+    # loaded machine before the slower one has printed).
+    count = (proc.stdout + proc.stderr).count(message)
+    assert 1 <= count <= 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "| loss " not in proc.stdout
 
 
