@@ -1,4 +1,5 @@
-"""The multi-rank harness: results in rank order, a rank's exception re-raised, hangs time out."""
+"""The multi-rank harness: results in rank order, ranks see the caller's environment as it is at the call, a
+rank's exception re-raised, hangs time out."""
 
 import os
 import time
@@ -18,6 +19,10 @@ def _rank_summary(scale):
     return dist.get_rank(), dist.get_world_size(), t.item() * scale, os.environ["LOCAL_RANK"], torch.get_num_threads()
 
 
+def _environment_variable(name):
+    return os.environ.get(name)
+
+
 def _fail_on_rank_one():
     if dist.get_rank() == 1:
         raise KeyError("rank one is broken")
@@ -30,6 +35,22 @@ def _hang():
 
 def test_results_come_back_in_rank_order_with_the_launcher_environment():
     assert run_ranks(_rank_summary, 2, args=(10.0,)) == [(0, 2, 10.0, "0", 1), (1, 2, 10.0, "1", 1)]
+
+
+def test_ranks_see_the_callers_environment_as_it_is_at_each_call(monkeypatch):
+    """Ranks fork from a server that starts at a worker's first call with the environment of then: a variable
+    changed or removed later reaches the ranks changed or removed."""
+    name = "MEGAMAMBA_TEST_VARIABLE"
+
+    def seen(world):
+        return run_ranks(_environment_variable, world, args=(name,), init_process_group=False)
+
+    monkeypatch.setenv(name, "first")
+    assert seen(1) == ["first"]
+    monkeypatch.setenv(name, "second")
+    assert seen(2) == ["second", "second"]
+    monkeypatch.delenv(name)
+    assert seen(1) == [None]
 
 
 def test_a_rank_exception_is_reraised_with_its_traceback():
