@@ -89,7 +89,7 @@ def _widths(shape: RankShape) -> tuple:
 
 def _kept_bytes(shape: RankShape) -> int:
     """The normed input, in_proj's output, the scan's output per rank and the gated output; B̂ and Ĉ, Δ, A, λ
-    and the angle in float32 (what the fused kernels will keep); a rank's share of each under TP."""
+    and the angle in float32 (what the fused kernels keep); a rank's share of each under TP."""
     model, a = shape.model, shape.act
     o = _options(model)
     d_inner, h, in_proj, _ = _widths(shape)
