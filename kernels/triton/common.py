@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton ops: output allocation, document counters, launch sizes, softplus."""
+"""Helpers shared by the Triton ops: output allocation, document counters, launch sizes, softplus, the
+combine step of a linear recurrence's scan."""
 
 import functools
 import weakref
@@ -77,3 +78,9 @@ def softplus(v):
     e = tl.exp(-tl.abs(v))
     w = 1.0 + e
     return tl.maximum(v, 0.0) + tl.where(w == 1.0, e, tl.log(w) * (e / (w - 1.0)))
+
+
+@triton.jit
+def combine_steps(a1, b1, a2, b2):
+    """tl.associative_scan's combine for h -> a h + b: step (a1, b1) then step (a2, b2) is h -> a2 (a1 h + b1) + b2."""
+    return a1 * a2, a2 * b1 + b2

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..reference.mamba3_inputs import A_ACTIVATIONS, ROTATIONS, ScanInputs, check_inputs
 from . import common
-from .common import block, document_counters, softplus
+from .common import block, combine_steps, document_counters, softplus
 
 # Tokens per block: 16, fewer where a wide state would make a (tokens, dstate) tile hold more than TILE elements,
 # 4 per thread in the forward (4 warps) and 2 in the backward (8 warps), which holds a dozen such tiles. At dstate
@@ -30,12 +30,6 @@ TILE, BACKWARD_WARPS = 512, 8
 
 def _tokens_per_block(dstate: int) -> int:
     return max(1, min(16, TILE // block(dstate)))
-
-
-@triton.jit
-def _combine(a1, b1, a2, b2):
-    """Step (a1, b1) then step (a2, b2): h -> a2 (a1 h + b1) + b2."""
-    return a1 * a2, a2 * b1 + b2
 
 
 @triton.jit
@@ -125,7 +119,7 @@ def _inputs_fwd_kernel(
         increment = dt[:, None] * math.pi * _tanh(a)
         if HAS_DOC:
             keep = tl.broadcast_to(_keep(doc_ptr, b, t, t_mask, seqlen)[:, None], (BLOCK_T, BLOCK_N))
-            reached, total = tl.associative_scan((keep, increment), 0, _combine)
+            reached, total = tl.associative_scan((keep, increment), 0, combine_steps)
             total += reached * carry[None, :]
         else:
             total = tl.cumsum(increment, axis=0) + carry[None, :]
@@ -232,7 +226,7 @@ def _inputs_bwd_kernel(
         if HAS_DOC:
             keep_next = tl.where(t + 1 < seqlen, _keep(doc_ptr, b, t + 1, t + 1 < seqlen, seqlen), 0.0)
             keep_next = tl.broadcast_to(keep_next[:, None], (BLOCK_T, BLOCK_N))
-            reached, d_increment = tl.associative_scan((keep_next, d_angle), 0, _combine, reverse=True)
+            reached, d_increment = tl.associative_scan((keep_next, d_angle), 0, combine_steps, reverse=True)
             d_increment += reached * carry[None, :]
         else:  # the rows past the sequence's end hold no gradient
             d_increment = tl.cumsum(d_angle, axis=0, reverse=True) + carry[None, :]

@@ -9,12 +9,7 @@ import triton
 import triton.language as tl
 
 from . import common
-
-
-@triton.jit
-def _combine(a1, b1, a2, b2):
-    """Step (a1, b1) then step (a2, b2): h -> a2 (a1 h + b1) + b2."""
-    return a1 * a2, a2 * b1 + b2
+from .common import combine_steps
 
 
 @triton.jit
@@ -165,7 +160,7 @@ def _scan_fwd_kernel(
             delta_ptr, bias, a, doc_ptr, b, d, d_mask, t, t_mask, sdb, sdd, sdl, sqb, HAS_BIAS, SOFTPLUS, HAS_DOC
         )
         inp = (dl * u)[:, :, None] * _bc(b_ptr, b, g, d, d_mask, n, n_mask, t, t_mask, sbb, sbg, sbn, sbl, B_CONST)
-        prod, acc = tl.associative_scan((decay, inp), 0, _combine)
+        prod, acc = tl.associative_scan((decay, inp), 0, combine_steps)
         hs = prod * h[None, :, :] + acc
         y = tl.sum(hs * _bc(c_ptr, b, g, d, d_mask, n, n_mask, t, t_mask, scb, scg, scn, scl, C_CONST), axis=2)
         if HAS_D:
@@ -289,7 +284,7 @@ def _scan_bwd_kernel(
         bt = _bc(b_ptr, b, g, d, d_mask, n, n_mask, t, t_mask, sbb, sbg, sbn, sbl, B_CONST)
         ct = _bc(c_ptr, b, g, d, d_mask, n, n_mask, t, t_mask, scb, scg, scn, scl, C_CONST)
         inp = (dl * u)[:, :, None] * bt
-        prod, acc = tl.associative_scan((decay, inp), 0, _combine)
+        prod, acc = tl.associative_scan((decay, inp), 0, combine_steps)
         hs = prod * h0[None, :, :] + acc
         grad = tl.load(dout_ptr + b * sgb + d[None, :] * sgd + t[:, None] * sgl, mask=td_mask, other=0.0).to(tl.float32)
         if HAS_Z:
@@ -329,7 +324,7 @@ def _scan_bwd_kernel(
             SOFTPLUS,
             HAS_DOC,
         )
-        prod, acc = tl.associative_scan((decay_next, grad[:, :, None] * ct), 0, _combine, reverse=True)
+        prod, acc = tl.associative_scan((decay_next, grad[:, :, None] * ct), 0, combine_steps, reverse=True)
         dh = tl.where(t_mask[:, None, None], prod * w[None, :, :] + acc, 0.0)
         w = decay_first * _row(dh, steps, 0)
         dh_b = tl.sum(dh * bt, axis=2)
