@@ -16,6 +16,7 @@ from bf16_checks import assert_within_theirs, errors_of
 from megamamba.kernels import flops, ops
 from megamamba.kernels.reference.mamba3 import ScanState, mamba3_scan_chunked, mamba3_scan_recurrent
 from megamamba.kernels.triton import mamba3 as triton_mamba3
+from triton_calls import triton_forward_and_backward_run
 
 pytestmark = pytest.mark.usefixtures("poisoned_buffers", "triton_backend")
 BATCH, SEQLEN, NHEADS, HEADDIM, DSTATE, CHUNK = 2, 37, 3, 8, 16, 16
@@ -26,13 +27,8 @@ MIMO_RANK = 3
 @pytest.fixture
 def triton_backend(monkeypatch):
     """The op runs Triton on CPU tensors; the test fails unless Triton's forward and backward really ran."""
-    monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
-    calls = set()
-    for name in ("forward", "backward"):
-        fn = getattr(triton_mamba3, name)
-        monkeypatch.setattr(triton_mamba3, name, lambda *a, _fn=fn, _name=name, **k: calls.add(_name) or _fn(*a, **k))
-    yield
-    assert calls == {"forward", "backward"}, f"of Triton's Mamba-3 scan only {sorted(calls)} ran"
+    with triton_forward_and_backward_run(monkeypatch, triton_mamba3, "Mamba-3 scan"):
+        yield
 
 
 def inputs(seed, *, initial_state, low_precision=None, rank=1):

@@ -15,6 +15,7 @@ from bf16_checks import assert_within_theirs, errors_of
 from megamamba.kernels import mamba3_scan_inputs
 from megamamba.kernels.reference import mamba3_inputs as reference
 from megamamba.kernels.triton import mamba3_inputs as triton_inputs
+from triton_calls import triton_forward_and_backward_run
 
 pytestmark = pytest.mark.usefixtures("poisoned_buffers", "triton_backend")
 BATCH, SEQLEN, DSTATE = 2, 37, 16
@@ -26,13 +27,8 @@ MIMO = dict(rank=3, ngroups=2, nheads=4, nangles=8, rotation="halves", a_activat
 @pytest.fixture
 def triton_backend(monkeypatch):
     """The op runs Triton on CPU tensors; the test fails unless Triton's forward and backward really ran."""
-    monkeypatch.setenv("MEGAMAMBA_KERNELS", "triton")
-    calls = set()
-    for name in ("forward", "backward"):
-        fn = getattr(triton_inputs, name)
-        monkeypatch.setattr(triton_inputs, name, lambda *a, _fn=fn, _name=name, **k: calls.add(_name) or _fn(*a, **k))
-    yield
-    assert calls == {"forward", "backward"}, f"of Triton's Mamba-3 preprocessing only {sorted(calls)} ran"
+    with triton_forward_and_backward_run(monkeypatch, triton_inputs, "Mamba-3 preprocessing"):
+        yield
 
 
 def inputs(seed, rank, ngroups, nheads, nangles, initial_angle, raw_dtype=torch.float32, **_):
