@@ -1,8 +1,10 @@
-"""Data x context x tensor x pipeline process groups: the one module that owns them.
+"""Data x context x tensor x pipeline process groups, and the expert groups carved from the data axis: the one
+module that owns them.
 
 Laid out by DeepSpeed's `PipeModelDataParallelTopology`, which the pipeline engine builds its
 grid from too, so our layers and the engine agree on every rank's coordinates. The context axis
-lives inside DeepSpeed's data axis: docs/context-parallel.md; group creation: docs/code.md.
+lives inside DeepSpeed's data axis: docs/context-parallel.md; group creation: docs/code.md. An expert-parallel
+group is E consecutive ranks of the data axis, its expert-data-parallel group every E-th rank of it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megamamba.errors import MegamambaError
 from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.expert.expert_parallel import ExpertParallel
 from megamamba.parallel.tensor.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -130,11 +133,12 @@ def topology(
 
 
 class ParallelGroups:
-    """This rank's data, context, tensor and pipeline groups, ranks and sizes.
+    """This rank's data, context, tensor, pipeline and expert groups, ranks and sizes.
 
     Needs `torch.distributed` initialised (e.g. by `deepspeed.init_distributed()`); collective:
     every rank must construct it with the same sizes. `data_axis_rank` / `data_axis_size` are the
-    rank's place on DeepSpeed's data axis (dp x cp ranks), whose group is `data_group`.
+    rank's place on DeepSpeed's data axis (dp x cp ranks), whose group is `data_group`; `expert_group` /
+    `expert_data_group` (None at expert-parallel size 1) its expert-parallel and expert-data-parallel groups.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class ParallelGroups:
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | None = None,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ):
         if not dist.is_initialized():
             raise RuntimeError(
@@ -174,6 +179,20 @@ class ParallelGroups:
                     for i in range(0, len(axis), context_parallel_size)
                 ]
             )
+        self.expert_parallel_size = expert_parallel_size
+        self.expert_rank, self.expert_data_rank = self.data_axis_rank % expert_parallel_size, 0
+        self.expert_group, self.expert_data_group = None, None
+        if expert_parallel_size > 1:
+            if self.data_axis_size % expert_parallel_size:
+                raise ValueError(
+                    f"expert-parallel size {expert_parallel_size} does not divide the data axis "
+                    f"(data x context = {self.data_axis_size} ranks)"
+                )
+            axes = self.topology.get_axis_comm_lists("data")
+            size = expert_parallel_size
+            self.expert_group, _ = self._new_groups([a[i : i + size] for a in axes for i in range(0, len(a), size)])
+            self.expert_data_group, _ = self._new_groups([a[i::size] for a in axes for i in range(size)])
+            self.expert_data_rank = self.data_axis_rank // expert_parallel_size
 
     def _new_groups(self, rank_lists: list[list[int]]) -> tuple[dist.ProcessGroup, list[int]]:
         mine = None
@@ -190,6 +209,10 @@ class ParallelGroups:
     def context_parallel(self) -> ContextParallel:
         """What the mixers and the loss receive: this rank's slice of every sequence."""
         return ContextParallel(self.context_group, self.context_parallel_size, self.context_rank)
+
+    def expert_parallel(self) -> ExpertParallel:
+        """What the mixture-of-experts layers receive: this rank's share of their experts."""
+        return ExpertParallel(self.expert_group, self.expert_parallel_size, self.expert_rank)
 
     def mpu(self) -> DeepSpeedMPU:
         """The `mpu` for `deepspeed.initialize` with the plain engine (pipeline size 1)."""

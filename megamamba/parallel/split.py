@@ -10,7 +10,7 @@ class _Sized(Protocol):
     def size(self) -> int: ...
 
 
-Group = TypeVar("Group", bound=_Sized)  # a TensorParallel or a ContextParallel
+Group = TypeVar("Group", bound=_Sized)  # a TensorParallel, ContextParallel or ExpertParallel
 
 
 def split(group: Optional[Group]) -> Optional[Group]:
