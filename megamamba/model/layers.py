@@ -3,8 +3,8 @@
 0 the embedding, i + 1 block i (a Mamba, attention or MLP block, `MambaConfig.block_kinds`),
 n_layer + 1 the final norm, n_layer + 2 the head (with tie_embeddings, the embedding's weight). Every
 layer takes and returns the residual stream (`megamamba.model.stream`) and is built as
-`cls(config, tp=, cp=)`. A layer's number is its initialisation stream, its pipeline layer index
-and, through `layer_prefix`, its mamba_ssm names.
+`cls(config, **layer_arguments(...))`: `tp=`, `cp=`, and `ep=` for a kind holding experts. A layer's number
+is its initialisation stream, its pipeline layer index and, through `layer_prefix`, its mamba_ssm names.
 """
 
 import contextlib
@@ -20,6 +20,7 @@ from megamamba.model.layer_types.final_norm import FINAL_NORM_TYPE
 from megamamba.model.layer_types.head import HEAD_TYPE
 from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.expert.expert_parallel import ExpertParallel
 from megamamba.parallel.tensor.from_full import sharded
 
 EMBEDDING, HEAD = "backbone.embedding.weight", "lm_head.weight"  # mamba_ssm's keys
@@ -45,6 +46,20 @@ def layer_count(config: MambaConfig) -> int:
 def layer_class(config: MambaConfig, index: int, tp: Optional[TensorParallel] = None) -> type:
     """The class of layer `index` (its TP form under `tp`)."""
     return layer_type(_kind(config, index)).layer_class(config, split(tp))
+
+
+def layer_arguments(
+    config: MambaConfig,
+    index: int,
+    tp: Optional[TensorParallel] = None,
+    cp: Optional[ContextParallel] = None,
+    ep: Optional[ExpertParallel] = None,
+) -> dict:
+    """The groups layer `index` is built with: `tp` and `cp`, and `ep` when its kind holds experts."""
+    arguments: dict = dict(tp=tp, cp=cp)
+    if layer_type(_kind(config, index)).holds_experts:
+        arguments["ep"] = ep
+    return arguments
 
 
 def conv_width(config: MambaConfig) -> int:
@@ -105,7 +120,13 @@ def layer_stream(seed: int, index: int, device):
 
 
 def _construct(
-    config: MambaConfig, index: int, device, dtype, tp: Optional[TensorParallel], cp: Optional[ContextParallel]
+    config: MambaConfig,
+    index: int,
+    device,
+    dtype,
+    tp: Optional[TensorParallel],
+    cp: Optional[ContextParallel],
+    ep: Optional[ExpertParallel],
 ) -> nn.Module:
     """Layer `index` with its constructor's draws; under TP a kind `drawn_whole` draws its full tensors as one
     device would, then keeps this rank's rows."""
@@ -114,7 +135,7 @@ def _construct(
     if tp is not None and kind.drawn_whole:
         full = kind.layer_class(config, None)(config, device=device, dtype=dtype)
         return sharded(full, lambda: cls(config, tp), tp)
-    return cls(config, tp=tp, cp=cp, device=device, dtype=dtype)
+    return cls(config, **layer_arguments(config, index, tp, cp, ep), device=device, dtype=dtype)
 
 
 @torch.no_grad()
@@ -126,12 +147,14 @@ def build_layer(
     dtype=None,
     tp: Optional[TensorParallel] = None,
     cp: Optional[ContextParallel] = None,
+    ep: Optional[ExpertParallel] = None,
 ) -> nn.Module:
     """Layer `index` initialised from `seed` as mamba_ssm initialises it (under `tp` this rank's shards of
-    the same values; a block built with `cp` works on a slice of the sequence, with the same values)."""
+    the same values, under `ep` its experts; a block built with `cp` works on a slice of the sequence, with the
+    same values)."""
     tp = split(tp)
     with layer_stream(seed, index, device):
-        module = _construct(config, index, device, dtype, tp, cp)
+        module = _construct(config, index, device, dtype, tp, cp, ep)
         layer_type(_kind(config, index)).initialise(module, config, tp)
     return module
 

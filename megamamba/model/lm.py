@@ -20,6 +20,7 @@ from megamamba.model.loss import training_loss
 from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.expert.expert_parallel import ExpertParallel
 from megamamba.parallel.tensor.model_layout import check_sequence_length
 
 
@@ -43,6 +44,7 @@ class MambaLM(nn.Module):
 
     With `tp` (size > 1) the model is split across its tensor-parallel group (docs/code.md).
     With `cp` (size > 1) each rank of the context-parallel group runs a slice of every sequence.
+    With `ep` (size > 1) each rank of the expert-parallel group holds a share of every MoE layer's experts.
     With `checkpoint_interval` k > 0, training recomputes each run of k consecutive layers of the list in the
     backward (non-reentrant activation checkpointing, as DeepSpeed's pipeline does within a stage).
     """
@@ -55,6 +57,7 @@ class MambaLM(nn.Module):
         tp: Optional[TensorParallel] = None,
         cp: Optional[ContextParallel] = None,
         checkpoint_interval: int = 0,
+        ep: Optional[ExpertParallel] = None,
     ):
         super().__init__()
         config.validate()
@@ -68,7 +71,7 @@ class MambaLM(nn.Module):
         self.config = config
         seed = draw_seed(device)
         embedding, *blocks, norm_f, head = [
-            build_layer(config, i, seed, device, dtype, self.tp, self.cp) for i in range(layer_count(config))
+            build_layer(config, i, seed, device, dtype, self.tp, self.cp, ep) for i in range(layer_count(config))
         ]
         self.backbone = MambaBackbone(embedding, blocks, norm_f)
         self.lm_head = head

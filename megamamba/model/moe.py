@@ -3,8 +3,10 @@ expert, as transformers' NemotronH MoE (`mixer.gate`, `mixer.experts`, `mixer.sh
 
 Each token goes to its top_k experts (`megamamba.model.moe_router`); their copies are sorted by expert
 (`megamamba.model.moe_dispatch`), run through the grouped experts (`megamamba.model.moe_experts`) and summed back
-with the routing weights; the shared expert, an MLP every token passes, is added. `routed` also returns the
-router's load-balancing and z losses, which the block hands on with the stream to the training loss.
+with the routing weights; the shared expert, an MLP every token passes, is added. Under expert parallelism the
+sorted rows travel to the ranks holding their experts and back (`megamamba.parallel.expert.dispatch`). `routed`
+also returns the router's load-balancing and z losses, which the block hands on with the stream to the training
+loss.
 """
 
 from typing import Optional
@@ -17,6 +19,9 @@ from megamamba.model.mlp import MLP
 from megamamba.model.moe_dispatch import capacity_of, combine, permute, sort_by_expert
 from megamamba.model.moe_experts import GroupedExperts
 from megamamba.model.moe_router import Router
+from megamamba.parallel import split
+from megamamba.parallel.expert.dispatch import from_expert_ranks, to_expert_ranks
+from megamamba.parallel.expert.expert_parallel import ExpertParallel
 
 MLP_ACTIVATION = {"relu2": "squared_relu", "gated_silu": "gated_silu"}  # the shared expert's, as the MLP names it
 
@@ -24,12 +29,19 @@ MLP_ACTIVATION = {"relu2": "squared_relu", "gated_silu": "gated_silu"}  # the sh
 class MoE(nn.Module):
     """(batch, seqlen, d_model) -> (batch, seqlen, d_model), token by token."""
 
-    def __init__(self, d_model: int, options: MoEOptions, device=None, dtype=None):
+    def __init__(self, d_model: int, options: MoEOptions, device=None, dtype=None, ep: Optional[ExpertParallel] = None):
         super().__init__()
         self.options = options
+        self.ep = split(ep)
         self.gate = Router(d_model, options, device=device, dtype=dtype)
         self.experts = GroupedExperts(
-            options.num_experts, d_model, options.ffn_hidden_size, options.activation, device=device, dtype=dtype
+            options.num_experts,
+            d_model,
+            options.ffn_hidden_size,
+            options.activation,
+            device=device,
+            dtype=dtype,
+            here=None if self.ep is None else self.ep.experts_here(options.num_experts),
         )
         self.shared_experts = None
         if options.shared_expert_ffn_hidden_size:
@@ -52,7 +64,12 @@ class MoE(nn.Module):
             else capacity_of(batch * seqlen, o.top_k, o.num_experts, o.capacity_factor)
         )
         dispatch = sort_by_expert(routing.experts, routing.tokens_per_expert, routing.weights, capacity)
-        rows = self.experts(permute(hidden.reshape(-1, d_model), dispatch), dispatch.tokens_per_expert)
+        rows = permute(hidden.reshape(-1, d_model), dispatch)
+        if self.ep is None:
+            rows = self.experts(rows, dispatch.tokens_per_expert)
+        else:
+            here, tokens_per_expert, route = to_expert_ranks(rows, dispatch.tokens_per_expert, self.ep)
+            rows = from_expert_ranks(self.experts(here, tokens_per_expert), route, self.ep)
         out = combine(rows, dispatch, routing.weights).view(batch, seqlen, d_model)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)

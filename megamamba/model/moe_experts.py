@@ -4,12 +4,15 @@ for the device and dtype, else one batched matmul over the experts' rows padded 
 
 Keys as transformers' NemotronH: `up_proj` (num_experts, width, d_model) and `down_proj` (num_experts, d_model,
 hidden), each expert's (out, in) matrix; with gated_silu `width` is 2 x hidden, the value's rows then the
-gate's (as `megamamba.model.mlp.MLP`'s fc1).
+gate's (as `megamamba.model.mlp.MLP`'s fc1). Under expert parallelism a rank holds a contiguous share of the experts
+(`here`), each drawn as on one device.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megamamba.parallel.expert.expert_parallel import mark_experts
 
 GROUPED_MM_ALIGNMENT = 16  # bytes: torch._grouped_mm's rows must start on this
 
@@ -54,18 +57,38 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, tokens_per_expert: 
 
 class GroupedExperts(nn.Module):
     """`num_experts` MLPs without biases, (rows, d_model) sorted by expert -> (rows, d_model): relu(x)^2
-    (Nemotron-H) or y * silu(gate) (gated_silu) between up_proj and down_proj. Initialised as nn.Linear, each
-    expert on its own."""
+    (Nemotron-H) or y * silu(gate) (gated_silu) between up_proj and down_proj. Holds the experts `here` (default:
+    all), rows sorted by those. Initialised as nn.Linear, each expert on its own."""
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, activation: str, device=None, dtype=None):
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        hidden: int,
+        activation: str,
+        device=None,
+        dtype=None,
+        here: range | None = None,
+    ):
         super().__init__()
+        self.num_experts, self.here = num_experts, range(num_experts) if here is None else here
         self.gated = activation == "gated_silu"
         width = 2 * hidden if self.gated else hidden
-        self.up_proj = nn.Parameter(torch.empty(num_experts, width, d_model, device=device, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, hidden, device=device, dtype=dtype))
+        held = len(self.here)
+        self.up_proj = nn.Parameter(torch.empty(held, width, d_model, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(held, d_model, hidden, device=device, dtype=dtype))
+        for weight in (self.up_proj, self.down_proj):
+            mark_experts(weight, num_experts, self.here)
         with torch.no_grad():
-            for weight in (*self.up_proj, *self.down_proj):
+            for weight in (*self.each_expert(self.up_proj), *self.each_expert(self.down_proj)):
                 nn.init.kaiming_uniform_(weight, a=5**0.5)
+
+    def each_expert(self, weight: torch.Tensor) -> list:
+        """A matrix per expert of the layer, in expert order, to draw into: `weight`'s own (up_proj or down_proj)
+        for the experts held here, one scratch matrix for the others, drawn and dropped so that the random stream
+        runs as on one device."""
+        scratch = torch.empty_like(weight[0])
+        return [weight[e - self.here.start] if e in self.here else scratch for e in range(self.num_experts)]
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         y = grouped_linear(rows, self.up_proj, tokens_per_expert)

@@ -26,6 +26,7 @@ class LayerType:
     kind = ""
     symbol = ""
     drawn_whole = False  # under TP its constructor draws the full tensors, as one device would, then keeps its rows
+    holds_experts = False  # its constructor takes the expert-parallel group, `ep=`
 
     def layer_class(self, config: MambaConfig, tp: Optional[TensorParallel]) -> type:
         """The module class of a layer of this kind, built as `cls(config, tp=, cp=)` (its TP form under `tp`)."""

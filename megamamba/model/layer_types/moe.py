@@ -1,6 +1,8 @@
 """A mixture-of-experts block: the pre-norm residual block around `megamamba.model.moe.MoE` (pattern symbol E),
 which hands its router's losses on with the stream, and what the framework knows of it (`MoEType`): FLOPs of
 the active parameters only (the router, top_k routed experts and the shared expert), on one tensor-parallel rank.
+Under tensor parallelism the block runs whole on every rank of the group (its experts are not tensor-split);
+under expert parallelism it holds its rank's share of the experts.
 """
 
 import math
@@ -17,11 +19,16 @@ from megamamba.model.moe import MoE
 from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel
 from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.expert.expert_parallel import ExpertParallel
+
+SEQUENCE_PARALLEL_REFUSAL = (
+    "mixture-of-experts layers (E) do not run with sequence parallelism yet: leave out --sequence-parallel"
+)
 
 
 class MoEBlock(Block):
-    """A block whose mixer is a mixture of experts (moe_cfg); pattern symbol E. Not split across tensor- or
-    context-parallel ranks."""
+    """A block whose mixer is a mixture of experts (moe_cfg); pattern symbol E. The same on every tensor-parallel
+    rank; its experts split over `ep`'s ranks."""
 
     mixer: MoE
 
@@ -32,12 +39,17 @@ class MoEBlock(Block):
         cp: Optional[ContextParallel] = None,
         device=None,
         dtype=None,
+        ep: Optional[ExpertParallel] = None,
     ):
         if cp is not None and cp.size > 1:
             raise LayoutError(
                 f"mixture-of-experts layers (E) do not run context-parallel yet: CP = {cp.size}; use CP = 1"
             )
-        super().__init__(config, lambda: MoE(config.d_model, config.moe_options, device, dtype), tp, device, dtype)
+        if tp is not None and tp.sequence_parallel:
+            raise LayoutError(SEQUENCE_PARALLEL_REFUSAL)
+        super().__init__(
+            config, lambda: MoE(config.d_model, config.moe_options, device, dtype, ep=ep), tp, device, dtype
+        )
 
     def forward(self, x: Stream, inference_state=None) -> Stream:
         """The stream -> the next stream, the router's losses added to those it carries."""
@@ -68,6 +80,7 @@ class MoEType(BlockType):
     down_proj's float32 output for the weighted sum; the shared expert's as an MLP's."""
 
     kind, symbol, block_class = "moe", MOE_LETTER, MoEBlock
+    holds_experts = True
 
     def label(self, config: MambaConfig) -> str:
         return "MoE"
@@ -77,15 +90,8 @@ class MoEType(BlockType):
         fc2 (mamba_ssm's last pass); the router and up_proj keep their nn.Linear draws."""
         moe = cast(MoEBlock, layer).mixer
         shared = [] if moe.shared_experts is None else [moe.shared_experts.fc2.weight]
-        for weight in (*moe.experts.down_proj, *shared):
+        for weight in (*moe.experts.each_expert(moe.experts.down_proj), *shared):
             nn.init.kaiming_uniform_(weight, a=math.sqrt(5)).div_(math.sqrt(config.n_layer))
-
-    def check_mixer_layout(self, config: MambaConfig, tp_size: int) -> None:
-        if tp_size > 1:
-            raise LayoutError(
-                f"mixture-of-experts layers (E) do not split across tensor-parallel ranks yet: TP = {tp_size}; "
-                "use --tensor-parallel-size 1"
-            )
 
     def mixer_flops(self, config: MambaConfig, seq_length: int) -> int:
         return moe_flops(config)
