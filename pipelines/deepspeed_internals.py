@@ -6,11 +6,14 @@ small function. tests/pipelines/test_deepspeed_internals.py checks that each sti
 here: upgrading DeepSpeed means reading this file and running that test.
 """
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import groups as deepspeed_groups
 
 
 def replace_fp32_clipping(engine, clip: Callable[[], None]) -> None:
@@ -144,3 +147,58 @@ def stage_layers(module: PipelineModule) -> list:
     """`PipelineModule.forward_funcs`: this stage's layers in order, each a callable on what the one before returns
     (a tied layer's `forward_fn` bound to the tied module)."""
     return module.forward_funcs
+
+
+def expert_group_name(ep_size: int) -> str:
+    """The name DeepSpeed's MoE code gives the expert groups of expert-parallel size `ep_size`."""
+    return f"ep_size_{ep_size}"
+
+
+def register_expert_groups(ep_size: int, ep_group: dist.ProcessGroup, edp_group: dist.ProcessGroup) -> None:
+    """This rank's expert-parallel and expert-data-parallel groups put where DeepSpeed's engine and ZeRO look them up
+    (`deepspeed.utils.groups._EXPERT_PARALLEL_GROUP` / `_EXPERT_DATA_PARALLEL_GROUP` and their `_RANKS`, by name)."""
+    name = expert_group_name(ep_size)
+    for groups, ranks, group in (
+        (deepspeed_groups._EXPERT_PARALLEL_GROUP, deepspeed_groups._EXPERT_PARALLEL_GROUP_RANKS, ep_group),
+        (deepspeed_groups._EXPERT_DATA_PARALLEL_GROUP, deepspeed_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, edp_group),
+    ):
+        groups[name] = group
+        ranks[name] = dist.get_process_group_ranks(group)
+
+
+def mark_expert_parameters(params: list, ep_size: int) -> None:
+    """DeepSpeed's marks of an expert parameter (`allreduce` False, `group_name`, as `deepspeed.moe` sets them):
+    its gradient is reduced, and its ZeRO partition taken, over the expert-data-parallel group of that name."""
+    for p in params:
+        p.allreduce = False
+        p.group_name = expert_group_name(ep_size)
+
+
+def expert_param_groups(param_groups: list, is_expert: Callable[[torch.nn.Parameter], bool], ep_size: int) -> list:
+    """`param_groups` with each group's expert parameters moved to a group of their own marked as DeepSpeed's MoE
+    groups (`moe` True, `name`), which its ZeRO optimizer partitions over the expert-data-parallel group."""
+    out = []
+    for group in param_groups:
+        experts = [p for p in group["params"] if is_expert(p)]
+        out.append({**group, "params": [p for p in group["params"] if not is_expert(p)]})
+        if experts:
+            out.append({**group, "params": experts, "moe": True, "name": expert_group_name(ep_size)})
+    return out
+
+
+@contextlib.contextmanager
+def engines_with_experts() -> Iterator[None]:
+    """Engines built inside (`deepspeed.initialize`) take the model to hold MoE layers (`has_moe_layers`), so that
+    ZeRO and the plain reduction treat the marked expert parameters apart. DeepSpeed sets the flag in
+    `DeepSpeedEngine._configure_distributed_model` only for its own MoE layer classes; it is set after that."""
+    original = DeepSpeedEngine._configure_distributed_model
+
+    def configure(engine, model):
+        original(engine, model)
+        engine.has_moe_layers = True
+
+    DeepSpeedEngine._configure_distributed_model = configure
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_distributed_model = original

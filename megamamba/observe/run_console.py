@@ -143,7 +143,7 @@ def optimizer_state_lines(layout, per_rank: Sequence[tuple]) -> list:
         who = "every rank" if len(ranks) == len(per_rank) else "ranks " + _ranges(ranks)
         ranks_sharing = layout.dp * layout.cp  # ZeRO partitions over DeepSpeed's data axis, dp x cp ranks
         lines.append(
-            f"optimizer state, {who}: dp={layout.dp}{_cp(layout, ' cp={}')} tp={layout.tp} pp={layout.pp} "
+            f"optimizer state, {who}: dp={layout.dp}{_cp(layout, ' cp={}')} tp={layout.tp} pp={layout.pp}{_ep(layout)} "
             f"micro={layout.micro_batch_size} accum={layout.grad_accum} | stage parameters {params} | "
             f"optimizer state bytes {state_bytes} = {state_bytes * ranks_sharing / params:.3f} x stage "
             f"parameters / {_cp(layout, '(dp x cp)') or 'dp'}"
@@ -163,6 +163,11 @@ def _layers(model: MambaConfig) -> str:
 def _cp(layout, text: str) -> str:
     """`text` with the context-parallel size filled in, or "" without context parallelism."""
     return text.format(layout.cp) if layout.cp > 1 else ""
+
+
+def _ep(layout) -> str:
+    """' ep=E (experts partitioned over dp x cp / E ranks)' under expert parallelism, else ""."""
+    return f" ep={layout.ep} (experts partitioned over dp x cp / {layout.ep} ranks)" if layout.ep > 1 else ""
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -1,4 +1,5 @@
-"""The (dp, cp, tp, pp) layout of a run and every consistency check that can fail before training.
+"""The (dp, cp, tp, pp) layout of a run, with its expert-parallel size, and every consistency check that can fail
+before training.
 
 All checks read only the command line, the DeepSpeed JSON, the model config and the world size,
 so a bad combination stops the job before any process group, model or optimizer exists; each
@@ -24,10 +25,12 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from megamamba.config import MambaConfig
+from megamamba.config import MOE_LETTER, MambaConfig
 from megamamba.errors import LayoutError
+from megamamba.model.layer_types.moe import SEQUENCE_PARALLEL_REFUSAL
 from megamamba.model.layers import check_layout, conv_width
 from megamamba.parallel.context.context_parallel import check_context_layout
+from megamamba.parallel.expert.expert_parallel import check_expert_layout
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_pattern_stages
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -44,6 +47,7 @@ class Layout:
     micro_batch_size: int
     grad_accum: int
     cp: int = 1
+    ep: int = 1  # expert-parallel size: ranks of the data x context axis sharing each MoE layer's experts
 
     @property
     def global_batch_size(self) -> int:
@@ -65,6 +69,7 @@ class LayoutFlags:
     zero_stage: Optional[int]
     checkpoint_interval: int
     partition_method: str
+    ep: int = 1
 
     def with_batch(self, ds_config: dict) -> dict:
         """The JSON's batch keys and ZeRO stage with these flags applied; a flag disagreeing with the JSON is
@@ -90,11 +95,12 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict, cp: int = 1) -> Layout:
+def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict, cp: int = 1, ep: int = 1) -> Layout:
     """dp from world / (cp x tp x pp); micro-batch and accumulation steps from the JSON's batch keys."""
     _positive("--tensor-parallel-size", tp)
     _positive("--pipeline-parallel-size", pp)
     _positive("--context-parallel-size", cp)
+    _positive("--expert-model-parallel-size", ep)
     if world_size % (cp * tp * pp):
         what = "context x tensor x pipeline" if cp > 1 else "tensor x pipeline"
         sizes = f"{cp} x {tp} x {pp}" if cp > 1 else f"{tp} x {pp}"
@@ -123,7 +129,7 @@ def resolve_layout(world_size: int, tp: int, pp: int, ds_config: dict, cp: int =
                 f"= {micro} x {dp} (dp = world {world_size} / ({f'cp {cp} x ' if cp > 1 else ''}tp {tp} x pp {pp}))"
             )
         accum = total // (micro * dp)
-    layout = Layout(world_size, dp, tp, pp, micro, accum, cp)
+    layout = Layout(world_size, dp, tp, pp, micro, accum, cp, ep)
     if total is not None and total != layout.global_batch_size:
         raise LayoutError(
             f"train_batch_size={total} != train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
@@ -160,6 +166,9 @@ def check_run(
         )
     check_layout(model, layout.tp)
     check_pattern_stages(model, layout.pp)
+    check_experts(layout, model, stage, ds_config)
+    if sequence_parallel and MOE_LETTER in model.layer_pattern:
+        raise LayoutError(SEQUENCE_PARALLEL_REFUSAL)
     if sequence_parallel and layout.tp == 1:
         raise LayoutError("--sequence-parallel needs --tensor-parallel-size > 1 (it splits the sequence over TP ranks)")
     if sequence_parallel and seq_length % layout.tp:
@@ -203,6 +212,28 @@ def check_run(
         raise LayoutError('"bf16": {"enabled": true} and "torch_autocast": {"enabled": false} disagree; keep one')
 
 
+def check_experts(layout: Layout, model: MambaConfig, stage: int, ds_config: dict) -> None:
+    """The rules of expert parallelism: MoE layers to split, experts and data x context ranks it divides, and
+    the ZeRO paths that reduce expert gradients over their own group (stages 0-2, reduce-scatter)."""
+    if layout.ep == 1:
+        return
+    if MOE_LETTER not in model.layer_pattern:
+        raise LayoutError(
+            f"--expert-model-parallel-size {layout.ep}: the model has no mixture-of-experts layers (E) to split"
+        )
+    check_expert_layout(model.moe_options.num_experts, layout.ep, layout.dp * layout.cp)
+    if stage == 3:
+        raise LayoutError(
+            f"--expert-model-parallel-size {layout.ep} with ZeRO stage 3: expert parallelism runs with ZeRO stage "
+            "0, 1 or 2"
+        )
+    if stage and ds_config.get("zero_optimization", {}).get("reduce_scatter", True) is False:
+        raise LayoutError(
+            f"--expert-model-parallel-size {layout.ep} with zero_optimization.reduce_scatter false: DeepSpeed "
+            "reduces expert gradients over their own group only by reduce-scatter; remove the key"
+        )
+
+
 def engine_config(ds_config: dict, layout: Layout, clip_grad: Optional[float], sequence_parallel: bool) -> dict:
     """The dict handed to deepspeed.initialize: batch keys resolved, clipping set, TensorBoard left to us.
 
@@ -243,6 +274,20 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="split every sequence into this many consecutive slices, one per rank (state passing)",
+    )
+    p.add_argument(
+        "--expert-model-parallel-size",
+        "--ep",
+        type=int,
+        default=1,
+        help="split every mixture-of-experts layer's experts over this many data x context-parallel ranks",
+    )
+    p.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=1,
+        choices=[1],
+        help="experts are not split across tensor-parallel ranks: only 1 (Megatron's name)",
     )
     p.add_argument(
         "--micro-batch-size",

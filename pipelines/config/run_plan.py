@@ -91,6 +91,7 @@ def layout_flags(args: argparse.Namespace) -> LayoutFlags:
         None,
         args.checkpoint_activations_interval,
         args.partition_method,
+        args.expert_model_parallel_size,
     )
 
 
@@ -153,7 +154,7 @@ def prepare(args: argparse.Namespace, world_size: int, flags: Optional[LayoutFla
     flags = flags or layout_flags(args)
     ds_config = flags.with_batch(read_deepspeed_config(args.deepspeed_config))
     model = model_config(args.model_config, args.hybrid_layer_pattern, moe_cfg_flags(args))
-    layout = resolve_layout(world_size, flags.tp, flags.pp, ds_config, flags.cp)
+    layout = resolve_layout(world_size, flags.tp, flags.pp, ds_config, flags.cp, flags.ep)
     check_run(layout, ds_config, model, args.seq_length, flags.sequence_parallel, args.clip_grad)
     if flags.checkpoint_interval < 0:
         raise LayoutError(f"--checkpoint-activations-interval {flags.checkpoint_interval}: must be >= 0")

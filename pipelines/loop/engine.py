@@ -18,7 +18,9 @@ miscounts pipeline stages and tied weights). The optimizer is torch's fused Adam
 `megamamba.optim.param_groups`, handed to DeepSpeed as a client optimizer: no JIT-compiled
 FusedAdam. The learning rate follows an `LRSchedule`, stepped by the trainer (`finish_step`)
 once the ranks have agreed that the optimizer step was applied; so are the expert biases of
-mixture-of-experts routers (aux-loss-free balancing), which a skipped step leaves alone.
+mixture-of-experts routers (aux-loss-free balancing), which a skipped step leaves alone. Under expert
+parallelism (layout.ep > 1) the expert parameters go to optimizer groups of their own that DeepSpeed reduces,
+and ZeRO partitions, over the expert-data-parallel group (`_initialize`).
 
 A step makes no host synchronization: `train_step` returns the loss as a device tensor, batches
 travel to the device from pinned memory, and the caller agrees on the loss and the step's flags
@@ -34,6 +36,7 @@ ranks), read alone by the data path; the loss is the whole sequences' mean, its 
 for DeepSpeed's average over dp x C ranks (`megamamba.model.loss.training_loss`).
 """
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -51,11 +54,16 @@ from megamamba.model.moe_router import forget_router_loads, router_loads, update
 from megamamba.optim import param_groups
 from megamamba.parallel import TensorParallel, full_key
 from megamamba.parallel.context.context_parallel import ContextParallel, sequence_window
+from megamamba.parallel.expert.expert_parallel import ExpertParallel, holds_split_experts
 from megamamba.parallel.groups import ParallelGroups
 from megamamba.pipelines.config.layout import Layout
 from megamamba.pipelines.deepspeed_internals import (
+    engines_with_experts,
+    expert_param_groups,
     full_numel,
     is_zero_optimizer,
+    mark_expert_parameters,
+    register_expert_groups,
     set_global_steps,
     set_scheduler_lrs,
     skipped_steps,
@@ -102,15 +110,32 @@ class InitialState:
         return True
 
 
-def _adamw(module: torch.nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
-    """Fused AdamW: one kernel per step, and it skips a non-finite step on the device (`found_inf`)."""
-    return torch.optim.AdamW(
-        param_groups(module, settings.weight_decay),
-        lr=settings.schedule.peak,
-        betas=settings.betas,
-        eps=settings.eps,
-        fused=True,
+def _initialize(
+    module: torch.nn.Module, settings: OptimizerSettings, engine_config: dict, groups: ParallelGroups, mpu=None
+) -> tuple:
+    """(DeepSpeed's engine, the optimizer it steps, the client's AdamW) for `module` trained with fused AdamW (one
+    kernel per step; it skips a non-finite step on the device, `found_inf`). Expert parameters split over an
+    expert-parallel group carry DeepSpeed's MoE marks and groups of their own, and the engine is told the model
+    holds MoE layers, so that their gradients are averaged over the expert-data-parallel group only, where ZeRO
+    partitions them (`pipelines.deepspeed_internals`)."""
+    groups_of_params = param_groups(module, settings.weight_decay)
+    experts = [p for p in module.parameters() if holds_split_experts(p)]
+    with_experts: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if experts:
+        ep_size, ep_group, edp_group = groups.expert_parallel_size, groups.expert_group, groups.expert_data_group
+        assert ep_group is not None and edp_group is not None, "split experts come with an expert-parallel group"
+        register_expert_groups(ep_size, ep_group, edp_group)
+        mark_expert_parameters(experts, ep_size)
+        groups_of_params = expert_param_groups(groups_of_params, holds_split_experts, ep_size)
+        with_experts = engines_with_experts()
+    optimizer = torch.optim.AdamW(
+        groups_of_params, lr=settings.schedule.peak, betas=settings.betas, eps=settings.eps, fused=True
     )
+    with with_experts:
+        engine, engine_optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, mpu=mpu, config=engine_config
+        )
+    return engine, engine_optimizer, optimizer
 
 
 class Trainer(ABC):
@@ -142,6 +167,7 @@ class Trainer(ABC):
     def _set_place(self, groups: ParallelGroups, tp: Optional[TensorParallel], cp: Optional[ContextParallel]) -> None:
         """This rank's place on each axis of the grid, and its TP and CP groups (None at size 1)."""
         self.dp_rank, self.context_rank = groups.data_rank, groups.context_rank
+        self.expert_data_rank = groups.expert_data_rank
         self.tensor_rank, self.pipe_rank = groups.tensor_rank, groups.pipe_rank
         self.tp, self.cp = tp, cp
         self._stage_replicas = groups.data_group if groups.data_axis_size > 1 else None
@@ -290,21 +316,22 @@ class PipelineTrainer(Trainer):
         partition_method: str,
         checkpoint_interval: int,
         seq_length: int,
+        ep: Optional[ExpertParallel],
     ):
         module = build_pipeline_module(
-            config, groups.topology, partition_method, checkpoint_interval, tp, cp, seq_length=seq_length
+            config, groups.topology, partition_method, checkpoint_interval, tp, cp, seq_length=seq_length, ep=ep
         )
         load_mamba_state_dict(module, InitialState(config, seed), config, tp)
-        optimizer = _adamw(module, settings)
-        self._engine, self._optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=engine_config
-        )
+        self._engine, self._optimizer, optimizer = _initialize(module, settings, engine_config, groups)
         self._lr_scheduler = settings.schedule.scheduler(optimizer)
         self._module, self.config = module, config
         self._set_place(groups, tp, cp)
         if not self._engine.zero_optimization():
             clipping.install(
-                self._engine, self._engine.grid.get_slice_parallel_rank(), self._engine.grid.get_model_parallel_group()
+                self._engine,
+                self._engine.grid.get_slice_parallel_rank(),
+                self._engine.grid.get_model_parallel_group(),
+                groups.expert_group,
             )
 
     def mamba_name(self, name: str) -> str:
@@ -343,19 +370,20 @@ class PlainTrainer(Trainer):
         settings: OptimizerSettings,
         seed: int,
         checkpoint_interval: int,
+        ep: Optional[ExpertParallel],
     ):
         torch.manual_seed(seed)
-        module = MambaLM(config, tp=tp, cp=cp, checkpoint_interval=checkpoint_interval)
+        module = MambaLM(config, tp=tp, cp=cp, checkpoint_interval=checkpoint_interval, ep=ep)
         module = module.to(get_accelerator().current_device_name())
-        optimizer = _adamw(module, settings)
-        self._engine, self._optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, mpu=groups.mpu() if tp is not None else None, config=engine_config
-        )
+        mpu = groups.mpu() if tp is not None else None
+        self._engine, self._optimizer, optimizer = _initialize(module, settings, engine_config, groups, mpu)
         self._lr_scheduler = settings.schedule.scheduler(optimizer)
         self._module = module
         self._set_place(groups, tp, cp)
         if not self._engine.zero_optimization():
-            clipping.install(self._engine, groups.tensor_rank, groups.tensor_group if tp is not None else None)
+            clipping.install(
+                self._engine, groups.tensor_rank, groups.tensor_group if tp is not None else None, groups.expert_group
+            )
 
     def mamba_name(self, name: str) -> str:
         """The mamba_ssm name of a parameter's full name: the plain module's names are mamba_ssm's."""
@@ -406,15 +434,26 @@ def build_trainer(
     torch.compile with `compile_backend` when one is given (DeepSpeed's `engine.compile`: the whole model at
     pipeline size 1, each layer of a pipeline stage)."""
     unmap_freed_tensors()
-    groups = ParallelGroups(layout.tp, layout.pp, layout.dp, layout.cp)
+    groups = ParallelGroups(layout.tp, layout.pp, layout.dp, layout.cp, layout.ep)
     tp = groups.tensor_parallel(sequence_parallel) if layout.tp > 1 else None
     cp = groups.context_parallel() if layout.cp > 1 else None
+    ep = groups.expert_parallel() if layout.ep > 1 else None
     if layout.pp > 1:
         trainer = PipelineTrainer(
-            groups, tp, cp, config, engine_config, settings, seed, partition_method, checkpoint_interval, seq_length
+            groups,
+            tp,
+            cp,
+            config,
+            engine_config,
+            settings,
+            seed,
+            partition_method,
+            checkpoint_interval,
+            seq_length,
+            ep,
         )
     else:
-        trainer = PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval)
+        trainer = PlainTrainer(groups, tp, cp, config, engine_config, settings, seed, checkpoint_interval, ep)
     reuse_freed_tensors()
     if compile_backend is not None:
         trainer.compile(compile_backend)

@@ -202,7 +202,7 @@ class TrainingLoop:
         layout = self.layout
         extra = {
             "args": settings.flags,
-            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
+            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep},
             **records(self.run_start, self.stream, self.first_sample(step + 1), self.trainer.scheduler_epoch()),
         }
         try:

@@ -27,12 +27,13 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from megamamba.config import MOE_LETTER, MambaConfig
 from megamamba.model.layer_types.head import tied_head
-from megamamba.model.layers import layer_class, layer_count
+from megamamba.model.layers import layer_arguments, layer_class, layer_count
 from megamamba.model.lm import run_layers
 from megamamba.model.loss import training_loss
 from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel, split
 from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.expert.expert_parallel import ExpertParallel
 from megamamba.pipelines.deepspeed_internals import pipeline_module_with_stages, stage_layers
 from megamamba.pipelines.stages.names import TIED_KEY
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_partition_method, own_bounds
@@ -96,12 +97,18 @@ def pipeline_loss(outputs, labels: torch.Tensor, **settings) -> torch.Tensor:
     return training_loss(outputs, labels, **settings)
 
 
-def layer_specs(config: MambaConfig, tp: Optional[TensorParallel] = None, cp: Optional[ContextParallel] = None) -> list:
+def layer_specs(
+    config: MambaConfig,
+    tp: Optional[TensorParallel] = None,
+    cp: Optional[ContextParallel] = None,
+    ep: Optional[ExpertParallel] = None,
+) -> list:
     """The layer list as DeepSpeed layer specs (split across `tp` when given; blocks on a slice of every
-    sequence under `cp`), built with uninitialised parameters."""
+    sequence under `cp`; the experts split over `ep`), built with uninitialised parameters."""
     tp = split(tp)
     specs = [
-        UninitialisedLayerSpec(layer_class(config, i, tp), config, tp=tp, cp=cp) for i in range(layer_count(config))
+        UninitialisedLayerSpec(layer_class(config, i, tp), config, **layer_arguments(config, i, tp, cp, ep))
+        for i in range(layer_count(config))
     ]
     if config.tie_embeddings:
         embedding = layer_class(config, 0, tp)
@@ -119,13 +126,14 @@ def build_pipeline_module(
     cp: Optional[ContextParallel] = None,
     *,
     seq_length: int,
+    ep: Optional[ExpertParallel] = None,
 ) -> PipelineModule:
     """This rank's stage of the model (needs torch.distributed initialised; `tp` and `cp` from the same
     topology) for sequences of `seq_length` tokens (the whole sequence under `cp`), its parameters
     uninitialised: load them (`pipelines.stages.names.load_mamba_state_dict`) before use."""
     check_partition_method(partition_method)
     settings = dict(
-        layers=layer_specs(config, tp, cp),
+        layers=layer_specs(config, tp, cp, ep),
         topology=topology,
         loss_fn=functools.partial(pipeline_loss, vocab_size=config.vocab_size, tp=tp, cp=cp),
         checkpoint_interval=checkpoint_interval,

@@ -79,7 +79,7 @@ def test_a_tp2_pp2_hybrid_checkpoint_continues_the_curve_at_dp2_with_zero2(train
     TP-1 stage whose ZeRO-2 partitions split the optimizer state over 2 data ranks."""
     saved = _launched(train_runs, packed_documents, "hybrid-1-1-2-2")["dir"] / "ckpt" / f"step_{SAVE_AT:06d}"
     state = json.loads((saved / "trainer_state.json").read_text())
-    assert state["extra"]["layout"] == {"dp": 1, "cp": 1, "tp": 2, "pp": 2}
+    assert state["extra"]["layout"] == {"dp": 1, "cp": 1, "tp": 2, "pp": 2, "ep": 1}
     run = _run(train_runs, "hybrid", 2, [*packed_documents, "--load", str(saved)], ZERO_2)
     assert [r["step"] for r in run["records"]] == list(range(SAVE_AT, 5))
     ref = _reference(train_runs, packed_documents, "hybrid")["records"][SAVE_AT:]

@@ -195,3 +195,56 @@ def test_the_pipeline_module_keeps_its_stages_callables_in_forward_funcs():
     ):
         assert_source_has(PipelineModule._build, code, f"PipelineModule._build: {code}")
     assert_source_has(PipelineModule.forward, "self.forward_funcs[start:end]", "PipelineModule.forward's layers")
+
+
+def test_the_engine_looks_up_expert_groups_by_name_in_deepspeeds_group_registry():
+    from deepspeed.utils import groups
+
+    for registry in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP"):
+        assert isinstance(getattr(groups, registry), dict), moved(f"deepspeed.utils.groups.{registry}")
+        assert isinstance(getattr(groups, f"{registry}_RANKS"), dict), moved(f"deepspeed.utils.groups.{registry}_RANKS")
+    assert_source_has(
+        groups._get_expert_data_parallel_group, "_EXPERT_DATA_PARALLEL_GROUP[group_name]", "expert groups"
+    )
+    assert_source_has(
+        DeepSpeedEngine._configure_distributed_model,
+        "self.expert_data_parallel_group = groups._get_expert_data_parallel_group_dict()",
+        "the engine reading the expert-data-parallel groups",
+    )
+
+
+def test_expert_parameters_are_the_ones_marked_not_allreduced_in_groups_of_their_own():
+    from deepspeed.moe.utils import is_moe_param
+
+    marked, plain = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    internals.mark_expert_parameters([marked], ep_size=2)
+    assert is_moe_param(marked) and not is_moe_param(plain), moved("deepspeed.moe.utils.is_moe_param")
+    assert marked.group_name == internals.expert_group_name(2)
+    groups = internals.expert_param_groups(
+        [{"params": [plain, marked], "weight_decay": 0.1}], lambda p: p is marked, ep_size=2
+    )
+    assert groups == [
+        {"params": [plain], "weight_decay": 0.1},
+        {"params": [marked], "weight_decay": 0.1, "moe": True, "name": "ep_size_2"},
+    ]
+    assert_source_has(DeepSpeedZeroOptimizer.is_moe_group, "'moe' in group and group['moe']", "ZeRO's MoE groups")
+    assert_source_has(
+        DeepSpeedZeroOptimizer._configure_moe_settings,
+        "self.real_dp_process_group[i] = self.expert_dp_process_group[group['name']]",
+        "ZeRO partitioning an MoE group over its expert-data-parallel group",
+    )
+
+
+def test_engines_built_with_experts_take_the_model_to_hold_moe_layers(monkeypatch):
+    assert_source_has(DeepSpeedEngine.__init__, "self.has_moe_layers = False", "DeepSpeedEngine.has_moe_layers")
+    init = inspect.getsource(DeepSpeedEngine.__init__)
+    configured, optimizer = init.find("self._configure_distributed_model("), init.find("self._configure_optimizer(")
+    assert 0 <= configured < optimizer, moved("the engine configuring its model before its optimizer")
+    calls = []
+    stub = lambda engine, model: calls.append(model)  # noqa: E731
+    monkeypatch.setattr(DeepSpeedEngine, "_configure_distributed_model", stub)
+    engine = object.__new__(DeepSpeedEngine)
+    with internals.engines_with_experts():
+        DeepSpeedEngine._configure_distributed_model(engine, "model")
+    assert calls == ["model"] and engine.has_moe_layers
+    assert DeepSpeedEngine._configure_distributed_model is stub

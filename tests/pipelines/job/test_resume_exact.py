@@ -29,7 +29,7 @@ def test_the_reference_saved_at_the_interval_and_at_the_end(resume_reference):
     ckpt = resume_reference["dir"] / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", f"step_{SAVE_AT:06d}", f"step_{STEPS:06d}"]
     latest = Checkpoint(find_latest(str(ckpt)))
-    assert latest.step == STEPS and latest.extra["layout"] == {"dp": 1, "cp": 1, "tp": 1, "pp": 1}
+    assert latest.step == STEPS and latest.extra["layout"] == {"dp": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
 
 
 def test_keep_last_keeps_only_the_newest_checkpoints(resume_runs):
