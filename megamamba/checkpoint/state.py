@@ -100,14 +100,19 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module, tp: Op
     return out
 
 
+EXPERT_GROUP_KEYS = ("moe", "name")  # mark a group of experts split over an expert-parallel group
+
+
 def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module, members: Optional[list] = None) -> list:
-    """Each param group's hyperparameters (JSON) with "params": the full names of its members.
+    """Each param group's hyperparameters (JSON) with "params": the full names of its members. A group of split
+    experts (`EXPERT_GROUP_KEYS`, as expert parallelism makes them) counts as part of the group it was split from,
+    so that the groups do not depend on the expert-parallel size.
 
     members: the model parameters of each group when the optimizer steps other tensors (DeepSpeed's
     ZeRO optimizer steps flat partitions: pass its `bit16_groups`).
     """
     names = {id(p): full_key(n, p) for n, p in _named(model).items()}
-    groups = []
+    groups: list = []
     for i, group in enumerate(optimizer.param_groups):
         params = group["params"] if members is None else members[i]
         unknown = [p for p in params if id(p) not in names]
@@ -116,8 +121,13 @@ def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module, members
                 f"optimizer group {i} steps {len(unknown)} tensor(s) that are not parameters of the "
                 "model (pass `members` for an optimizer over flat partitions)"
             )
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**json.loads(json.dumps(hyper)), "params": list(dict.fromkeys(names[id(p)] for p in params))})
+        hyper = json.loads(json.dumps({k: v for k, v in group.items() if k not in ("params", *EXPERT_GROUP_KEYS)}))
+        members_named = list(dict.fromkeys(names[id(p)] for p in params))
+        if group.get("moe"):  # experts split from an earlier group with the same hyperparameters: that group's
+            twin = next(g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper)
+            twin["params"] += members_named
+        else:
+            groups.append({**hyper, "params": members_named})
     return groups
 
 

@@ -55,6 +55,7 @@ from megamamba.checkpoint.startup import open_save_dir
 from megamamba.checkpoint.store import JOB_TOKEN, checkpoint_tags, discard, read_latest, staging_dir, tag_for
 from megamamba.checkpoint.tensor_pieces import Cut, Piece
 from megamamba.config import MambaConfig
+from megamamba.parallel.expert.expert_parallel import holds_split_experts
 from megamamba.pipelines.deepspeed_internals import (
     fragment_range,
     fragment_values,
@@ -90,8 +91,11 @@ def check_trainer(trainer) -> None:
 
 
 def _cut(param, tp) -> tuple:
-    """(full shape, this rank's `Cut` of it) of a parameter's full tensor."""
+    """(full shape, this rank's `Cut` of it) of a parameter's full tensor: its TP rows, or its experts."""
     shard, shape = getattr(param, "tp_shard", None), tuple(param.shape)
+    if holds_split_experts(param):
+        experts = param.expert_shard
+        return (experts.num_experts, *shape[1:]), Cut(0, experts.rows, shape)
     if shard is None or shard.dim is None:
         return shape, Cut.whole(shape)
     size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
@@ -110,8 +114,10 @@ def shard_state(trainer) -> tuple:
     entries under mamba_ssm names (optimizer state "<name>/<key>").
 
     Without ZeRO the first data rank writes its TP rows of each sharded tensor (a replicated one on TP
-    rank 0 only), with AdamW's per-parameter state. Under ZeRO every data rank writes its fragment of
-    the fp32 masters and Adam moments, the partition it updates; parameters the optimizer leaves alone
+    rank 0 only), with AdamW's per-parameter state; experts split over an expert-parallel group are written by
+    each rank of the first one, its own experts. Under ZeRO every data rank writes its fragment of
+    the fp32 masters and Adam moments, the partition it updates (an expert's over its expert-data-parallel
+    group); parameters the optimizer leaves alone
     (frozen: the expert biases of mixture-of-experts routers) have no fragment, and the first data rank
     writes them as without ZeRO. The stage's representative (first
     data rank, TP rank 0) adds the 0-d states (`step`) and the optimizer groups. No communication.
@@ -124,6 +130,7 @@ def shard_state(trainer) -> tuple:
         for name, p in _stage_parameters(trainer)
         if tp_first or (getattr(p, "tp_shard", None) is not None and p.tp_shard.sharded)
     ]
+    writes = [e for e in held if (trainer.expert_data_rank == 0 if holds_split_experts(e[1]) else first_data)]
     if zero is not None:
         trained = [entry for entry in held if entry[1].requires_grad]
         params, optimizer, step = _zero_pieces(zero, trained)
@@ -135,7 +142,7 @@ def shard_state(trainer) -> tuple:
             {} if step is None else {f"{name}/step": torch.tensor(step, dtype=torch.float32) for name, *_ in trained}
         )
     else:
-        params, optimizer, scalars = _adamw_pieces(trainer.engine_optimizer(), held) if first_data else ([], [], {})
+        params, optimizer, scalars = _adamw_pieces(trainer.engine_optimizer(), writes)
     if not (first_data and tp_first):
         return params, optimizer, []
     return params, optimizer + whole(scalars), trainer.optimizer_groups()

@@ -30,7 +30,8 @@ from megamamba.checkpoint.finite import DamagedWeightsError
 from megamamba.checkpoint.manifest import verify
 from megamamba.checkpoint.model_folder import FolderWeights, ModelFolderError
 from megamamba.config import MambaConfig
-from megamamba.parallel import full_key, local_shard
+from megamamba.parallel import full_key
+from megamamba.parallel.local_part import local_part
 from megamamba.pipelines.deepspeed_internals import full_shape, zero3_masters, zero3_partition
 from megamamba.pipelines.job.finite_weights import raise_first_rank_error
 
@@ -160,8 +161,7 @@ def load_weights(trainer, source: InitSource) -> None:
 
 def _slice(trainer, full: torch.Tensor, param, name: str, key: str, flag: str) -> torch.Tensor:
     """This rank's part of the full tensor `name` for the parameter `key`, its shape checked."""
-    shard = getattr(param, "tp_shard", None)
-    value = local_shard(full, shard, trainer.tp.size, trainer.tp.rank) if trainer.tp is not None and shard else full
+    value = local_part(full, param, trainer.tp)
     shape = tuple(full_shape(param))
     if tuple(value.shape) != shape:
         raise CheckpointError(f"{flag}: {name} gives shape {tuple(value.shape)} for parameter {key} of shape {shape}")

@@ -19,7 +19,8 @@ from torch import nn
 
 from megamamba.config import MambaConfig
 from megamamba.model.layers import EMBEDDING, HEAD, layer_of, layer_prefix
-from megamamba.parallel import TensorParallel, full_key, full_tensors, local_shard
+from megamamba.parallel import TensorParallel, full_key, full_tensors
+from megamamba.parallel.local_part import local_part
 
 TIED_KEY = "embed"
 
@@ -69,7 +70,7 @@ def load_full_state(
     tp: Optional[TensorParallel] = None,
     rename: Callable[[str], str] = lambda name: name,
 ) -> None:
-    """Copy `module`'s parameters (this rank's TP slices under `tp`) out of a full state dict.
+    """Copy `module`'s parameters (this rank's TP slices under `tp`, its experts) out of a full state dict.
 
     `rename` maps a module parameter's full name to its key in `state`; every parameter must be found.
     """
@@ -77,9 +78,7 @@ def load_full_state(
         key = rename(full_key(name, param))
         if key not in state:
             raise KeyError(f"state dict has no {key!r} (for parameter {name!r})")
-        value = state[key]
-        if tp is not None and getattr(param, "tp_shard", None) is not None:
-            value = local_shard(value, param.tp_shard, tp.size, tp.rank)
+        value = local_part(state[key], param, tp)
         if value.shape != param.shape:
             raise ValueError(
                 f"{key!r}: state dict gives shape {tuple(value.shape)} for parameter {name!r} "
