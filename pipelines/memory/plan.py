@@ -3,8 +3,9 @@
 Per pipeline stage (the ranks of a stage hold the same: tensor-parallel shards are equal in
 size), in bytes:
   - parameters: float32, laid out as DeepSpeed lays them out: with ZeRO 1/2 each optimizer
-    parameter group (decayed, not decayed; `megamamba.optim`) is one flat buffer padded to a
-    multiple of 2 x dp elements, the parameters being views into it;
+    parameter group (decayed, not decayed; `megamamba.optim`; under expert parallelism the rank's
+    experts, a group of their own partitioned over the expert-data-parallel ranks) is one flat buffer
+    padded to a multiple of 2 x the ranks it is partitioned over, the parameters being views into it;
   - gradients: float32, the whole stage's (ZeRO 0/1, as backward leaves them in `.grad`), or this
     rank's partition of the padded groups (ZeRO 2/3);
   - optimizer state: AdamW's two float32 moments per parameter (ZeRO 0), or with ZeRO 1/2 this
@@ -35,9 +36,10 @@ from deepspeed.runtime import utils as ds_utils
 from megamamba.config import MambaConfig
 from megamamba.model.layer_types import layer_type
 from megamamba.model.layer_types.costs import RankShape
-from megamamba.model.layers import EMBEDDING, layer_class, layer_kinds, layer_of
+from megamamba.model.layers import EMBEDDING, layer_arguments, layer_class, layer_kinds, layer_of
 from megamamba.optim import decays
 from megamamba.parallel import TensorParallel
+from megamamba.parallel.expert.expert_parallel import ExpertParallel, holds_split_experts
 from megamamba.pipelines.config.layout import Layout, zero_stage
 from megamamba.pipelines.memory.activations import stage_activation_bytes
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, imbalance, own_bounds, stage_costs
@@ -134,26 +136,42 @@ def _fake_tp(tp_size: int, sequence_parallel: bool) -> Optional[TensorParallel]:
     )
 
 
+def _fake_ep(ep_size: int) -> Optional[ExpertParallel]:
+    """Rank 0 of an expert-parallel group of `ep_size`, for building its experts on the meta device."""
+    return ExpertParallel(group=object(), size=ep_size, rank=0) if ep_size > 1 else None  # type: ignore[arg-type]
+
+
 def _groups(module: torch.nn.Module) -> tuple:
-    """(decayed, not decayed) parameter counts of a module, as `megamamba.optim.param_groups` splits them."""
+    """(decayed, not decayed, split experts) parameter counts of a module, as the trainer groups them for its
+    optimizer (`megamamba.optim.param_groups`, the split experts in a group of their own)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return (sum(p.numel() for p in params if decays(p)), sum(p.numel() for p in params if not decays(p)))
+    dense = [p for p in params if not holds_split_experts(p)]
+    return (
+        sum(p.numel() for p in dense if decays(p)),
+        sum(p.numel() for p in dense if not decays(p)),
+        sum(p.numel() for p in params if holds_split_experts(p)),
+    )
 
 
-def layer_parameters(model: MambaConfig, tp_size: int, sequence_parallel: bool = False) -> list:
-    """(decayed, not decayed) parameters of TP rank 0 for each pipeline layer: embedding, blocks, final
-    norm, head (a tied head holds the embedding's weight)."""
-    return list(_layer_parameters(json.dumps(model.to_dict(), sort_keys=True), tp_size, sequence_parallel))
+def layer_parameters(model: MambaConfig, tp_size: int, sequence_parallel: bool = False, ep_size: int = 1) -> list:
+    """(decayed, not decayed, split experts) parameters of TP rank 0 (and expert-parallel rank 0) for each
+    pipeline layer: embedding, blocks, final norm, head (a tied head holds the embedding's weight)."""
+    config_json = json.dumps(model.to_dict(), sort_keys=True)
+    return list(_layer_parameters(config_json, tp_size, sequence_parallel, ep_size))
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_parameters(config_json: str, tp_size: int, sequence_parallel: bool) -> tuple:
-    """`layer_parameters` of a config given as its JSON: built once per (config, tp, sp), as plans repeat them."""
+def _layer_parameters(config_json: str, tp_size: int, sequence_parallel: bool, ep_size: int) -> tuple:
+    """`layer_parameters` of a config given as its JSON: built once per (config, tp, sp, ep), as plans repeat
+    them."""
     model = MambaConfig.from_dict(json.loads(config_json))
-    tp = _fake_tp(tp_size, sequence_parallel)
+    tp, ep = _fake_tp(tp_size, sequence_parallel), _fake_ep(ep_size)
     kinds = layer_kinds(model)
+    counts = {}
     with torch.device("meta"):  # one layer of each kind built
-        counts = {kind: _groups(layer_class(model, kinds.index(kind), tp)(model, tp=tp)) for kind in set(kinds)}
+        for kind in set(kinds):
+            index = kinds.index(kind)
+            counts[kind] = _groups(layer_class(model, index, tp)(model, **layer_arguments(model, index, tp, None, ep)))
     embedding = kinds[layer_of(EMBEDDING, model)]  # whose weight a tied head reads
     return tuple(counts[embedding] if layer_type(kind).tied(model) else counts[kind] for kind in kinds)
 
@@ -182,13 +200,14 @@ def _padded(numel: int, dp: int) -> int:
 
 
 def _stage_state(groups: list, shape: RunShape) -> tuple:
-    """(parameters, gradients, optimizer state) bytes of a rank whose stage holds `groups` parameters."""
-    dp, stage = shape.layout.dp * shape.layout.cp, shape.zero_stage  # ZeRO shards over DeepSpeed's data axis
-    numel = sum(groups)
-    partition = sum(_padded(n, dp) // dp for n in groups if n)
+    """(parameters, gradients, optimizer state) bytes of a rank whose stage holds `groups`: (elements, ranks its
+    ZeRO partition spans) of each optimizer group."""
+    stage = shape.zero_stage
+    numel = sum(n for n, _ in groups)
+    partition = sum(_padded(n, ranks) // ranks for n, ranks in groups if n)
     if stage == 0:
         return FLOAT32 * numel, FLOAT32 * numel, 2 * FLOAT32 * numel
-    flat = sum(_padded(n, dp) for n in groups if n)
+    flat = sum(_padded(n, ranks) for n, ranks in groups if n)
     if stage == 3:  # the float32 parameter partition is the master copy
         return FLOAT32 * partition, FLOAT32 * partition, 2 * FLOAT32 * partition
     gradients = FLOAT32 * (numel if stage == 1 else partition)
@@ -214,7 +233,8 @@ def in_flight(layout: Layout, stage: int) -> int:
 def plan_memory(shape: RunShape) -> MemoryPlan:
     """Every stage's memory for `shape` (host arithmetic and meta-device modules only)."""
     model, layout = shape.model, shape.layout
-    counts = layer_parameters(model, layout.tp, shape.sequence_parallel)
+    counts = layer_parameters(model, layout.tp, shape.sequence_parallel, layout.ep)
+    data_axis = layout.dp * layout.cp  # ZeRO shards over DeepSpeed's data axis, split experts over 1 / ep of it
     bounds = stage_bounds(model, layout.pp, shape.partition_method, counts, layout.tp, shape.seq_length * layout.cp)
     last_layer = len(counts) - 1
     stages = []
@@ -224,8 +244,9 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
         held = layers
         if model.tie_embeddings and layout.pp == 1:
             held = layers[:-1]  # one module holds the tied embedding and head
-        groups = [sum(counts[i][g] for i in held) for g in (0, 1)]
-        parameters, gradients, optimizer = _stage_state(groups, shape)
+        groups = [sum(counts[i][g] for i in held) for g in (0, 1, 2)]
+        ranks = (data_axis, data_axis, data_axis // layout.ep)
+        parameters, gradients, optimizer = _stage_state(list(zip(groups, ranks)), shape)
         activations = stage_activation_bytes(
             RankShape(
                 model=model,

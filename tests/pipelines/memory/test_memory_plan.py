@@ -1,6 +1,6 @@
 """The start-up memory plan's parameter, gradient and optimizer-state figures are what the built
-engine holds, for the plain and the pipeline engine, ZeRO 0, 1 and 2, tensor and pipeline parallel,
-Mamba models and a hybrid (Mamba-2, attention and MLP layers).
+engine holds, for the plain and the pipeline engine, ZeRO 0, 1 and 2, tensor, pipeline and expert parallel,
+Mamba models, a hybrid (Mamba-2, attention and MLP layers) and a mixture-of-experts hybrid.
 
 Measured on each rank of a directly spawned run (tiny 3-layer models, gloo): parameters as the
 bytes of the distinct storages behind the module's parameters (ZeRO's padded flat buffers
@@ -96,6 +96,12 @@ HYBRID = {
     "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True},
 }
 
+MOE = {  # 6 experts, 3 on each rank of an expert-parallel pair: each rank's expert group padded for 2 ranks
+    "hybrid_layer_pattern": "ME*",
+    "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8, "causal": True},
+    "moe_cfg": {"num_experts": 6, "top_k": 2, "ffn_hidden_size": 17, "shared_expert_ffn_hidden_size": 8},
+}
+
 
 def _argv(train_runs, tmp_path, mixer, zero, flags, changes=None):
     model = train_runs.model_config(mixer)
@@ -144,6 +150,7 @@ CASES = [
         HYBRID,
     ),
     (4, "mamba2", 1, ["--tensor-parallel-size", "2"], HYBRID),
+    (4, "mamba2", 1, ["--expert-model-parallel-size", "2"], MOE),
 ]
 
 
@@ -152,7 +159,7 @@ CASES = [
     "world, mixer, zero, flags, changes",
     CASES,
     ids=[
-        f"{m}-world{w}-zero{z}-{' '.join(f)}{'-hybrid' if c is HYBRID else '-odd' if c else ''}"
+        f"{m}-world{w}-zero{z}-{' '.join(f)}{'-hybrid' if c is HYBRID else '-moe' if c is MOE else '-odd' if c else ''}"
         for w, m, z, f, c in CASES
     ],
 )
