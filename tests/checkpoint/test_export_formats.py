@@ -127,7 +127,8 @@ def test_the_start_up_lines_of_the_launch_model_configs():
 
 
 def tiny_shapes(config: MambaConfig) -> MambaConfig:
-    """`config`'s options at a width of 32, each kind of layer once, 37 ids (padded as the config pads)."""
+    """`config`'s options at a width of 32, each kind of layer once, 37 ids (padded as the config pads), 8 experts of
+    width 16."""
     if config.d_model <= 128:
         return config
     f = config.to_dict()
@@ -143,6 +144,16 @@ def tiny_shapes(config: MambaConfig) -> MambaConfig:
         f["d_intermediate"] = 48
     if f.get("attn_cfg"):
         f["attn_cfg"] = {**f["attn_cfg"], "num_heads": 4, "num_heads_kv": 2, "head_dim": 8}
+    if f.get("moe_cfg"):
+        moe = f["moe_cfg"]
+        shared = 16 if moe.get("shared_expert_ffn_hidden_size") else 0
+        f["moe_cfg"] = {
+            **moe,
+            "num_experts": 8,
+            "top_k": 2,
+            "ffn_hidden_size": 16,
+            "shared_expert_ffn_hidden_size": shared,
+        }
     return MambaConfig.from_dict(f)
 
 
