@@ -92,7 +92,8 @@ def choose(
 
 def describe(plan: Plan) -> str:
     return (
-        f"dp {plan.dp} x cp {plan.cp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero_stage}, micro batch "
+        f"dp {plan.dp} x cp {plan.cp} x tp {plan.tp} x pp {plan.pp}{f', ep {plan.ep}' if plan.ep > 1 else ''}, "
+        f"ZeRO {plan.zero_stage}, micro batch "
         f"{plan.micro_batch_size} x {plan.grad_accum} accumulation, recompute {'on' if plan.recompute else 'off'}"
         f" (predicted {plan.time.total:.3g} s a step, {plan.memory.total / 2**30:.2f} GiB per rank)"
     )
@@ -109,6 +110,7 @@ PLANNED = {  # flag dests the planner can fill in, by its names
     "tensor_parallel_size": "tp",
     "pipeline_parallel_size": "pp",
     "context_parallel_size": "cp",
+    "expert_model_parallel_size": "ep",
     "checkpoint_activations_interval": "recompute",
     "micro_batch_size": "micro_batch_size",
 }
@@ -139,6 +141,7 @@ def auto_parallel(args: argparse.Namespace, given_dests: set, world_size: int, p
         tp=best.tp,
         pp=best.pp,
         cp=best.cp,
+        ep=best.ep,
         sequence_parallel=flags.sequence_parallel or best.sequence_parallel,
         micro_batch_size=best.micro_batch_size,
         zero_stage=best.zero_stage,
@@ -153,8 +156,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--auto-parallel",
         action="store_true",
-        help="choose tp, pp, cp, the ZeRO stage, the micro batch and recomputation with the planner "
-        "(launch/plan.py) for this world size and device memory; what you set stays fixed",
+        help="choose tp, pp, cp, ep (with MoE layers), the ZeRO stage, the micro batch and recomputation with the "
+        "planner (launch/plan.py) for this world size and device memory; what you set stays fixed",
     )
     p.add_argument(
         "--plan-profile",

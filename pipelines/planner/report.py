@@ -7,10 +7,21 @@ from dataclasses import asdict
 from megamamba.pipelines.planner.search import MFU_MARGIN, Plan, Search
 
 GiB = 2**30
-TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pipeline_sends", "bubble", "data_parallel", "optimizer", "overhead")
+TIME_PARTS = (
+    "compute",
+    "tp_comm",
+    "cp_comm",
+    "ep_comm",
+    "pipeline_sends",
+    "bubble",
+    "data_parallel",
+    "optimizer",
+    "overhead",
+)
 ASSUMPTIONS = (
-    "TP inside a node, with sequence parallelism",
-    "TP and CP sizes powers of two",
+    "TP inside a node, with sequence parallelism (without, for a model with mixture-of-experts layers)",
+    "TP, CP and EP sizes powers of two; EP only for a model with mixture-of-experts layers, ZeRO 0-2",
+    "expert gradients reduced over the whole data axis (an upper bound: they reduce over dp x cp / ep ranks)",
     "ZeRO 0 or 1 with pp > 1 (DeepSpeed's pipeline engine refuses 2 and 3)",
     "ZeRO 3 only when fixed (the memory plan counts its partition, not its gathered parameters)",
     "recompute every layer or none",
@@ -23,6 +34,7 @@ def train_flags(plan: Plan) -> str:
     """launch/train.py's layout flags for `plan`."""
     return (
         f"--tensor-parallel-size {plan.tp} --pipeline-parallel-size {plan.pp} --context-parallel-size {plan.cp}"
+        + (f" --expert-model-parallel-size {plan.ep}" if plan.ep > 1 else "")
         + (" --sequence-parallel" if plan.sequence_parallel else "")
         + (" --checkpoint-activations-interval 1" if plan.recompute else "")
     )
@@ -43,6 +55,7 @@ def plan_dict(plan: Plan) -> dict:
         "cp": plan.cp,
         "tp": plan.tp,
         "pp": plan.pp,
+        "ep": plan.ep,
         "zero_stage": plan.zero_stage,
         "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum,
@@ -87,7 +100,7 @@ def _row(rank: int, p: Plan, mark: str) -> str:
         for k in ("parameters", "gradients", "optimizer", "buffers", "activations", "total")
     )
     return (
-        f"{rank:>3}  {p.dp:>3} {p.cp:>3} {p.tp:>3} {p.pp:>3}  {p.zero_stage:>4}  {p.micro_batch_size:>5} x "
+        f"{rank:>3}  {p.dp:>3} {p.cp:>3} {p.tp:>3} {p.pp:>3} {p.ep:>3}  {p.zero_stage:>4}  {p.micro_batch_size:>5} x "
         f"{p.grad_accum:<5} {'on' if p.recompute else 'off':>4}  {gib}  "
         f"{p.time.total:9.3f} {p.tokens_per_s_per_gpu:11.0f} {100 * p.mfu:5.1f}%{mark}"
     )
@@ -100,7 +113,7 @@ def search_lines(result: Search, top: int) -> list:
         f"{r.seq_length}, global batch {r.global_batch_size}: {len(result.plans)} feasible"
         + (f", fixed {r.fixed}" if r.fixed else ""),
         f"assumed: {'; '.join(ASSUMPTIONS)}",
-        "rank   dp  cp  tp  pp  ZeRO  micro x accum  rec  GiB: param  grads  optim   bufs   acts  total"
+        "rank   dp  cp  tp  pp  ep  ZeRO  micro x accum  rec  GiB: param  grads  optim   bufs   acts  total"
         "     step s  tok/s/GPU    MFU",
     ]
     shown = result.plans[:top]

@@ -1,15 +1,18 @@
-"""Every plan for a model on N GPUs: (dp, cp, tp, pp, ZeRO stage, micro-batch, accumulation, recompute),
-its memory from the start-up plan and its predicted step time, the feasible ones ranked, and why each
-rejected layout family (dp, cp, tp, pp) was rejected.
+"""Every plan for a model on N GPUs: (dp, cp, tp, pp, ZeRO stage, micro-batch, accumulation, recompute, and
+for a model with mixture-of-experts layers the expert-parallel size), its memory from the start-up plan and its
+predicted step time, the feasible ones ranked, and why each rejected layout family (dp, cp, tp, pp) was
+rejected.
 
-Tensor parallelism stays inside a node and runs with sequence parallelism; TP and CP sizes are powers of
-two. Settings the user fixed (`Request.fixed`) are kept; the search fills in the rest.
+Tensor parallelism stays inside a node and runs with sequence parallelism (without it for a model with MoE
+layers, which refuse it); TP, CP and EP sizes are powers of two. Settings the user fixed (`Request.fixed`) are
+kept; the search fills in the rest.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megamamba.config import MambaConfig
+from megamamba.config import MOE_LETTER, MambaConfig
 from megamamba.errors import LayoutError, MegamambaError
 from megamamba.model.flops import training_flops_per_token
 from megamamba.model.layer_types import layer_type
@@ -33,7 +36,7 @@ from megamamba.pipelines.planner.step_time import (
 from megamamba.pipelines.stages.partition import DEFAULT_PARTITION, check_pattern_stages
 
 MFU_MARGIN = 0.05  # a predicted MFU more than this above the best measured one is an extrapolation
-FIXABLE = ("dp", "cp", "tp", "pp", "zero_stage", "micro_batch_size", "recompute")
+FIXABLE = ("dp", "cp", "tp", "pp", "ep", "zero_stage", "micro_batch_size", "recompute")
 
 
 class PlanError(MegamambaError, ValueError):
@@ -66,10 +69,8 @@ class Plan:
     time: StepTime
     tokens_per_s_per_gpu: float
     mfu: float
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.tp > 1
+    ep: int = 1
+    sequence_parallel: bool = False
 
     @property
     def family(self) -> tuple:
@@ -109,37 +110,53 @@ def label(dp: int, cp: int, tp: int, pp: int) -> str:
     return f"dp {dp} x cp {cp} x tp {tp} x pp {pp}"
 
 
+def has_experts(model: MambaConfig) -> bool:
+    return MOE_LETTER in model.layer_pattern
+
+
+def sequence_parallel(model: MambaConfig, tp: int) -> bool:
+    """Whether plans of `model` at `tp` run with sequence parallelism: with TP, unless it has MoE layers."""
+    return tp > 1 and not has_experts(model)
+
+
 def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str]:
     """Why (cp, tp, pp) cannot run this model and sequence at all, or None."""
     model = request.model
     if tp > request.gpus_per_node:
         return f"tp {tp} would span nodes of {request.gpus_per_node} GPUs: use tp {request.gpus_per_node} or less"
+    if cp > 1 and has_experts(model):
+        return f"cp {cp}: mixture-of-experts layers (E) do not run context-parallel yet"
+    sp = sequence_parallel(model, tp)
     try:
         check_layout(model, tp)
-        check_context_layout(request.seq_length, cp, conv_width(model), tp, tp > 1)
+        check_context_layout(request.seq_length, cp, conv_width(model), tp, sp)
         check_pattern_stages(model, pp)
     except LayoutError as e:
         return str(e)
-    if request.seq_length % tp:
+    if sp and request.seq_length % tp:
         return f"sequence parallelism needs seq {request.seq_length} divisible by tp {tp}"
     if model.n_layer < pp:
         return f"n_layer {model.n_layer} < pp {pp}: every stage needs a block"
     return None
 
 
-def run_shape(request: Request, dp: int, cp: int, tp: int, pp: int, zero: int, micro: int, recompute: bool) -> RunShape:
-    """The start-up memory plan's view of a plan (sequence parallelism with TP, recompute every layer), read
-    from the engine config start-up would hand DeepSpeed (ZeRO's defaults, overlap_comm on for stage 3)."""
-    layout = Layout(request.gpus, dp, tp, pp, micro, request.global_batch_size // (micro * dp), cp)
+def run_shape(
+    request: Request, dp: int, cp: int, tp: int, pp: int, zero: int, micro: int, recompute: bool, ep: int = 1
+) -> RunShape:
+    """The start-up memory plan's view of a plan (sequence parallelism with TP where the model takes it,
+    recompute every layer), read from the engine config start-up would hand DeepSpeed (ZeRO's defaults,
+    overlap_comm on for stage 3)."""
+    layout = Layout(request.gpus, dp, tp, pp, micro, request.global_batch_size // (micro * dp), cp, ep)
     ds_config = {"zero_optimization": {"stage": zero}, "bf16": {"enabled": request.autocast}}
+    sp = sequence_parallel(request.model, tp)
     return RunShape.of_run(
         request.model,
         layout,
-        engine_config(ds_config, layout, None, tp > 1),
+        engine_config(ds_config, layout, None, sp),
         request.seq_length // cp,
         DEFAULT_PARTITION,
         1 if recompute else 0,
-        tp > 1,
+        sp,
     )
 
 
@@ -153,8 +170,9 @@ def _step_time(
         request.seq_length,
         grid.tp,
         grid.cp,
-        grid.tp > 1,
+        shape.sequence_parallel,
         2 if request.autocast else 4,
+        grid.ep,
     )
     kinds = layer_kinds(request.model)
     per_kind = {kind: layer_time(kind, layer_type(kind).work(rank), grid, profile, recompute) for kind in set(kinds)}
@@ -195,6 +213,7 @@ def _step_time(
         data,
         optimizer,
         m * slowest.overhead + profile.engine_cost(shape.zero_stage).step_s,
+        m * slowest.ep_comm,
     )
 
 
@@ -305,6 +324,14 @@ def _family_plans(
     stages = [0, 1] if grid.pp > 1 else [0, 1, 2, 3 if fixed.get("zero_stage") == 3 else 2]
     zeros = sorted({z for z in stages if fixed.get("zero_stage", z) == z})
     family = label(grid.dp, grid.cp, grid.tp, grid.pp)
+    eps = _expert_parallel_sizes(request, grid)
+    if not eps:
+        return [], Rejection(
+            family,
+            f"ep {fixed['ep']}: the expert-parallel size must divide dp x cp = {grid.dp * grid.cp} and the "
+            "experts of a model with mixture-of-experts layers",
+            distance=FIXED_SETTING,
+        )
     if not zeros:
         return [], Rejection(
             family,
@@ -319,42 +346,62 @@ def _family_plans(
             distance=FIXED_SETTING,
         )
     plans, smallest = [], None
-    for zero in zeros:
-        for recompute in [r for r in (False, True) if fixed.get("recompute", r) == r]:
-            for micro in micros:
-                shape = run_shape(request, dp, grid.cp, grid.tp, grid.pp, zero, micro, recompute)
-                memory = plan_memory(shape)
-                worst = memory.worst
-                if worst.total > usable:
-                    if smallest is None or worst.total < smallest[0]:
-                        smallest = (worst.total, zero, micro, recompute)
-                    continue
-                time = _step_time(request, shape, list(memory.bounds), list(memory.stages), grid, profile, recompute)
-                rate = tokens / time.total / request.gpus
-                plans.append(
-                    Plan(
-                        dp,
-                        grid.cp,
-                        grid.tp,
-                        grid.pp,
-                        zero,
-                        micro,
-                        shape.layout.grad_accum,
-                        recompute,
-                        worst,
-                        time,
-                        rate,
-                        rate * flops_per_token / profile.mfu_flops_per_s,
+    for ep in eps:
+        on_grid = dataclasses.replace(grid, ep=ep)
+        for zero in [z for z in zeros if ep == 1 or z < 3]:  # expert parallelism runs with ZeRO 0-2
+            for recompute in [r for r in (False, True) if fixed.get("recompute", r) == r]:
+                for micro in micros:
+                    shape = run_shape(request, dp, grid.cp, grid.tp, grid.pp, zero, micro, recompute, ep)
+                    memory = plan_memory(shape)
+                    worst = memory.worst
+                    if worst.total > usable:
+                        if smallest is None or worst.total < smallest[0]:
+                            smallest = (worst.total, zero, micro, recompute, ep)
+                        continue
+                    bounds, stages_memory = list(memory.bounds), list(memory.stages)
+                    time = _step_time(request, shape, bounds, stages_memory, on_grid, profile, recompute)
+                    rate = tokens / time.total / request.gpus
+                    plans.append(
+                        Plan(
+                            dp,
+                            grid.cp,
+                            grid.tp,
+                            grid.pp,
+                            zero,
+                            micro,
+                            shape.layout.grad_accum,
+                            recompute,
+                            worst,
+                            time,
+                            rate,
+                            rate * flops_per_token / profile.mfu_flops_per_s,
+                            ep,
+                            shape.sequence_parallel,
+                        )
                     )
-                )
     if plans:
         return plans, None
-    total, zero, micro, recompute = smallest
+    if smallest is None:  # ZeRO-3 fixed with expert parallelism fixed
+        return [], Rejection(family, "expert parallelism runs with ZeRO 0, 1 or 2", distance=FIXED_SETTING)
+    total, zero, micro, recompute, ep = smallest
+    experts = f", ep {ep}" if has_experts(request.model) else ""
     return [], Rejection(
         family,
         f"does not fit: at best {total / 2**30:.1f} GiB per GPU (ZeRO {zero}, micro batch "
-        f"{micro}, recompute {'on' if recompute else 'off'}), {(total - usable) / 2**30:.1f} "
+        f"{micro}, recompute {'on' if recompute else 'off'}{experts}), {(total - usable) / 2**30:.1f} "
         f"GiB over the {usable / 2**30:.1f} GiB usable",
         total,
         MEMORY,
     )
+
+
+def _expert_parallel_sizes(request: Request, grid: Grid) -> list:
+    """The expert-parallel sizes a family can take: powers of two dividing its dp x cp ranks and the experts (1
+    for a model without MoE layers), as fixed."""
+    data_axis = grid.dp * grid.cp
+    if has_experts(request.model):
+        experts = request.model.moe_options.num_experts
+        sizes = [e for e in _powers_of_two(data_axis) if data_axis % e == 0 and experts % e == 0]
+    else:
+        sizes = [1]
+    return [e for e in sizes if request.fixed.get("ep", e) == e]

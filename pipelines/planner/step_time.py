@@ -3,7 +3,7 @@
 Per micro-batch, each stage runs its layers' kernels (a kernel takes its launch time, then its FLOPs at
 the matmul rate or its bytes at the copy bandwidth, whichever is longer, over its kind's efficiency; its
 backward is its kind's ratio of that; a measured profile maps a layer's kernel time to its measured time
-by a fixed cost and a scale per layer kind) and their TP and CP collectives (a ring on the slowest link
+by a fixed cost and a scale per layer kind) and their TP, CP and EP collectives (a ring on the slowest link
 the group spans: alpha per step plus bytes over bandwidth, less the compute a collective overlaps: the
 column-parallel projections' gathers and input gradients; a measured profile adds a cost per call);
 recomputation runs every forward twice.
@@ -29,6 +29,7 @@ class Grid:
     tp: int
     pp: int
     gpus_per_node: int
+    ep: int = 1  # consecutive ranks of the data axis
 
     def spans_nodes(self, stride: int, size: int) -> bool:
         return size > 1 and stride * size > self.gpus_per_node
@@ -37,13 +38,14 @@ class Grid:
         stride, size = {
             "tp": (1, self.tp),
             "cp": (self.tp, self.cp),
+            "ep": (self.tp, self.ep),
             "data": (self.tp, self.dp * self.cp),
             "pp": (self.tp * self.cp * self.dp, self.pp),
         }[group]
         return profile.links["inter_node" if self.spans_nodes(stride, size) else "intra_node"]
 
     def size(self, group: str) -> int:
-        return {"tp": self.tp, "cp": self.cp, "data": self.dp * self.cp, "pp": self.pp}[group]
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "data": self.dp * self.cp, "pp": self.pp}[group]
 
     def compute_scale(self, profile: Profile) -> float:
         """The profile's multiple of its layer fits for a layer of this grid's step."""
@@ -52,7 +54,8 @@ class Grid:
 
 
 def collective_seconds(kind: str, nbytes: float, size: int, link: Link) -> float:
-    """A ring all-reduce, all-gather or reduce-scatter over `size` ranks, or one send."""
+    """A ring all-reduce, all-gather or reduce-scatter over `size` ranks, an all-to-all (each rank sends all but
+    its own share of `nbytes`), or one send."""
     if kind == "send":
         return link.alpha_s + nbytes / link.bytes_per_s
     if size == 1:
@@ -81,10 +84,11 @@ class StageTime:
     sends: float
     forward: float = 0.0
     overhead: float = 0.0
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.cp_comm + self.sends + self.overhead
+        return self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.sends + self.overhead
 
 
 def _collective(c: Collective, grid: Grid, profile: Profile) -> float:
@@ -110,7 +114,7 @@ def layer_time(kind: str, work: LayerWork, grid: Grid, profile: Profile, recompu
     fit, scale = profile.layer(kind), grid.compute_scale(profile)
     forward = scale * (fit.forward_fixed_s + fit.forward_scale * kernels_forward)
     compute = forward * (1 + recompute) + scale * (fit.backward_fixed_s + fit.backward_scale * kernels_backward)
-    tp = cp = 0.0
+    comm = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
     for c in work.collectives:
         hidden = (
             c.share * kernel_seconds(c.overlaps.kind, c.overlaps.flops, c.overlaps.bytes, profile)
@@ -119,11 +123,8 @@ def layer_time(kind: str, work: LayerWork, grid: Grid, profile: Profile, recompu
         )
         seconds = max(0.0, _collective(c, grid, profile) - hidden) + profile.collective_call_s.get(c.group, 0.0)
         seconds *= 2 if recompute and not c.backward else 1
-        if c.group == "tp":
-            tp += seconds
-        else:
-            cp += seconds
-    return StageTime(compute, tp, cp, 0.0, forward)
+        comm[c.group] += seconds
+    return StageTime(compute, comm["tp"], comm["cp"], 0.0, forward, ep_comm=comm["ep"])
 
 
 def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sends: int, zero_stage: int) -> StageTime:
@@ -137,6 +138,7 @@ def stage_time(layers: list, shape: RankShape, grid: Grid, profile: Profile, sen
         2 * sends * boundary,
         sum(t.forward for t in layers),
         profile.engine_cost(zero_stage).micro_batch_s,
+        sum(t.ep_comm for t in layers),
     )
 
 
@@ -152,6 +154,7 @@ class StepTime:
     data_parallel: float
     optimizer: float
     overhead: float  # the engine's, per micro-batch and per step
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
@@ -159,6 +162,7 @@ class StepTime:
             self.compute
             + self.tp_comm
             + self.cp_comm
+            + self.ep_comm
             + self.pipeline_sends
             + self.bubble
             + self.data_parallel

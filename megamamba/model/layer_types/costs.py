@@ -20,8 +20,8 @@ STREAM = 4  # the residual stream between layers is float32
 
 @dataclass(frozen=True)
 class RankShape:
-    """What a rank holds of a micro-batch: the model, the whole sequence's length, the TP and CP sizes, and the
-    bytes of an activation element."""
+    """What a rank holds of a micro-batch: the model, the whole sequence's length, the TP and CP sizes, the
+    bytes of an activation element, and the expert-parallel size."""
 
     model: MambaConfig
     micro_batch_size: int
@@ -30,6 +30,7 @@ class RankShape:
     cp: int = 1
     sequence_parallel: bool = False
     act: int = 2
+    ep: int = 1
 
     @property
     def slice_length(self) -> int:
@@ -67,9 +68,9 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # all_reduce, all_gather, reduce_scatter, send
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send
     nbytes: float
-    group: str  # tp, cp
+    group: str  # tp, cp, ep
     backward: bool = False
     overlaps: Optional[Kernel] = None  # runs beside `share` x this kernel's forward time
     share: float = 0.0

@@ -14,7 +14,7 @@ from megamamba.config import MOE_LETTER, MambaConfig, MoEOptions
 from megamamba.errors import LayoutError
 from megamamba.model.block import Block
 from megamamba.model.layer_types.base import BlockType
-from megamamba.model.layer_types.costs import STREAM, Kernel, LayerWork, RankShape, matmul, norm
+from megamamba.model.layer_types.costs import STREAM, Collective, Kernel, LayerWork, RankShape, matmul, norm
 from megamamba.model.moe import MoE
 from megamamba.model.stream import Stream
 from megamamba.parallel import TensorParallel
@@ -126,7 +126,15 @@ class MoEType(BlockType):
         ]
         if shared:
             kernels += [matmul(shape, d, shared_up), matmul(shape, shared, d)]
-        return LayerWork(tuple(kernels))
+        collectives: tuple = ()
+        if shape.ep > 1:  # the per-expert counts, then the rows there and back; their gradients back and there
+            rows_bytes = a * rows * d
+            collectives = (
+                Collective("all_to_all", 8 * o.num_experts, "ep"),
+                *(Collective("all_to_all", rows_bytes, "ep") for _ in range(2)),
+                *(Collective("all_to_all", rows_bytes, "ep", backward=True) for _ in range(2)),
+            )
+        return LayerWork(tuple(kernels), collectives)
 
 
 MOE_TYPE = MoEType()

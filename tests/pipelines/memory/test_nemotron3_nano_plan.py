@@ -13,7 +13,7 @@ from train_entry import ROOT
 
 MODEL = MambaConfig.from_json(ROOT / "launch/models/nemotron-3-nano-30b-a3b.json")
 DS_CONFIG = read_deepspeed_config(str(ROOT / "launch/configs/nemotron-3-nano-30b-a3b.json"))
-USABLE_80GB = 80 * 10**9 - RESERVED
+USABLE_80GB = 80 * 2**30 - RESERVED  # the planner's "80 GB": launch/plan.py --gpu-memory 80
 SEQ = 8192
 
 
