@@ -41,11 +41,13 @@ def training_loss(
     """`lm_loss`, whose gradient under CP is C times this rank's share: a data-parallel engine averages gradients
     over every rank of its data axis (DeepSpeed's: dp x C ranks), and the average of C x the shares is the sum of
     the shares over the CP group (the whole sequences' gradient) averaged over dp, as without CP. With `aux_loss`
-    (the stream's router losses) the gradient is that of their sum, the value the language-modelling loss's
-    alone, so that the logged loss is comparable with and without experts."""
+    (the stream's router losses: under CP this rank's share, scaled alike) the gradient is that of their sum, the
+    value the language-modelling loss's alone, so that the logged loss is comparable with and without experts."""
     loss = lm_loss(logits, labels, vocab_size, tp, cp)
     cp = split(cp)
-    loss = loss if cp is None else _ScaleGradient.apply(loss, float(cp.size))
+    if cp is not None:
+        loss = _ScaleGradient.apply(loss, float(cp.size))
+        aux_loss = None if aux_loss is None else _ScaleGradient.apply(aux_loss, float(cp.size))
     return loss if aux_loss is None else _AddInBackward.apply(loss, aux_loss)
 
 

@@ -20,6 +20,7 @@ from megamamba.model.moe_dispatch import capacity_of, combine, permute, sort_by_
 from megamamba.model.moe_experts import GroupedExperts
 from megamamba.model.moe_router import Router
 from megamamba.parallel import split
+from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.expert.dispatch import from_expert_ranks, to_expert_ranks
 from megamamba.parallel.expert.expert_parallel import ExpertParallel
 
@@ -29,11 +30,19 @@ MLP_ACTIVATION = {"relu2": "squared_relu", "gated_silu": "gated_silu"}  # the sh
 class MoE(nn.Module):
     """(batch, seqlen, d_model) -> (batch, seqlen, d_model), token by token."""
 
-    def __init__(self, d_model: int, options: MoEOptions, device=None, dtype=None, ep: Optional[ExpertParallel] = None):
+    def __init__(
+        self,
+        d_model: int,
+        options: MoEOptions,
+        device=None,
+        dtype=None,
+        ep: Optional[ExpertParallel] = None,
+        cp: Optional[ContextParallel] = None,
+    ):
         super().__init__()
         self.options = options
         self.ep = split(ep)
-        self.gate = Router(d_model, options, device=device, dtype=dtype)
+        self.gate = Router(d_model, options, device=device, dtype=dtype, cp=cp)
         self.experts = GroupedExperts(
             options.num_experts,
             d_model,

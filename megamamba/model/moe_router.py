@@ -4,6 +4,9 @@ load-balancing and z losses, and the per-expert bias update of aux-loss-free bal
 from what each router routed in the backward passes (`RouterLoad`, which the step's metrics read too).
 
 Ties are broken the same way on every device: among equal scores the lower expert index wins (a stable sort).
+Under context parallelism a router sees its slice of every sequence; its losses are then this rank's share of the
+whole sequences' losses (the per-expert counts summed over the context-parallel group), which the training
+loss's gradient adds up over the group.
 """
 
 from typing import NamedTuple, Optional, cast
@@ -14,6 +17,9 @@ from torch import nn
 
 from megamamba.config import MoEOptions
 from megamamba.model.moe_dispatch import capacity_of
+from megamamba.parallel import split
+from megamamba.parallel.context.context_parallel import ContextParallel
+from megamamba.parallel.tensor.collectives import start_all_reduce
 
 NORM_EPS = 1e-20  # transformers' and Megatron's guard in the top-k normalisation
 
@@ -60,11 +66,14 @@ def expert_weights(scores: torch.Tensor, experts: torch.Tensor, options: MoEOpti
     return weights * options.routed_scaling_factor
 
 
-def load_balancing_loss(logits: torch.Tensor, options: MoEOptions) -> torch.Tensor:
+def load_balancing_loss(
+    logits: torch.Tensor, options: MoEOptions, cp: Optional[ContextParallel] = None
+) -> torch.Tensor:
     """Megatron's switch loss E / (k T^2) * sum_i P_i c_i on (batch, seqlen, experts) logits, without its
     coefficient: P_i the summed scores of expert i (sigmoid scores normalised per token), c_i the tokens whose k
     best scores include i (a count, no gradient), T the tokens: over the micro-batch (aux_loss), or per
-    sequence and averaged over the sequences (seq_aux_loss)."""
+    sequence and averaged over the sequences (seq_aux_loss). Under `cp` the logits are this rank's slice of the
+    sequences: c_i and T are the whole sequences', P_i this slice's, so the shares add up to the loss."""
     scores = logits.softmax(dim=-1) if options.score_function == "softmax" else logits.sigmoid()
     if options.score_function == "sigmoid":
         scores = scores / (scores.sum(dim=-1, keepdim=True) + NORM_EPS)
@@ -73,13 +82,18 @@ def load_balancing_loss(logits: torch.Tensor, options: MoEOptions) -> torch.Tens
     chosen = F.one_hot(top_indices(scores.detach(), options.top_k), options.num_experts).sum(dim=-2)
     counts = chosen.sum(dim=1).to(scores.dtype)  # (sequences, experts)
     tokens = scores.shape[1]
+    cp = split(cp)
+    if cp is not None:
+        counts, tokens = start_all_reduce(counts.contiguous(), cp).wait(), tokens * cp.size
     per_sequence = (scores.sum(dim=1) * counts).sum(dim=-1) * options.num_experts / (options.top_k * tokens**2)
     return per_sequence.mean()
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss without its coefficient: the mean over tokens of logsumexp(logits)^2."""
-    return torch.logsumexp(logits, dim=-1).square().mean()
+def z_loss(logits: torch.Tensor, cp: Optional[ContextParallel] = None) -> torch.Tensor:
+    """ST-MoE's router z-loss without its coefficient: the mean over tokens of logsumexp(logits)^2 (under `cp`,
+    this slice's share of the whole sequences' mean)."""
+    cp = split(cp)
+    return torch.logsumexp(logits, dim=-1).square().mean() / (1 if cp is None else cp.size)
 
 
 class RouterLoad(NamedTuple):
@@ -123,9 +137,12 @@ class Router(nn.Module):
     alone that `update_expert_biases` moves; `load` (`RouterLoad`) what it routed in the backward passes since the
     last update, `received` its tokens per expert."""
 
-    def __init__(self, d_model: int, options: MoEOptions, device=None, dtype=None):
+    def __init__(
+        self, d_model: int, options: MoEOptions, device=None, dtype=None, cp: Optional[ContextParallel] = None
+    ):
         super().__init__()
         self.options = options
+        self.cp = split(cp)
         self.weight = nn.Parameter(torch.empty(options.num_experts, d_model, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # as nn.Linear
         self.e_score_correction_bias = None
@@ -175,9 +192,9 @@ class Router(nn.Module):
             return None
         loss = logits.new_zeros(())
         if o.aux_loss_coeff:
-            loss = loss + o.aux_loss_coeff * load_balancing_loss(logits, o)
+            loss = loss + o.aux_loss_coeff * load_balancing_loss(logits, o, self.cp)
         if o.z_loss_coeff:
-            loss = loss + o.z_loss_coeff * z_loss(logits)
+            loss = loss + o.z_loss_coeff * z_loss(logits, self.cp)
         return loss
 
 

@@ -4,7 +4,8 @@ in the step's backward passes (`megamamba.model.moe_router.RouterLoad`) over all
 For the block at index i of the pattern (mamba_ssm's backbone.layers.i):
 - moe_layer{i}_load_max_over_mean: the tokens of its busiest expert over the mean tokens per expert (1 = balanced);
 - moe_layer{i}_aux_loss: its router losses (load balancing and z, times their coefficients), the mean over the
-  micro-batches of every data-parallel rank; when moe_cfg has a coefficient;
+  micro-batches of every data-parallel rank (under context parallelism the sum of each micro-batch's shares);
+  when moe_cfg has a coefficient;
 - moe_layer{i}_expert_bias_norm: the L2 norm of its expert bias after the step's update; with expert_bias;
 - moe_layer{i}_dropped_tokens: the token copies its experts' capacity dropped over the global batch; with a
   capacity_factor.
@@ -46,6 +47,7 @@ def moe_metrics(config: MambaConfig, trainer) -> dict:
         if bias_here and bias is not None:
             row[-1] = bias.double().square().sum()
     dist.all_reduce(table)
+    context = 1 if trainer.cp is None else trainer.cp.size  # every rank of a CP group counted each micro-batch
     record = {}
     for layer, row in zip(layers, table.tolist()):
         tokens, (dropped, aux_loss, micro_batches, bias_square_norm) = row[:experts], row[experts:]
@@ -53,7 +55,7 @@ def moe_metrics(config: MambaConfig, trainer) -> dict:
         mean = sum(tokens) / experts
         record[key + "load_max_over_mean"] = max(tokens) / mean if mean else None
         if options.aux_loss_coeff or options.z_loss_coeff:
-            record[key + "aux_loss"] = aux_loss / micro_batches if micro_batches else None
+            record[key + "aux_loss"] = aux_loss * context / micro_batches if micro_batches else None
         if options.expert_bias:
             record[key + "expert_bias_norm"] = math.sqrt(bias_square_norm)
         if options.capacity_factor is not None:

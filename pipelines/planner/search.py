@@ -124,8 +124,6 @@ def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str
     model = request.model
     if tp > request.gpus_per_node:
         return f"tp {tp} would span nodes of {request.gpus_per_node} GPUs: use tp {request.gpus_per_node} or less"
-    if cp > 1 and has_experts(model):
-        return f"cp {cp}: mixture-of-experts layers (E) do not run context-parallel yet"
     sp = sequence_parallel(model, tp)
     try:
         check_layout(model, tp)

@@ -1,9 +1,11 @@
 """Expert parallelism through the real `deepspeed` launcher, on the tiny mixture-of-experts hybrid
 (launch/models/tiny-moe-hybrid.json: MEM*E, 8 experts, sigmoid routing in groups, a shared expert, aux-loss-free
-balancing) in float32: at EP 2 with dp 2 (ZeRO-1), EP 2 with tp 2 (ZeRO-0: our clipping), EP 2 with pp 2 (ZeRO-1)
-and EP 4 with dp 4 (ZeRO-2) the 5-step loss and gradient-norm curves equal the one-rank run's (spawned, the same
-entry point); the expert biases move once per step by the tokens every expert received over all ranks; the
-metrics hold each MoE layer's load; a checkpoint of the EP 2 run holds whole expert tensors and resumes at EP 1
+balancing, router losses) in float32: at EP 2 with dp 2 (ZeRO-1), EP 2 with tp 2 (ZeRO-0: our clipping), EP 2
+with pp 2 (ZeRO-1), EP 4 with dp 4 (ZeRO-2) and EP 2 over cp 2 with pp 2 (ZeRO-0; each rank's router losses its
+slice's share: the layout of launch/configs/nemotron-3-nano-30b-a3b.json) the
+5-step loss and gradient-norm curves equal the one-rank run's (spawned, the same entry point); the expert biases
+move once per step by the tokens every expert received over all ranks; the metrics hold each MoE layer's load
+and losses as one rank counts them; a checkpoint of the EP 2 run holds whole expert tensors and resumes at EP 1
 on the one-rank curve, with its biases.
 """
 
@@ -33,6 +35,7 @@ LAYOUTS = {
     "dp2-tp2-ep2": (4, ["--ep", "2", "--tp", "2"], 0),
     "dp2-pp2-ep2": (4, ["--ep", "2", "--pp", "2"], 1),
     "dp4-ep4-zero2": (4, ["--ep", "4"], 2),
+    "cp2-pp2-ep2": (4, ["--ep", "2", "--cp", "2", "--pp", "2"], 0),
 }
 
 
@@ -109,8 +112,9 @@ def test_the_expert_biases_move_once_per_step_by_the_tokens_every_expert_receive
         assert torch.equal(split[name], bias), name
 
 
-def test_every_record_holds_each_moe_layers_load_losses_and_bias_norm_over_all_ranks(runs):
-    one, split = runs["one"]["records"], runs["dp4-ep4-zero2"]["records"]
+@pytest.mark.parametrize("layout", ["dp4-ep4-zero2", "cp2-pp2-ep2"])
+def test_every_record_holds_each_moe_layers_load_losses_and_bias_norm_over_all_ranks(runs, layout):
+    one, split = runs["one"]["records"], runs[layout]["records"]
     figures = ("load_max_over_mean", "aux_loss", "expert_bias_norm")
     keys = [f"moe_layer{layer}_{figure}" for layer in (1, 4) for figure in figures]  # MEM*E: blocks 1 and 4
     assert all(set(keys) <= set(record) for record in one + split), one[0]

@@ -28,7 +28,8 @@ SEQUENCE_PARALLEL_REFUSAL = (
 
 class MoEBlock(Block):
     """A block whose mixer is a mixture of experts (moe_cfg); pattern symbol E. The same on every tensor-parallel
-    rank; its experts split over `ep`'s ranks."""
+    rank; its experts split over `ep`'s ranks; under `cp` on this rank's slice of the sequences, its router's
+    losses this slice's share."""
 
     mixer: MoE
 
@@ -41,14 +42,10 @@ class MoEBlock(Block):
         dtype=None,
         ep: Optional[ExpertParallel] = None,
     ):
-        if cp is not None and cp.size > 1:
-            raise LayoutError(
-                f"mixture-of-experts layers (E) do not run context-parallel yet: CP = {cp.size}; use CP = 1"
-            )
         if tp is not None and tp.sequence_parallel:
             raise LayoutError(SEQUENCE_PARALLEL_REFUSAL)
         super().__init__(
-            config, lambda: MoE(config.d_model, config.moe_options, device, dtype, ep=ep), tp, device, dtype
+            config, lambda: MoE(config.d_model, config.moe_options, device, dtype, ep=ep, cp=cp), tp, device, dtype
         )
 
     def forward(self, x: Stream, inference_state=None) -> Stream:

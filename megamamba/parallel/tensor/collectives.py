@@ -8,6 +8,7 @@ docs/code.md ("Tensor and sequence parallelism").
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,19 @@ def _check_divisible(x: torch.Tensor, dim: int, tp: TensorParallel) -> None:
         )
 
 
-def start_all_reduce(x: torch.Tensor, tp: TensorParallel, op: str = "sum") -> Pending:
-    """All-reduce `x` IN PLACE over the TP group (`op` is "sum" or "max"); x must be contiguous."""
+class RankGroup(Protocol):
+    """What a raw collective reads of its group: a TensorParallel, ContextParallel or ExpertParallel."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def size(self) -> int: ...
+
+
+def start_all_reduce(x: torch.Tensor, tp: RankGroup, op: str = "sum") -> Pending:
+    """All-reduce `x` IN PLACE over the group (TP, or another: `RankGroup`; `op` is "sum" or "max"); x must be
+    contiguous."""
     if tp.size == 1:
         return Pending(None, lambda: x)
     if not x.is_contiguous():
