@@ -3,9 +3,9 @@ during that save abandons it, `latest` still naming the previous checkpoint.
 
 The launched run gets SIGINT on its whole process group, as a terminal's Ctrl-C sends it: the
 `deepspeed` runner (DeepSpeed 0.19.8's runner.py has no handler) prints its own KeyboardInterrupt
-traceback and dies with SIGINT after 0.25 s (subprocess.Popen.wait's grace); launch.py's handler
-sends SIGTERM to each rank in turn, waits up to 30 s for each and SIGKILLs what is left, then exits 1;
-the ranks take the SIGINT themselves (the SIGTERM after it changes nothing). Single-process runs
+traceback and dies with SIGINT after 0.25 s (subprocess.Popen.wait's grace), or exits with launch.py's
+status; launch.py's handler sends SIGTERM to each rank in turn, waits up to 30 s for each and SIGKILLs
+what is left, then exits 1; the ranks take the SIGINT themselves (the SIGTERM after it changes nothing). Single-process runs
 (`direct`) show the ranks' own exit status and the second interrupt, sent by tests/fault_injection.py.
 """
 
@@ -60,7 +60,9 @@ def interrupted_launch(resume_runs):
 @pytest.mark.slow
 def test_ctrl_c_to_a_launched_run_saves_after_the_step_with_one_line_and_no_rank_traceback(interrupted_launch):
     stdout, save, last = interrupted_launch["stdout"], interrupted_launch["save"], interrupted_launch["last_step"]
-    assert interrupted_launch["runner_code"] == -signal.SIGINT  # the shell reports 130
+    # The runner dies by the SIGINT (the shell reports 130), or, when the interrupt reaches it only as its child
+    # launch.py's exit (seen once in a loaded suite run), passes on launch.py's status 1.
+    assert interrupted_launch["runner_code"] in (-signal.SIGINT, 1)
     assert interrupt_lines(stdout) == [
         f"train.py: interrupted at step {last + 1}, saved to {save}/step_{last + 1:06d}; resume with --load {save}"
     ], stdout[-3000:]
