@@ -187,13 +187,14 @@ def restore_optimizer_state(
     optimizer: torch.optim.Optimizer, model: nn.Module, state: Mapping[str, dict], saved_groups: list
 ) -> None:
     """Restore per-parameter state, `state[local parameter name] = {key: tensor shaped like that parameter, or
-    0-d}`, for every parameter or none (saved before the first step), keeping the run's hyperparameters.
-    A 0-d state is copied per parameter: AdamW increments `step` in place, and the sharded and replicated
-    parts of one tensor may be given the same one."""
+    0-d}`, for every parameter the optimizer steps or none (saved before the first step), keeping the run's
+    hyperparameters; frozen parameters (the expert biases) have none. A 0-d state is copied per parameter: AdamW
+    increments `step` in place, and the sharded and replicated parts of one tensor may be given the same one."""
     check_optimizer_groups(saved_groups, optimizer_groups(optimizer, model))
     if not any(state.values()):
         return
-    named = _named(model)
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    named = {n: p for n, p in _named(model).items() if id(p) in stepped}
     missing = sorted(n for n in named if not state.get(n))
     if missing:
         raise CheckpointError(f"checkpoint optimizer state does not match the model: missing {missing[:5]}")
