@@ -27,7 +27,6 @@ from typing import Optional
 
 from megamamba.config import MOE_LETTER, MambaConfig
 from megamamba.errors import LayoutError
-from megamamba.model.layer_types.moe import SEQUENCE_PARALLEL_REFUSAL
 from megamamba.model.layers import check_layout, conv_width
 from megamamba.parallel.context.context_parallel import check_context_layout
 from megamamba.parallel.expert.expert_parallel import check_expert_layout
@@ -167,8 +166,6 @@ def check_run(
     check_layout(model, layout.tp)
     check_pattern_stages(model, layout.pp)
     check_experts(layout, model, stage, ds_config)
-    if sequence_parallel and MOE_LETTER in model.layer_pattern:
-        raise LayoutError(SEQUENCE_PARALLEL_REFUSAL)
     if sequence_parallel and layout.tp == 1:
         raise LayoutError("--sequence-parallel needs --tensor-parallel-size > 1 (it splits the sequence over TP ranks)")
     if sequence_parallel and seq_length % layout.tp:

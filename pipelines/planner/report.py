@@ -19,7 +19,7 @@ TIME_PARTS = (
     "overhead",
 )
 ASSUMPTIONS = (
-    "TP inside a node, with sequence parallelism (without, for a model with mixture-of-experts layers)",
+    "TP inside a node, with sequence parallelism",
     "TP, CP and EP sizes powers of two; EP only for a model with mixture-of-experts layers, ZeRO 0-2",
     "expert gradients reduced over the whole data axis (an upper bound: they reduce over dp x cp / ep ranks)",
     "ZeRO 0 or 1 with pp > 1 (DeepSpeed's pipeline engine refuses 2 and 3)",

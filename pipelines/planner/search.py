@@ -3,8 +3,8 @@ for a model with mixture-of-experts layers the expert-parallel size), its memory
 predicted step time, the feasible ones ranked, and why each rejected layout family (dp, cp, tp, pp) was
 rejected.
 
-Tensor parallelism stays inside a node and runs with sequence parallelism (without it for a model with MoE
-layers, which refuse it); TP, CP and EP sizes are powers of two. Settings the user fixed (`Request.fixed`) are
+Tensor parallelism stays inside a node and runs with sequence parallelism; TP, CP and EP sizes are powers of
+two. Settings the user fixed (`Request.fixed`) are
 kept; the search fills in the rest.
 """
 
@@ -114,24 +114,18 @@ def has_experts(model: MambaConfig) -> bool:
     return MOE_LETTER in model.layer_pattern
 
 
-def sequence_parallel(model: MambaConfig, tp: int) -> bool:
-    """Whether plans of `model` at `tp` run with sequence parallelism: with TP, unless it has MoE layers."""
-    return tp > 1 and not has_experts(model)
-
-
 def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str]:
     """Why (cp, tp, pp) cannot run this model and sequence at all, or None."""
     model = request.model
     if tp > request.gpus_per_node:
         return f"tp {tp} would span nodes of {request.gpus_per_node} GPUs: use tp {request.gpus_per_node} or less"
-    sp = sequence_parallel(model, tp)
     try:
         check_layout(model, tp)
-        check_context_layout(request.seq_length, cp, conv_width(model), tp, sp)
+        check_context_layout(request.seq_length, cp, conv_width(model), tp, tp > 1)
         check_pattern_stages(model, pp)
     except LayoutError as e:
         return str(e)
-    if sp and request.seq_length % tp:
+    if request.seq_length % tp:
         return f"sequence parallelism needs seq {request.seq_length} divisible by tp {tp}"
     if model.n_layer < pp:
         return f"n_layer {model.n_layer} < pp {pp}: every stage needs a block"
@@ -141,20 +135,18 @@ def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str
 def run_shape(
     request: Request, dp: int, cp: int, tp: int, pp: int, zero: int, micro: int, recompute: bool, ep: int = 1
 ) -> RunShape:
-    """The start-up memory plan's view of a plan (sequence parallelism with TP where the model takes it,
-    recompute every layer), read from the engine config start-up would hand DeepSpeed (ZeRO's defaults,
-    overlap_comm on for stage 3)."""
+    """The start-up memory plan's view of a plan (sequence parallelism with TP, recompute every layer), read
+    from the engine config start-up would hand DeepSpeed (ZeRO's defaults, overlap_comm on for stage 3)."""
     layout = Layout(request.gpus, dp, tp, pp, micro, request.global_batch_size // (micro * dp), cp, ep)
     ds_config = {"zero_optimization": {"stage": zero}, "bf16": {"enabled": request.autocast}}
-    sp = sequence_parallel(request.model, tp)
     return RunShape.of_run(
         request.model,
         layout,
-        engine_config(ds_config, layout, None, sp),
+        engine_config(ds_config, layout, None, tp > 1),
         request.seq_length // cp,
         DEFAULT_PARTITION,
         1 if recompute else 0,
-        sp,
+        tp > 1,
     )
 
 

@@ -67,6 +67,13 @@ MQA_PATTERN = {
     "mlp_activation": "squared_relu",
     "tie_embeddings": False,
 }
+MOE_PATTERN = {
+    "ssm_cfg": MAMBA2,
+    "n_layer": 3,
+    "hybrid_layer_pattern": "ME*",
+    "attn_cfg": ATTN_GQA,
+    "moe_cfg": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 12, "shared_expert_ffn_hidden_size": 8},
+}  # the experts and the router whole on every rank
 BLOCK_MLPS = {
     "ssm_cfg": MAMBA1,
     "n_layer": 2,
@@ -84,6 +91,8 @@ CASES = {
     "mqa_squared_relu_sp": (MQA_PATTERN, True, True, False),
     "mlp_inside_blocks": (BLOCK_MLPS, False, True, True),
     "mlp_inside_blocks_sp": (BLOCK_MLPS, True, False, False),
+    "moe": (MOE_PATTERN, False, True, True),
+    "moe_sp": (MOE_PATTERN, True, True, False),
 }
 # name: (config fields, block kind)
 BLOCK_CASES = {

@@ -1,8 +1,9 @@
 """A mixture-of-experts block: the pre-norm residual block around `megamamba.model.moe.MoE` (pattern symbol E),
 which hands its router's losses on with the stream, and what the framework knows of it (`MoEType`): FLOPs of
 the active parameters only (the router, top_k routed experts and the shared expert), on one tensor-parallel rank.
-Under tensor parallelism the block runs whole on every rank of the group (its experts are not tensor-split);
-under expert parallelism it holds its rank's share of the experts.
+Under tensor parallelism the mixer runs whole on every rank of the group (its experts are not tensor-split; with
+sequence parallelism on the gathered sequence, each rank keeping its shard of the output); under expert
+parallelism it holds its rank's share of the experts.
 """
 
 import math
@@ -11,25 +12,20 @@ from typing import Optional, cast
 from torch import nn
 
 from megamamba.config import MOE_LETTER, MambaConfig, MoEOptions
-from megamamba.errors import LayoutError
 from megamamba.model.block import Block
 from megamamba.model.layer_types.base import BlockType
 from megamamba.model.layer_types.costs import STREAM, Collective, Kernel, LayerWork, RankShape, matmul, norm
 from megamamba.model.moe import MoE
 from megamamba.model.stream import Stream
-from megamamba.parallel import TensorParallel
+from megamamba.parallel import TensorParallel, gather_whole_sequence, scatter_to_sequence_region
 from megamamba.parallel.context.context_parallel import ContextParallel
 from megamamba.parallel.expert.expert_parallel import ExpertParallel
-
-SEQUENCE_PARALLEL_REFUSAL = (
-    "mixture-of-experts layers (E) do not run with sequence parallelism yet: leave out --sequence-parallel"
-)
 
 
 class MoEBlock(Block):
     """A block whose mixer is a mixture of experts (moe_cfg); pattern symbol E. The same on every tensor-parallel
-    rank; its experts split over `ep`'s ranks; under `cp` on this rank's slice of the sequences, its router's
-    losses this slice's share."""
+    rank (under sequence parallelism on the whole sequence, gathered after the norm); its experts split over
+    `ep`'s ranks; under `cp` on this rank's slice of the sequences, its router's losses this slice's share."""
 
     mixer: MoE
 
@@ -42,16 +38,19 @@ class MoEBlock(Block):
         dtype=None,
         ep: Optional[ExpertParallel] = None,
     ):
-        if tp is not None and tp.sequence_parallel:
-            raise LayoutError(SEQUENCE_PARALLEL_REFUSAL)
         super().__init__(
             config, lambda: MoE(config.d_model, config.moe_options, device, dtype, ep=ep, cp=cp), tp, device, dtype
         )
+        self.sequence_tp = tp if tp is not None and tp.size > 1 and tp.sequence_parallel else None
 
     def forward(self, x: Stream, inference_state=None) -> Stream:
         """The stream -> the next stream, the router's losses added to those it carries."""
         normed, stream = self._norm(self.norm, x.hidden)
+        if self.sequence_tp is not None:
+            normed = gather_whole_sequence(normed, self.sequence_tp)
         out, aux_loss = self.mixer.routed(normed)
+        if self.sequence_tp is not None:
+            out = scatter_to_sequence_region(out, self.sequence_tp)
         return x.carrying(self._mlp(out + stream)).adding_loss(aux_loss)
 
 
@@ -124,9 +123,12 @@ class MoEType(BlockType):
         if shared:
             kernels += [matmul(shape, d, shared_up), matmul(shape, shared, d)]
         collectives: tuple = ()
+        if shape.sequence_parallel:  # the normed shards gathered; the output's gradient gathered in the backward
+            gathered = a * t * d
+            collectives += (Collective("all_gather", gathered, "tp"), Collective("all_gather", gathered, "tp", True))
         if shape.ep > 1:  # the per-expert counts, then the rows there and back; their gradients back and there
             rows_bytes = a * rows * d
-            collectives = (
+            collectives += (
                 Collective("all_to_all", 8 * o.num_experts, "ep"),
                 *(Collective("all_to_all", rows_bytes, "ep") for _ in range(2)),
                 *(Collective("all_to_all", rows_bytes, "ep", backward=True) for _ in range(2)),

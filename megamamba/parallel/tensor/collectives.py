@@ -163,6 +163,17 @@ class _GatherFromSequence(torch.autograd.Function):
         return start_reduce_scatter(grad, ctx.tp, SEQ_DIM).wait(), None
 
 
+class _GatherWholeSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return start_all_gather(x, tp, SEQ_DIM).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, ctx.tp, SEQ_DIM), None
+
+
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
@@ -208,6 +219,12 @@ def scatter_to_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 def gather_from_sequence_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Sequence-parallel shards -> the whole sequence, for rank-specific compute."""
     return x if tp.size == 1 else _GatherFromSequence.apply(x, tp)
+
+
+def gather_whole_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sequence-parallel shards -> the whole sequence, for compute every rank repeats alike: the gradient of this
+    rank's shard is its slice of the whole sequence's (the same on every rank), not a sum over the ranks."""
+    return x if tp.size == 1 else _GatherWholeSequence.apply(x, tp)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -5,8 +5,9 @@ The launched run gets SIGINT on its whole process group, as a terminal's Ctrl-C 
 `deepspeed` runner (DeepSpeed 0.19.8's runner.py has no handler) prints its own KeyboardInterrupt
 traceback and dies with SIGINT after 0.25 s (subprocess.Popen.wait's grace), or exits with launch.py's
 status; launch.py's handler sends SIGTERM to each rank in turn, waits up to 30 s for each and SIGKILLs
-what is left, then exits 1; the ranks take the SIGINT themselves (the SIGTERM after it changes nothing). Single-process runs
-(`direct`) show the ranks' own exit status and the second interrupt, sent by tests/fault_injection.py.
+what is left, then exits 1; the ranks take the SIGINT themselves (the SIGTERM after it changes nothing).
+Single-process runs (`direct`) show the ranks' own exit status and the second interrupt, sent by
+tests/fault_injection.py.
 """
 
 import os

@@ -1,8 +1,7 @@
 """The planner with mixture-of-experts models: it searches the expert-parallel size (powers of two dividing
-dp x cp and the experts; ZeRO 0-2), plans TP without sequence parallelism for them,
-counts the all-to-alls as EP communication, and every plan it lists passes the start-up checks; the
-30B-A3B-shaped config is planned with expert parallelism on 16 GPUs of 80 GB, and on 8 at the one layout that
-fits them (docs/moe.md)."""
+dp x cp and the experts; ZeRO 0-2), counts the all-to-alls as EP communication, and every plan it lists passes
+the start-up checks; the 30B-A3B-shaped config is planned with expert parallelism on 16 GPUs of 80 GB, and on 8
+at the one layout that fits them (docs/moe.md)."""
 
 import os
 
@@ -26,11 +25,11 @@ def moe_search():
     return search(Request(TINY_MOE, 8, 8, 256, 64, 16 * GiB), H100)
 
 
-def test_expert_parallel_sizes_divide_dp_x_cp_and_the_experts_without_sequence_parallelism(moe_search):
+def test_expert_parallel_sizes_divide_dp_x_cp_and_the_experts(moe_search):
     sizes = {p.ep for p in moe_search.plans}
     assert sizes == {1, 2, 4, 8}, sizes
     for p in moe_search.plans:
-        assert (p.dp * p.cp) % p.ep == 0 and 8 % p.ep == 0 and not p.sequence_parallel, p
+        assert (p.dp * p.cp) % p.ep == 0 and 8 % p.ep == 0 and p.sequence_parallel == (p.tp > 1), p
         assert p.ep == 1 or p.zero_stage < 3, p
         assert (p.time.ep_comm > 0) == (p.ep > 1), p
 
