@@ -4,8 +4,7 @@ predicted step time, the feasible ones ranked, and why each rejected layout fami
 rejected.
 
 Tensor parallelism stays inside a node and runs with sequence parallelism; TP, CP and EP sizes are powers of
-two. Settings the user fixed (`Request.fixed`) are
-kept; the search fills in the rest.
+two. Settings the user fixed (`Request.fixed`) are kept; the search fills in the rest.
 """
 
 import dataclasses
@@ -111,6 +110,7 @@ def label(dp: int, cp: int, tp: int, pp: int) -> str:
 
 
 def has_experts(model: MambaConfig) -> bool:
+    """Whether the model has mixture-of-experts layers, whose experts expert parallelism splits."""
     return MOE_LETTER in model.layer_pattern
 
 
