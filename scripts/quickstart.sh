@@ -14,6 +14,9 @@
 # launch/models/quickstart-hybrid.json's layers as Megatron's --hybrid-layer-pattern places them
 # (M Mamba-2, * attention, - MLP; 4 symbols). Its attention (no rotary, no biases) and squared-ReLU MLP
 # are what transformers' NemotronH computes, so its checkpoint exports there (`convert export`).
+# QUICKSTART_MOE=1 trains launch/models/quickstart-moe-hybrid.json instead (default OUTPUT_DIR
+# runs/quickstart-moe): ME*E, two mixture-of-experts layers of 8 experts each, split over the two processes
+# (--expert-model-parallel-size 2).
 #
 # It writes data/, tensorboard/, checkpoints/ and metrics.jsonl in OUTPUT_DIR and never replaces them:
 # an OUTPUT_DIR holding any of them is refused, and so is one another quick start is writing (the
@@ -24,7 +27,10 @@ STEPS=${QUICKSTART_STEPS:-200}
 EVAL_INTERVAL=$(( STEPS >= 4 ? STEPS / 4 : 1 ))  # four validations over the run
 MODEL=(--model-config launch/models/quickstart-mamba2.json)
 OUT=${1:-runs/quickstart}
-if [ -n "${QUICKSTART_PATTERN:-}" ]; then
+if [ -n "${QUICKSTART_MOE:-}" ]; then
+  MODEL=(--model-config launch/models/quickstart-moe-hybrid.json --expert-model-parallel-size 2)
+  OUT=${1:-runs/quickstart-moe}
+elif [ -n "${QUICKSTART_PATTERN:-}" ]; then
   MODEL=(--model-config launch/models/quickstart-hybrid.json --hybrid-layer-pattern "$QUICKSTART_PATTERN")
   OUT=${1:-runs/quickstart-hybrid}
 fi
