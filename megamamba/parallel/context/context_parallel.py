@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megamamba.errors import LayoutError
+from megamamba.parallel.split import check_place
 from megamamba.parallel.tensor.collectives import start_all_reduce
 
 
@@ -26,12 +27,7 @@ class ContextParallel:
     rank: int = 0
 
     def __post_init__(self):
-        if self.size < 1:
-            raise ValueError(f"context-parallel size must be >= 1, got {self.size}")
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"context-parallel rank {self.rank} is outside [0, {self.size})")
-        if self.size > 1 and self.group is None:
-            raise ValueError(f"context-parallel size {self.size} > 1 needs a process group, got None")
+        check_place("context-parallel", self.group, self.size, self.rank)
 
     def global_rank(self, group_rank: int) -> int:
         """The default group's rank of this group's rank `group_rank` (for point-to-point sends)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megamamba.errors import LayoutError
+from megamamba.parallel.split import check_place
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,7 @@ class ExpertParallel:
     rank: int = 0
 
     def __post_init__(self):
-        if self.size < 1:
-            raise ValueError(f"expert-parallel size must be >= 1, got {self.size}")
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"expert-parallel rank {self.rank} is outside [0, {self.size})")
-        if self.size > 1 and self.group is None:
-            raise ValueError(f"expert-parallel size {self.size} > 1 needs a process group, got None")
+        check_place("expert-parallel", self.group, self.size, self.rank)
 
     def experts_here(self, num_experts: int) -> range:
         """The experts of `num_experts` this rank holds."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megamamba.parallel.split import check_place
+
 SEQ_DIM = 1
 """Activations are (batch, seqlen, hidden); sequence parallelism splits dim 1."""
 
@@ -31,12 +33,7 @@ class TensorParallel:
     sequence_parallel: bool = False
 
     def __post_init__(self):
-        if self.size < 1:
-            raise ValueError(f"tensor-parallel size must be >= 1, got {self.size}")
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"tensor-parallel rank {self.rank} is outside [0, {self.size})")
-        if self.size > 1 and self.group is None:
-            raise ValueError(f"tensor-parallel size {self.size} > 1 needs a process group, got None")
+        check_place("tensor-parallel", self.group, self.size, self.rank)
 
     def without_sequence_parallel(self) -> TensorParallel:
         """The same group for layers inside a mixer, whose activations span the whole sequence."""
