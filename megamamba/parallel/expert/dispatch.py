@@ -33,7 +33,7 @@ def to_expert_ranks(
     the counts on the host, as dropless routing must to size the exchange."""
     per_rank = tokens_per_expert.view(ep.size, -1)
     received = exchange_counts(per_rank, ep)  # (source rank, expert here)
-    sends, receives = per_rank.sum(1).tolist(), received.sum(1).tolist()
+    sends, receives = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()  # one host sync
     arrived = all_to_all(rows, sends, receives, ep)
     experts_here = received.shape[1]
     block = torch.arange(received.numel(), device=rows.device)
