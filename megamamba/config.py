@@ -330,6 +330,11 @@ class MambaConfig:
         return self.d_intermediate > 0 and not self.hybrid_layer_pattern
 
     @property
+    def has_moe_layers(self) -> bool:
+        """Whether any block is a mixture of experts (E)."""
+        return MOE_LETTER in self.layer_pattern
+
+    @property
     def moe_options(self) -> MoEOptions:
         """The mixture-of-experts blocks' options (moe_cfg) with their defaults filled in."""
         return MoEOptions(**self.moe_cfg)
@@ -437,7 +442,7 @@ class MambaConfig:
             )
 
     def _validate_moe(self) -> None:
-        moe_layers = MOE_LETTER in self.layer_pattern
+        moe_layers = self.has_moe_layers
         if moe_layers and not self.moe_cfg:
             raise ConfigError(
                 f"hybrid_layer_pattern={self.hybrid_layer_pattern!r} has mixture-of-experts layers (E) but no "

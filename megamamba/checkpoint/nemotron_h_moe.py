@@ -131,7 +131,7 @@ def moe_parts(config: MambaConfig, name: str) -> Optional[list]:
 def zero_biases(config: MambaConfig) -> dict:
     """NemotronH's tensors that are none of ours and hold zeros: each E block's e_score_correction_bias when our
     routers have none (expert_bias false), name -> shape."""
-    if MOE_LETTER not in config.layer_pattern or config.moe_options.expert_bias:
+    if not config.has_moe_layers or config.moe_options.expert_bias:
         return {}
     shape = (config.moe_options.num_experts,)
     return {

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from megamamba.config import MOE_LETTER, MambaConfig
+from megamamba.config import MambaConfig
 from megamamba.errors import LayoutError
 from megamamba.model.layers import check_layout, conv_width
 from megamamba.parallel.context.context_parallel import check_context_layout
@@ -214,7 +214,7 @@ def check_experts(layout: Layout, model: MambaConfig, stage: int, ds_config: dic
     the ZeRO paths that reduce expert gradients over their own group (stages 0-2, reduce-scatter)."""
     if layout.ep == 1:
         return
-    if MOE_LETTER not in model.layer_pattern:
+    if not model.has_moe_layers:
         raise LayoutError(
             f"--expert-model-parallel-size {layout.ep}: the model has no mixture-of-experts layers (E) to split"
         )

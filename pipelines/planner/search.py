@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megamamba.config import MOE_LETTER, MambaConfig
+from megamamba.config import MambaConfig
 from megamamba.errors import LayoutError, MegamambaError
 from megamamba.model.flops import training_flops_per_token
 from megamamba.model.layer_types import layer_type
@@ -107,11 +107,6 @@ def _powers_of_two(limit: int) -> list:
 
 def label(dp: int, cp: int, tp: int, pp: int) -> str:
     return f"dp {dp} x cp {cp} x tp {tp} x pp {pp}"
-
-
-def has_experts(model: MambaConfig) -> bool:
-    """Whether the model has mixture-of-experts layers, whose experts expert parallelism splits."""
-    return MOE_LETTER in model.layer_pattern
 
 
 def _layout_problem(request: Request, cp: int, tp: int, pp: int) -> Optional[str]:
@@ -374,7 +369,7 @@ def _family_plans(
     if smallest is None:  # ZeRO-3 fixed with expert parallelism fixed
         return [], Rejection(family, "expert parallelism runs with ZeRO 0, 1 or 2", distance=FIXED_SETTING)
     total, zero, micro, recompute, ep = smallest
-    experts = f", ep {ep}" if has_experts(request.model) else ""
+    experts = f", ep {ep}" if request.model.has_moe_layers else ""
     return [], Rejection(
         family,
         f"does not fit: at best {total / 2**30:.1f} GiB per GPU (ZeRO {zero}, micro batch "
@@ -389,7 +384,7 @@ def _expert_parallel_sizes(request: Request, grid: Grid) -> list:
     """The expert-parallel sizes a family can take: powers of two dividing its dp x cp ranks and the experts (1
     for a model without MoE layers), as fixed."""
     data_axis = grid.dp * grid.cp
-    if has_experts(request.model):
+    if request.model.has_moe_layers:
         experts = request.model.moe_options.num_experts
         sizes = [e for e in _powers_of_two(data_axis) if data_axis % e == 0 and experts % e == 0]
     else:

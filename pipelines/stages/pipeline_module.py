@@ -25,7 +25,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from megamamba.config import MOE_LETTER, MambaConfig
+from megamamba.config import MambaConfig
 from megamamba.model.layer_types.head import tied_head
 from megamamba.model.layers import layer_arguments, layer_class, layer_count
 from megamamba.model.lm import run_layers
@@ -137,7 +137,7 @@ def build_pipeline_module(
         topology=topology,
         loss_fn=functools.partial(pipeline_loss, vocab_size=config.vocab_size, tp=tp, cp=cp),
         checkpoint_interval=checkpoint_interval,
-        carries_aux_loss=MOE_LETTER in config.layer_pattern,
+        carries_aux_loss=config.has_moe_layers,
     )
     bounds = own_bounds(config, topology.get_dim("pipe"), partition_method, seq_length)
     if bounds is None:
